@@ -1,0 +1,1 @@
+"""Analyses: pure functions from stored data to findings (plain dataclasses); no rendering."""

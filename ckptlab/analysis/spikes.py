@@ -1,0 +1,75 @@
+"""Spike detection on a scalar series (loss, gradient norm): one rule, used online by the
+Recorder and offline by info/dirty/report, so they agree on what a spike is.
+
+A value is a spike when it is far above the recent past, robustly measured:
+    z = (x - median) / (1.4826 * MAD)   over the last `window` finite, non-spike values
+and it also clears a relative bar (`min_ratio` x median), so a tiny jump on a very flat curve
+(MAD ~ 0) is not an alarm. Defaults follow practice: OLMo flags 6 sigma over 128 steps;
+Megatron treats 10x the running level as an explosion. The first `min_points` values only
+fill the window (no baseline yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    window: int = 128
+    z: float = 6.0
+    min_ratio: float = 1.2  # and x >= min_ratio * median
+    min_points: int = 16
+
+
+LOSS_RULE = SpikeRule(min_ratio=1.2)
+GRAD_RULE = SpikeRule(min_ratio=2.0)
+
+
+@dataclass
+class Spike:
+    value: float
+    median: float
+    z: float
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.median if self.median > 0 else math.inf
+
+
+class SpikeDetector:
+    def __init__(self, rule: SpikeRule = LOSS_RULE):
+        self.rule = rule
+        self._window: deque[float] = deque(maxlen=rule.window)
+
+    def check(self, value: float) -> Spike | None:
+        """Test `value` against the window, then add it (spikes are kept out of the window)."""
+        if not math.isfinite(value):
+            return None
+        spike = None
+        if len(self._window) >= self.rule.min_points:
+            arr = np.fromiter(self._window, dtype=np.float64)
+            med = float(np.median(arr))
+            mad = float(np.median(np.abs(arr - med)))
+            scale = 1.4826 * max(mad, 1e-3 * abs(med), 1e-12)
+            z = (value - med) / scale
+            if z > self.rule.z and value >= self.rule.min_ratio * med:
+                spike = Spike(value, med, z)
+        if spike is None:
+            self._window.append(value)
+        return spike
+
+
+def find_spikes(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
+    """(index, spike) for every spike in a series, scanning it as the Recorder would."""
+    det = SpikeDetector(rule)
+    out = []
+    for i, v in enumerate(values):
+        s = det.check(float(v))
+        if s is not None:
+            out.append((i, s))
+    return out

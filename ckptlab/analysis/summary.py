@@ -1,0 +1,126 @@
+"""What `ckptlab info` reports: a run's steps, checkpoints (verified), anomalies, validation,
+disk use per part, and whether the recorded build_fn/step_fn source changed since recording."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptlab import userfns
+from ckptlab.errors import CkptlabError
+from ckptlab.run.layout import archive_dir, dir_size, sources_dir
+from ckptlab.run.reader import Run
+
+
+@dataclass
+class CheckpointStatus:
+    step: int
+    reason: str
+    session: int | None
+    bytes: int
+    verified: bool | None  # None: not checked (--no-verify)
+    problem: str | None
+    healthy: bool
+    validation: dict | None
+
+
+@dataclass
+class RunSummary:
+    run: str
+    format_version: int
+    created: float
+    versions: dict
+    device: str
+    sessions: list[dict]
+    steps: dict
+    checkpoints: list[CheckpointStatus]
+    anomalies: list[dict]
+    validation: dict
+    disk: dict
+    functions: dict
+    problems: list[str] = field(default_factory=list)
+
+
+def summarize(run: Run, *, verify: bool = True) -> RunSummary:
+    m = run.metrics()
+    batch_steps = run.steps
+    done = set(m.step.tolist())
+    steps = {
+        "recorded": len(m),
+        "first": int(m.step[0]) if len(m) else None,
+        "last": int(m.step[-1]) if len(m) else None,
+        "batches_retained": [batch_steps[0], batch_steps[-1]] if batch_steps else None,
+        "incomplete": [s for s in batch_steps if s not in done],  # batch recorded, step never returned
+    }
+    return RunSummary(
+        run=str(run.path),
+        format_version=run.manifest["format_version"],
+        created=run.manifest.get("created", 0.0),
+        versions=run.manifest.get("versions", {}),
+        device=run.manifest.get("device", "cpu"),
+        sessions=run.manifest.get("sessions", []),
+        steps=steps,
+        checkpoints=[_checkpoint_status(run, s, verify) for s in run.checkpoints],
+        anomalies=run.events(),
+        validation=_validation(run),
+        disk=_disk(run),
+        functions=_functions(run),
+        problems=list(run.problems),
+    )
+
+
+def _checkpoint_status(run: Run, step: int, verify: bool) -> CheckpointStatus:
+    c = run.checkpoint(step)
+    problem, ok = None, None
+    if verify:
+        try:
+            c.verify()
+            ok = True
+        except CkptlabError as e:
+            ok, problem = False, str(e)
+    return CheckpointStatus(
+        step=step,
+        reason=c.reason,
+        session=c.commit.get("session"),
+        bytes=c.nbytes,
+        verified=ok,
+        problem=problem,
+        healthy=bool(c.commit.get("healthy", True)),
+        validation=c.commit.get("validation"),
+    )
+
+
+def _validation(run: Run) -> dict:
+    points = run.validation()
+    config = run.manifest.get("config", {})
+    metric, mode = config.get("val_metric", "val_loss"), config.get("val_mode", "min")
+    scored = [(p["step"], p["metrics"][metric]) for p in points if metric in p.get("metrics", {})]
+    best = None
+    if scored:
+        pick = min if mode == "min" else max
+        step, value = pick(scored, key=lambda sv: sv[1])
+        best = {"step": step, "value": value}
+    return {"count": len(points), "metric": metric, "mode": mode, "best": best, "points": points}
+
+
+def _disk(run: Run) -> dict:
+    parts = {
+        "checkpoints": dir_size(run.path / "checkpoints"),
+        "batches": dir_size(run.path / "batches"),
+        "journal": dir_size(run.path / "journal"),
+        "sources": dir_size(sources_dir(run.path)),
+        "archive": dir_size(archive_dir(run.path)),
+    }
+    parts["total"] = dir_size(run.path)
+    return parts
+
+
+def _functions(run: Run) -> dict:
+    out = {}
+    for role, desc in run.manifest.get("functions", {}).items():
+        out[role] = {
+            "name": f"{desc.get('module')}.{desc.get('qualname')}",
+            "file": desc.get("file"),
+            "found": userfns.resolve_file(desc, run.path) is not None,
+            "changed": userfns.source_changed(desc, run.path),
+        }
+    return out

@@ -1,0 +1,90 @@
+"""`ckptlab info`: what a run holds, and whether it is intact."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from ckptlab.cli.common import find_run, json_option, run_option
+
+
+@click.command("info")
+@run_option
+@json_option
+@click.option("--no-verify", is_flag=True, help="Skip hashing checkpoint files (faster on large runs).")
+def command(run_dir, as_json: bool, no_verify: bool) -> None:
+    """Summarize a run: steps recorded, checkpoints (integrity verified against their hashes),
+    anomalies seen while recording, validation points, disk use per part, and whether the
+    recorded build_fn/step_fn source changed since recording.
+
+    Exits 1 if a checkpoint fails verification.
+    """
+    from ckptlab.analysis.summary import summarize
+    from ckptlab.render.console import Terminal
+    from ckptlab.run.reader import open_run
+
+    term = Terminal(json_mode=as_json)
+    run = open_run(find_run(run_dir, term))
+    summary = summarize(run, verify=not no_verify)
+    if as_json:
+        term.json(summary)
+    else:
+        render(summary, term)
+    bad = [c for c in summary.checkpoints if c.verified is False]
+    if bad:
+        raise click.exceptions.Exit(1)
+
+
+def render(s, term) -> None:
+    from rich.table import Table
+
+    from ckptlab.render.text import human_bytes
+
+    st = s.steps
+    term.print(f"[bold]{s.run}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
+               f"torch {s.versions.get('torch')}, {s.device})")
+    if st["recorded"]:
+        term.print(f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
+                   + (f"batches kept for {st['batches_retained'][0]}..{st['batches_retained'][1]}" if st["batches_retained"] else "no batches kept"))
+    else:
+        term.print("steps      none recorded yet")
+    if st["incomplete"]:
+        term.print(f"[yellow]incomplete[/yellow] step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)")
+    term.print(f"sessions   {len(s.sessions)}: " + ", ".join(f"#{x['session']} from step {x['start_step']}" + (f" (restored {x['restored_from']})" if x.get("restored_from") is not None else "") for x in s.sessions))
+
+    table = Table(title="checkpoints", title_justify="left", show_edge=False)
+    for col in ("step", "reason", "size", "integrity", "health", "validation"):
+        table.add_column(col)
+    for c in s.checkpoints:
+        integrity = "[green]ok[/green]" if c.verified else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {c.problem}")
+        val = ", ".join(f"{k}={v:.4g}" for k, v in (c.validation or {}).items())
+        table.add_row(str(c.step), c.reason, human_bytes(c.bytes), integrity, "healthy" if c.healthy else "[yellow]after anomaly[/yellow]", val)
+    term.print(table)
+
+    if s.anomalies:
+        first = s.anomalies[0]
+        term.print(f"[red]anomalies[/red]  {len(s.anomalies)}, first at step {first['step']} ({first['kind']})")
+        for e in s.anomalies[:10]:
+            term.print(f"  step {e['step']:>8}  {e['kind']:<18} {_fmt_value(e.get('value'))}")
+        if len(s.anomalies) > 10:
+            term.print(f"  ... {len(s.anomalies) - 10} more (--json lists all)")
+    else:
+        term.print("anomalies  none seen while recording")
+    v = s.validation
+    if v["count"]:
+        best = v["best"]
+        term.print(f"validation {v['count']} points" + (f"; best {v['metric']}={best['value']:.6g} at step {best['step']}" if best else ""))
+    d = s.disk
+    term.print("disk       " + ", ".join(f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]) + f"; total {human_bytes(d['total'])}")
+    for role, f in s.functions.items():
+        state = "[yellow]source changed since recording[/yellow]" if f["changed"] else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
+        term.print(f"{role:<10} {f['name']}  ({f['file']}: {state})")
+    for p in s.problems:
+        term.warn(p)
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)

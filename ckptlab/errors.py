@@ -1,0 +1,73 @@
+"""Typed errors. Every expected failure is a `CkptlabError`; the CLI renders it as one line.
+
+    try:
+        run = ckptlab.open_run("runs/exp1")
+    except ckptlab.CkptlabError as e:
+        print(e)        # "runs/exp1: not a ckptlab run (no manifest.json)"
+
+Messages name the file first and then the problem, so a person at a terminal knows where to
+look. `NonFiniteLoss` is deliberately *not* a CkptlabError: it is raised into the user's
+training loop, not reported by the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CkptlabError(Exception):
+    """An expected failure with a one-line message (bad input, missing data, ...)."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None, hint: str | None = None):
+        self.path = os.fspath(path) if path is not None else None
+        self.problem = message
+        self.hint = hint
+        text = f"{self.path}: {message}" if self.path else message
+        if hint:
+            text = f"{text} ({hint})"
+        super().__init__(text)
+
+
+class NotARunError(CkptlabError):
+    """The directory is not a ckptlab run."""
+
+
+class FormatVersionError(CkptlabError):
+    """The run (or file) was written by a newer ckptlab."""
+
+
+class CorruptFileError(CkptlabError):
+    """A file is truncated, malformed or fails its own hash."""
+
+
+class IntegrityError(CorruptFileError):
+    """A checkpoint file does not match the hash recorded when it was committed."""
+
+
+class UnsafeFileError(CkptlabError):
+    """A file would need unpickling of arbitrary objects (or escapes its folder) to read."""
+
+
+class UnknownFormatError(CkptlabError):
+    """A path is not a checkpoint format ckptlab reads."""
+
+
+class RecordError(CkptlabError):
+    """Something the Recorder was given cannot be recorded (e.g. an object array in a batch)."""
+
+
+class ReplayError(CkptlabError):
+    """A replay cannot start or continue (missing step, pruned batches, changed model...)."""
+
+
+class NonFiniteLoss(ArithmeticError):
+    """Raised by `Recorder.step` after it recorded a step whose loss is NaN or infinite."""
+
+    def __init__(self, step: int, loss: float, run_dir: str):
+        self.step = step
+        self.loss = loss
+        self.run_dir = run_dir
+        super().__init__(
+            f"loss is {loss} at step {step}; the step is recorded. "
+            f"Investigate with: ckptlab replay --run {run_dir} --step {step}"
+        )

@@ -1,0 +1,359 @@
+"""Recorder: the sampler that drives one training step and records what replay needs.
+
+    model, opt = build()
+    rec = ckptlab.Recorder("runs/exp1", model, opt, step_fn=step, build_fn=build, ckpt_every=500)
+    for batch, ids in loader:
+        loss = rec.step(batch, sample_ids=ids)   # records, runs step(), returns the loss
+        if it % 1000 == 0:
+            rec.log_validation(val_loss=evaluate(model))
+    rec.close()                                  # or: with ckptlab.Recorder(...) as rec:
+
+One `rec.step(batch)` for step n:
+  1. at a checkpoint step (n % ckpt_every == 0, and the first step of every session): copy the
+     training state off the device and commit it in the background (see run/checkpoint.py);
+  2. append the batch, its sample ids and the RNG states the step starts in (only when they
+     changed since the end of the previous step: a DataLoader reseeding or augmentation in the
+     loop moves them; otherwise "unchanged" costs nothing) -- before running the step, so a
+     step that crashes the process still has its batch;
+  3. run `step_fn(model, optimizer, batch)` with the StepProbe's hooks active, then
+     `scheduler.step()`;
+  4. append the step's health (loss, grad norms, lr, update ratios, ...) and any anomaly;
+  5. on a non-finite loss, raise NonFiniteLoss (after recording), unless on_nonfinite="record".
+When `rec.step()` returns, the step's batch and health are in the kernel's hands: a SIGKILL
+from then on cannot lose them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
+from ckptlab.errors import NonFiniteLoss, RecordError
+from ckptlab.probe import StepHealth, StepProbe, named_parameters
+from ckptlab.run import codec, framelog, records
+from ckptlab.run.checkpoint import CapturedState, list_checkpoints
+from ckptlab.run.layout import MANIFEST, batches_dir, checkpoints_dir, journal_dir, segments
+from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
+from ckptlab.run.writer import Retention, RunWriter
+from ckptlab.state import capture_env, capture_model, capture_rng, capture_train_state, load_model, load_train_state, restore_rng, rng_equal
+from ckptlab import userfns
+
+
+class Recorder:
+    """Records a training run into `run_dir`. See the module docstring and docs/run-format.md.
+
+    Args:
+        run_dir: the run directory (created; must not already hold a run unless `resume`).
+        model, optimizer: what `step_fn` trains.
+        step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
+        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
+        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
+        ckpt_every: steps between checkpoints (a checkpoint also starts every session).
+        health_every: steps between update-ratio / weight-norm measurements (they cost a copy
+            of the parameters); grad norms, loss and lr are recorded every step.
+        keep_last: checkpoints kept by retention (plus best-validation and last-healthy).
+        on_nonfinite: "raise" (NonFiniteLoss after recording) or "record" (keep going).
+        resume: continue an existing run (numbering continues; nothing is overwritten).
+        restore: with `resume`, load the latest checkpoint (or a rollback's target) into
+            model/optimizer/scheduler/scaler/RNG. Pass False if you restored them yourself.
+        val_metric, val_mode: the validation metric that defines "best" ("min" or "max").
+        keep_best: checkpoint the state whenever `val_metric` improves, so rollback can
+            return to exactly the best-validation weights.
+        data_info: facts about the data for `ckptlab dirty`, e.g. {"pad_id": 0, "vocab_size": 50257}.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step_fn: Callable,
+        build_fn: Callable,
+        scheduler=None,
+        scaler=None,
+        ckpt_every: int = 500,
+        health_every: int = 10,
+        keep_last: int = 3,
+        on_nonfinite: str = "raise",
+        resume: bool = False,
+        restore: bool = True,
+        val_metric: str = "val_loss",
+        val_mode: str = "min",
+        keep_best: bool = True,
+        data_info: dict | None = None,
+    ):
+        if ckpt_every < 1 or health_every < 1:
+            raise RecordError("ckpt_every and health_every must be >= 1")
+        if on_nonfinite not in ("raise", "record"):
+            raise RecordError(f"on_nonfinite must be 'raise' or 'record', not {on_nonfinite!r}")
+        if val_mode not in ("min", "max"):
+            raise RecordError(f"val_mode must be 'min' or 'max', not {val_mode!r}")
+        self.run_dir = Path(run_dir)
+        self.model, self.optimizer = model, optimizer
+        self.step_fn, self.build_fn = step_fn, build_fn
+        self.scheduler, self.scaler = scheduler, scaler
+        self.ckpt_every, self.health_every, self.keep_last = ckpt_every, health_every, keep_last
+        self.on_nonfinite = on_nonfinite
+        self.val_metric, self.val_mode, self.keep_best = val_metric, val_mode, keep_best
+        self._loss_spikes, self._grad_spikes = SpikeDetector(LOSS_RULE), SpikeDetector(GRAD_RULE)
+        self._first_anomaly: int | None = None
+        self._best: tuple[int, float] | None = None
+        self._ckpt_steps: list[int] = []
+        self._rng_after_prev: dict | None = None
+        self._force_rng = True
+        self._closed = False
+        self.restored_step: int | None = None
+
+        exists = (self.run_dir / MANIFEST).exists()
+        if exists and not resume:
+            raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
+        if not exists and self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if exists:
+            self.manifest = read_manifest(self.run_dir)
+            self._check_same_model()
+            self.next_step = self._resume(restore)
+        else:
+            self.manifest = self._new_manifest(data_info)
+            self.next_step = 0
+        self.session = len(self.manifest["sessions"])
+        self.manifest["sessions"].append(
+            {
+                "session": self.session,
+                "start_step": self.next_step,
+                "started": time.time(),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "restored_from": self.restored_step,
+            }
+        )
+        write_manifest(self.run_dir, self.manifest)
+        self.session_start = self.next_step
+        self.probe = StepProbe(model, optimizer, scaler)
+        self.writer = RunWriter(self.run_dir, self.session)
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _new_manifest(self, data_info: dict | None) -> dict:
+        params = named_parameters(self.model)
+        first = params[0][1] if params else None
+        return new_manifest(
+            device=str(first.device) if first is not None else "cpu",
+            config={
+                "ckpt_every": self.ckpt_every,
+                "health_every": self.health_every,
+                "keep_last": self.keep_last,
+                "on_nonfinite": self.on_nonfinite,
+                "val_metric": self.val_metric,
+                "val_mode": self.val_mode,
+                "has_scheduler": self.scheduler is not None,
+                "has_scaler": self.scaler is not None,
+            },
+            functions={
+                "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),
+                "step_fn": userfns.describe(self.step_fn, "step_fn", self.run_dir),
+            },
+            parameters=[
+                {"name": n, "shape": list(p.shape), "dtype": codec.dtype_name(p.dtype), "requires_grad": p.requires_grad}
+                for n, p in params
+            ],
+            param_groups=len(self.optimizer.param_groups),
+            data_info=data_info or {},
+            env=capture_env(),
+        )
+
+    def _check_same_model(self) -> None:
+        recorded = [(p["name"], list(p["shape"])) for p in self.manifest.get("parameters", [])]
+        current = [(n, list(p.shape)) for n, p in named_parameters(self.model)]
+        if recorded != current:
+            diff = next(((a, b) for a, b in zip(recorded, current) if a != b), (len(recorded), len(current)))
+            raise RecordError(f"the model differs from the recorded one ({diff[0]} vs {diff[1]})", path=self.run_dir)
+
+    def _resume(self, restore: bool) -> int:
+        """Next step number for a resumed session; restores the state when asked."""
+        for stale in checkpoints_dir(self.run_dir).glob(".tmp-*"):  # a crash mid-commit
+            shutil.rmtree(stale, ignore_errors=True)
+        found, _ = list_checkpoints(self.run_dir)
+        rollback = self.manifest.get("rollback")
+        last = max(
+            [c.step for c in found]
+            + [ref.step for _, _, p in segments(batches_dir(self.run_dir)) for ref in framelog.scan(p).frames]
+            + [ref.step for _, _, p in segments(journal_dir(self.run_dir)) for ref in framelog.scan(p).frames],
+            default=-1,
+        )
+        next_step, target = last + 1, None
+        if rollback is not None:
+            target = next((c for c in found if c.step == rollback["step"]), None)
+            if target is None:
+                raise RecordError(f"the rollback target checkpoint {rollback['step']} is missing", path=self.run_dir)
+            next_step = target.step
+            self.manifest["rollback"] = None
+            restore = True  # the rewound steps' state exists only in that checkpoint
+        elif restore:
+            target = found[-1] if found else None
+        if restore and target is not None:
+            target.verify()
+            tensors, aliases = target.load_model(verify=False)
+            load_model(self.model, tensors, aliases)
+            state = target.load_state(verify=False)
+            load_train_state(state, self.optimizer, self.scheduler, self.scaler)
+            restore_rng(state["rng"])
+            self.restored_step = target.step
+        return next_step
+
+    # --- recording ------------------------------------------------------------------------------
+
+    def step(self, batch: Any, sample_ids=None):
+        """Record and run one training step; returns what `step_fn` returned (the loss)."""
+        if self._closed:
+            raise RecordError("the Recorder is closed", path=self.run_dir)
+        n = self.next_step
+        if sample_ids is not None:
+            sample_ids = _plain_ids(sample_ids)
+        rng = capture_rng()
+        ckpt_wait = 0.0
+        if n == self.session_start or n % self.ckpt_every == 0:
+            self.writer.roll(n)
+            if n not in self._ckpt_steps:
+                ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+        changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
+        self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
+        self._force_rng = False
+
+        self.probe.begin(measure_update=n % self.health_every == 0)
+        try:
+            loss = self.step_fn(self.model, self.optimizer, batch)
+            health = self.probe.end(loss)
+        finally:
+            self.probe._active = False
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._rng_after_prev = capture_rng()
+
+        events = self._anomalies(n, health)
+        scalars = {"step": n, "time": time.time(), **health.scalars()}
+        if ckpt_wait:
+            scalars["ckpt_wait"] = ckpt_wait
+        self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
+        for event in events:
+            self.writer.append_json(framelog.EVENT, n, event)
+        self.next_step = n + 1
+        if not health.loss_finite and self.on_nonfinite == "raise":
+            raise NonFiniteLoss(n, health.loss, str(self.run_dir))
+        return loss
+
+    def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
+        events = []
+        if not h.loss_finite:
+            events.append({"kind": "nonfinite_loss", "value": h.loss})
+        if h.nonfinite_grads or not np.isfinite(h.param_grad_norm).all():
+            events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
+        if h.weight_norm is not None and not all(math.isfinite(x) for x in h.weight_norm):
+            events.append({"kind": "nonfinite_weight", "value": int(sum(not math.isfinite(x) for x in h.weight_norm))})
+        for kind, det, value in (("loss_spike", self._loss_spikes, h.loss), ("grad_spike", self._grad_spikes, h.grad_norm)):
+            spike = det.check(value)
+            if spike is not None:
+                events.append({"kind": kind, "value": value, "median": spike.median, "z": spike.z})
+        if events and self._first_anomaly is None:
+            self._first_anomaly = n
+        return events
+
+    def log_validation(self, **metrics: float) -> None:
+        """Record validation metrics measured on the current state (the state in which step
+        `next_step` starts, i.e. after `next_step` steps). Checkpoints a new best (keep_best)."""
+        step = self.next_step
+        clean = {k: float(v) for k, v in metrics.items()}
+        self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+        value = clean.get(self.val_metric)
+        if value is None or not math.isfinite(value):
+            return
+        better = self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
+        if better:
+            self._best = (step, value)
+            if self.keep_best and step not in self._ckpt_steps:
+                self._checkpoint(step, "best")
+                self._force_rng = True
+
+    def checkpoint(self, reason: str = "manual") -> int:
+        """Checkpoint the current state now (it becomes the state at `next_step`)."""
+        if self.next_step not in self._ckpt_steps:
+            self._checkpoint(self.next_step, reason)
+            self._force_rng = True
+        return self.next_step
+
+    def _checkpoint(self, step: int, reason: str) -> float:
+        tensors, aliases = capture_model(self.model)
+        spec, state_tensors = codec.encode(capture_train_state(self.optimizer, self.scheduler, self.scaler), prefix="state")
+        info = {
+            "session": self.session,
+            "reason": reason,
+            "healthy": self._first_anomaly is None,
+            "first_anomaly": self._first_anomaly,
+        }
+        if self._best is not None and self._best[0] == step:
+            info["validation"] = {self.val_metric: self._best[1]}
+        self._ckpt_steps.append(step)
+        return self.writer.submit_checkpoint(
+            CapturedState(step, tensors, aliases, spec, state_tensors, info),
+            Retention(self.keep_last, self._protected),
+        )
+
+    def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
+        keep = {self._best[0]} if self._best else set()
+        a = self._first_anomaly
+        if a is None:
+            return keep, None
+        healthy = max((s for s in self._ckpt_steps if s < a), default=None)
+        if healthy is None:
+            return keep, None
+        return keep | {healthy}, (healthy, a)
+
+    # --- end --------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every checkpoint handed to the background writer is committed."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.probe.close()
+        self.writer.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _plain_ids(ids) -> list:
+    """Sample ids as a JSON list of ints/strings (a tensor or array of ids is accepted)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    elif hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, str)):
+            if hasattr(i, "item"):
+                i = i.item()
+            elif isinstance(i, bytes):
+                i = i.decode("utf-8", "replace")
+            else:
+                i = str(i)
+        out.append(i)
+    return out

@@ -1,0 +1,1 @@
+"""Rendering: terminal (rich), JSON, HTML. Analyses never print; they return findings."""

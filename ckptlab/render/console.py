@@ -1,0 +1,59 @@
+"""The one terminal object all CLI output goes through.
+
+stdout carries results (tables, or with --json only the JSON document); stderr carries notes,
+warnings and errors, so `ckptlab replay --json > out.json` always yields valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from ckptlab.render.jsonout import dumps
+
+
+class Terminal:
+    def __init__(self, *, json_mode: bool = False, quiet: bool = False):
+        self.json_mode = json_mode
+        self.quiet = quiet
+        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+    def print(self, *renderables: Any, **kwargs) -> None:
+        """A result for stdout (suppressed in --json mode, where only the JSON goes there)."""
+        if not self.json_mode:
+            self.out.print(*renderables, **kwargs)
+
+    def json(self, obj: Any) -> None:
+        sys.stdout.write(dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(f"[dim]{_escape(message)}[/dim]")
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"[yellow]warning:[/yellow] {_escape(message)}")
+
+    def error(self, message: str) -> None:
+        self.err.print(f"[bold red]error:[/bold red] {_escape(message)}")
+
+    def status(self, message: str):
+        """A spinner on stderr while something long runs; silent when not a terminal."""
+        if self.quiet or self.json_mode or not self.err.is_terminal:
+            from contextlib import nullcontext
+
+            return nullcontext()
+        return self.err.status(_escape(message))
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+__all__ = ["Terminal", "json"]

@@ -1,0 +1,29 @@
+"""Small text helpers for terminal rendering."""
+
+from __future__ import annotations
+
+import math
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def sparkline(values, width: int = 40) -> str:
+    """A one-line plot; non-finite values show as '!'."""
+    vals = list(values)
+    if not vals:
+        return ""
+    if len(vals) > width:  # bucket by max, so spikes stay visible
+        step = len(vals) / width
+        vals = [max(vals[int(i * step): max(int((i + 1) * step), int(i * step) + 1)], key=lambda v: v if math.isfinite(v) else math.inf) for i in range(width)]
+    finite = [v for v in vals if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    span = hi - lo or 1.0
+    return "".join("!" if not math.isfinite(v) else _BARS[min(len(_BARS) - 1, int((v - lo) / span * (len(_BARS) - 1) + 0.5))] for v in vals)

@@ -1,0 +1,119 @@
+"""Names and places in a run directory, and the atomic-write primitives. See docs/run-format.md.
+
+    RUN/
+      manifest.json                       what recorded this run, and how (format_version 1)
+      journal/sNNN-SSSSSSSSS.log          rank 0: per-step health, validation, events
+      batches/rank0/sNNN-SSSSSSSSS.log    each rank: exact batches, sample ids, RNG states
+      checkpoints/step-SSSSSSSSS/         model.safetensors, state.safetensors, COMMIT.json
+      sources/<sha256>.py                 the recorded build_fn/step_fn files, as recorded
+      archive/<name>/...                  steps set aside by a rollback (same layout)
+
+Segments are named by session (NNN) and first step (S...); a new segment starts at every
+checkpoint and at every session start, so whole segments can be retired with their checkpoint
+and a resumed session never appends to a file a crash may have torn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COMMIT = "COMMIT.json"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+
+SEGMENT_RE = re.compile(r"^s(\d{3,})-(\d{9,})\.log$")
+CHECKPOINT_RE = re.compile(r"^step-(\d{9,})$")
+
+
+def segment_name(session: int, first_step: int) -> str:
+    return f"s{session:03d}-{first_step:09d}.log"
+
+
+def parse_segment(name: str) -> tuple[int, int] | None:
+    m = SEGMENT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_checkpoint(name: str) -> int | None:
+    m = CHECKPOINT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def journal_dir(run: Path) -> Path:
+    return run / "journal"
+
+
+def batches_dir(run: Path, rank: int = 0) -> Path:
+    return run / "batches" / f"rank{rank}"
+
+
+def checkpoints_dir(run: Path) -> Path:
+    return run / "checkpoints"
+
+
+def sources_dir(run: Path) -> Path:
+    return run / "sources"
+
+
+def archive_dir(run: Path) -> Path:
+    return run / "archive"
+
+
+def segments(folder: Path) -> list[tuple[int, int, Path]]:
+    """(session, first_step, path) of every segment in `folder`, in recording order."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        parsed = parse_segment(p.name)
+        if parsed:
+            found.append((*parsed, p))
+    return sorted(found)
+
+
+# --- atomic writes: temp file -> fsync -> rename -> fsync parent ---------------------------------
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total

@@ -1,0 +1,83 @@
+"""manifest.json: what recorded the run and how. Written atomically; read with validation.
+
+Keys (format_version 1): format, format_version, created, versions{ckptlab, torch, numpy,
+python, platform, cuda}, host, device, world_size, config{ckpt_every, health_every, keep_last,
+...}, functions{build_fn, step_fn} (module, qualname, file, file_rel, sha256, source_file),
+parameters[{name, shape, dtype, requires_grad}], param_groups, data_info, env (the execution
+settings at the start), sessions[{session, start_step, started, pid, host, restored_from}],
+rollback (null, or the step a rollback rewound the run to).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
+from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
+
+FORMAT = "ckptlab-run"
+
+
+def versions() -> dict:
+    import numpy
+    import torch
+
+    from ckptlab import __version__
+
+    return {
+        "ckptlab": __version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def new_manifest(**fields) -> dict:
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": time.time(),
+        "versions": versions(),
+        "host": socket.gethostname(),
+        "argv": list(sys.argv),
+        "world_size": 1,
+        "sessions": [],
+        "rollback": None,
+    }
+    manifest.update(fields)
+    return manifest
+
+
+def read_manifest(run_dir: Path) -> dict:
+    path = run_dir / MANIFEST
+    if not run_dir.is_dir():
+        raise NotARunError("no such directory", path=run_dir)
+    if not path.is_file():
+        raise NotARunError("not a ckptlab run (no manifest.json)", path=run_dir)
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptFileError(f"unreadable manifest ({e})", path=path) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise NotARunError("manifest.json is not a ckptlab run manifest", path=path)
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise CorruptFileError("manifest has no format_version", path=path)
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"written by a newer ckptlab (run format {version}; this ckptlab reads up to {FORMAT_VERSION})",
+            path=run_dir,
+            hint="upgrade ckptlab",
+        )
+    return manifest
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    write_json_atomic(run_dir / MANIFEST, manifest)

@@ -1,0 +1,222 @@
+"""Read a run directory. Readers never write: a torn tail is skipped and reported, not repaired.
+
+    run = open_run("runs/exp1")
+    run.steps                    # recorded step numbers, ascending
+    run.checkpoints              # steps with a complete checkpoint (sizes checked; hashes on use)
+    batch, ids = run.batch(5432) # exactly as recorded
+    m = run.metrics()            # per-step health as numpy arrays (m.loss, m.param_grad_norm...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptlab.errors import ReplayError
+from ckptlab.run import framelog, records
+from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
+from ckptlab.run.layout import archive_dir, batches_dir, journal_dir, segments
+from ckptlab.run.manifest import read_manifest
+
+
+@dataclass
+class Metrics:
+    """Per-step health; row i describes step `step[i]`. Per-parameter arrays are (steps, P)
+    with columns named by `param_names`; NaN where a value was not measured that step."""
+
+    param_names: list[str]
+    step: np.ndarray  # int64[S]
+    loss: np.ndarray  # float64[S]
+    grad_norm: np.ndarray  # float64[S], before clipping
+    lr: np.ndarray  # float64[S, G]
+    step_time: np.ndarray  # float64[S], seconds
+    nonfinite_grads: np.ndarray  # int64[S]
+    stepped: np.ndarray  # bool[S]
+    param_grad_norm: np.ndarray  # float32[S, P]; -1 = no gradient
+    update_ratio: np.ndarray  # float32[S, P]; NaN except every `health_every` steps
+    weight_norm: np.ndarray  # float32[S, P]
+    param_nonfinite: np.ndarray  # int64[S, P]
+    scalars: list[dict] = field(default_factory=list, repr=False)  # the raw per-step records
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def index(self, step: int) -> int | None:
+        i = int(np.searchsorted(self.step, step))
+        return i if i < len(self.step) and self.step[i] == step else None
+
+    def window(self, first: int, last: int) -> slice:
+        return slice(int(np.searchsorted(self.step, first)), int(np.searchsorted(self.step, last, side="right")))
+
+
+class Run:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.problems: list[str] = []  # torn tails, incomplete checkpoints: reported, not fatal
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, steps={len(self.steps)}, checkpoints={self.checkpoints})"
+
+    # --- batches ---------------------------------------------------------------------------
+
+    @cached_property
+    def _batch_index(self) -> dict[int, framelog.FrameRef]:
+        index: dict[int, framelog.FrameRef] = {}
+        for _, _, path in segments(batches_dir(self.path, 0)):
+            scan = framelog.scan(path)
+            if scan.torn_bytes:
+                self.problems.append(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
+            for ref in scan.frames:
+                if ref.kind == framelog.BATCH:
+                    index[ref.step] = ref
+        return dict(sorted(index.items()))
+
+    @property
+    def steps(self) -> list[int]:
+        """Step numbers that have a recorded batch (a step that crashed mid-way included)."""
+        return list(self._batch_index)
+
+    def batch_record(self, step: int) -> records.BatchRecord:
+        ref = self._batch_index.get(step)
+        if ref is None:
+            raise ReplayError(self._missing_step(step), path=self.path)
+        payload, _ = ref.read_payload()
+        return records.decode_batch(payload, where=f"{ref.path}@{step}")
+
+    def batch(self, step: int) -> tuple[Any, list | None]:
+        rec = self.batch_record(step)
+        return rec.batch, rec.sample_ids
+
+    def _missing_step(self, step: int) -> str:
+        steps = self.steps
+        done = self.metrics().step
+        if steps and step < steps[0] and len(done) and step >= done[0]:
+            return f"the batch of step {step} was pruned by retention (batches kept: {steps[0]}..{steps[-1]})"
+        last = max([*steps[-1:], *done[-1:].tolist()], default=None)
+        if last is None:
+            return "the run has no recorded steps"
+        return f"step {step} was not recorded (recorded: {min([*steps[:1], *done[:1].tolist()])}..{last})"
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    @cached_property
+    def _checkpoints(self) -> dict[int, Checkpoint]:
+        found, problems = list_checkpoints(self.path)
+        self.problems.extend(problems)
+        return {c.step: c for c in found}
+
+    @property
+    def checkpoints(self) -> list[int]:
+        return list(self._checkpoints)
+
+    def checkpoint(self, step: int) -> Checkpoint:
+        try:
+            return self._checkpoints[step]
+        except KeyError:
+            raise ReplayError(f"no checkpoint at step {step} (checkpoints: {self.checkpoints})", path=self.path) from None
+
+    def checkpoint_before(self, step: int) -> Checkpoint | None:
+        """The latest checkpoint at or before `step` (the state in which that step can start)."""
+        best = None
+        for s, c in self._checkpoints.items():
+            if s <= step:
+                best = c
+        return best
+
+    # --- journal: health, validation, events --------------------------------------------------
+
+    @cached_property
+    def _journal(self) -> dict[int, list[tuple[int, int, Any]]]:
+        by_kind: dict[int, list] = {framelog.STEP: [], framelog.VALIDATION: [], framelog.EVENT: []}
+        for _, _, path in segments(journal_dir(self.path)):
+            scan_problem = None
+            try:
+                for ref, payload in framelog.iter_payloads(path):
+                    where = f"{path}@{ref.step}"
+                    if ref.kind == framelog.STEP:
+                        by_kind[ref.kind].append((ref.step, records.decode_step(payload, where=where)))
+                    elif ref.kind in by_kind:
+                        by_kind[ref.kind].append((ref.step, records.decode_json(payload, where=where)))
+                torn = framelog.scan(path).torn_bytes
+                if torn:
+                    scan_problem = f"{path}: {torn} bytes torn at the tail (an interrupted write), ignored"
+            except Exception as e:  # a corrupt segment: report it, keep the others readable
+                scan_problem = str(e)
+            if scan_problem:
+                self.problems.append(scan_problem)
+        return by_kind
+
+    def metrics(self) -> Metrics:
+        return self._metrics
+
+    @cached_property
+    def _metrics(self) -> Metrics:
+        names = [p["name"] for p in self.manifest.get("parameters", [])]
+        rows = sorted({s: r for s, r in self._journal[framelog.STEP]}.items())
+        n, p = len(rows), len(names)
+        groups = max([len(r[0].get("lr", [])) for _, r in rows], default=0)
+
+        def per_param(dtype, fill):
+            return np.full((n, p), fill, dtype=dtype)
+
+        m = Metrics(
+            param_names=names,
+            step=np.array([s for s, _ in rows], dtype=np.int64),
+            loss=np.array([_f(r[0].get("loss")) for _, r in rows], dtype=np.float64),
+            grad_norm=np.array([_f(r[0].get("grad_norm")) for _, r in rows], dtype=np.float64),
+            lr=np.full((n, groups), np.nan),
+            step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),
+            nonfinite_grads=np.array([int(r[0].get("nonfinite_grads", 0)) for _, r in rows], dtype=np.int64),
+            stepped=np.array([bool(r[0].get("stepped", True)) for _, r in rows], dtype=bool),
+            param_grad_norm=per_param(np.float32, np.nan),
+            update_ratio=per_param(np.float32, np.nan),
+            weight_norm=per_param(np.float32, np.nan),
+            param_nonfinite=per_param(np.int64, 0),
+            scalars=[r[0] for _, r in rows],
+        )
+        for i, (_, (scalars, arrays)) in enumerate(rows):
+            lr = scalars.get("lr", [])
+            m.lr[i, : len(lr)] = lr
+            for key in ("param_grad_norm", "update_ratio", "weight_norm", "param_nonfinite"):
+                a = arrays.get(key)
+                if a is not None and len(a) == p:
+                    getattr(m, key)[i] = a
+        return m
+
+    def validation(self) -> list[dict]:
+        """[{"step": k, "metrics": {...}}], in order: metrics measured on the state at step k."""
+        return [{"step": s, **r} for s, r in self._journal[framelog.VALIDATION]]
+
+    def events(self) -> list[dict]:
+        """Anomalies seen while recording (non-finite loss, spikes, ...), in step order."""
+        return sorted(({"step": s, **r} for s, r in self._journal[framelog.EVENT]), key=lambda e: e["step"])
+
+    # --- misc ------------------------------------------------------------------------------------
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p["name"] for p in self.manifest.get("parameters", [])]
+
+    @property
+    def archives(self) -> list[Path]:
+        root = archive_dir(self.path)
+        return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def _f(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def open_run(path: str | Path) -> Run:
+    """Open a run directory for reading (raises NotARunError / FormatVersionError / ...)."""
+    return Run(path)
+
+
+def finite(x: float) -> bool:
+    return x is not None and math.isfinite(x)

@@ -1,0 +1,144 @@
+"""What one frame holds: a batch record or a step's health, as safetensors bytes.
+
+Every frame payload with tensors is a complete safetensors file (after zlib when compressed):
+its tensors are the record's arrays, and `__metadata__["ckptlab"]` is the record's JSON. So a
+frame can be opened by any safetensors reader; `docs/run-format.md` shows how.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ckptlab.errors import CorruptFileError
+from ckptlab.run import codec
+from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB
+
+META_KEY = "ckptlab"
+
+
+def pack(meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    return safetensors.torch.save(tensors, metadata={META_KEY: json.dumps(meta, separators=(",", ":"))})
+
+
+def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse safetensors bytes written by `pack`; `where` names the source in errors."""
+    try:
+        (n,) = struct.unpack_from("<Q", data, 0)
+        if n > len(data) - 8:
+            raise ValueError("header longer than the payload")
+        header = json.loads(bytes(data[8 : 8 + n]))
+        meta = json.loads(header["__metadata__"][META_KEY])
+        tensors = safetensors.torch.load(bytes(data)) if len(header) > 1 else {}
+    except Exception as e:  # noqa: BLE001 - any parse failure of stored bytes is corruption
+        raise CorruptFileError(f"unreadable record ({type(e).__name__}: {e})", path=where) from None
+    return meta, tensors
+
+
+class Compressor:
+    """Decides per stream whether zlib pays off: it re-tests every `every` frames and keeps
+    compressing only while it saves >= 10% (token ids often do; float activations do not)."""
+
+    def __init__(self, every: int = 64, level: int = 1):
+        self.every, self.level = every, level
+        self._n = 0
+        self._on = True
+
+    def __call__(self, payload: bytes) -> tuple[bytes, int]:
+        test = self._n % self.every == 0
+        self._n += 1
+        if test or self._on:
+            packed = zlib.compress(payload, self.level)
+            if test:
+                self._on = len(packed) <= 0.9 * len(payload)
+            if self._on:
+                return packed, FLAG_SAFETENSORS | FLAG_ZLIB
+        return payload, FLAG_SAFETENSORS
+
+
+# --- batch records -------------------------------------------------------------------------
+
+@dataclass
+class BatchRecord:
+    step: int
+    batch: Any
+    sample_ids: list | None
+    rng: dict | None  # None: the RNG states were those at the end of the previous step
+    extra: dict = field(default_factory=dict)
+
+
+def encode_batch(step: int, batch: Any, sample_ids: list | None, rng: dict | None) -> bytes:
+    spec, tensors = codec.encode(batch, prefix="batch", compact_ints=True)
+    meta: dict[str, Any] = {"step": step, "batch": spec, "sample_ids": sample_ids}
+    if rng is not None:
+        meta["rng"], rng_tensors = codec.encode(rng, prefix="rng")
+        tensors.update(rng_tensors)
+    return pack(meta, tensors)
+
+
+def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
+    meta, tensors = unpack(payload, where=where)
+    try:
+        batch = codec.decode(meta["batch"], tensors)
+        rng = codec.decode(meta["rng"], tensors) if meta.get("rng") is not None else None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"malformed batch record for step {meta.get('step')}: {e}", path=where) from None
+    return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+
+
+# --- step health records -------------------------------------------------------------------
+
+# Per-parameter arrays a step record may carry (float32/int64, one entry per recorded parameter).
+STEP_ARRAYS = ("param_grad_norm", "update_ratio", "weight_norm", "param_nonfinite")
+
+
+def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items() if v is not None}
+    return pack(_json_safe(scalars), tensors)
+
+
+def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
+    meta, tensors = unpack(payload, where=where)
+    return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+
+
+def _json_safe(d: Any) -> Any:
+    """Non-finite floats as strings, so every record is standard JSON."""
+    if isinstance(d, float) and not np.isfinite(d):
+        return repr(d)
+    if isinstance(d, dict):
+        return {k: _json_safe(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_json_safe(v) for v in d]
+    return d
+
+
+_SPECIAL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _json_restore(d: Any) -> Any:
+    if isinstance(d, str) and d in _SPECIAL:
+        return _SPECIAL[d]
+    if isinstance(d, dict):
+        return {k: _json_restore(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_json_restore(v) for v in d]
+    return d
+
+
+def encode_json(meta: dict) -> bytes:
+    return json.dumps(_json_safe(meta), separators=(",", ":")).encode()
+
+
+def decode_json(payload: bytes, *, where: str) -> dict:
+    try:
+        return _json_restore(json.loads(payload))
+    except ValueError as e:
+        raise CorruptFileError(f"unreadable record ({e})", path=where) from None

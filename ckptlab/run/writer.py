@@ -1,0 +1,156 @@
+"""RunWriter: appends a session's records and commits its checkpoints in the background.
+
+The training thread only serializes (a snapshot of the batch, a copy of the state off the
+device) and hands bytes to the kernel; hashing, fsync and retention run in one background
+thread. At most one checkpoint is in flight: if the next one is due before the last finished,
+the training thread waits (and the wait is reported as `ckpt_wait` in the step's health).
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ckptlab.errors import RecordError
+from ckptlab.run import framelog, records
+from ckptlab.run.checkpoint import CapturedState, commit_checkpoint
+from ckptlab.run.layout import batches_dir, journal_dir, segment_name
+from ckptlab.run.retention import apply_retention
+
+
+@dataclass
+class Retention:
+    keep_last: int
+    # -> (checkpoint steps that must survive, (first, last) step range whose batches must too):
+    # the best-validation and last-healthy checkpoints, and the batches up to the first anomaly.
+    protect: Callable[[], tuple[set[int], tuple[int, int] | None]]
+
+
+class RunWriter:
+    def __init__(self, run_dir: Path, session: int, rank: int = 0, *, journal: bool = True):
+        self.run_dir = run_dir
+        self.session = session
+        self.rank = rank
+        self._write_journal = journal
+        self._batches: framelog.FrameWriter | None = None
+        self._journal: framelog.FrameWriter | None = None
+        self._batch_compress = records.Compressor()
+        self._jobs: queue.Queue = queue.Queue()
+        self._ckpt_slot = threading.Semaphore(1)  # at most one checkpoint in flight
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="ckptlab-writer", daemon=True)
+        self._thread.start()
+
+    # --- segments (training thread) ------------------------------------------------------
+
+    def roll(self, first_step: int) -> None:
+        """Start new segment files at `first_step` (a checkpoint or session start)."""
+        old = [w for w in (self._batches, self._journal) if w is not None]
+        bdir = batches_dir(self.run_dir, self.rank)
+        bdir.mkdir(parents=True, exist_ok=True)
+        self._batches = self._open(bdir / segment_name(self.session, first_step))
+        if self._write_journal:
+            jdir = journal_dir(self.run_dir)
+            jdir.mkdir(parents=True, exist_ok=True)
+            self._journal = self._open(jdir / segment_name(self.session, first_step))
+        for w in old:  # their fsync is durability for power loss; a kill cannot lose them
+            self._submit(("close", w))
+
+    def _open(self, path: Path) -> framelog.FrameWriter:
+        try:
+            return framelog.FrameWriter(path)
+        except OSError as e:
+            raise self._io_error(e, f"cannot create {path.name}") from None
+
+    def append_batch(self, step: int, payload: bytes) -> int:
+        data, flags = self._batch_compress(payload)
+        return self._append(self._batches, framelog.BATCH, step, data, flags)
+
+    def append_step(self, step: int, payload: bytes) -> int:
+        return self._append(self._journal, framelog.STEP, step, payload, framelog.FLAG_SAFETENSORS)
+
+    def append_json(self, kind: int, step: int, meta: dict) -> int:
+        return self._append(self._journal, kind, step, records.encode_json(meta), 0)
+
+    def _append(self, writer, kind, step, data, flags) -> int:
+        self.raise_pending()
+        if writer is None:
+            raise RecordError("the recording is closed", path=self.run_dir)
+        try:
+            return writer.append(kind, step, data, flags=flags, rank=self.rank)
+        except OSError as e:
+            raise self._io_error(e, f"writing step {step} to {writer.path.name}") from None
+
+    def _io_error(self, e: OSError, what: str) -> RecordError:
+        reason = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else e.strerror
+        return RecordError(
+            f"{reason} while {what}; everything recorded before this is intact",
+            path=self.run_dir,
+            hint="free space, then continue with Recorder(..., resume=True)",
+        )
+
+    # --- checkpoints (background) --------------------------------------------------------
+
+    def submit_checkpoint(self, captured: CapturedState, retention: Retention | None) -> float:
+        """Queue a checkpoint commit; returns how long the training thread waited for the
+        previous one (backpressure)."""
+        t0 = time.perf_counter()
+        self._ckpt_slot.acquire()
+        waited = time.perf_counter() - t0
+        try:
+            self._submit(("checkpoint", captured, retention))
+        except BaseException:
+            self._ckpt_slot.release()
+            raise
+        return waited
+
+    def _submit(self, job) -> None:
+        self.raise_pending()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if job[0] == "close":
+                    job[1].close(fsync=True)
+                elif job[0] == "checkpoint":
+                    _, captured, retention = job
+                    try:
+                        commit_checkpoint(self.run_dir, captured)
+                    finally:
+                        self._ckpt_slot.release()
+                    if retention is not None:
+                        apply_retention(self.run_dir, retention.keep_last, *retention.protect())
+            except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+                if isinstance(e, OSError):
+                    e = self._io_error(e, f"writing checkpoint {getattr(job[1], 'step', '?')}")
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+    def raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def flush(self) -> None:
+        """Wait for background work (checkpoint commits) to finish."""
+        self._jobs.join()
+        self.raise_pending()
+
+    def close(self) -> None:
+        for w in (self._batches, self._journal):
+            if w is not None:
+                self._jobs.put(("close", w))
+        self._batches = self._journal = None
+        self._jobs.put(None)
+        self._thread.join()
+        self.raise_pending()

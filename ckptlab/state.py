@@ -1,0 +1,214 @@
+"""Training state: what a checkpoint holds, and how it goes back in.
+
+A checkpoint at step k is the state in which step k starts:
+- the model's state dict (tied weights stored once, with an alias map; `_orig_mod.`/`module.`
+  wrappers unwrapped so names match an uncompiled model),
+- optimizer, LR scheduler and grad scaler state,
+- every RNG that changes bits (python `random`, numpy's global RNG, torch CPU and CUDA),
+- the execution settings that change bits (`env`): thread counts, deterministic-algorithm
+  flags, cuDNN/TF32 switches, matmul precision, default dtype, CUBLAS_WORKSPACE_CONFIG.
+
+`capture_*` functions copy the state off the device synchronously (training mutates it right
+after); writing to disk happens elsewhere, in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+WRAPPER_ATTRS = ("_orig_mod", "module")  # torch.compile's OptimizedModule, DDP/DataParallel
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside torch.compile / DDP wrappers (their names carry no prefix)."""
+    seen = 0
+    while seen < 4:
+        inner = None
+        if type(model).__name__ == "OptimizedModule":
+            inner = getattr(model, "_orig_mod", None)
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
+
+
+# --- model ---------------------------------------------------------------------------------
+
+def capture_model(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, aliases): CPU copies of the state dict, each shared tensor stored once.
+
+    `aliases` maps a tied name to the name it shares storage with (GPT's `lm_head.weight` ->
+    `transformer.wte.weight`); safetensors refuses to save the same storage twice.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[tuple, str] = {}
+    for name, t in unwrap(model).state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = _storage_key(t)
+        if key in first_name:
+            aliases[name] = first_name[key]
+            continue
+        first_name[key] = name
+        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+    return tensors, aliases
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    if t.numel() == 0:
+        return ("empty", id(t))
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def expand_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    full = dict(tensors)
+    for name, target in aliases.items():
+        full[name] = tensors[target]
+    return full
+
+
+def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Load strictly into the unwrapped model; raises ValueError naming what does not match."""
+    target = unwrap(model)
+    state = expand_aliases(tensors, aliases)
+    own = target.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if isinstance(own[k], torch.Tensor) and tuple(own[k].shape) != tuple(state[k].shape)
+    ]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_few(unexpected)}")
+        if mismatched:
+            parts.append(f"shape {_few(mismatched)}")
+        raise ValueError("model does not match the checkpoint: " + "; ".join(parts))
+    target.load_state_dict(state, strict=True)
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+# --- optimizer, scheduler, scaler ----------------------------------------------------------
+
+def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any]:
+    """Plain nested state (tensors still live: encode it with the codec, which copies)."""
+    state: dict[str, Any] = {"optimizer": optimizer.state_dict()}
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    state["rng"] = capture_rng()
+    state["env"] = capture_env()
+    return state
+
+
+def load_train_state(state: dict[str, Any], optimizer, scheduler=None, scaler=None) -> None:
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+
+
+# --- RNG -----------------------------------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    # Only when CUDA is already in use: querying it would initialize a context.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    random.setstate(_as_python_state(rng["python"]))
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        for i, s in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _as_python_state(state):
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys() or a["python"] != b["python"]:
+        return False
+    na, nb = a["numpy"], b["numpy"]
+    if na[0] != nb[0] or not np.array_equal(na[1], nb[1]) or tuple(na[2:]) != tuple(nb[2:]):
+        return False
+    if not torch.equal(a["torch"], b["torch"]):
+        return False
+    return all(torch.equal(x, y) for x, y in zip(a.get("cuda", []), b.get("cuda", [])))
+
+
+# --- execution settings ----------------------------------------------------------------------
+
+def capture_env() -> dict[str, Any]:
+    env = {
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    return env
+
+
+def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list[str]:
+    """Re-create recorded execution settings; returns notes on what could not be matched."""
+    notes = []
+    if env.get("num_threads") and torch.get_num_threads() != env["num_threads"]:
+        torch.set_num_threads(int(env["num_threads"]))
+    if env.get("num_interop_threads") and torch.get_num_interop_threads() != env["num_interop_threads"]:
+        try:
+            torch.set_num_interop_threads(int(env["num_interop_threads"]))
+        except RuntimeError:  # only settable before the first parallel work; rarely changes bits
+            notes.append(f"inter-op threads stay {torch.get_num_interop_threads()} (recorded {env['num_interop_threads']})")
+    deterministic = bool(env.get("deterministic_algorithms")) or force_deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=bool(env.get("deterministic_warn_only")))
+    torch.backends.cudnn.deterministic = bool(env.get("cudnn_deterministic")) or force_deterministic
+    torch.backends.cudnn.benchmark = bool(env.get("cudnn_benchmark")) and not force_deterministic
+    torch.backends.cudnn.allow_tf32 = bool(env.get("cudnn_allow_tf32", True))
+    torch.backends.cuda.matmul.allow_tf32 = bool(env.get("matmul_allow_tf32", False))
+    if env.get("float32_matmul_precision"):
+        torch.set_float32_matmul_precision(env["float32_matmul_precision"])
+    if env.get("default_dtype"):
+        from ckptlab.run.codec import dtype_from_name
+
+        torch.set_default_dtype(dtype_from_name(env["default_dtype"]))
+    wanted = env.get("cublas_workspace_config") or (":4096:8" if force_deterministic else None)
+    if wanted and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != wanted:
+        # cuBLAS reads this when its handle is created: effective only before the first matmul.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = wanted
+    return notes
