@@ -128,7 +128,7 @@ def record_run(run_dir, build, step, batches, *, stop_on_nonfinite: bool = True,
     with ckptlab.Recorder(run_dir, model, opt, step_fn=step, build_fn=build, scheduler=sched, **recorder_kw) as rec:
         for i, (batch, ids) in enumerate(batches):
             try:
-                losses.append(float(rec.step(batch, sample_ids=ids)))
+                losses.append(rec.step(batch, sample_ids=ids).item())
             except ckptlab.NonFiniteLoss:
                 losses.append(math.nan)
                 if stop_on_nonfinite:
