@@ -40,11 +40,12 @@ from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
 from ckptlab.errors import NonFiniteLoss, RecordError
 from ckptlab.probe import StepHealth, StepProbe, named_parameters
 from ckptlab.run import codec, framelog, records
-from ckptlab.run.checkpoint import CapturedState, list_checkpoints
+from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import MANIFEST, batches_dir, checkpoints_dir, journal_dir, segments
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.writer import Retention, RunWriter
-from ckptlab.state import capture_env, capture_model, capture_rng, capture_train_state, load_model, load_train_state, restore_rng, rng_equal
+from ckptlab.state import capture_env, capture_rng, rng_equal, snapshot
+from ckptlab.state import restore as restore_state
 from ckptlab import userfns
 
 
@@ -206,10 +207,7 @@ class Recorder:
         if restore and target is not None:
             target.verify()
             tensors, aliases = target.load_model(verify=False)
-            load_model(self.model, tensors, aliases)
-            state = target.load_state(verify=False)
-            load_train_state(state, self.optimizer, self.scheduler, self.scaler)
-            restore_rng(state["rng"])
+            restore_state(self.model, self.optimizer, self.scheduler, self.scaler, tensors, aliases, target.load_state(verify=False))
             self.restored_step = target.step
         return next_step
 
@@ -294,8 +292,6 @@ class Recorder:
         return self.next_step
 
     def _checkpoint(self, step: int, reason: str) -> float:
-        tensors, aliases = capture_model(self.model)
-        spec, state_tensors = codec.encode(capture_train_state(self.optimizer, self.scheduler, self.scaler), prefix="state")
         info = {
             "session": self.session,
             "reason": reason,
@@ -305,10 +301,8 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        return self.writer.submit_checkpoint(
-            CapturedState(step, tensors, aliases, spec, state_tensors, info),
-            Retention(self.keep_last, self._protected),
-        )
+        captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
+        return self.writer.submit_checkpoint(captured, Retention(self.keep_last, self._protected))
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()

@@ -212,3 +212,30 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         # cuBLAS reads this when its handle is created: effective only before the first matmul.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = wanted
     return notes
+
+
+# --- whole-state snapshots (checkpoints and replay share these) ------------------------------
+
+def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None):
+    """Copy the whole training state off the device: a CapturedState a checkpoint commit can
+    write, or replay can keep in memory and load again (bit-exact either way)."""
+    from ckptlab.run import codec
+    from ckptlab.run.checkpoint import CapturedState
+
+    tensors, aliases = capture_model(model)
+    spec, state_tensors = codec.encode(capture_train_state(optimizer, scheduler, scaler), prefix="state")
+    return CapturedState(step, tensors, aliases, spec, state_tensors, dict(info or {}))
+
+
+def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
+    """Load a model state, optimizer/scheduler/scaler state and the RNGs (not the env)."""
+    load_model(model, tensors, aliases)
+    load_train_state(train_state, optimizer, scheduler, scaler)
+    restore_rng(train_state["rng"])
+
+
+def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None) -> None:
+    from ckptlab.run import codec
+
+    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases,
+            codec.decode(captured.state_spec, captured.state_tensors))
