@@ -237,5 +237,7 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
 def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None) -> None:
     from ckptlab.run import codec
 
-    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases,
-            codec.decode(captured.state_spec, captured.state_tensors))
+    # Clone: optimizer.load_state_dict keeps tensors that already have the right dtype/device,
+    # and the next step would update them in place -- inside our snapshot.
+    tensors = {k: v.clone() for k, v in captured.state_tensors.items()}
+    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, codec.decode(captured.state_spec, tensors))
