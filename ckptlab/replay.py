@@ -490,7 +490,7 @@ class _Blame:
                 rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
             rep.chain = [_event_json(e) for e in tracer.chain()]
             self.inv.timing["trace_s"] = time.perf_counter() - t0
-        base = self.step()  # the root step as replayed, for parameter blame
+        base = self.base = self.step()  # the root step as replayed, for parameter blame
         data_rows = self.data_rows()
         rows = self.per_row() if self.rows and self.rows > 1 else {}
         rep.parameters = self.parameters(base)
@@ -521,7 +521,7 @@ class _Blame:
                 elif path in typical and typical[path] > 0 and float(absmax[row]) > ABSURD_RATIO * typical[path]:
                     out.setdefault(
                         row,
-                        f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.0f}x the run's typical {typical[path]:.3g}",
+                        f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
                     )
         return out
 
@@ -585,7 +585,9 @@ class _Blame:
         if nonfinite_in_batch:
             for r, why in nonfinite_in_batch.items():
                 blame(r, why)
-            o = Origin("data", "forward", None, None, None, None, detail="the batch carries non-finite values")
+            enters = next((e for e in (tracer.events if tracer else []) if e.phase == "forward" and any(not s.finite for s in e.inputs)), None)
+            where = f"; it enters the model at `{enters.module or '<root>'}` ({enters.op})" if enters is not None and enters.module is not None else ""
+            o = Origin("data", "forward", None, None, None, None, detail="the batch carries non-finite values" + where)
         elif ev is not None:
             for r, n in sorted((ev.bad_rows or {}).items(), key=lambda kv: -kv[1]):
                 blame(r, f"{n} non-finite value(s) first appear in this row at {ev.op}")
@@ -614,9 +616,10 @@ class _Blame:
             for r, why in absurd.items():
                 blame(r, why)
             for r, ratio in dominant.items():
-                blame(r, f"its gradient norm is {ratio:.0f}x the median row's")
+                blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
             if absurd or dominant:
-                o = Origin("data", "backward", None, None, param, None, detail="a batch row dominates the update")
+                o = Origin("data", "backward", None, None, param, None,
+                           detail="an absurd value in the batch makes the gradients explode" if absurd else "one row dominates the update")
             elif lr_jump is not None or "update_explosion" in self.fault(h):
                 detail = f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value" if lr_jump else "the update exploded without a gradient explosion"
                 o = Origin("optimizer", "optimizer", None, None, param, None, detail=detail)
@@ -649,8 +652,24 @@ class _Blame:
                 )
             else:
                 out.append(Counterfactual(f"does step {self.root} still fail without the blamed rows?", None, "every row is blamed; nothing left to run"))
+        lr = _lr_jump(self.inv.m, self.root, self.base) if self.report.origin.kind == "optimizer" else None
+        if lr is not None:
+            typical = lr[1] / lr[0]
+            self.fresh()
+            for g in self.t.optimizer.param_groups:
+                g["lr"] = typical
+            h = self.r.run_step(self.t, self.rec)
+            found = self.fault(h)
+            out.append(
+                Counterfactual(
+                    f"does step {self.root} still fail with its recent learning rate {typical:.3g} instead of {lr[1]:.3g}?",
+                    bool(found),
+                    f"with lr {typical:.3g}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
+                    + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
+                )
+            )
         older = [c for c in self.inv.run.checkpoints if c < self.root]
-        if older:
+        if older and samples:
             c = older[0] if older[-1] == self.root else older[-1]
             if c == self.start and len(older) > 1:
                 c = older[-2]
@@ -701,7 +720,11 @@ def verdict(r: ReplayReport) -> str:
     elif o.kind == "data" and o.op is not None:
         s = f"{lead}: {who}{more} carries absurd values that make {o.op}{at} overflow."
     elif o.kind == "data":
-        s = f"{lead}: {who}{more} dominates the update" + (f"; `{o.parameter}` gets an exploding gradient" if o.parameter else "") + "."
+        why = r.samples[0].reason if r.samples else ""
+        what = "carries an absurd value" if "typical" in why else "dominates the update"
+        s = (f"{lead}: {who}{more} {what} ({why.split(';')[0]}), so the gradients explode"
+             + (f" (worst: `{o.parameter}`)" if o.parameter else "")
+             + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "") + ".")
     elif o.kind == "numeric" and o.op is not None:
         rows = f" for {who}{more}" if r.samples else ""
         s = f"{lead}: {o.op}{at} produced {o.produced} from finite inputs{rows}."

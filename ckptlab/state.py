@@ -216,6 +216,19 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
 
 # --- whole-state snapshots (checkpoints and replay share these) ------------------------------
 
+def capture_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients that exist between steps: usually none (zero_grad(set_to_none=True)), but
+    accumulation across steps, or parameters the optimizer does not own (never zeroed), carry
+    state into the next step that replay must have too."""
+    return {n: p.grad for n, p in unwrap(model).named_parameters() if p.grad is not None}
+
+
+def restore_grads(model, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in unwrap(model).named_parameters():
+        g = grads.get(n)
+        p.grad = None if g is None else g.detach().to(p.device, copy=True)
+
+
 def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None):
     """Copy the whole training state off the device: a CapturedState a checkpoint commit can
     write, or replay can keep in memory and load again (bit-exact either way)."""
@@ -223,14 +236,20 @@ def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dic
     from ckptlab.run.checkpoint import CapturedState
 
     tensors, aliases = capture_model(model)
-    spec, state_tensors = codec.encode(capture_train_state(optimizer, scheduler, scaler), prefix="state")
+    state = capture_train_state(optimizer, scheduler, scaler)
+    grads = capture_grads(model)
+    if grads:
+        state["grads"] = grads
+    spec, state_tensors = codec.encode(state, prefix="state")
     return CapturedState(step, tensors, aliases, spec, state_tensors, dict(info or {}))
 
 
 def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
-    """Load a model state, optimizer/scheduler/scaler state and the RNGs (not the env)."""
+    """Load a model state, optimizer/scheduler/scaler state, leftover gradients and the RNGs
+    (not the env)."""
     load_model(model, tensors, aliases)
     load_train_state(train_state, optimizer, scheduler, scaler)
+    restore_grads(model, train_state.get("grads", {}))
     restore_rng(train_state["rng"])
 
 
