@@ -51,6 +51,10 @@ UPDATE_EXPLOSION = 0.5
 ABSURD_RATIO = 1e3
 # A row dominates a step when its own gradient norm is this many times the median row's.
 DOMINANT_ROW_RATIO = 10.0
+# Anomalous steps at most this far apart belong to one fault episode: after a real root the
+# damage shows step after step (huge or non-finite weights), while isolated spikes that
+# recovered are not the cause of a later NaN.
+EPISODE_GAP = 3
 
 
 # --- findings -------------------------------------------------------------------------------
@@ -76,6 +80,7 @@ class Origin:
     source: str | None
     call: str | None = None
     produced: str | None = None  # "NaN" or "Inf", when an op produced it
+    inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
 
 
@@ -286,15 +291,8 @@ class _Investigation:
         return out
 
     def episode_start(self, anomalies: dict[int, list[str]]) -> int:
-        """The first recorded anomaly of the run of anomalies that ends at the requested step
-        (anomalies closer than one checkpoint interval belong together)."""
-        gap = int(self.run.manifest.get("config", {}).get("ckpt_every", 100))
-        steps = sorted(s for s in anomalies if s <= self.step)
-        start = self.step
-        for s in reversed(steps):
-            if start - s <= gap:
-                start = min(start, s)
-        return start
+        """The first recorded anomaly of the episode that ends at the requested step."""
+        return episode_start(anomalies, self.step)
 
     def choose_start(self, before: int) -> int:
         run = self.run
@@ -354,24 +352,33 @@ class _Investigation:
         return found
 
     def replay_window(self, k: int, snap_from: int):
+        """Replay k..step; the root is the first step of the anomaly episode ending at `step`.
+
+        Keeps the state (and spike detectors) before each anomalous step from `snap_from` on,
+        so the root can be traced without replaying the window twice."""
         r = self.r
         t = r.build()
         r.load_checkpoint(t, k)
         dets = self.detectors(k)
         checks: list[StepCheck] = []
-        root = root_snap = root_dets = None
+        kept: dict[int, tuple] = {}
         for s in range(k, self.step + 1):
             self.log(f"replaying step {s} ({s - k + 1}/{self.step - k + 1})")
             rec = r.batch(s)
-            snap = snapshot(s, t.model, t.optimizer, t.scheduler, t.scaler) if root is None and s >= snap_from else None
-            dets_before = copy.deepcopy(dets) if root is None else None
+            snap = snapshot(s, t.model, t.optimizer, t.scheduler, t.scaler) if s >= snap_from else None
+            dets_before = copy.deepcopy(dets)
             h = r.run_step(t, rec)
             found = self.anomalies(h, dets)
             checks.append(self.compare(s, h, found))
-            if found and root is None:
-                root, root_snap, root_dets = s, snap, dets_before
+            if found:
+                kept[s] = (snap, dets_before)
+                for old in [x for x in kept if x < s - 16 * EPISODE_GAP]:
+                    del kept[old]  # bounded memory: only the recent episode matters
         r.close(t)
-        return checks, root, root_snap, root_dets
+        replayed = {c.step: c.anomalies for c in checks if c.anomalies}
+        root = episode_start(replayed, self.step) if self.step in replayed else None
+        snap, dets_before = kept.get(root, (None, None))
+        return checks, root, snap, dets_before
 
     def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
         i = self.m.index(s)
@@ -395,7 +402,7 @@ class _Investigation:
 
     def investigate(self, do_trace: bool, do_counterfactuals: bool) -> ReplayReport:
         anomalies = self.recorded_anomalies()
-        fault_recorded = any(s <= self.step for s in anomalies) and self.episode_start(anomalies) in anomalies
+        fault_recorded = self.step in anomalies
         episode = self.episode_start(anomalies)
         k = self.choose_start(episode)
         t0 = time.perf_counter()
@@ -452,6 +459,16 @@ class _Investigation:
         return report
 
 
+def episode_start(anomalies: dict[int, list[str]], step: int) -> int:
+    """The first step of the run of anomalous steps (gaps <= EPISODE_GAP) ending at `step`."""
+    start = step
+    for s in sorted((s for s in anomalies if s < step), reverse=True):
+        if start - s > EPISODE_GAP:
+            break
+        start = s
+    return start
+
+
 # --- blame ------------------------------------------------------------------------------------------
 
 class _Blame:
@@ -502,28 +519,40 @@ class _Blame:
 
     # rows ------------------------------------------------------------------------------------------
 
-    def data_rows(self) -> dict[int, str]:
-        """Rows whose values are non-finite, or absurd against the run's own typical values."""
-        out: dict[int, str] = {}
+    def data_rows(self) -> dict[str, dict[int, str]]:
+        """What is wrong with each row's content, by category: "nonfinite" values, "absurd"
+        values (against the run's own typical row maximum per field), "empty" rows (all
+        padding, when the run's data_info names pad_id), token ids "out_of_range"."""
+        found: dict[str, dict[int, str]] = {"nonfinite": {}, "absurd": {}, "empty": {}, "out_of_range": {}}
         if not self.rows:
-            return out
+            return found
+        info = self.inv.run.manifest.get("data_info") or {}
+        pad, vocab = info.get("pad_id"), info.get("vocab_size")
         typical = _typical_row_absmax(self.inv.run, self.root)
         for path, leaf in _leaves(self.rec.batch):
-            if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or leaf.dim() == 0 or leaf.shape[0] != self.rows:
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != self.rows or leaf.dtype == torch.bool:
                 continue
-            flat = leaf.detach().reshape(self.rows, -1).float()
+            flat = leaf.detach().reshape(self.rows, -1)
+            if not flat.is_floating_point():
+                for row in range(self.rows):
+                    if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
+                        found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
+                    if vocab is not None and flat.shape[1] and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0):
+                        found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
+                continue
+            flat = flat.float()
             bad = (~torch.isfinite(flat)).sum(dim=1)
             finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
             absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(self.rows)
             for row in range(self.rows):
                 if int(bad[row]):
-                    out.setdefault(row, f"{int(bad[row])} non-finite value(s) in batch{path}")
+                    found["nonfinite"].setdefault(row, f"{int(bad[row])} non-finite value(s) in batch{path}")
                 elif path in typical and typical[path] > 0 and float(absmax[row]) > ABSURD_RATIO * typical[path]:
-                    out.setdefault(
+                    found["absurd"].setdefault(
                         row,
                         f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
                     )
-        return out
+        return found
 
     def per_row(self) -> dict[int, StepHealth]:
         """Each row alone through the step: its own loss and gradient norm."""
@@ -567,7 +596,7 @@ class _Blame:
 
     # the origin ----------------------------------------------------------------------------------------
 
-    def origin(self, tracer: Tracer | None, h: StepHealth, data_rows: dict[int, str], rows: dict[int, StepHealth]):
+    def origin(self, tracer: Tracer | None, h: StepHealth, data_rows: dict[str, dict[int, str]], rows: dict[int, StepHealth]):
         samples: dict[int, SampleBlame] = {}
 
         def blame(row: int, reason: str) -> None:
@@ -577,8 +606,7 @@ class _Blame:
                 samples[row] = SampleBlame(row, self.sample_id(row), reason)
 
         ev: OpEvent | None = tracer.origin if tracer is not None else None
-        nonfinite_in_batch = {r: why for r, why in data_rows.items() if "non-finite" in why}
-        absurd = {r: why for r, why in data_rows.items() if r not in nonfinite_in_batch}
+        nonfinite_in_batch, absurd = data_rows["nonfinite"], data_rows["absurd"]
         dominant = _dominant_rows(rows)
         param = self.report.parameters[0].name if self.report.parameters else None
 
@@ -607,6 +635,7 @@ class _Blame:
                 ev.source,
                 call=ev.call,
                 produced="NaN" if ev.new_nan else "Inf",
+                inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
                 detail=f"{ev.op} produced {'NaN' if ev.new_nan else 'Inf'} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
                 f"({', '.join(s.describe() for s in ev.inputs[:3])})",
             )
@@ -627,6 +656,10 @@ class _Blame:
                 o = Origin("numeric", "backward", None, None, param, None, detail="gradients exploded with no single row to blame")
             else:
                 o = Origin("none", None, None, None, None, None)
+        for category in ("empty", "out_of_range"):
+            for r, why in data_rows[category].items():
+                if r in samples:
+                    samples[r].reason = why + "; " + samples[r].reason
         for r, row_h in rows.items():
             if r in samples:
                 samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
@@ -726,8 +759,14 @@ def verdict(r: ReplayReport) -> str:
              + (f" (worst: `{o.parameter}`)" if o.parameter else "")
              + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "") + ".")
     elif o.kind == "numeric" and o.op is not None:
-        rows = f" for {who}{more}" if r.samples else ""
-        s = f"{lead}: {o.op}{at} produced {o.produced} from finite inputs{rows}."
+        inputs = "finite inputs" if o.inputs_finite else "NaN-free inputs"
+        fact = next((x for x in (r.samples[0].reason.split("; ")[0],) if r.samples and ("is empty" in x or "outside [" in x)), None)
+        if fact:
+            s0 = r.samples[0]
+            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[1]}; {o.op}{at} produced {o.produced} from {inputs} on it."
+        else:
+            rows = f" for {who}{more}" if r.samples else ""
+            s = f"{lead}: {o.op}{at} produced {o.produced} from {inputs}{rows}."
     elif o.kind == "optimizer":
         s = f"{lead}: the optimizer update blew the weights up ({o.detail})" + (f", worst in `{o.parameter}`" if o.parameter else "") + "; no sample is to blame."
     elif o.kind == "numeric":

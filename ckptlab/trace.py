@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though it ships with us
 _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
@@ -109,13 +110,16 @@ class OpEvent:
         return f"{mod} {self.op}" + (f" ({self.call}, {self.source})" if self.source else "")
 
 
-def user_source(skip_dirs=(_TORCH_DIR, _CKPTLAB_DIR)) -> tuple[str | None, str | None]:
+def user_source() -> tuple[str | None, str | None]:
     """(short "file.py:line", full path:line) of the innermost frame outside torch and ckptlab."""
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith(skip_dirs) and not fn.startswith("<"):
+        ours = fn.startswith(_CKPTLAB_DIR) and not fn.startswith(_EXAMPLES_DIR)
+        if not (fn.startswith(_TORCH_DIR) or ours or fn.startswith("<")):
             return f"{os.path.basename(fn)}:{f.f_lineno}", f"{fn}:{f.f_lineno}"
+        if ours and f.f_code.co_name == "run_step":  # reached the replay driver: no user frame
+            return None, None
         f = f.f_back
     return None, None
 

@@ -54,14 +54,21 @@ def render(r, term) -> None:
             t.add_row(str(s.row), escape(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), escape(s.reason))
         term.print(t)
     if r.parameters:
-        t = Table(title="parameters", title_justify="left", show_edge=False)
-        for col in ("parameter", "grad norm", "typical", "update ratio", "why"):
-            t.add_column(col)
-        for p in r.parameters[:8]:
-            t.add_row(escape(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), escape(p.reason))
-        if len(r.parameters) > 8:
-            t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
-        term.print(t)
+        nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
+        if len(nonfinite) > 5 and o.kind in ("data", "numeric") and o.phase == "forward":
+            # A NaN from the forward pass poisons every gradient: the list says nothing more.
+            term.print(f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
+                       f"e.g. {escape(', '.join(p.name for p in nonfinite[:3]))}")
+        else:
+            t = Table(title="parameters", title_justify="left", show_edge=False)
+            t.add_column("parameter", no_wrap=True)
+            for col in ("grad norm", "typical", "update ratio", "why"):
+                t.add_column(col)
+            for p in r.parameters[:8]:
+                t.add_row(escape(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), escape(p.reason))
+            if len(r.parameters) > 8:
+                t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
+            term.print(t)
     for c in r.counterfactuals:
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
         term.print(f"evidence   {escape(c.question)} {mark}: {escape(c.detail)}")
