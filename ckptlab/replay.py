@@ -226,11 +226,12 @@ class Replayer:
         rec.batch = _to_device(rec.batch, self.device)
         return rec
 
-    def run_step(self, t: Trainee, rec, batch=None, *, tracer: Tracer | None = None) -> StepHealth:
-        """One recorded step (or `batch` in its place), exactly as the Recorder ran it."""
+    def run_step(self, t: Trainee, rec, batch=None, *, tracer: Tracer | None = None, measure_update: bool = True) -> StepHealth:
+        """One recorded step (or `batch` in its place), exactly as the Recorder ran it.
+        `measure_update` costs a copy of the parameters (for update ratios, weight norms)."""
         if rec.rng is not None:
             restore_rng(rec.rng)
-        t.probe.begin(measure_update=True)
+        t.probe.begin(measure_update=measure_update)
         try:
             with _user_output(), (tracer if tracer is not None else contextlib.nullcontext()):
                 loss = self.step_fn(t.model, t.optimizer, rec.batch if batch is None else batch)
@@ -278,6 +279,7 @@ class _Investigation:
             raise ReplayError(run._missing_step(step), path=run.path)
         self.r = Replayer(run, device=device, log=self.log)
         self.m = m
+        self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
 
     # 1. where to start -----------------------------------------------------------------------
 
@@ -365,9 +367,10 @@ class _Investigation:
         for s in range(k, self.step + 1):
             self.log(f"replaying step {s} ({s - k + 1}/{self.step - k + 1})")
             rec = r.batch(s)
-            snap = snapshot(s, t.model, t.optimizer, t.scheduler, t.scaler) if s >= snap_from else None
+            suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
+            snap = snapshot(s, t.model, t.optimizer, t.scheduler, t.scaler) if suspect else None
             dets_before = copy.deepcopy(dets)
-            h = r.run_step(t, rec)
+            h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
             found = self.anomalies(h, dets)
             checks.append(self.compare(s, h, found))
             if found:
@@ -393,7 +396,7 @@ class _Investigation:
         t = r.build()
         r.load_checkpoint(t, k)
         for s in range(k, root):
-            r.run_step(t, r.batch(s))
+            r.run_step(t, r.batch(s), measure_update=False)
         snap = snapshot(root, t.model, t.optimizer, t.scheduler, t.scaler)
         r.close(t)
         return snap

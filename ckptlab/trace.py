@@ -35,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -67,11 +68,12 @@ def summarize(t: torch.Tensor) -> TensorSummary:
     if t.numel() == 0 or t.is_complex() or t.dtype == torch.bool:
         return s
     with torch.no_grad():
-        if not t.is_floating_point():
-            s.absmax = float(t.abs().max())
-            return s
-        if bool(torch.isfinite(t).all()):
-            s.absmax = float(t.abs().max())
+        # One pass, no temporary: min and max propagate NaN, and +-Inf shows up in them, so a
+        # finite result proves the whole tensor finite. Only a non-finite one is counted.
+        lo, hi = torch.aminmax(t)
+        lo, hi = float(lo), float(hi)
+        if math.isfinite(lo) and math.isfinite(hi):
+            s.absmax = max(-lo, hi)
             return s
         s.nan = int(torch.isnan(t).sum())
         s.posinf = int(torch.isposinf(t).sum())
@@ -169,7 +171,7 @@ class _DispatchMode(TorchDispatchMode):
         name = str(func)
         record = not name.startswith(_IGNORE_PREFIXES) and name != "aten.detach.default"
         flat_in = tree_flatten((args, kwargs))[0] if record else []
-        inputs = [summarize(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
+        inputs = [tr.summary(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
         out = func(*args, **kwargs)
         if record:
             tr._record(name, flat_in, inputs, out)
@@ -196,6 +198,21 @@ class Tracer:
         self._in_optimizer = False
         self._seen_backward = False
         self._handles: list[Any] = []
+        # Summaries of tensors already seen (most op inputs are earlier outputs or parameters),
+        # valid while the tensor's version counter is unchanged (in-place ops bump it).
+        self._seen = WeakIdKeyDictionary()
+
+    def summary(self, t: torch.Tensor) -> TensorSummary:
+        try:
+            hit = self._seen.get(t)
+            version = t._version
+        except (TypeError, RuntimeError):  # tensors without weakref/version support
+            return summarize(t)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        s = summarize(t)
+        self._seen[t] = (version, s)
+        return s
 
     # --- context ------------------------------------------------------------------------
 
@@ -287,7 +304,7 @@ class Tracer:
             module=module,
             source=source,
             inputs=inputs,
-            outputs=[summarize(t) for t in outs],
+            outputs=[self.summary(t) for t in outs],
             scalar_nonfinite=any(isinstance(a, float) and not math.isfinite(a) for a in flat_in),
         )
         in_nan = any(s.nan for s in inputs)
