@@ -116,3 +116,16 @@ def test_cli_json_and_errors(run_dir):
     assert bad.stderr.strip().count("\n") == 0 and "step 500 was not recorded" in bad.stderr
     usage = _cli("replay", "--run", str(run_dir))
     assert usage.returncode == 2
+
+
+def test_compiled_model_and_printing_build_fn(run_dir):
+    models.record_run(run_dir, models.build_compiled_noisy, models.step_mlp, models.mlp_batches(12), ckpt_every=5)
+    run = ckptlab.open_run(run_dir)
+    assert run.param_names[0] == "fc1.weight"  # no _orig_mod. prefix in the run
+    tensors, _ = run.checkpoint(10).load_model()
+    assert "fc1.weight" in tensors
+    out = _cli("replay", "--run", str(run_dir), "--step", "11", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # the build_fn's print went to stderr, not into the JSON
+    assert doc["deterministic"] is True
+    assert "chatty build_fn" in out.stderr
