@@ -196,7 +196,9 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         except RuntimeError:  # only settable before the first parallel work; rarely changes bits
             notes.append(f"inter-op threads stay {torch.get_num_interop_threads()} (recorded {env['num_interop_threads']})")
     deterministic = bool(env.get("deterministic_algorithms")) or force_deterministic
-    torch.use_deterministic_algorithms(deterministic, warn_only=bool(env.get("deterministic_warn_only")))
+    # Forced (not recorded): warn, don't fail, on ops that have no deterministic kernel.
+    warn_only = bool(env.get("deterministic_warn_only")) or (force_deterministic and not env.get("deterministic_algorithms"))
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.deterministic = bool(env.get("cudnn_deterministic")) or force_deterministic
     torch.backends.cudnn.benchmark = bool(env.get("cudnn_benchmark")) and not force_deterministic
     torch.backends.cudnn.allow_tf32 = bool(env.get("cudnn_allow_tf32", True))
