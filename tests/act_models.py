@@ -1,0 +1,141 @@
+"""Models and data that plant one training pathology each, for the report/dirty/rollback tests.
+
+build/step functions live at module level (replay imports them by name). Every builder seeds
+itself, so a run recorded twice is bit-identical; every batch generator is seeded too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.models import MLP, step_mlp
+
+
+# --- regression data: y = 0.5 * x0 + noise ------------------------------------------------------
+
+def regression_batches(n: int, batch: int = 16, seed: int = 1, noise: float = 0.1, first: int = 0):
+    """(batch, sample_ids) pairs for steps first..first+n-1; ids are 1000 * step + row."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(first + n):
+        x = torch.randn(batch, 8, generator=g)
+        y = x[:, :1] * 0.5 + noise * torch.randn(batch, 1, generator=g)
+        if i >= first:
+            yield (x, y), [1000 * i + r for r in range(batch)]
+
+
+# --- healthy: the tiny MLP with a sane AdamW learning rate --------------------------------------
+
+def build_healthy():
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# --- oscillation: plain SGD with a learning rate ~40x too high; clipping keeps it bounded, ------
+# so the loss bounces (up, down, up) instead of diverging.
+
+def build_high_lr():
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.SGD(model.parameters(), lr=4.0)
+
+
+# --- overfitting: a wide MLP memorizes 16 noisy samples; validation turns up ----------------------
+
+def build_overfit():
+    torch.manual_seed(0)
+    model = MLP(hidden=256)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def overfit_data(seed: int = 3, n: int = 32):
+    """(train x, train y, val x, val y): 32 training samples with heavy label noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n + 256, 8, generator=g)
+    y = x[:, :1] * 0.5 + 0.5 * torch.randn(n + 256, 1, generator=g)
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+def overfit_batches(n: int):
+    """The whole training set every step: the model memorizes its noise."""
+    x, y, _, _ = overfit_data()
+    for i in range(n):
+        yield (x, y), list(range(len(x)))
+
+
+def overfit_validate(every: int = 5):
+    _, _, vx, vy = overfit_data()
+
+    def validate(i, model):
+        if (i + 1) % every:
+            return None
+        with torch.no_grad():
+            return {"val_loss": F.mse_loss(model(vx), vy).item()}
+
+    return validate
+
+
+# --- plateau: a learning rate stuck near zero for the first 40% of the run, then normal -----------
+
+def build_plateau():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plateau_factor)
+    return model, opt, sched
+
+
+def plateau_factor(step: int) -> float:
+    return 1e-4 if step < 120 else 1.0
+
+
+# --- frozen layer: fc1 is left out of the optimizer (a classic bug), so it never moves -------------
+
+def build_frozen():
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.AdamW(model.fc2.parameters(), lr=1e-2)
+
+
+# --- imbalanced layer: the middle layer is re-parametrized w = 1e-3 * W, so its gradient is ------
+# 1e-3 of what its neighbours see while the forward pass is unchanged.
+
+class ScaledLinear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, scale: float):
+        super().__init__()
+        ref = nn.Linear(d_in, d_out)
+        self.scale = scale
+        self.weight = nn.Parameter(ref.weight.detach() / scale)
+        self.bias = nn.Parameter(ref.bias.detach() / scale)
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.scale, self.bias * self.scale)
+
+
+class DeepMLP(nn.Module):
+    def __init__(self, scale_middle: float = 1.0):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = ScaledLinear(32, 32, scale_middle) if scale_middle != 1.0 else nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 32)
+        self.fc4 = nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        x = torch.relu(self.fc3(x))
+        return self.fc4(x)
+
+
+def build_deep():
+    torch.manual_seed(0)
+    model = DeepMLP()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def build_imbalanced():
+    torch.manual_seed(0)
+    model = DeepMLP(scale_middle=1e-3)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
