@@ -40,6 +40,7 @@ from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
 from ckptlab.errors import NonFiniteLoss, RecordError
 from ckptlab.probe import StepHealth, StepProbe, named_parameters
 from ckptlab.run import codec, framelog, records
+from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import MANIFEST, batches_dir, checkpoints_dir, journal_dir, segments
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
@@ -184,6 +185,10 @@ class Recorder:
 
     def _resume(self, restore: bool) -> int:
         """Next step number for a resumed session; restores the state when asked."""
+        pending = unfinished_rollback(self.run_dir)
+        if pending is not None:  # half the later steps moved: resuming now would mix timelines
+            raise RecordError(f"a rollback into {pending.name} was interrupted", path=self.run_dir,
+                              hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume")
         for stale in checkpoints_dir(self.run_dir).glob(".tmp-*"):  # a crash mid-commit
             shutil.rmtree(stale, ignore_errors=True)
         found, _ = list_checkpoints(self.run_dir)
