@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import MLP, step_mlp
+from tests.models import MLP, TinyLM, step_mlp
 
 
 # --- regression data: y = 0.5 * x0 + noise ------------------------------------------------------
@@ -139,3 +139,70 @@ def build_imbalanced():
     torch.manual_seed(0)
     model = DeepMLP(scale_middle=1e-3)
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+# --- dirty data ----------------------------------------------------------------------------------
+# Token batches: {"ids": int64[B, T] right-padded with PAD, "quality": float32[B]} with sample ids
+# "doc-<step>-<row>". Planted, one of each kind (step, row):
+DIRTY_VOCAB, DIRTY_PAD, DIRTY_SEQ = 64, 0, 17
+PLANTED = {
+    (5, 2): "all_padding",  # every token is the pad id
+    (7, 1): "out_of_range",  # token id 500 >= vocab 64
+    (9, 3): "length",  # 2 real tokens where rows hold 12..17
+    (11, 0): "duplicate",  # the content of (3, 4) under another sample id
+    (13, 5): "nonfinite",  # quality = NaN
+    (15, 6): "extreme",  # quality = 1e6 (others ~ N(1, 0.1))
+}
+
+
+def dirty_lm_batches(n: int = 24, batch: int = 8, seed: int = 5, plant: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    keep = {}
+    for step in range(n):
+        ids = torch.randint(1, DIRTY_VOCAB, (batch, DIRTY_SEQ), generator=g)
+        lengths = torch.randint(12, DIRTY_SEQ + 1, (batch,), generator=g)
+        ids[torch.arange(DIRTY_SEQ) >= lengths[:, None]] = DIRTY_PAD
+        quality = 1 + 0.1 * torch.randn(batch, generator=g)
+        if plant:
+            if step == 3:
+                keep["dup"] = ids[4].clone(), quality[4].clone()
+            if step == 5:
+                ids[2] = DIRTY_PAD
+            if step == 7:
+                ids[1, 3] = 500
+            if step == 9:
+                ids[3, 2:] = DIRTY_PAD
+            if step == 11:  # the whole row (every field) again, under another sample id
+                ids[0], quality[0] = keep["dup"]
+            if step == 13:
+                quality[5] = float("nan")
+            if step == 15:
+                quality[6] = 1e6
+        yield {"ids": ids, "quality": quality}, [f"doc-{step}-{r}" for r in range(batch)]
+
+
+def build_dirty_lm():
+    torch.manual_seed(0)
+    model = TinyLM(vocab=DIRTY_VOCAB, ctx=DIRTY_SEQ)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def step_dirty_lm(model, optimizer, batch):
+    """Clamps ids into the vocabulary (as a `% vocab` pipeline would): dirty ids do not crash."""
+    ids = batch["ids"].clamp(0, DIRTY_VOCAB - 1)
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), ignore_index=DIRTY_PAD)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int = 1):
+    """Regression batches with one absurd target (y = 1e3) at (spike_step, row 3)."""
+    for step, ((x, y), ids) in enumerate(regression_batches(n, batch=batch, seed=seed)):
+        if step == spike_step:
+            y = y.clone()
+            y[3] = 1e3
+        yield (x, y), ids

@@ -411,7 +411,7 @@ class _StaticScan:
                 z = (n - med) / scale
                 ratio = (n + 1) / (med + 1)
                 if k and abs(z) >= self.rules.length_z and (ratio <= 1 / self.rules.length_ratio or ratio >= self.rules.length_ratio):
-                    self.flags.append((g, "length", {"field": name, "length": int(n), "median": med, "z": z}))
+                    self.flags.append((g, "length", {"field": name, "length": int(n), "median": med, "z": float(z)}))
 
     def _extremes(self) -> None:
         for f in self.floats.values():
@@ -448,17 +448,16 @@ class _StaticScan:
 
 
 def _robust(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-column median and scale: 1.4826 * MAD, floored by the spread of the central 99.8%
-    (so a mostly-constant feature does not make every other value infinitely extreme), then by
-    the column's magnitude."""
+    """Per-column median and scale: 1.4826 * MAD (a normal's sigma). Where the MAD is 0 (a
+    mostly-constant or sparse binary feature) the spread of the central 99.8% stands in, so
+    the occasional 1 in a column of 0s is not "infinitely" extreme; then the magnitude."""
     Xf = np.where(np.isfinite(X), X, np.nan)
     med = np.nanmedian(Xf, 0)
-    mad = 1.4826 * np.nanmedian(np.abs(Xf - med), 0)
+    mad = np.nan_to_num(1.4826 * np.nanmedian(np.abs(Xf - med), 0))
     lo, hi = np.nanpercentile(Xf, [0.1, 99.9], axis=0)
-    spread = (hi - lo) / 6.18
-    magnitude = np.maximum(np.abs(med), 1e-12) * 1e-3
-    scale = np.maximum(np.nan_to_num(mad), np.nan_to_num(spread))
-    scale = np.where(scale > 0, scale, magnitude)
+    spread = np.nan_to_num((hi - lo) / 6.18)
+    magnitude = np.maximum(np.abs(np.nan_to_num(med)), 1e-12) * 1e-3
+    scale = np.where(mad > 0, mad, np.where(spread > 0, spread, magnitude))
     return np.nan_to_num(med), scale
 
 

@@ -538,7 +538,7 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list
     return [Finding(
         kind="overfitting",
         severity="warning",
-        title=(f"overfitting: {stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
+        title=(f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
                f"{rise:.0%} to {stop.last_value:.4g} while the training loss kept falling"),
         steps=[stop.best_step, stop.last_step],
         evidence={
