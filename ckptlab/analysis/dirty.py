@@ -165,26 +165,29 @@ class _FloatField:
 
 
 class _TokenField:
-    """Per-row facts about a 2-D integer field, enough to decide padding and length later."""
+    """Per-row facts about a 2-D integer field, enough to decide padding and length once the
+    pad id is known: the value and run length at each end of a row, and whether the row is
+    one value throughout. Kept as numpy chunks, joined by `arrays()`."""
 
     def __init__(self, name: str):
         self.name = name
-        self.rows: list[int] = []
-        self.width: list[int] = []
-        self.head = []  # (value, run length) at each end
-        self.tail = []
-        self.constant = []
+        self.chunks: list[tuple[np.ndarray, ...]] = []
 
-    def add(self, first_row: int, a: np.ndarray) -> None:
-        B, T = a.shape[0], int(np.prod(a.shape[1:]))
-        flat = a.reshape(B, T)
+    def add(self, first_row: int, flat: np.ndarray) -> None:
+        B, T = flat.shape
         if T == 0:
             return
-        self.rows.extend(range(first_row, first_row + B))
-        self.width.extend([T] * B)
-        self.head.extend(zip(flat[:, 0].tolist(), _run_length(flat).tolist()))
-        self.tail.extend(zip(flat[:, -1].tolist(), _run_length(flat[:, ::-1]).tolist()))
-        self.constant.extend((flat == flat[:, :1]).all(1).tolist())
+        head_n, tail_n = _run_length(flat), _run_length(flat[:, ::-1])
+        self.chunks.append((np.arange(first_row, first_row + B), np.full(B, T), flat[:, 0].astype(np.int64), head_n,
+                            flat[:, -1].astype(np.int64), tail_n, head_n == T))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        keys = ("row", "width", "head", "head_n", "tail", "tail_n", "constant")
+        if not self.chunks:
+            return {k: np.zeros(0, dtype=bool if k == "constant" else np.int64) for k in keys}
+        if len(self.chunks) > 1:  # join once; later calls reuse it
+            self.chunks = [tuple(np.concatenate([c[i] for c in self.chunks]) for i in range(len(keys)))]
+        return dict(zip(keys, self.chunks[0]))
 
 
 def _run_length(flat: np.ndarray) -> np.ndarray:
@@ -208,8 +211,8 @@ def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: bool = True,
             progress(i + 1, len(steps))
     flagged = static.finish()
     seconds = time.perf_counter() - t0
-    step_flags = dynamic_flags(run, rules)
-    flagged += _step_rows(step_flags, static)
+    step_flags = dynamic_flags(run, rules, ids_by_step=static.ids_by_step())
+    flagged += _step_rows(step_flags)
     attribution = {"status": "off"}
     if attribute:
         attribution, rows = _attribution(run, step_flags, rules)
@@ -272,39 +275,38 @@ class _StaticScan:
         for r in range(B):
             self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None))
         self.n_rows += B
-        digests = [hashlib.blake2b(digest_size=16) for _ in range(B)]
+        content: list[np.ndarray] = []  # per field: (B, bytes) -- a row's content is its bytes in every field
         for name, value in fields:
             if isinstance(value, list):
                 if len(value) != B:
                     continue
                 self.field_names.add(name)
-                self._strings(name, first, value, digests)
+                self._strings(name, first, value)
+                content.append(np.array([hashlib.blake2b(str(v).encode(), digest_size=16).digest() for v in value]).view(np.uint8).reshape(B, -1))
                 continue
             if value.ndim == 0 or value.shape[0] != B:
                 continue
             self.field_names.add(name)
-            self._array(name, first, value, digests)
-        for r, d in enumerate(digests):
-            key = d.digest()
-            seen = self.hashes.setdefault(key, first + r)
-            if seen != first + r:
-                self.dupes.append((first + r, seen))
+            self._array(name, first, value)
+            content.append(np.ascontiguousarray(value).reshape(B, -1).view(np.uint8))
+        if content:
+            rows = np.concatenate(content, 1) if len(content) > 1 else content[0]
+            for r in range(B):
+                key = hashlib.blake2b(rows[r].tobytes(), digest_size=16).digest()
+                seen = self.hashes.setdefault(key, first + r)
+                if seen != first + r:
+                    self.dupes.append((first + r, seen))
 
-    def _strings(self, name, first, value, digests):
+    def _strings(self, name, first, value):
         for r, s in enumerate(value):
             text = s.encode() if isinstance(s, str) else s
-            digests[r].update(name.encode() + b"\0" + text + b"\0")
             self.strings[name].append((first + r, len(text)))
             if not text.strip():
                 self.flags.append((first + r, "empty", {"field": name}))
 
-    def _array(self, name: str, first: int, a: np.ndarray, digests) -> None:
+    def _array(self, name: str, first: int, a: np.ndarray) -> None:
         B = a.shape[0]
         rows = a.reshape(B, -1)
-        head = f"{name}|{a.dtype.str}|{a.shape[1:]}".encode()
-        for r in range(B):
-            digests[r].update(head)
-            digests[r].update(np.ascontiguousarray(rows[r]).tobytes())
         kind = a.dtype.kind
         if kind == "f":
             bad = ~np.isfinite(rows)
@@ -341,7 +343,13 @@ class _StaticScan:
             tf = self.tokens.get(name)
             if tf is None:
                 tf = self.tokens[name] = _TokenField(name)
-            tf.add(first, rows)
+            tf.add(first, rows)  # (B, T)
+
+    def ids_by_step(self) -> dict[int, list]:
+        out: dict[int, list] = defaultdict(list)
+        for r in self.rows:
+            out[r.step].append(r.sample_id)
+        return dict(out)
 
     # after the pass
     def finish(self) -> list[DirtyRow]:
@@ -365,19 +373,21 @@ class _StaticScan:
             return given, "data_info"
         # Inferred: the value that ends (or starts) rows in runs of >= 2 in at least 1% of rows
         # (padding); random token data does that with probability ~1/vocab, spread over values.
-        counts: Counter = Counter()
-        total = 0
+        values, total = [], 0
         for tf in self.tokens.values():
-            total += len(tf.rows)
-            for (hv, hn), (tv, tn) in zip(tf.head, tf.tail):
-                if tn >= 2:
-                    counts[tv] += 1
-                elif hn >= 2:
-                    counts[hv] += 1
-        if counts:
-            value, n = counts.most_common(1)[0]
-            if n >= max(2, 0.01 * total):
-                return int(value), f"inferred: fills the end of {n} rows"
+            a = tf.arrays()
+            total += len(a["row"])
+            values.append(np.where(a["tail_n"] >= 2, a["tail"], np.where(a["head_n"] >= 2, a["head"], np.iinfo(np.int64).min)))
+        if not values:
+            return None, None
+        v = np.concatenate(values)
+        v = v[v != np.iinfo(np.int64).min]
+        if not len(v):
+            return None, None
+        uniq, counts = np.unique(v, return_counts=True)
+        i = int(np.argmax(counts))
+        if counts[i] >= max(2, 0.01 * total):
+            return int(uniq[i]), f"inferred: fills the end of {int(counts[i])} rows"
         return None, None
 
     def _padding(self, pad: int | None) -> set[int]:
@@ -385,33 +395,36 @@ class _StaticScan:
         repeated across a row of >= 4 tokens: padding in all but name)."""
         found = set()
         for tf in self.tokens.values():
-            for g, T, (hv, _), const in zip(tf.rows, tf.width, tf.head, tf.constant):
-                if const and ((pad is not None and hv == pad) or (pad is None and T >= 4)):
-                    found.add(g)
-                    self.flags.append((g, "all_padding", {"field": tf.name, "value": int(hv), "length": T,
-                                                          "pad_id": pad}))
+            a = tf.arrays()
+            hit = a["constant"] & ((a["head"] == pad) if pad is not None else (a["width"] >= 4))
+            for i in np.flatnonzero(hit):
+                g = int(a["row"][i])
+                found.add(g)
+                self.flags.append((g, "all_padding", {"field": tf.name, "value": int(a["head"][i]), "length": int(a["width"][i]),
+                                                      "pad_id": pad}))
         return found
 
     def _lengths(self, pad: int | None, skip: set[int]) -> None:
-        series: dict[str, tuple[list[int], np.ndarray]] = {}
+        series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if pad is not None:
             for tf in self.tokens.values():
-                lengths = [T - (tn if tv == pad else 0) - (hn if hv == pad and tv != pad else 0)
-                           for T, (hv, hn), (tv, tn) in zip(tf.width, tf.head, tf.tail)]
-                series[tf.name] = (tf.rows, np.array(lengths, dtype=np.float64))
+                a = tf.arrays()
+                right = np.where(a["tail"] == pad, a["tail_n"], 0)  # right padding, else left
+                left = np.where((a["head"] == pad) & (a["tail"] != pad), a["head_n"], 0)
+                series[tf.name] = (a["row"], (a["width"] - right - left).astype(np.float64))
         for name, items in self.strings.items():
-            series[name] = ([g for g, _ in items], np.array([n for _, n in items], dtype=np.float64))
+            series[name] = (np.array([g for g, _ in items]), np.array([n for _, n in items], dtype=np.float64))
         for name, (rows, lengths) in series.items():
-            keep = np.array([g not in skip for g in rows], dtype=bool)
+            keep = ~np.isin(rows, list(skip)) if skip else np.ones(len(rows), dtype=bool)
             if keep.sum() < 8:
                 continue
             med = float(np.median(lengths[keep]))
             scale = max(1.4826 * float(np.median(np.abs(lengths[keep] - med))), 0.05 * med, 1.0)
-            for g, n, k in zip(rows, lengths, keep):
-                z = (n - med) / scale
-                ratio = (n + 1) / (med + 1)
-                if k and abs(z) >= self.rules.length_z and (ratio <= 1 / self.rules.length_ratio or ratio >= self.rules.length_ratio):
-                    self.flags.append((g, "length", {"field": name, "length": int(n), "median": med, "z": float(z)}))
+            z = (lengths - med) / scale
+            ratio = (lengths + 1) / (med + 1)
+            out = keep & (np.abs(z) >= self.rules.length_z) & ((ratio <= 1 / self.rules.length_ratio) | (ratio >= self.rules.length_ratio))
+            for i in np.flatnonzero(out):
+                self.flags.append((int(rows[i]), "length", {"field": name, "length": int(lengths[i]), "median": med, "z": float(z[i])}))
 
     def _extremes(self) -> None:
         for f in self.floats.values():
@@ -434,14 +447,12 @@ class _StaticScan:
 
     def _duplicates(self, padded: set[int]) -> None:
         pairs = [(g, first) for g, first in self.dupes if g not in padded and first not in padded]
-        with_ids = [(g, f) for g, f in pairs if self.rows[g].sample_id is not None]
         # The same sample id again is another epoch, not a duplicate.
         pairs = [(g, f) for g, f in pairs if self.rows[g].sample_id is None or self.rows[g].sample_id != self.rows[f].sample_id]
         no_ids = [(g, f) for g, f in pairs if self.rows[g].sample_id is None]
         if no_ids and len(no_ids) > 0.5 * self.n_rows:
             self.notes.append(f"{len(no_ids)} rows repeat earlier content without sample ids (multi-epoch training?); not flagged")
             pairs = [p for p in pairs if self.rows[p[0]].sample_id is not None]
-        del with_ids
         for g, f in pairs:
             first = self.rows[f]
             self.flags.append((g, "duplicate", {"same_as": {"step": first.step, "row": first.row, "sample_id": first.sample_id}}))
@@ -478,8 +489,9 @@ def _merge_same_row(rows: list[DirtyRow]) -> list[DirtyRow]:
 
 # --- dynamic: the step health ----------------------------------------------------------------------
 
-def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules()) -> list[dict]:
-    """Steps whose loss or gradient norm went wrong: {step, kind, value, median, z, batch}."""
+def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: dict | None = None) -> list[dict]:
+    """Steps whose loss or gradient norm went wrong: {step, kind, value, median, z, batch,
+    sample_ids} (`ids_by_step`, from a static scan, saves reading those batches again)."""
     m = run.metrics()
     retained = set(run.steps)
     out = []
@@ -490,18 +502,20 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules()) -> list[dict]:
             out.append({"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio})
     for f in out:
         f["batch"] = "retained" if f["step"] in retained else "pruned by retention"
-        f["sample_ids"] = run.batch(f["step"])[1] if f["step"] in retained else None
+        if f["step"] not in retained:
+            f["sample_ids"] = None
+        elif ids_by_step is not None and f["step"] in ids_by_step:
+            f["sample_ids"] = ids_by_step[f["step"]]
+        else:
+            f["sample_ids"] = run.batch(f["step"])[1]
     return sorted(out, key=lambda f: (f["step"], f["kind"]))
 
 
-def _step_rows(step_flags: list[dict], static: _StaticScan) -> list[DirtyRow]:
-    ids_by_step: dict[int, list] = defaultdict(list)
-    for r in static.rows:
-        ids_by_step[r.step].append(r.sample_id)
+def _step_rows(step_flags: list[dict]) -> list[DirtyRow]:
     out = []
     for f in step_flags:
         ev = {k: f[k] for k in ("value", "median", "z", "ratio", "batch") if f.get(k) is not None}
-        ev["rows"] = len(ids_by_step.get(f["step"], []))
+        ev["rows"] = len(f["sample_ids"]) if f.get("sample_ids") is not None else None
         score = SCORES[f["kind"]] + (min(10.0, math.log10(max(f["z"], 1.0))) if f.get("z") else 0.0)
         out.append(DirtyRow(f["step"], None, None, f["kind"], ev, score))
     return out
