@@ -206,3 +206,34 @@ def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int
             y = y.clone()
             y[3] = 1e3
         yield (x, y), ids
+
+
+# --- a nested batch: strings, a dict of token ids and an attention mask, a float target ---------
+
+def nested_batches(n: int = 12, batch: int = 6, seed: int = 7):
+    """Planted: (4, 1) has an empty text, (6, 2) an all-zero attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(n):
+        ids = torch.randint(1, 50, (batch, 10), generator=g)
+        mask = torch.ones(batch, 10, dtype=torch.int64)
+        text = [f"document {step}-{r} " + "word " * int(r + 3) for r in range(batch)]
+        if step == 4:
+            text[1] = ""
+        if step == 6:
+            mask[2] = 0
+        y = torch.randn(batch, generator=g)
+        yield {"text": text, "inputs": {"ids": ids, "attention_mask": mask}, "y": y}, [f"n{step}-{r}" for r in range(batch)]
+
+
+def build_nested():
+    torch.manual_seed(0)
+    model = nn.EmbeddingBag(50, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step_nested(model, optimizer, batch):
+    loss = F.mse_loss(model(batch["inputs"]["ids"]).squeeze(1), batch["y"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss

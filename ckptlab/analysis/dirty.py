@@ -282,7 +282,8 @@ class _StaticScan:
                     continue
                 self.field_names.add(name)
                 self._strings(name, first, value)
-                content.append(np.array([hashlib.blake2b(str(v).encode(), digest_size=16).digest() for v in value]).view(np.uint8).reshape(B, -1))
+                digests = b"".join(hashlib.blake2b(str(v).encode(), digest_size=16).digest() for v in value)
+                content.append(np.frombuffer(digests, dtype=np.uint8).reshape(B, 16))
                 continue
             if value.ndim == 0 or value.shape[0] != B:
                 continue

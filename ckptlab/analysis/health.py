@@ -222,9 +222,12 @@ def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = Tr
 
 def _verdict(curve: CurveSummary, findings: list[Finding]) -> str:
     alarms = [f for f in findings if f.severity != "info"]
-    shape = curve.shape.replace("_", " ")
     if not alarms:
-        return f"Healthy: the loss shows a {shape}; no problems found."
+        if curve.shape == "empty":
+            return "No finite loss recorded yet: nothing to judge."
+        if curve.shape == "too_short":
+            return "Too few steps to judge the curves' shape; no problems found."
+        return f"Healthy: the loss shows a {curve.shape.replace('_', ' ')}; no problems found."
     more = f" (+{len(alarms) - 1} more: {', '.join(sorted({f.kind for f in alarms[1:]}))})" if len(alarms) > 1 else ""
     return f"{alarms[0].title}{more}."
 
@@ -667,28 +670,26 @@ def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[Weight
     ur = m.update_ratio[measured].astype(np.float64)
 
     unchanged = _unchanged_between(snapshots) if len(snapshots) >= 2 else set()
-    frozen = []
+    frozen: dict[int, dict] = {}
     for j, name in enumerate(names):
         if not trainable.get(name, True):
             continue
-        col = ur[:, j] if len(measured) else np.array([])
-        zero_ratio = len(col) >= 2 and np.all(col[np.isfinite(col)] == 0) and np.isfinite(col).any()
+        col = ur[:, j][np.isfinite(ur[:, j])] if len(measured) else np.array([])
+        zero_ratio = len(col) >= 2 and bool(np.all(col == 0))
         if zero_ratio or name in unchanged:
-            frozen.append(j)
+            grads = m.param_grad_norm[:, j]
+            grads = grads[np.isfinite(grads) & (grads >= 0)]  # -1: no gradient that step
+            frozen[j] = {"update_ratio_always_0": zero_ratio, "measured_steps": int(len(col)),
+                         "bit_identical_across_checkpoints": name in unchanged,
+                         "median_grad_norm": float(np.median(grads)) if len(grads) else None}
     if frozen:
-        pg = m.param_grad_norm[:, frozen]
-        gets_grad = bool((pg > 0).any())
+        gets_grad = any((ev["median_grad_norm"] or 0) > 0 for ev in frozen.values())
         out.append(Finding(
             kind="frozen",
             severity="warning",
             title=f"{_few([names[j] for j in frozen])} never change" + (" although they get gradients" if gets_grad else ""),
             steps=[],
-            evidence={
-                "by": ("update ratio 0 at every measured step" if len(measured) else "")
-                + (" and bit-identical across checkpoints" if unchanged & {names[j] for j in frozen} else ""),
-                "measured_steps": len(measured),
-                "median_grad_norm": {names[j]: float(np.nanmedian(np.where(m.param_grad_norm[:, j] < 0, np.nan, m.param_grad_norm[:, j]))) if len(m) else None for j in frozen[:20]},
-            },
+            evidence={names[j]: ev for j, ev in list(frozen.items())[:20]},
             params=[names[j] for j in frozen],
             remedies=["are they in the optimizer? (build the optimizer after the model is complete; check param groups)",
                       "a param group with lr=0 or a scheduler that reached 0",

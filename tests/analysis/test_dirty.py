@@ -139,3 +139,11 @@ def test_a_file_that_is_not_a_skip_list_is_refused(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ckptlab.CkptlabError, match="not a ckptlab skip list"):
         skip_samples(range(3), tmp_path / "x.json")
+
+
+def test_nested_batch_with_strings_and_masks(tmp_path):
+    models.record_run(tmp_path / "r", am.build_nested, am.step_nested, am.nested_batches(), ckpt_every=50)
+    r = scan(ckptlab.open_run(tmp_path / "r"))
+    assert {(f.step, f.row): (f.reason, f.evidence["field"]) for f in r.flagged} == {
+        (4, 1): ("empty", "text"), (6, 2): ("empty", "inputs.attention_mask")}
+    assert set(r.scanned["fields"]) == {"text", "inputs.ids", "inputs.attention_mask", "y"}

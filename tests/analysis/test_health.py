@@ -7,6 +7,7 @@ import pytest
 
 import ckptlab
 from ckptlab.analysis.health import HealthRules, curve_shape, diagnose, early_stopping
+from ckptlab.analysis.spikes import SpikeRule
 from tests import act_models as am
 from tests import models
 
@@ -78,7 +79,8 @@ def test_frozen_layer(reports):
     f = next(f for f in r.findings if f.kind == "frozen")
     assert set(f.params) == {"fc1.weight", "fc1.bias"}
     assert "get gradients" in f.title  # it is not requires_grad=False: it is missing from the optimizer
-    assert "bit-identical across checkpoints" in f.evidence["by"]
+    assert f.evidence["fc1.weight"]["bit_identical_across_checkpoints"] and f.evidence["fc1.weight"]["update_ratio_always_0"]
+    assert f.evidence["fc1.weight"]["median_grad_norm"] > 0
 
 
 def test_imbalanced_layer(reports):
@@ -108,6 +110,16 @@ def test_language_model_gets_perplexity(reports):
     assert math.isclose(p.best, math.exp(r.curve.best), rel_tol=1e-9)
     assert p.last < p.first
     assert r.alarms() == []
+
+
+def test_too_short_and_empty_runs(tmp_path):
+    models.record_run(tmp_path / "tiny", am.build_healthy, models.step_mlp, am.regression_batches(3), ckpt_every=50)
+    r = diagnose(ckptlab.open_run(tmp_path / "tiny"))
+    assert r.curve.shape == "too_short" and r.alarms() == [] and r.verdict.startswith("Too few steps")
+    model, opt = am.build_healthy()
+    ckptlab.Recorder(tmp_path / "empty", model, opt, step_fn=models.step_mlp, build_fn=am.build_healthy).close()
+    r = diagnose(ckptlab.open_run(tmp_path / "empty"))
+    assert (r.curve.kind, r.findings, r.steps["recorded"]) == ("empty", [], 0)
 
 
 def test_nan_explosion(tmp_path):
@@ -152,7 +164,7 @@ def test_curve_shapes():
     assert curve_shape(np.ones(5)) == "too_short"
 
 
-def test_rules_are_settable(reports, tmp_path):
+def test_rules_are_settable(reports):
     run = ckptlab.open_run(reports["spike"].run)
-    quiet = diagnose(run, HealthRules(loss_spike=HealthRules().loss_spike.__class__(z=1e12)), weights=False)
+    quiet = diagnose(run, HealthRules(loss_spike=SpikeRule(z=1e12)), weights=False)
     assert "loss_spike" not in {f.kind for f in quiet.findings}
