@@ -235,9 +235,15 @@ def _verdict(curve: CurveSummary, findings: list[Finding]) -> str:
 # --- loss curve -------------------------------------------------------------------------------------
 
 def smooth(values: np.ndarray, span: int | None = None) -> np.ndarray:
-    """Bias-corrected exponential moving average (TensorBoard-style); non-finite values are
-    skipped (the average carries over them) so one NaN does not blank the rest of the curve."""
+    """Bias-corrected exponential moving average (TensorBoard-style), span max(5, n/50).
+    Non-finite values are skipped (the average carries over them), so one NaN does not blank
+    the rest of the curve. A positive series is averaged in log space (a geometric mean), so
+    a 10^6x spike shows as a blip rather than dragging the curve up for dozens of steps."""
     values = np.asarray(values, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    if len(finite) and finite.min() > 0:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.exp(smooth(np.log(values), span))
     span = span or max(5, len(values) // 50)
     alpha = 2.0 / (span + 1)
     out = np.full(len(values), np.nan)
@@ -701,7 +707,7 @@ def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[Weight
                            title=f"{len(off)} parameter(s) have requires_grad=False (frozen on purpose?): {_few(off)}",
                            params=off, remedies=["if they should train, set requires_grad=True and add them to the optimizer"]))
     out += _update_ratio_band(m, names, shapes, measured, ur, set(frozen), rules)
-    out += _weight_health(m, names, shapes, measured, rules, snapshots)
+    out += _weight_health(m, names, shapes, rules, snapshots)
     return out
 
 
@@ -763,8 +769,11 @@ def _is_embedding(name: str) -> bool:
     return any(h in name.lower() for h in EMBEDDING_HINTS)
 
 
-def _weight_health(m: Metrics, names, shapes, measured, rules: HealthRules, snapshots: list[WeightSnapshot]) -> list[Finding]:
+def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: list[WeightSnapshot]) -> list[Finding]:
     out = []
+    # Steps where weight norms were measured: their record counts the non-finite ones (a NaN
+    # in weight_norm alone could also mean "not measured").
+    measured = np.array([i for i, sc in enumerate(m.scalars) if "nonfinite_weights" in sc], dtype=int)
     wn = m.weight_norm[measured].astype(np.float64) if len(measured) else np.zeros((0, len(names)))
     bad_cols = np.flatnonzero((~np.isfinite(wn)).any(axis=0)) if len(wn) else np.array([], dtype=int)
     ckpt_bad = sorted({(s.step, n) for s in snapshots for n, st in s.stats.items() if st.nonfinite})
