@@ -75,7 +75,8 @@ class DirtyRules:
     ignore_index: int = -100  # a negative label that is not out of range (cross_entropy's default)
     loss_spike: SpikeRule = LOSS_RULE
     grad_spike: SpikeRule = GRAD_RULE
-    attribution_ratio: float = 3.0  # a row is to blame at >= 3x the batch's median loss or grad norm
+    attribution_ratio: float = 3.0  # a row is to blame at >= 3x the other rows' median loss (or squared grad norm) ...
+    attribution_share: float = 0.2  # ... carrying >= 20% of the batch's excess over its median
     max_attribute: int = 20  # flagged steps replayed for attribution, worst first
 
 
@@ -556,8 +557,8 @@ def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules) -> tuple[d
     for step in sorted(worst[: rules.max_attribute]):
         try:
             per_row = [_row_tuple(x) for x in fn(run, step)]
-        except CkptlabError as e:
-            failed.append({"step": step, "error": str(e)})
+        except Exception as e:  # noqa: BLE001 - attribution is optional: the scan's findings stand
+            failed.append({"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)})
             continue
         done.append(step)
         out += _blame(step, per_row, rules)
@@ -570,34 +571,68 @@ def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules) -> tuple[d
 
 
 def _row_tuple(x) -> tuple[int, Any, float, float]:
-    """(row, sample_id, loss, grad_norm) from a tuple, a dict or an object with those names."""
+    """(row, sample_id, loss, grad_norm) from a tuple, a dict or an object with those names
+    (replay's SampleBlame); a value replay could not measure (None) becomes NaN."""
     if isinstance(x, dict):
-        return int(x["row"]), x.get("sample_id"), float(x["loss"]), float(x["grad_norm"])
-    if hasattr(x, "row") and hasattr(x, "loss"):
-        return int(x.row), getattr(x, "sample_id", None), float(x.loss), float(x.grad_norm)
-    row, sample_id, loss, grad = x
-    return int(row), sample_id, float(loss), float(grad)
+        row, sid, loss, grad = x["row"], x.get("sample_id"), x.get("loss"), x.get("grad_norm")
+    elif hasattr(x, "row") and hasattr(x, "loss"):
+        row, sid, loss, grad = x.row, getattr(x, "sample_id", None), x.loss, getattr(x, "grad_norm", None)
+    else:
+        row, sid, loss, grad = x
+    return int(row), sid, _float(loss), _float(grad)
+
+
+def _float(v) -> float:
+    return math.nan if v is None else float(v)
 
 
 def _blame(step: int, rows: list[tuple[int, Any, float, float]], rules: DirtyRules) -> list[DirtyRow]:
-    """Rows whose own loss or gradient norm is >= `attribution_ratio` x the median of the
-    others in the batch, or non-finite."""
-    if not rows:
-        return []
+    """The rows that made the step go wrong. Per-sample losses are noisy (one sample's squared
+    error is often 5x the median), so a row is blamed only when it stands out (>= 3x the
+    median of the other rows) *and* carries >= 20% of the batch's excess over its median --
+    for the loss, or for the squared gradient norm (squares add up like the batch's). An
+    infinite loss or gradient is always blamed. A step where every row rose together (an LR
+    spike) blames nobody."""
+    loss = np.array([l for _, _, l, _ in rows], dtype=np.float64)
+    grad2 = np.array([g for _, _, _, g in rows], dtype=np.float64) ** 2
+    share_l, ratio_l = _stand_out(loss)
+    share_g, ratio_g = _stand_out(grad2)
     out = []
-    for row, sid, loss, grad in rows:
-        others = [(l, g) for r, _, l, g in rows if r != row]
-        ml = float(np.median([l for l, _ in others])) if others else math.nan
-        mg = float(np.median([g for _, g in others])) if others else math.nan
-        bad = not (math.isfinite(loss) and math.isfinite(grad))
-        lr = loss / ml if ml > 0 else math.inf
-        gr = grad / mg if mg > 0 else math.inf
-        if bad or lr >= rules.attribution_ratio or gr >= rules.attribution_ratio:
-            score = SCORES["attributed"] + min(15.0, 5 * math.log10(max(lr, gr, 1.0))) if not bad else SCORES["nonfinite"]
+    for i, (row, sid, l, g) in enumerate(rows):
+        bad = math.isinf(l) or math.isinf(g)
+        hit = any(r >= rules.attribution_ratio and sh >= rules.attribution_share
+                  for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i])))
+        if bad or hit:
+            worst = max(ratio_l[i], math.sqrt(ratio_g[i]))
+            score = SCORES["nonfinite"] if bad else SCORES["attributed"] + min(15.0, 5 * math.log10(max(worst, 1.0)))
             out.append(DirtyRow(step, row, sid, "attributed", {
-                "loss": loss, "grad_norm": grad, "batch_median_loss": ml, "batch_median_grad_norm": mg,
-                "loss_ratio": lr, "grad_ratio": gr}, score))
+                "loss": l, "grad_norm": g, "loss_ratio": float(ratio_l[i]), "grad_ratio": float(math.sqrt(ratio_g[i])),
+                "loss_share": float(share_l[i]), "grad_share": float(share_g[i])}, score))
     return out
+
+
+def _stand_out(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: its share of the batch's excess over the median, and its ratio to the median
+    of the other rows (0 where not measured)."""
+    finite = np.isfinite(x)
+    share, ratio = np.zeros(len(x)), np.zeros(len(x))
+    if finite.sum() < 2:
+        return share, ratio
+    med = float(np.median(x[finite]))
+    excess = np.where(finite, np.maximum(x - med, 0.0), 0.0)
+    if excess.sum() > 0:
+        share = excess / excess.sum()
+    for i in np.flatnonzero(finite):
+        others = np.delete(x, i)
+        others = others[np.isfinite(others)]
+        m = float(np.median(others)) if len(others) else math.nan
+        ratio[i] = x[i] / m if m > 0 else (math.inf if x[i] > 0 else 0.0)
+    return share, ratio
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.median(finite)) if finite else math.nan
 
 
 # --- skip list ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @click.option("--grad-z", type=float, default=None, help="Gradient-norm spike: robust z (default 6).")
 @click.option("--window", type=click.IntRange(2), default=None, help="Spike window in steps (default 128).")
 @click.option("--loss-ratio", type=float, default=None, help="Loss spike: also >= this x the window median (default 1.2).")
-@click.option("--grad-ratio", type=float, default=None, help="Gradient spike: also >= this x the window median (default 2).")
+@click.option("--grad-ratio", type=float, default=None, help="Gradient spike: also >= this x the window median (default 5).")
 @click.option("--extreme-z", type=float, default=None, help="A value is extreme beyond this robust z of its field (default 10).")
 @click.option("--pad-id", type=int, default=None, help="Padding token id (default: data_info['pad_id'], else inferred).")
 @click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: data_info, else the embedding's rows).")

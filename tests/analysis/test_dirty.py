@@ -105,16 +105,25 @@ def test_attribution_stage_uses_replay_when_present(spike_run, monkeypatch):
 
     def attribute_rows(run, step):
         calls.append(step)
-        return [{"row": r, "sample_id": 1000 * step + r, "loss": 50.0 if r == 7 else 1.0, "grad_norm": 1.0} for r in range(16)]
+        # row 7 caused it; row 2 is merely a noisy sample (5x the median, a sliver of the excess)
+        loss = {7: 50.0, 2: 5.0}
+        return [{"row": r, "sample_id": 1000 * step + r, "loss": loss.get(r, 1.0), "grad_norm": 1.0} for r in range(16)]
 
     monkeypatch.setitem(sys.modules, "ckptlab.replay", types.SimpleNamespace(attribute_rows=attribute_rows))
     r = scan(spike_run, DirtyRules(extreme_z=1e12))
     assert calls == [50] and r.attribution == {"status": "done", "steps": [50]}
     blamed = [f for f in r.flagged if f.reason == "attributed"]
     assert [(f.step, f.row, f.sample_id) for f in blamed] == [(50, 7, 50007)]
-    assert blamed[0].evidence["loss_ratio"] == 50.0
+    assert blamed[0].evidence["loss_ratio"] == 50.0 and blamed[0].evidence["loss_share"] > 0.9
     assert r.skip_ids == [50007]  # attribution named the row: the batch is not skipped wholesale
     assert scan(spike_run, attribute=False).attribution == {"status": "off"}
+
+
+def test_attribution_blames_nobody_when_every_row_rose(spike_run, monkeypatch):
+    rows = [(r, 50000 + r, 10.0 + 0.1 * r, 3.0) for r in range(16)]  # e.g. a learning-rate spike
+    monkeypatch.setitem(sys.modules, "ckptlab.replay", types.SimpleNamespace(attribute_rows=lambda run, step: rows))
+    r = scan(spike_run, DirtyRules(extreme_z=1e12))
+    assert r.attribution["status"] == "done" and not [f for f in r.flagged if f.reason == "attributed"]
 
 
 def test_skip_samples_wraps_samplers_datasets_and_iterables(tmp_path):
@@ -147,3 +156,13 @@ def test_nested_batch_with_strings_and_masks(tmp_path):
     assert {(f.step, f.row): (f.reason, f.evidence["field"]) for f in r.flagged} == {
         (4, 1): ("empty", "text"), (6, 2): ("empty", "inputs.attention_mask")}
     assert set(r.scanned["fields"]) == {"text", "inputs.ids", "inputs.attention_mask", "y"}
+
+
+def test_attribution_with_the_real_replay(spike_run, monkeypatch):
+    """Plumbing only (replay's own attribution tests are replay's): the absurd row is named."""
+    monkeypatch.delitem(sys.modules, "ckptlab.replay", raising=False)
+    pytest.importorskip("ckptlab.replay").attribute_rows  # noqa: B018
+    r = scan(spike_run, DirtyRules(extreme_z=1e12))
+    assert r.attribution["status"] == "done"
+    assert [(f.step, f.row, f.sample_id) for f in r.flagged if f.reason == "attributed"] == [(50, 3, 50003)]
+    assert r.skip_ids == [50003]
