@@ -118,7 +118,7 @@ def main() -> int:
     print(f"replay {args.steps} steps: {replay_s:.2f} s vs recorded {recorded:.2f} s -> {replay_s / recorded:.2f}x "
           f"(bit-exact: {sum(c.match for c in report.steps)}/{len(report.steps)})")
 
-    from ckptlab.replay import Replayer
+    from ckptlab.replayer import Replayer
     from ckptlab.state import restore_snapshot, snapshot
     from ckptlab.trace import Tracer
 

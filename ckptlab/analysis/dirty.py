@@ -15,7 +15,7 @@ Three stages, each usable alone:
 2. dynamic: the step health (loss and gradient-norm spikes by the one spike rule in
    analysis/spikes.py, non-finite losses), mapped to their steps and batches.
 3. attribution (optional): for flagged steps, replay's per-row loss and gradient norm
-   (`ckptlab.replay.attribute_rows(run, step)`), naming the rows that caused a spike even
+   (`ckptlab.replayer.attribute_rows(run, step)`), naming the rows that caused a spike even
    when their content looks normal. Skipped, with a note, when replay is not available.
 
 Ranking: each reason has a base score (non-finite 100 ... length outlier 20); a row flagged by
@@ -537,9 +537,9 @@ def _corroborate(rows: list[DirtyRow]) -> None:
 # --- attribution (optional; replay provides it) ------------------------------------------------------
 
 def attribution_function() -> tuple[Callable | None, str | None]:
-    """`ckptlab.replay.attribute_rows` if this ckptlab has it, else (None, why not)."""
+    """`ckptlab.replayer.attribute_rows` if this ckptlab has it, else (None, why not)."""
     try:
-        from ckptlab.replay import attribute_rows
+        from ckptlab.replayer import attribute_rows
     except ImportError as e:
         return None, f"replay attribution is not available ({e})"
     return attribute_rows, None

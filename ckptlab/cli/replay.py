@@ -28,7 +28,7 @@ def command(run_dir, step: int, as_json: bool, device, from_step, no_trace: bool
     """
     from ckptlab.render.console import Terminal
     from ckptlab.render.replay import render
-    from ckptlab.replay import replay
+    from ckptlab.replayer import replay
     from ckptlab.run.reader import open_run
 
     term = Terminal(json_mode=as_json)

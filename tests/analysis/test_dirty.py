@@ -33,7 +33,7 @@ def spike_run(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_replay(monkeypatch):
     """Attribution comes from the lead's replay module; here it is absent unless a test fakes it."""
-    monkeypatch.setitem(sys.modules, "ckptlab.replay", None)
+    monkeypatch.setitem(sys.modules, "ckptlab.replayer", None)
 
 
 def test_each_planted_row_found_and_nothing_else(lm_run):
@@ -109,7 +109,7 @@ def test_attribution_stage_uses_replay_when_present(spike_run, monkeypatch):
         loss = {7: 50.0, 2: 5.0}
         return [{"row": r, "sample_id": 1000 * step + r, "loss": loss.get(r, 1.0), "grad_norm": 1.0} for r in range(16)]
 
-    monkeypatch.setitem(sys.modules, "ckptlab.replay", types.SimpleNamespace(attribute_rows=attribute_rows))
+    monkeypatch.setitem(sys.modules, "ckptlab.replayer", types.SimpleNamespace(attribute_rows=attribute_rows))
     r = scan(spike_run, DirtyRules(extreme_z=1e12))
     assert calls == [50] and r.attribution == {"status": "done", "steps": [50]}
     blamed = [f for f in r.flagged if f.reason == "attributed"]
@@ -121,7 +121,7 @@ def test_attribution_stage_uses_replay_when_present(spike_run, monkeypatch):
 
 def test_attribution_blames_nobody_when_every_row_rose(spike_run, monkeypatch):
     rows = [(r, 50000 + r, 10.0 + 0.1 * r, 3.0) for r in range(16)]  # e.g. a learning-rate spike
-    monkeypatch.setitem(sys.modules, "ckptlab.replay", types.SimpleNamespace(attribute_rows=lambda run, step: rows))
+    monkeypatch.setitem(sys.modules, "ckptlab.replayer", types.SimpleNamespace(attribute_rows=lambda run, step: rows))
     r = scan(spike_run, DirtyRules(extreme_z=1e12))
     assert r.attribution["status"] == "done" and not [f for f in r.flagged if f.reason == "attributed"]
 
@@ -160,8 +160,8 @@ def test_nested_batch_with_strings_and_masks(tmp_path):
 
 def test_attribution_with_the_real_replay(spike_run, monkeypatch):
     """Plumbing only (replay's own attribution tests are replay's): the absurd row is named."""
-    monkeypatch.delitem(sys.modules, "ckptlab.replay", raising=False)
-    pytest.importorskip("ckptlab.replay").attribute_rows  # noqa: B018
+    monkeypatch.delitem(sys.modules, "ckptlab.replayer", raising=False)
+    pytest.importorskip("ckptlab.replayer").attribute_rows  # noqa: B018
     r = scan(spike_run, DirtyRules(extreme_z=1e12))
     assert r.attribution["status"] == "done"
     assert [(f.step, f.row, f.sample_id) for f in r.flagged if f.reason == "attributed"] == [(50, 3, 50003)]

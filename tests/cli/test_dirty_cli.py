@@ -18,7 +18,7 @@ def spike_run(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def no_replay(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ckptlab.replay", None)
+    monkeypatch.setitem(sys.modules, "ckptlab.replayer", None)
 
 
 def test_table_and_skip_list(cli, spike_run, tmp_path):
