@@ -1,9 +1,11 @@
 """Regenerate the bundled sample run: sample_ckpts/tinylm-nan.
 
 A tiny GPT-style LM (ckptlab/examples/tiny_lm.py) trains on a synthetic corpus of 100,000
-documents; one document, scheduled into row 5 of the batch of step 5432, is empty (the data
-pipeline's bug). Its attention rows are fully masked, the softmax returns NaN, and the loss
-goes NaN at step 5432: the Recorder records the step and raises NonFiniteLoss.
+documents; one document, scheduled into row 5 of the batch of step 5431, is empty (the data
+pipeline's bug). Its attention rows are fully masked and the softmax returns NaN. The loss of
+step 5431 stays finite (an empty row has no targets) but its gradients are NaN, the update
+makes the weights NaN, and the loss goes NaN at step 5432: the Recorder records that step and
+raises NonFiniteLoss.
 
 Deterministic (fixed seeds, one thread); a few MB on disk; about a minute on a laptop CPU.
 
@@ -25,7 +27,7 @@ from ckptlab.examples import tiny_lm
 
 CORPUS = 100_000
 BATCH = 8
-FAULT_STEP, FAULT_ROW = 5432, 5
+FAULT_STEP, FAULT_ROW = 5431, 5  # the loss goes NaN one step later
 
 
 def main() -> int:
@@ -53,7 +55,7 @@ def main() -> int:
     )
     val_ids = list(range(CORPUS, CORPUS + 64))
     with rec:
-        for n in range(FAULT_STEP + 1):
+        for n in range(FAULT_STEP + 2):
             ids = order[n * BATCH : (n + 1) * BATCH].tolist()
             batch = {"ids": torch.stack([load(i) for i in ids])}
             try:

@@ -48,6 +48,7 @@ SCORES = {
     "nonfinite": 100.0,
     "out_of_range": 90.0,
     "nonfinite_loss": 85.0,
+    "nonfinite_grad": 85.0,
     "attributed": 80.0,
     "extreme": 70.0,
     "loss_spike": 60.0,
@@ -58,7 +59,7 @@ SCORES = {
     "length": 20.0,
 }
 CORROBORATED = 15.0  # a content flag in a step whose loss/gradient also went wrong
-STEP_REASONS = ("nonfinite_loss", "loss_spike", "grad_spike")
+STEP_REASONS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
 # Reasons whose rows go into the skip list. Length outliers are reported but kept: long or
 # short documents are usually legitimate.
 SKIP_REASONS = frozenset(SCORES) - {"length"}
@@ -499,6 +500,10 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
     out = []
     for i in np.flatnonzero(~np.isfinite(m.loss)):
         out.append({"step": int(m.step[i]), "kind": "nonfinite_loss", "value": float(m.loss[i]), "median": None, "z": None})
+    # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
+    # the weights go NaN one step later, so the step that got them is the one to look at.
+    for i in np.flatnonzero(np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0))):
+        out.append({"step": int(m.step[i]), "kind": "nonfinite_grad", "value": float(m.grad_norm[i]), "median": None, "z": None})
     for kind, series, rule in (("loss_spike", m.loss, rules.loss_spike), ("grad_spike", m.grad_norm, rules.grad_spike)):
         for i, s in find_spikes(series, rule):
             out.append({"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio})

@@ -3,7 +3,9 @@
 Its attention masks padded keys with -inf before the softmax, the way many hand-written
 attention layers do. That is correct for every sequence with at least one real token, and
 NaN for an empty one (every key masked): the bug the sample run (`sample_ckpts/tinylm-nan`)
-hits at step 5432, when the data pipeline yields an empty document.
+hits at step 5431, when the data pipeline yields an empty document. The loss of that step is
+still finite (the empty row's positions are all ignored targets), but its gradients are NaN:
+the weights go NaN, and the loss at step 5432.
 
     model, optimizer, scheduler = build()
     loss = step(model, optimizer, {"ids": ids})   # ids: int64 (B, T+1), 0 = padding
@@ -96,11 +98,12 @@ def step(model, optimizer, batch):
 
 
 def document(doc_id: int) -> torch.Tensor:
-    """Document `doc_id` of a synthetic corpus: an arithmetic sequence mod VOCAB (1..63), of
-    length 8..CTX+1, right-padded with PAD to CTX+1 tokens."""
+    """Document `doc_id` of a synthetic corpus: random tokens (1..63) followed by the same
+    tokens again (a copy task attention can learn), 8..CTX+1 tokens long, right-padded with
+    PAD to CTX+1 tokens. Distinct documents practically never coincide (63**4 prefixes)."""
     g = torch.Generator().manual_seed(doc_id)
-    length = int(torch.randint(8, CTX + 2, (1,), generator=g))
-    start, stride = (int(v) for v in torch.randint(1, VOCAB, (2,), generator=g))
+    half = int(torch.randint(4, (CTX + 1) // 2 + 1, (1,), generator=g))
+    prefix = torch.randint(1, VOCAB, (half,), generator=g)
     ids = torch.full((CTX + 1,), PAD, dtype=torch.long)
-    ids[:length] = 1 + (start + stride * torch.arange(length)) % (VOCAB - 1)
+    ids[: 2 * half] = torch.cat([prefix, prefix])
     return ids
