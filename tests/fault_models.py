@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
+from tests.models import MLP, step_mlp  # noqa: F401 - step_mlp is recorded as these runs' step_fn
 
 B = 6  # rows per batch; sample id of row r at step s is 100 * s + r
 
@@ -58,32 +59,12 @@ def _xy(step: int, d: int = 8):
     return x, y
 
 
-# --- 1/2. tiny MLP: NaN in an input feature; an input that overflows fc1 ---------------------------
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
+# --- 1/2. tiny MLP (tests.models): NaN in an input feature; an input that overflows fc1 ---------
 
 def build_mlp():
     torch.manual_seed(0)
     m = MLP()
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-
-def step_mlp(model, opt, batch):
-    x, y = batch
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def record_input_nan(run_dir) -> Expected:
