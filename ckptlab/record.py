@@ -42,8 +42,9 @@ from ckptlab.probe import StepHealth, StepProbe, named_parameters
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import list_checkpoints
-from ckptlab.run.layout import MANIFEST, batches_dir, checkpoints_dir, journal_dir, segments
+from ckptlab.run.layout import MANIFEST, checkpoints_dir
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
+from ckptlab.run.reader import read_progress
 from ckptlab.run.writer import Retention, RunWriter
 from ckptlab.state import capture_env, capture_rng, rng_equal, snapshot
 from ckptlab.state import restore as restore_state
@@ -120,7 +121,7 @@ class Recorder:
         exists = (self.run_dir / MANIFEST).exists()
         if exists and not resume:
             raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
-        if not exists and self.run_dir.exists() and any(self.run_dir.iterdir()):
+        if not exists and self.run_dir.exists() and any(not _first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if exists:
@@ -189,17 +190,23 @@ class Recorder:
         if pending is not None:  # half the later steps moved: resuming now would mix timelines
             raise RecordError(f"a rollback into {pending.name} was interrupted", path=self.run_dir,
                               hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume")
-        for stale in checkpoints_dir(self.run_dir).glob(".tmp-*"):  # a crash mid-commit
+        root = checkpoints_dir(self.run_dir)
+        for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:  # a crash mid-commit or mid-delete
             shutil.rmtree(stale, ignore_errors=True)
         found, _ = list_checkpoints(self.run_dir)
+        progress = read_progress(self.run_dir)
+        # Committed checkpoints are never written again, and retention keeps protecting the
+        # best-validation and last-healthy checkpoints of earlier sessions.
+        self._ckpt_steps = [c.step for c in found]
+        self._first_anomaly = progress.first_anomaly
+        for step, metrics in progress.validation:
+            value = metrics.get(self.val_metric)
+            if value is not None and math.isfinite(value) and self._improves(value):
+                self._best = (step, float(value))
         rollback = self.manifest.get("rollback")
-        last = max(
-            [c.step for c in found]
-            + [ref.step for _, _, p in segments(batches_dir(self.run_dir)) for ref in framelog.scan(p).frames]
-            + [ref.step for _, _, p in segments(journal_dir(self.run_dir)) for ref in framelog.scan(p).frames],
-            default=-1,
-        )
-        next_step, target = last + 1, None
+        # The next step follows the last one recorded. A checkpoint can be one past it (taken at
+        # a validation after the last step, or committed just before a kill hit its step).
+        next_step, target = max(progress.last_step + 1, max(self._ckpt_steps, default=0)), None
         if rollback is not None:
             target = next((c for c in found if c.step == rollback["step"]), None)
             if target is None:
@@ -282,12 +289,14 @@ class Recorder:
         value = clean.get(self.val_metric)
         if value is None or not math.isfinite(value):
             return
-        better = self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
-        if better:
+        if self._improves(value):
             self._best = (step, value)
             if self.keep_best and step not in self._ckpt_steps:
                 self._checkpoint(step, "best")
                 self._force_rng = True
+
+    def _improves(self, value: float) -> bool:
+        return self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
@@ -337,6 +346,11 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_leftover(name: str) -> bool:
+    """What a first session killed before its manifest was written leaves behind."""
+    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
 
 
 def _plain_ids(ids) -> list:

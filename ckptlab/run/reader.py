@@ -245,6 +245,31 @@ def _segments(folder: Path) -> list[tuple[Path, bool]]:
     return [(path, i + 1 == len(segs) or segs[i + 1][0] != session) for i, (session, _, path) in enumerate(segs)]
 
 
+@dataclass
+class Progress:
+    """How far a run got, from frame headers (cheap on a long run): what a resumed Recorder
+    needs to continue the numbering and keep retention's promises."""
+
+    last_step: int  # the last step with a batch or health record; -1: none
+    first_anomaly: int | None  # the first step with an anomaly event
+    validation: list[tuple[int, dict]]  # (step, metrics), in recording order
+
+
+def read_progress(run_dir: Path) -> Progress:
+    last, first_anomaly, validation = -1, None, []
+    for folder in (batches_dir(run_dir, 0), journal_dir(run_dir)):
+        for _, _, path in segments(folder):
+            for ref in framelog.scan(path).frames:
+                if ref.kind in (framelog.BATCH, framelog.STEP):
+                    last = max(last, ref.step)
+                elif ref.kind == framelog.EVENT:
+                    first_anomaly = ref.step if first_anomaly is None else min(first_anomaly, ref.step)
+                elif ref.kind == framelog.VALIDATION:
+                    record = records.decode_json(ref.read_payload()[0], where=f"{path}@{ref.step}")
+                    validation.append((ref.step, record.get("metrics", {})))
+    return Progress(last, first_anomaly, validation)
+
+
 def _f(x) -> float:
     return float("nan") if x is None else float(x)
 
