@@ -45,7 +45,7 @@ from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import MANIFEST, checkpoints_dir
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
-from ckptlab.run.writer import Retention, RunWriter
+from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.state import capture_env, capture_rng, rng_equal, snapshot
 from ckptlab.state import restore as restore_state
 from ckptlab import userfns
@@ -142,7 +142,10 @@ class Recorder:
                 "restored_from": self.restored_step,
             }
         )
-        write_manifest(self.run_dir, self.manifest)
+        try:
+            write_manifest(self.run_dir, self.manifest)
+        except OSError as e:  # e.g. a full disk: one clear line, like every other failed write
+            raise (io_error(e, "writing manifest.json", self.run_dir) or e) from None
         self.session_start = self.next_step
         self.probe = StepProbe(model, optimizer, scaler)
         self.writer = RunWriter(self.run_dir, self.session)
@@ -229,6 +232,7 @@ class Recorder:
         """Record and run one training step; returns what `step_fn` returned (the loss)."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
+        self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
         if sample_ids is not None:
             sample_ids = _plain_ids(sample_ids)
