@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -202,6 +203,15 @@ class Recorder:
         # best-validation and last-healthy checkpoints of earlier sessions.
         self._ckpt_steps = [c.step for c in found]
         self._first_anomaly = progress.first_anomaly
+        for loss, grad in progress.recent:  # spikes are judged against the run so far, not a blank
+            self._loss_spikes.check(loss)
+            self._grad_spikes.check(grad)
+        if not found:
+            warnings.warn(
+                f"{self.run_dir}: resuming a run that has no checkpoint; the model as given becomes the "
+                "state of the first resumed step",
+                stacklevel=3,
+            )
         for step, metrics in progress.validation:
             value = metrics.get(self.val_metric)
             if value is not None and math.isfinite(value) and self._improves(value):

@@ -253,21 +253,28 @@ class Progress:
     last_step: int  # the last step with a batch or health record; -1: none
     first_anomaly: int | None  # the first step with an anomaly event
     validation: list[tuple[int, dict]]  # (step, metrics), in recording order
+    recent: list[tuple[float, float]]  # (loss, grad_norm) of the last `recent` steps recorded
 
 
-def read_progress(run_dir: Path) -> Progress:
-    last, first_anomaly, validation = -1, None, []
+def read_progress(run_dir: Path, recent: int = 128) -> Progress:
+    last, first_anomaly, validation, steps = -1, None, [], []
     for folder in (batches_dir(run_dir, 0), journal_dir(run_dir)):
         for _, _, path in segments(folder):
             for ref in framelog.scan(path).frames:
                 if ref.kind in (framelog.BATCH, framelog.STEP):
                     last = max(last, ref.step)
+                    if ref.kind == framelog.STEP:
+                        steps.append(ref)
                 elif ref.kind == framelog.EVENT:
                     first_anomaly = ref.step if first_anomaly is None else min(first_anomaly, ref.step)
                 elif ref.kind == framelog.VALIDATION:
                     record = records.decode_json(ref.read_payload()[0], where=f"{path}@{ref.step}")
                     validation.append((ref.step, record.get("metrics", {})))
-    return Progress(last, first_anomaly, validation)
+    tail = []
+    for ref in sorted(steps, key=lambda r: r.step)[-recent:] if recent else []:
+        scalars, _ = records.decode_step(ref.read_payload()[0], where=f"{ref.path}@{ref.step}")
+        tail.append((_f(scalars.get("loss")), _f(scalars.get("grad_norm"))))
+    return Progress(last, first_anomaly, validation, tail)
 
 
 def _f(x) -> float:
