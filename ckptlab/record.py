@@ -74,6 +74,12 @@ class Recorder:
         keep_best: checkpoint the state whenever `val_metric` improves, so rollback can
             return to exactly the best-validation weights.
         data_info: facts about the data for `ckptlab dirty`, e.g. {"pad_id": 0, "vocab_size": 50257}.
+        step_scheduler: call `scheduler.step()` after each step (False when step_fn, or the
+            framework driving the loop, steps it itself; the scheduler is still checkpointed).
+        on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
+            gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
+            (default) prints one warning line per anomaly episode naming the replay command;
+            None is silent. Events are recorded either way.
     """
 
     def __init__(
@@ -96,6 +102,8 @@ class Recorder:
         val_mode: str = "min",
         keep_best: bool = True,
         data_info: dict | None = None,
+        step_scheduler: bool = True,
+        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
     ):
         if ckpt_every < 1 or health_every < 1:
             raise RecordError("ckpt_every and health_every must be >= 1")
@@ -110,6 +118,10 @@ class Recorder:
         self.ckpt_every, self.health_every, self.keep_last = ckpt_every, health_every, keep_last
         self.on_nonfinite = on_nonfinite
         self.val_metric, self.val_mode, self.keep_best = val_metric, val_mode, keep_best
+        self.step_scheduler = step_scheduler
+        self.on_anomaly = _warn_anomaly(str(run_dir)) if on_anomaly == "warn" else on_anomaly
+        self._in_step = False
+        self._ckpt_wait = 0.0
         self._loss_spikes, self._grad_spikes = SpikeDetector(LOSS_RULE), SpikeDetector(GRAD_RULE)
         self._first_anomaly: int | None = None
         self._best: tuple[int, float] | None = None
@@ -166,6 +178,7 @@ class Recorder:
                 "val_metric": self.val_metric,
                 "val_mode": self.val_mode,
                 "has_scheduler": self.scheduler is not None,
+                "step_scheduler": self.step_scheduler,
                 "has_scaler": self.scaler is not None,
             },
             functions={
@@ -240,43 +253,74 @@ class Recorder:
 
     def step(self, batch: Any, sample_ids=None):
         """Record and run one training step; returns what `step_fn` returned (the loss)."""
+        self.begin_step(batch, sample_ids)
+        try:
+            loss = self.step_fn(self.model, self.optimizer, batch)
+        except BaseException:
+            self.abort_step()  # the batch stays recorded: a crashing step can be replayed
+            raise
+        self.end_step(loss)
+        return loss
+
+    # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
+
+    def begin_step(self, batch: Any, sample_ids=None) -> int:
+        """Record the batch of the step about to run (checkpointing first when one is due);
+        returns its step number. The step's gradients and update are measured until
+        `end_step(loss)`."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
+        if self._in_step:
+            raise RecordError("begin_step called twice without end_step", path=self.run_dir)
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
         if sample_ids is not None:
             sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
-        ckpt_wait = 0.0
+        self._ckpt_wait = 0.0
         if n == self.session_start or n % self.ckpt_every == 0:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
-                ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+                self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
         self._force_rng = False
-
         self.probe.begin(measure_update=n % self.health_every == 0)
+        self._in_step = True
+        return n
+
+    def abort_step(self) -> None:
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
+        self.probe._active = False
+        self._in_step = False
+
+    def end_step(self, loss) -> StepHealth:
+        """Finish the step begun by `begin_step`: record its health (and any anomaly), step
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
+        if not self._in_step:
+            raise RecordError("end_step called without begin_step", path=self.run_dir)
+        n = self.next_step
         try:
-            loss = self.step_fn(self.model, self.optimizer, batch)
             health = self.probe.end(loss)
         finally:
-            self.probe._active = False
-        if self.scheduler is not None:
+            self.abort_step()
+        if self.scheduler is not None and self.step_scheduler:
             self.scheduler.step()
         self._rng_after_prev = capture_rng()
 
         events = self._anomalies(n, health)
         scalars = {"step": n, "time": time.time(), **health.scalars()}
-        if ckpt_wait:
-            scalars["ckpt_wait"] = ckpt_wait
+        if self._ckpt_wait:
+            scalars["ckpt_wait"] = self._ckpt_wait
         self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
         for event in events:
             self.writer.append_json(framelog.EVENT, n, event)
         self.next_step = n + 1
+        if events and self.on_anomaly is not None:
+            self.on_anomaly(n, events)
         if not health.loss_finite and self.on_nonfinite == "raise":
             raise NonFiniteLoss(n, health.loss, str(self.run_dir))
-        return loss
+        return health
 
     def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
         events = []
@@ -360,6 +404,27 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
+    """The default alert: one line on stderr per anomaly episode (steps more than 16 apart start
+    a new one), naming what happened and the command that explains it."""
+    last = [-(10**9)]
+
+    def warn(step: int, events: list[dict]) -> None:
+        quiet = step - last[0] <= 16
+        last[0] = step
+        if quiet:
+            return
+        from rich.console import Console
+
+        what = ", ".join(e["kind"].replace("_", " ") for e in events)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[yellow]ckptlab:[/yellow] step {step}: {what}; explain it with "
+            f"[bold]ckptlab replay --run {run_dir} --step {step}[/bold]"
+        )
+
+    return warn
 
 
 def _first_leftover(name: str) -> bool:

@@ -182,6 +182,7 @@ class Replayer:
             self.build_fn = userfns.load(fns["build_fn"], "build_fn", run.path)
             self.step_fn = userfns.load(fns["step_fn"], "step_fn", run.path)
         self.has_scheduler = bool(manifest.get("config", {}).get("has_scheduler"))
+        self.step_scheduler = bool(manifest.get("config", {}).get("step_scheduler", True))
 
     # --- building and restoring ----------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class Replayer:
             health = t.probe.end(loss)
         finally:
             t.probe._active = False
-        if t.scheduler is not None:
+        if t.scheduler is not None and self.step_scheduler:
             t.scheduler.step()
         return health
 
