@@ -29,6 +29,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from ckptlab.dist import World, local
 from ckptlab.errors import RecordError
 from ckptlab.state import unwrap
 
@@ -49,6 +50,8 @@ class StepHealth:
     weight_norm: np.ndarray | None = None  # float32[P], after the update
     grad_scale: float | None = None
     step_time: float = 0.0
+    rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
+    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
     extra: dict = field(default_factory=dict)
 
     @property
@@ -70,6 +73,9 @@ class StepHealth:
             out["nonfinite_weights"] = int((~np.isfinite(self.weight_norm)).sum())
         if self.update_ratio_global is not None:
             out["update_ratio_global"] = self.update_ratio_global
+        if self.rank_loss is not None:
+            out["rank_loss"] = self.rank_loss
+            out["rank_grad_norm"] = self.rank_grad_norm
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -97,12 +103,15 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 
 
 class StepProbe:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None):
+    """Hooks on one model/optimizer; `world` (ckptlab.dist.World) when running distributed."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None, world: World | None = None):
         named = named_parameters(model)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = optimizer
         self.scaler = scaler
+        self.world = world or World()
         self._active = False
         self._handles = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
@@ -131,7 +140,7 @@ class StepProbe:
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if not self._active or p.grad is None:
             return
-        g = p.grad
+        g = local(p.grad)
         if g.is_sparse:
             g = g.coalesce().values()
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
@@ -146,7 +155,7 @@ class StepProbe:
             return
         self._lr = [float(g["lr"]) for g in optimizer.param_groups]
         if self._measure_update:
-            self._before = [p.detach().clone() for p in self.params]
+            self._before = [local(p.detach()).clone() for p in self.params]
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
         if self._active:
@@ -161,67 +170,84 @@ class StepProbe:
         self._active = True
 
     def end(self, loss) -> StepHealth:
+        """Finish the step: this rank's measurements, combined with the other ranks' (one
+        small all_gather when distributed), as the step's health."""
         value = loss_value(loss)  # syncs the device: step_time includes the work
         step_time = time.perf_counter() - self._t0
         self._active = False
-        norms = self._param_grad_norms()
-        finite = np.isfinite(norms)
-        nonfinite = None
-        if not finite.all():
-            nonfinite = np.zeros(len(self.params), dtype=np.int64)
-            for i in np.flatnonzero(~finite):
-                nonfinite[i] = self._nonfinite.get(int(i), self._count_now(int(i)))
-        present = norms[norms != NO_GRAD].astype(np.float64)
-        grad_norm = float(np.sqrt(np.sum(present * present))) if present.size else float("nan")
+        P = len(self.params)
+        grad_sq, nonfinite = self._local_grads()
+        updates = self._local_updates() if self._before is not None else None
+        self._before = None
+        # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
+        row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
+        rows = self.world.gather(row)
+        got = rows[:, 2 : 2 + P] >= 0  # NO_GRAD rows are negative
+        grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
+        combined = self.world.combine(grad_sq_all)
+        any_grad = got.any(axis=0)
+        norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
+        nonfinite_all = rows[:, 2 + P : 2 + 2 * P].sum(axis=0).astype(np.int64)
+        present = combined[any_grad]
         health = StepHealth(
-            loss=value,
-            grad_norm=grad_norm,
+            loss=float(rows[:, 0].mean()) if self.world.distributed else value,
+            grad_norm=float(np.sqrt(present.sum())) if present.size else float("nan"),
             param_grad_norm=norms,
-            nonfinite_grads=int(nonfinite.sum()) if nonfinite is not None else 0,
-            param_nonfinite=nonfinite,
+            nonfinite_grads=int(nonfinite_all.sum()),
+            param_nonfinite=nonfinite_all if nonfinite_all.any() or not np.isfinite(norms).all() else None,
             lr=self._lr if self._lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups],
             stepped=self._stepped,
             grad_scale=self._scale,
             step_time=step_time,
         )
-        if self._before is not None:
-            health.update_ratio, health.weight_norm, health.update_ratio_global = self._update_stats()
-        self._before = None
+        if self.world.distributed:
+            health.rank_loss = rows[:, 0].tolist()
+            health.rank_grad_norm = np.sqrt(grad_sq_all.sum(axis=1)).tolist()
+        if rows[0, 1]:
+            w_sq, d_sq, b_sq = (self.world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4))
+            health.weight_norm = np.sqrt(w_sq).astype(np.float32)
+            d, b = np.sqrt(d_sq), np.sqrt(b_sq)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
+            health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         return health
 
-    def _param_grad_norms(self) -> np.ndarray:
-        out = np.full(len(self.params), NO_GRAD, dtype=np.float32)
-        idx = [i for i, n in enumerate(self._norms) if n is not None]
+    def _local_grads(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""
+        P = len(self.params)
+        sq = np.full(P, NO_GRAD, dtype=np.float64)
         # A gradient that arrived without the hook (e.g. assigned by hand): read it as it is now.
         for i, p in enumerate(self.params):
             if self._norms[i] is None and p.grad is not None:
-                self._norms[i] = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
-                idx.append(i)
+                self._norms[i] = torch.linalg.vector_norm(local(p.grad.detach()), dtype=torch.float32)
+        idx = [i for i, n in enumerate(self._norms) if n is not None]
         if idx:
             got = [self._norms[i] for i in idx]
             if len({t.device for t in got}) > 1:  # model spread over devices
                 got = [t.to("cpu") for t in got]
-            values = torch.stack(got).cpu().numpy()  # one device sync for all parameters
+            values = torch.stack(got).cpu().numpy().astype(np.float64)  # one device sync for all
             if self._scale:
-                values = values / np.float32(self._scale)
-            out[idx] = values
-        return out
+                values = values / self._scale
+            sq[idx] = values * values
+        nonfinite = np.zeros(P, dtype=np.float64)
+        for i in idx:
+            if not np.isfinite(sq[i]):
+                nonfinite[i] = self._nonfinite.get(i, self._count_now(i))
+        return sq, nonfinite
 
     def _count_now(self, i: int) -> int:
         g = self.params[i].grad
-        return int((~torch.isfinite(g)).sum()) if g is not None else -1
+        return int((~torch.isfinite(local(g))).sum()) if g is not None else -1
 
-    def _update_stats(self) -> tuple[np.ndarray, np.ndarray, float]:
+    def _local_updates(self) -> list[np.ndarray]:
+        """Squared norms of this rank's weights after the update, the update, and the weights
+        before it (of the local shards, when sharded)."""
         with torch.no_grad():
-            after = [p.detach() for p in self.params]
-            w_norm = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in after])
+            after = [local(p.detach()) for p in self.params]
+            w = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in after])
             if self._stepped:
-                d_norm = torch.stack(
-                    [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, self._before)]
-                )
+                d = torch.stack([torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, self._before)])
             else:
-                d_norm = torch.zeros_like(w_norm)
-            b_norm = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in self._before])
-            ratio = torch.where(b_norm > 0, d_norm / b_norm, torch.where(d_norm > 0, torch.inf, 0.0))
-            total = torch.linalg.vector_norm(d_norm.double()) / torch.linalg.vector_norm(b_norm.double()).clamp_min(1e-300)
-        return ratio.cpu().numpy().astype(np.float32), w_norm.cpu().numpy().astype(np.float32), float(total)
+                d = torch.zeros_like(w)
+            b = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in self._before])
+        return [x.cpu().numpy().astype(np.float64) ** 2 for x in (w, d, b)]

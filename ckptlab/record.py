@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ckptlab.dist import World
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
 from ckptlab.errors import NonFiniteLoss, RecordError
 from ckptlab.probe import StepHealth, StepProbe, named_parameters
@@ -119,7 +120,7 @@ class Recorder:
         self.on_nonfinite = on_nonfinite
         self.val_metric, self.val_mode, self.keep_best = val_metric, val_mode, keep_best
         self.step_scheduler = step_scheduler
-        self.on_anomaly = _warn_anomaly(str(run_dir)) if on_anomaly == "warn" else on_anomaly
+        self._on_anomaly = on_anomaly
         self._in_step = False
         self._ckpt_wait = 0.0
         self._loss_spikes, self._grad_spikes = SpikeDetector(LOSS_RULE), SpikeDetector(GRAD_RULE)
@@ -131,18 +132,28 @@ class Recorder:
         self._closed = False
         self.restored_step: int | None = None
 
+        # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
+        # the journal and checkpoints; every rank writes its own batches (see ckptlab/dist.py).
+        # Checks read the same disk on every rank, so every rank raises the same error.
+        self.world = World.detect(model)
         exists = (self.run_dir / MANIFEST).exists()
         if exists and not resume:
             raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
         if not exists and self.run_dir.exists() and any(not _first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.world.barrier()  # nobody writes before every rank has checked
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if exists:
+                _clean_stale(self.run_dir)
+            else:
+                self._write_manifest(self._new_manifest(data_info))
+        self.world.barrier()
+        self.manifest = read_manifest(self.run_dir)
         if exists:
-            self.manifest = read_manifest(self.run_dir)
             self._check_same_model()
             self.next_step = self._resume(restore)
         else:
-            self.manifest = self._new_manifest(data_info)
             self.next_step = 0
         self.session = len(self.manifest["sessions"])
         self.manifest["sessions"].append(
@@ -155,13 +166,20 @@ class Recorder:
                 "restored_from": self.restored_step,
             }
         )
+        self.world.barrier()  # every rank has read the manifest before rank 0 rewrites it
+        if self.world.is_main:
+            self._write_manifest(self.manifest)
+        self.session_start = self.next_step
+        self.probe = StepProbe(model, optimizer, scaler, self.world)
+        warn = self._on_anomaly == "warn"
+        self.on_anomaly = (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self._on_anomaly
+        self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+
+    def _write_manifest(self, manifest: dict) -> None:
         try:
-            write_manifest(self.run_dir, self.manifest)
+            write_manifest(self.run_dir, manifest)
         except OSError as e:  # e.g. a full disk: one clear line, like every other failed write
             raise (io_error(e, "writing manifest.json", self.run_dir) or e) from None
-        self.session_start = self.next_step
-        self.probe = StepProbe(model, optimizer, scaler)
-        self.writer = RunWriter(self.run_dir, self.session)
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -192,6 +210,9 @@ class Recorder:
             param_groups=len(self.optimizer.param_groups),
             data_info=data_info or {},
             env=capture_env(),
+            world_size=self.world.size,
+            layout="sharded" if self.world.sharded else "replicated",
+            backend=self.world.backend,
         )
 
     def _check_same_model(self) -> None:
@@ -207,9 +228,6 @@ class Recorder:
         if pending is not None:  # half the later steps moved: resuming now would mix timelines
             raise RecordError(f"a rollback into {pending.name} was interrupted", path=self.run_dir,
                               hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume")
-        root = checkpoints_dir(self.run_dir)
-        for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:  # a crash mid-commit or mid-delete
-            shutil.rmtree(stale, ignore_errors=True)
         found, _ = list_checkpoints(self.run_dir)
         progress = read_progress(self.run_dir)
         # Committed checkpoints are never written again, and retention keeps protecting the
@@ -282,6 +300,7 @@ class Recorder:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+            self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
         self._force_rng = False
@@ -312,9 +331,10 @@ class Recorder:
         scalars = {"step": n, "time": time.time(), **health.scalars()}
         if self._ckpt_wait:
             scalars["ckpt_wait"] = self._ckpt_wait
-        self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
-        for event in events:
-            self.writer.append_json(framelog.EVENT, n, event)
+        if self.world.is_main:
+            self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
+            for event in events:
+                self.writer.append_json(framelog.EVENT, n, event)
         self.next_step = n + 1
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
@@ -340,10 +360,12 @@ class Recorder:
 
     def log_validation(self, **metrics: float) -> None:
         """Record validation metrics measured on the current state (the state in which step
-        `next_step` starts, i.e. after `next_step` steps). Checkpoints a new best (keep_best)."""
+        `next_step` starts, i.e. after `next_step` steps). Checkpoints a new best (keep_best).
+        Distributed: call it on every rank; rank 0's values are the ones recorded."""
         step = self.next_step
-        clean = {k: float(v) for k, v in metrics.items()}
-        self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+        clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
+        if self.world.is_main:
+            self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
         value = clean.get(self.val_metric)
         if value is None or not math.isfinite(value):
             return
@@ -373,6 +395,10 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
+        if self.world.sharded:
+            raise RecordError("checkpoints of sharded (FSDP) training are not supported yet", path=self.run_dir)
+        if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
+            return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
         return self.writer.submit_checkpoint(captured, Retention(self.keep_last, self._protected))
 
@@ -425,6 +451,13 @@ def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
         )
 
     return warn
+
+
+def _clean_stale(run_dir: Path) -> None:
+    """Leftovers of a crash mid-commit or mid-delete (never a complete checkpoint)."""
+    root = checkpoints_dir(run_dir)
+    for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _first_leftover(name: str) -> bool:

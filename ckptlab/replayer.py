@@ -37,9 +37,12 @@ import torch
 
 from ckptlab import userfns
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
+from ckptlab.dist import World
 from ckptlab.errors import CkptlabError, ReplayError
 from ckptlab.probe import NO_GRAD, StepHealth, StepProbe
 from ckptlab.run.reader import Run, open_run
+from ckptlab.run.checkpoint import commit_checkpoint, load_captured
+from ckptlab.run.layout import checkpoint_name
 from ckptlab.state import apply_env, capture_env, restore, restore_rng, restore_snapshot, snapshot
 from ckptlab.trace import OpEvent, Tracer
 
@@ -66,8 +69,11 @@ class StepCheck:
     recorded_loss: float | None
     grad_norm: float
     recorded_grad_norm: float | None
-    match: bool  # loss and grad norm equal to the record, bit for bit
+    match: bool  # loss and grad norm (and every rank's loss) equal to the record, bit for bit
     anomalies: list[str] = field(default_factory=list)
+    rank_loss: list[float] | None = None  # distributed: each rank's loss, replayed ...
+    recorded_rank_loss: list[float] | None = None  # ... and recorded
+    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
 
 
 @dataclass
@@ -130,6 +136,7 @@ class ReplayReport:
     verdict: str
     notes: list[str] = field(default_factory=list)
     timing: dict = field(default_factory=dict)
+    rank: int | None = None  # distributed: the rank whose batch the fault came in with
 
     def to_json(self) -> dict:
         """The stable `ckptlab replay --json` document (DESIGN.md keys first)."""
@@ -154,8 +161,10 @@ class Trainee:
 class Replayer:
     """Rebuilds and drives the recorded training; knows nothing about verdicts."""
 
-    def __init__(self, run: Run, *, device: str | None = None, log: Callable[[str], None] | None = None):
+    def __init__(self, run: Run, *, device: str | None = None, log: Callable[[str], None] | None = None, rank: int = 0):
         self.run = run
+        self.rank = rank  # whose batches (and RNG states) to replay
+        self.world: World | None = None
         self.log = log or (lambda msg: None)
         self.notes: list[str] = []
         self.metrics = run.metrics()
@@ -203,8 +212,10 @@ class Replayer:
                 hint="return (model, optimizer, scheduler) from build_fn",
             )
         model.to(self.device)
+        if self.world is None:  # once: in a distributed replay, detecting creates a group
+            self.world = World.detect(model)
         t = Trainee(model, optimizer, scheduler, scaler)
-        t.probe = StepProbe(model, optimizer, scaler)
+        t.probe = StepProbe(model, optimizer, scaler, self.world)
         return t
 
     def load_checkpoint(self, t: Trainee, step: int) -> None:
@@ -223,7 +234,7 @@ class Replayer:
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
 
     def batch(self, step: int):
-        rec = self.run.batch_record(step)
+        rec = self.run.batch_record(step, self.rank)
         rec.batch = _to_device(rec.batch, self.device)
         return rec
 
@@ -259,18 +270,151 @@ def replay(
     trace: bool = True,
     counterfactuals: bool = True,
     log: Callable[[str], None] | None = None,
+    rank: int | None = None,
+    nproc: int | None = None,
 ) -> ReplayReport:
-    """Replay `step` of `run` and explain it. See the module docstring."""
+    """Replay `step` of `run` and explain it. See the module docstring.
+
+    A distributed run replays on as many processes as it was recorded with (`nproc`, if
+    given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
+    process: a quick look, not bit-exact (the other ranks' gradients are missing)."""
     run = open_run(run) if not isinstance(run, Run) else run
     saved_env = capture_env()
     try:
-        return _Investigation(run, step, device=device, from_step=from_step, log=log).investigate(trace, counterfactuals)
+        if run.world_size > 1 and rank is None:
+            return _replay_distributed(run, step, device=device, from_step=from_step, trace=trace,
+                                       counterfactuals=counterfactuals, log=log, nproc=nproc)
+        if rank is not None and not 0 <= rank < run.world_size:
+            raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
+        with _solo_world(run.world_size > 1):
+            inv = _Investigation(run, step, device=device, from_step=from_step, log=log, rank=rank or 0)
+            if run.world_size > 1:
+                inv.r.notes.append(
+                    f"single-process replay of rank {rank}'s micro-batches out of {run.world_size}: "
+                    "an approximation (the other ranks' gradients are missing), not bit-exact"
+                )
+            return inv.investigate(trace, counterfactuals)
     finally:
         apply_env(saved_env)
 
 
+# --- distributed replay ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _solo_world(needed: bool):
+    """A process group of one, so a build_fn that wraps its model in DDP or fully_shard works
+    in a single-process replay."""
+    import torch.distributed as dist
+
+    if not needed or not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _replay_distributed(run: Run, step: int, *, device, from_step, trace, counterfactuals, log, nproc) -> ReplayReport:
+    """Replay on the recorded world size (one process per rank, gloo on the CPU, NCCL on GPUs),
+    then explain the root step in this process, on the rank whose batch brought the fault."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = run.world_size
+    if nproc is not None and nproc != world:
+        raise ReplayError(f"the run was recorded on {world} processes; --nproc {nproc} does not match", path=run.path)
+    log = log or (lambda msg: None)
+    with _solo_world(True):
+        plan = _Investigation(run, step, device=device, from_step=from_step, log=log)
+        fault_recorded, episode, k = plan.plan()
+    for r in range(1, world):
+        missing = sorted(set(range(k, step + 1)) - set(run.steps_of(r)))
+        if missing:
+            raise ReplayError(f"rank {r} has no batches for steps {missing[0]}..{missing[-1]} (a rank that died early?)", path=run.path)
+    out = Path(tempfile.mkdtemp(prefix="ckptlab-replay-"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = "nccl" if (device or str(run.manifest.get("device", "cpu"))).startswith("cuda") else "gloo"
+    log(f"replaying steps {k}..{step} on {world} processes ({backend})")
+    t0 = time.perf_counter()
+    try:
+        mp.start_processes(
+            _rank_worker,
+            args=(world, port, backend, str(run.path), step, k, max(k, episode - 2), str(out), device),
+            nprocs=world,
+            start_method="spawn",
+        )
+    except mp.ProcessRaisedException as e:
+        last = str(e).strip().splitlines()[-1]
+        raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
+    result = json.loads((out / "result.json").read_text())
+    checks = [StepCheck(**c) for c in result["checks"]]
+    root, faulty = result["root"], result["rank"]
+    with _solo_world(True):
+        inv = _Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0)
+        inv.timing["replay_s"] = time.perf_counter() - t0
+        inv.r.notes.extend(result["notes"])
+        snap = dets = None
+        if root is not None:
+            snap = load_captured(out / "snapshot" / "checkpoints" / checkpoint_name(root))
+            dets = inv.detectors(root)
+        return inv.report(k, fault_recorded, checks, root, snap, dets, trace, counterfactuals, rank=faulty)
+
+
+def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, step: int, k: int, snap_from: int, out: str, device) -> None:
+    """One rank of a distributed replay (a spawned process)."""
+    import dataclasses
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        run = open_run(run_path)
+        inv = _Investigation(run, step, device=device, from_step=k, log=None, rank=rank)
+        checks, root, snap, _ = inv.replay_window(k, snap_from)
+        faulty = _faulty_rank(checks, root)
+        if root is not None and snap is None:
+            snap = inv.state_before(k, root)  # collective: every rank replays up to the root again
+        if root is not None and rank == faulty:
+            # This rank's view of the state the root step started in (its own RNG streams).
+            commit_checkpoint(Path(out) / "snapshot", snap)
+        if rank == 0:
+            doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": inv.r.notes}
+            (Path(out) / "result.json").write_text(json.dumps(doc))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _faulty_rank(checks: list[StepCheck], root: int | None) -> int | None:
+    """The rank whose own loss or gradient went wrong first at the root step (every rank
+    computes the same answer from the gathered values)."""
+    if root is None:
+        return None
+    c = next(c for c in checks if c.step == root)
+    if not c.rank_loss:
+        return None
+    for values in (c.rank_loss, c.rank_grad_norm or []):
+        bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            return bad[0]
+    norms = c.rank_grad_norm or []
+    return int(np.argmax(norms)) if norms else None
+
+
 class _Investigation:
-    def __init__(self, run: Run, step: int, *, device, from_step, log):
+    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0):
         self.run, self.step, self.from_step = run, step, from_step
         self.log = log or (lambda msg: None)
         self.t0 = time.perf_counter()
@@ -278,7 +422,7 @@ class _Investigation:
         m = run.metrics()
         if m.index(step) is None and step not in run.steps:
             raise ReplayError(run._missing_step(step), path=run.path)
-        self.r = Replayer(run, device=device, log=self.log)
+        self.r = Replayer(run, device=device, log=self.log, rank=rank)
         self.m = m
         self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
 
@@ -389,7 +533,10 @@ class _Investigation:
         rec_loss = float(self.m.loss[i]) if i is not None else None
         rec_grad = float(self.m.grad_norm[i]) if i is not None else None
         match = i is not None and _same(h.loss, rec_loss) and _same(h.grad_norm, rec_grad)
-        return StepCheck(s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found)
+        rec_ranks = self.m.scalars[i].get("rank_loss") if i is not None else None
+        if h.rank_loss is not None:
+            match = match and rec_ranks is not None and all(map(_same, h.rank_loss, rec_ranks))
+        return StepCheck(s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm)
 
     def state_before(self, k: int, root: int):
         """A snapshot of the state in which `root` starts, by replaying k..root-1 again."""
@@ -404,11 +551,14 @@ class _Investigation:
 
     # the whole investigation ---------------------------------------------------------------------
 
-    def investigate(self, do_trace: bool, do_counterfactuals: bool) -> ReplayReport:
+    def plan(self) -> tuple[bool, int, int]:
+        """(fault_recorded, first step of the recorded episode, start checkpoint)."""
         anomalies = self.recorded_anomalies()
-        fault_recorded = self.step in anomalies
         episode = self.episode_start(anomalies)
-        k = self.choose_start(episode)
+        return self.step in anomalies, episode, self.choose_start(episode)
+
+    def investigate(self, do_trace: bool, do_counterfactuals: bool) -> ReplayReport:
+        fault_recorded, episode, k = self.plan()
         t0 = time.perf_counter()
         checks, root, root_snap, root_dets = self.replay_window(k, snap_from=max(k, episode - 2))
         # The root at the very first replayed step may have begun earlier: look from further back.
@@ -418,12 +568,17 @@ class _Investigation:
             k = earlier[-1]
             checks, root, root_snap, root_dets = self.replay_window(k, snap_from=max(k, episode - 2))
         self.timing["replay_s"] = time.perf_counter() - t0
-        reproduced = root is not None
+        if root is not None and root_snap is None:
+            root_snap = self.state_before(k, root)
+            root_dets = self.detectors(root)
+        return self.report(k, fault_recorded, checks, root, root_snap, root_dets, do_trace, do_counterfactuals)
+
+    def report(self, k, fault_recorded, checks, root, root_snap, root_dets, do_trace, do_counterfactuals, rank=None) -> ReplayReport:
+        """Judge the replayed window (determinism, reproduction) and explain the root step."""
         pre_fault = [c for c in checks if root is None or c.step < root]
         if root is None and fault_recorded:
             pre_fault = [c for c in checks if c.step < self.step]
         divergence = next((c for c in pre_fault if not c.match), None)
-        deterministic = divergence is None
         first_div = None
         if divergence is not None:
             first_div = {
@@ -440,8 +595,8 @@ class _Investigation:
             root_step=root,
             start_checkpoint=k,
             fault_recorded=fault_recorded,
-            reproduced=reproduced,
-            deterministic=deterministic,
+            reproduced=root is not None,
+            deterministic=divergence is None,
             first_divergence=first_div,
             origin=Origin("none", None, None, None, None, None),
             samples=[],
@@ -451,11 +606,9 @@ class _Investigation:
             steps=checks,
             verdict="",
             notes=self.r.notes,
+            rank=rank,
         )
         if root is not None:
-            if root_snap is None:
-                root_snap = self.state_before(k, root)
-                root_dets = self.detectors(root)
             _Blame(self, root, root_snap, root_dets, k).explain(report, do_trace, do_counterfactuals)
         report.verdict = verdict(report)
         self.timing["total_s"] = time.perf_counter() - self.t0
@@ -746,7 +899,7 @@ def verdict(r: ReplayReport) -> str:
         )
     o = r.origin
     root = r.root_step
-    lead = f"Step {root}" + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
+    lead = f"Step {root}" + (f" on rank {r.rank}" if r.rank is not None else "") + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
     who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
     more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
     at = ""

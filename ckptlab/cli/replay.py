@@ -14,15 +14,20 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Where to replay (default: where the run was recorded). cuda applies deterministic CUDA settings.")
 @click.option("--from-step", type=int, default=None, help="Start from this checkpoint instead of the one ckptlab picks.")
+@click.option("--nproc", type=int, default=None, help="Distributed runs: the number of processes to replay on (must equal the recorded world size; default: that).")
+@click.option("--rank", type=int, default=None, help="Distributed runs: replay only this rank's micro-batches in one process (a quick look, not bit-exact).")
 @click.option("--no-trace", is_flag=True, help="Skip the per-op trace of the root step.")
 @click.option("--no-counterfactuals", is_flag=True, help="Skip the counterfactual re-runs (without the blamed rows; from an older state).")
-def command(run_dir, step: int, as_json: bool, device, from_step, no_trace: bool, no_counterfactuals: bool) -> None:
+def command(run_dir, step: int, as_json: bool, device, from_step, nproc, rank, no_trace: bool, no_counterfactuals: bool) -> None:
     """Replay a recorded step and explain what went wrong.
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
     re-runs the recorded steps with the recorded batches (checking every loss bit for bit),
     finds the root step, traces it per op, and names the layer, op, parameter and data
     sample behind the fault -- or says that the fault did not reproduce.
+
+    A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
+    the CPU, NCCL on GPUs) and names the rank the fault came in on.
 
     This imports and runs the run's recorded build_fn/step_fn (your code), nothing else.
     """
@@ -39,7 +44,7 @@ def command(run_dir, step: int, as_json: bool, device, from_step, no_trace: bool
                 status.update(msg)
 
         report = replay(run, step, device=device, from_step=from_step, trace=not no_trace,
-                        counterfactuals=not no_counterfactuals, log=log)
+                        counterfactuals=not no_counterfactuals, log=log, rank=rank, nproc=nproc)
     for note in report.notes:
         term.warn(note)
     if as_json:

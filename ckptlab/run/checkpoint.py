@@ -162,6 +162,17 @@ class Checkpoint:
             raise CorruptFileError(f"unreadable training state ({e})", path=path) from None
 
 
+def load_captured(path: Path) -> CapturedState:
+    """A committed checkpoint folder back as the in-memory state it was written from."""
+    commit = json.loads((path / COMMIT).read_text())
+    ckpt = Checkpoint(int(commit["step"]), path, commit)
+    ckpt.verify()
+    tensors, aliases = ckpt.load_model(verify=False)
+    with safetensors.safe_open(path / STATE_FILE, framework="pt") as f:
+        spec = json.loads(f.metadata()[META_KEY])
+    return CapturedState(ckpt.step, tensors, aliases, spec, safetensors.torch.load_file(path / STATE_FILE), {})
+
+
 def list_checkpoints(run_dir: Path) -> tuple[list[Checkpoint], list[str]]:
     """Committed checkpoints whose files are present at their committed sizes, and problems.
 

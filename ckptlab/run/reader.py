@@ -66,15 +66,30 @@ class Run:
 
     # --- batches ---------------------------------------------------------------------------
 
-    @cached_property
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest.get("world_size", 1))
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that recorded batches (0 only, unless the run was distributed)."""
+        found = sorted(int(p.name[4:]) for p in (self.path / "batches").glob("rank*") if p.name[4:].isdigit())
+        return found or [0]
+
+    @property
     def _batch_index(self) -> dict[int, framelog.FrameRef]:
-        index: dict[int, framelog.FrameRef] = {}
-        for path, open_end in _segments(batches_dir(self.path, 0)):
-            scan = self._scan(path, open_end)
-            for ref in scan.frames:
-                if ref.kind == framelog.BATCH:
-                    index[ref.step] = ref
-        return dict(sorted(index.items()))
+        return self.batch_index(0)
+
+    def batch_index(self, rank: int = 0) -> dict[int, framelog.FrameRef]:
+        cache = self.__dict__.setdefault("_batch_indexes", {})
+        if rank not in cache:
+            index: dict[int, framelog.FrameRef] = {}
+            for path, open_end in _segments(batches_dir(self.path, rank)):
+                for ref in self._scan(path, open_end).frames:
+                    if ref.kind == framelog.BATCH:
+                        index[ref.step] = ref
+            cache[rank] = dict(sorted(index.items()))
+        return cache[rank]
 
     def _scan(self, path: Path, open_end: bool, *, verify: bool = False) -> framelog.ScanResult:
         """Scan one segment, noting a torn tail (a crash's) or damage (not a crash's)."""
@@ -111,18 +126,24 @@ class Run:
 
     @property
     def steps(self) -> list[int]:
-        """Step numbers that have a recorded batch (a step that crashed mid-way included)."""
+        """Step numbers that have a recorded batch (a step that crashed mid-way included);
+        for a distributed run, rank 0's."""
         return list(self._batch_index)
 
-    def batch_record(self, step: int) -> records.BatchRecord:
-        ref = self._batch_index.get(step)
+    def steps_of(self, rank: int) -> list[int]:
+        return list(self.batch_index(rank))
+
+    def batch_record(self, step: int, rank: int = 0) -> records.BatchRecord:
+        ref = self.batch_index(rank).get(step)
         if ref is None:
-            raise ReplayError(self._missing_step(step), path=self.path)
+            where = f" on rank {rank}" if rank else ""
+            raise ReplayError(self._missing_step(step) + where, path=self.path)
         payload, _ = ref.read_payload()
         return records.decode_batch(payload, where=f"{ref.path}@{step}")
 
-    def batch(self, step: int) -> tuple[Any, list | None]:
-        rec = self.batch_record(step)
+    def batch(self, step: int, rank: int = 0) -> tuple[Any, list | None]:
+        """(batch, sample_ids) of `step`, exactly as recorded (on `rank`, if distributed)."""
+        rec = self.batch_record(step, rank)
         return rec.batch, rec.sample_ids
 
     def _missing_step(self, step: int) -> str:

@@ -1,0 +1,76 @@
+"""Models and data for the distributed tests (DDP and FSDP2, 2 processes, gloo on the CPU).
+
+`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|fsdp [KILL_STEP]`
+records a run; rank 1 meets a NaN in row 2 of its batch at step NAN_STEP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+import ckptlab
+from tests.models import MLP, step_mlp  # noqa: F401 - step_mlp is the recorded step_fn
+
+NAN_STEP, NAN_RANK, NAN_ROW = 17, 1, 2
+STEPS, ROWS = 30, 4
+
+
+def build_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(MLP())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def build_fsdp():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    fully_shard(model.fc1)
+    fully_shard(model.fc2)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def sample_ids(step: int, rank: int) -> list[int]:
+    return [10_000 * rank + 100 * step + r for r in range(ROWS)]
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(ROWS, 8, generator=g)
+    y = x[:, :1] * 0.5 + 0.1 * torch.randn(ROWS, 1, generator=g)
+    if (step, rank) == (NAN_STEP, NAN_RANK):
+        x[NAN_ROW, 3] = float("nan")
+    return (x, y), sample_ids(step, rank)
+
+
+def main(run_dir: str, kind: str, kill_step: int | None = None) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    build = build_ddp if kind == "ddp" else build_fsdp
+    model, opt = build()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None) as rec:
+        for s in range(STEPS):
+            if s == kill_step and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            b, ids = batch(s, rank)
+            try:
+                rec.step(b, sample_ids=ids)
+            except ckptlab.NonFiniteLoss:
+                break
+            print(f"rank {rank} step {s} returned", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
