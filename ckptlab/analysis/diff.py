@@ -193,29 +193,21 @@ def diff(
 
 def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, progress, sequential) -> DiffFindings:
     started = time.perf_counter()
-    notes = [f"A: {n}" for n in sd_a.notes] + ([f"B: {n}" for n in sd_b.notes] if sd_b else [])
-    skipped = [{"name": n, "side": "a", "reason": r} for n, r in sd_a.skipped.items()]
-    if sd_b is not None:
-        skipped += [{"name": n, "side": "b", "reason": r} for n, r in sd_b.skipped.items()]
-        plan = align(sd_a, sd_b, pattern)
-        notes += plan.notes
-        jobs = [Job(sd_a.info(p.name_a), sd_b.info(p.name_b), _pair_maker(sd_a.info(p.name_a), sd_b.info(p.name_b))) for p in plan.pairs]
-    else:
-        plan = _single_plan(sd_a, pattern)
-        jobs = [Job(sd_a.info(p.name_a), None, _single_maker(sd_a.info(p.name_a))) for p in plan.pairs]
+    plan = align(sd_a, sd_b, pattern) if sd_b is not None else _single_plan(sd_a, pattern)
+    skipped = [{"name": n, "side": side, "reason": r} for side, sd in (("a", sd_a), ("b", sd_b)) if sd for n, r in sd.skipped.items()]
+    skipped += _drop_unsupported(plan, sd_a, sd_b)
     if not plan.pairs:
         raise CkptlabError(_nothing_to_compare(sd_a, sd_b, plan, pattern))
-    order = sorted(range(len(jobs)), key=lambda i: _storage_order(jobs[i].a))  # read each file front to back
-    results = stream([jobs[i] for i in order], workers=workers, progress=progress)
-    results = [r for _, r in sorted(zip(order, results))]
-    findings = [_finding(p, r.result(), sd_a, sd_b) for p, r in zip(plan.pairs, results)]
+    jobs = [_job(p, sd_a, sd_b) for p in plan.pairs]
+    results = _stream_in_file_order(jobs, workers, progress)
+    findings = [_finding(p, acc.result(), sd_a, sd_b) for p, acc in zip(plan.pairs, results)]
     for i, f in enumerate(findings):
         f._order = i
     (_rank_pairs if sd_b is not None else _rank_single)(findings)
     findings.sort(key=lambda f: (f._tier, -f._score))
-    top = findings[0] if findings and findings[0]._tier < UNFLAGGED else None
-    seconds = time.perf_counter() - started
+    top = findings[0] if findings[0]._tier < UNFLAGGED else None
     nbytes = sum(j.a.nbytes + (j.b.nbytes if j.b is not None else 0) for j in jobs)
+    seconds = time.perf_counter() - started
     return DiffFindings(
         a=sd_a.label,
         b=sd_b.label if sd_b else None,
@@ -225,7 +217,7 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
         unexpected=plan.unexpected,
         mismatched=plan.mismatched,
         skipped=skipped,
-        notes=notes,
+        notes=[f"A: {n}" for n in sd_a.notes] + [f"B: {n}" for n in (sd_b.notes if sd_b else [])] + plan.notes,
         summary={
             "compared": len(findings),
             "flagged": sum(1 for f in findings if f._tier < UNFLAGGED),
@@ -241,12 +233,33 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
     )
 
 
-def _pair_maker(ra, rb):
-    return lambda: stats.PairAccumulator(ra.dtype, rb.dtype)
+def _drop_unsupported(plan: Plan, sd_a, sd_b) -> list[dict]:
+    """Complex, quantized and packed 4-bit tensors have no statistics here: listed as skipped."""
+    keep, skipped = [], []
+    for p in plan.pairs:
+        sides = [("a", sd_a.info(p.name_a))] + ([("b", sd_b.info(p.name_b))] if sd_b is not None else [])
+        bad = [(side, ref.dtype) for side, ref in sides if not stats.supported(ref.dtype)]
+        skipped += [{"name": p.name, "side": side, "reason": f"dtype {_dt(dtype)} is not supported"} for side, dtype in bad]
+        if not bad:
+            keep.append(p)
+    plan.pairs = keep
+    return skipped
 
 
-def _single_maker(ra):
-    return lambda: stats.StatsAccumulator(ra.dtype)
+def _job(p: Pair, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Job:
+    ra = sd_a.info(p.name_a)
+    if sd_b is None:
+        return Job(ra, None, lambda: stats.StatsAccumulator(ra.dtype))
+    rb = sd_b.info(p.name_b)
+    return Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype))
+
+
+def _stream_in_file_order(jobs: list[Job], workers: int, progress) -> list:
+    """Stream the jobs in the order A stores them (each file read front to back); results in
+    the jobs' order."""
+    order = sorted(range(len(jobs)), key=lambda i: _storage_order(jobs[i].a))
+    results = stream([jobs[i] for i in order], workers=workers, progress=progress)
+    return [r for _, r in sorted(zip(order, results), key=lambda x: x[0])]
 
 
 def _storage_order(ref) -> tuple:

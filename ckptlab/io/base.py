@@ -177,22 +177,31 @@ class LazyStateDict(Mapping):
         return f"LazyStateDict({self.label!r}, format={self.format!r}, tensors={len(self.refs)}, tied={len(self.aliases)})"
 
 
-def from_tensors(tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None) -> LazyStateDict:
-    """Wrap an in-memory state dict; names sharing storage become aliases of the first one."""
-    refs: dict[str, TensorRef] = {}
+def split_tied(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """({name: tensor} with each storage once, {tied name: the first name of its storage})."""
+    first: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[object, str] = {}
-    skipped: dict[str, str] = {}
+    for name, t in tensors.items():
+        key = storage_identity(t)
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            first[name] = t
+    return first, aliases
+
+
+def from_tensors(tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None) -> LazyStateDict:
+    """Wrap an in-memory state dict; names sharing storage become aliases of the first one."""
+    plain, skipped = {}, {}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             continue
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             skipped[name] = f"a {t.layout if t.layout != torch.strided else t.device.type} tensor"
-            continue
-        key = storage_identity(t)
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        refs[name] = MemoryTensor(t)
+        else:
+            plain[name] = t
+    first, aliases = split_tied(plain)
+    refs: dict[str, TensorRef] = {name: MemoryTensor(t) for name, t in first.items()}
     return LazyStateDict(refs, label=label, format=format, aliases=aliases, notes=notes, skipped=skipped)

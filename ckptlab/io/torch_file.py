@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ckptlab.errors import CorruptFileError, UnsafeFileError
-from ckptlab.io.base import MemoryTensor, TensorRef, require_safe_torch, storage_identity
+from ckptlab.io.base import MemoryTensor, TensorRef, require_safe_torch, split_tied
 from ckptlab.io.mapped import FileTensor, MappedFile
 from ckptlab.io.nested import describe, find_state_dict
 
@@ -81,15 +81,9 @@ def open_torch(path: str | Path, *, sequential: bool = False):
     locate = _locator(path, _all_tensors(obj)) if file else None
     if file and locate is None:
         notes.append(f"{path.name}: tensor data not where the zip index says; read through torch's mapping")
+    first, aliases = split_tied(flat)  # tied weights: one storage, several names
     refs: dict[str, TensorRef] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[object, str] = {}
-    for name, t in flat.items():
-        key = storage_identity(t)
-        if key in seen:  # tied weights: one storage, several names
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
+    for name, t in first.items():
         offset = locate(t) if locate and t.is_contiguous() and t.numel() else None
         refs[name] = FileTensor(file, offset, t.shape, t.dtype) if offset is not None else MemoryTensor(t)
     return refs, aliases, notes, ([file.close] if file else [])

@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import safetensors.torch
 import torch
 
 import ckptlab
@@ -200,4 +199,11 @@ def test_empty_and_integer_tensors_do_not_break_anything():
     count = findings.finding("count")
     assert count.delta.l2 == 1 and count.delta.max_index is None and count.shape == []
     assert math.isnan(findings.finding("empty").delta.l2)
-    safetensors.torch.save_file  # (imported for the sharded writer; silence unused-import linters)
+
+
+def test_complex_tensors_are_skipped_not_fatal():
+    a = {"w": torch.randn(4, 4), "freqs_cis": torch.randn(8, dtype=torch.complex64)}
+    findings = ckptlab.diff(a, {k: v.clone() for k, v in a.items()})
+    assert [f.name for f in findings.ranked] == ["w"]
+    assert findings.skipped == [{"name": "freqs_cis", "side": "a", "reason": "dtype complex64 is not supported"},
+                                {"name": "freqs_cis", "side": "b", "reason": "dtype complex64 is not supported"}]
