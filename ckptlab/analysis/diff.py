@@ -199,8 +199,8 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
     if not plan.pairs:
         raise CkptlabError(_nothing_to_compare(sd_a, sd_b, plan, pattern))
     jobs = [_job(p, sd_a, sd_b) for p in plan.pairs]
-    results = _stream_in_file_order(jobs, workers, progress)
-    findings = [_finding(p, acc.result(), sd_a, sd_b) for p, acc in zip(plan.pairs, results)]
+    results = _stream_in_file_order(jobs, workers, progress)  # TensorStats / PairStats
+    findings = [_finding(p, r, sd_a, sd_b) for p, r in zip(plan.pairs, results)]
     for i, f in enumerate(findings):
         f._order = i
     (_rank_pairs if sd_b is not None else _rank_single)(findings)
@@ -249,9 +249,9 @@ def _drop_unsupported(plan: Plan, sd_a, sd_b) -> list[dict]:
 def _job(p: Pair, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Job:
     ra = sd_a.info(p.name_a)
     if sd_b is None:
-        return Job(ra, None, lambda: stats.StatsAccumulator(ra.dtype))
+        return Job(ra, None, lambda: stats.StatsAccumulator(ra.dtype), finish=stats.StatsAccumulator.result)
     rb = sd_b.info(p.name_b)
-    return Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype))
+    return Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype), finish=stats.PairAccumulator.result)
 
 
 def _stream_in_file_order(jobs: list[Job], workers: int, progress) -> list:

@@ -32,6 +32,7 @@ class Job:
     a: TensorRef
     b: TensorRef | None  # None: statistics of `a` alone
     make: Callable[[], Any]  # a fresh accumulator: .add(a[, b, offset]) and .merge(other)
+    finish: Callable[[Any], Any] | None = None  # run on the merged accumulator, in a worker
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ def default_workers() -> int:
 
 
 def stream(jobs: Sequence[Job], *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> list:
-    """Run every job; returns one merged accumulator per job, in order."""
+    """Run every job; returns per job, in order, its merged accumulator (or what its `finish`
+    made of it: finishing in the worker overlaps it with the reading of other tensors)."""
     units = [u for i, job in enumerate(jobs) for u in _units(i, job)]
     merged: list = [None] * len(jobs)
     # Partials merge in segment order, whatever order threads finish in: float sums then add
@@ -71,13 +73,16 @@ def stream(jobs: Sequence[Job], *, workers: int | None = None, progress: Callabl
         job.a.release(unit.start, unit.count)
         if job.b is not None:
             job.b.release(unit.start, unit.count)
+        j = unit.job
         with lock:
-            j = unit.job
             waiting[j][unit.start] = (unit.count, acc)
             while next_start[j] in waiting[j]:
                 count, part = waiting[j].pop(next_start[j])
                 merged[j] = part if merged[j] is None else merged[j].merge(part)
                 next_start[j] += count
+            complete = next_start[j] == job.a.numel
+        if complete and job.finish is not None:  # no other unit of this job is left to touch it
+            merged[j] = job.finish(merged[j])
         if progress:
             progress(unit.count * (job.a.dtype.itemsize + (job.b.dtype.itemsize if job.b is not None else 0)))
 
@@ -103,7 +108,7 @@ def stream(jobs: Sequence[Job], *, workers: int | None = None, progress: Callabl
         torch.set_num_threads(threads)
     for i, job in enumerate(jobs):
         if merged[i] is None:  # an empty tensor: nothing was added
-            merged[i] = job.make()
+            merged[i] = job.make() if job.finish is None else job.finish(job.make())
     return merged
 
 
