@@ -450,12 +450,11 @@ class PairAccumulator:
                     _write_codes(src if src.dtype == torch.float32 else src.float(), side.codec, codes)
                     scalars += _float_scalars(wide)
         d = xb.sub_(xa)  # (n,) B - A, in place: xb is not needed any more
-        # float64 from here (a float32 dot drifts ~1e-5 relative over a chunk)
-        d = d if d.dtype == torch.float64 else ws.f64[0][:n].copy_(d)
-        scalars.append(torch.dot(d, d))
+        # ||B - A||^2 accumulates in float64 (a float32 dot drifts ~1e-5 relative over a chunk)
+        d64 = d if d.dtype == torch.float64 else ws.f64[0][:n].copy_(d)
+        scalars.append(torch.dot(d64, d64))
         d.abs_()
-        scalars += torch.aminmax(d)
-        values = torch.stack(scalars).tolist()
+        values = torch.stack(scalars).tolist() + torch.stack(torch.aminmax(d)).tolist()  # (one read-back per dtype)
         k = 0
         for side, src, wide in ((self.a, x, xa), (self.b, y, None)):
             if not side.codec.exact:
