@@ -266,7 +266,7 @@ class StatsAccumulator:
         if not self.codec.exact and int(counts[0]) + int(counts[0x8000]):  # zeros or denormals
             self.zeros += block.numel() - int(torch.count_nonzero(block))
 
-    def _add_moments(self, chunk: torch.Tensor, x64: torch.Tensor, scalars: list[torch.Tensor], values: list[float] | None = None) -> None:
+    def _add_moments(self, chunk: torch.Tensor, x64: torch.Tensor | None, scalars: list[torch.Tensor], values: list[float] | None = None) -> None:
         s1, s2, lo, hi = values if values is not None else torch.stack(scalars).tolist()
         if math.isfinite(s2):
             self.finite += chunk.numel()
@@ -275,6 +275,7 @@ class StatsAccumulator:
             self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
             return
         # The slow, exact pass: only for a chunk that holds a NaN or an Inf.
+        x64 = chunk.double() if x64 is None else x64
         self.nan += int(torch.isnan(x64).sum())
         self.posinf += int(torch.isposinf(x64).sum())
         self.neginf += int(torch.isneginf(x64).sum())
@@ -456,10 +457,8 @@ class PairAccumulator:
         d.abs_()
         values = torch.stack(scalars).tolist() + torch.stack(torch.aminmax(d)).tolist()  # (one read-back per dtype)
         k = 0
-        for side, src, wide in ((self.a, x, xa), (self.b, y, None)):
+        for side, src, wide in ((self.a, x, xa), (self.b, y, None)):  # (xb now holds |B - A|)
             if not side.codec.exact:
-                if wide is None:  # xb now holds |B - A|: recover B for the slow path
-                    wide = y.double()
                 side._add_moments(src, wide, [], values[k : k + 4])
                 k += 4
         dd, dmin, dmax = values[k:]
