@@ -47,8 +47,10 @@ QUANTILES = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
 # 128K elements: two float64 copies (1 MiB each) stay in a 2 MiB L2 while ~12 ops run over
 # them; 32K costs ~25% more in per-op overhead, 512K spills to L3 (scripts/bench_diff.py).
 CHUNK = 1 << 17
-# Patterns are counted per block: one bincount of 1M codes amortises zeroing its 65536 bins.
+# Patterns are counted per block: one bincount of 1M codes amortises zeroing its 65536 bins;
+# blocks under SMALL codes are counted with torch.unique instead.
 BLOCK = 1 << 20
+SMALL = 1 << 14
 
 
 @dataclass
@@ -157,7 +159,6 @@ class Codec:
     values: np.ndarray  # float64[size]: the value of each pattern
     finite: np.ndarray  # bool[size]
     bins: np.ndarray  # int64[size]: histogram bin of each pattern (0 where not finite)
-    order: np.ndarray  # int64: the finite patterns, by increasing value
 
 
 @functools.cache
@@ -168,9 +169,7 @@ def _codec(name: str, exact: bool) -> Codec:
     values = bits.view(dtype).to(torch.float64).numpy()
     finite = np.isfinite(values)
     bins = np.where(finite, hist_bins(np.where(finite, values, 0.0)), 0)
-    order = np.flatnonzero(finite)
-    order = order[np.argsort(values[order], kind="stable")]
-    return Codec(name, size, exact, values, finite, bins, order)
+    return Codec(name, size, exact, values, finite, bins)
 
 
 _EXACT = {torch.bfloat16, torch.float16} | {
@@ -260,10 +259,16 @@ class StatsAccumulator:
             self._count(block, codes)
 
     def _count(self, block: torch.Tensor, codes: torch.Tensor) -> None:
-        counts = torch.bincount(codes, minlength=self.codec.size)
-        self.counts += counts
+        if codes.numel() < SMALL:  # a bias or a gain: a 65536-bin bincount would cost more than it
+            present, counts = torch.unique(codes, return_counts=True)
+            self.counts.index_add_(0, present.long(), counts)
+            suspect = not self.codec.exact and bool(((present == 0) | (present == 0x8000)).any())
+        else:
+            counts = torch.bincount(codes, minlength=self.codec.size)
+            self.counts += counts
+            suspect = not self.codec.exact and int(counts[0]) + int(counts[0x8000]) > 0
         self.numel += block.numel()
-        if not self.codec.exact and int(counts[0]) + int(counts[0x8000]):  # zeros or denormals
+        if suspect:  # the bfloat16 prefix of zeros (and of denormals): count exact zeros
             self.zeros += block.numel() - int(torch.count_nonzero(block))
 
     def _add_moments(self, chunk: torch.Tensor, x64: torch.Tensor | None, scalars: list[torch.Tensor], values: list[float] | None = None) -> None:
@@ -300,23 +305,19 @@ class StatsAccumulator:
         return self
 
     def sketch(self) -> Sketch:
-        return Sketch(self.codec, self.counts.numpy())
+        return Sketch.of(self.codec, self.counts)
 
     def result(self) -> TensorStats:
         c = self.codec
         sk = self.sketch()
-        counts = sk.counts
         if c.exact:  # everything follows from the pattern counts
-            v = np.where(c.finite, c.values, 0.0)
-            fin = counts * c.finite
-            n = int(fin.sum())
+            v, counts = sk.finite
+            n = int(counts.sum())
             # (np.sum of products, not `@`: numpy's threaded BLAS is 100x slower on a busy machine)
-            s1, s2 = float(np.sum(fin * v)), float(np.sum(fin * (v * v)))
-            present = np.flatnonzero(fin)
-            lo = float(v[present].min()) if n else math.nan
-            hi = float(v[present].max()) if n else math.nan
-            nan, posinf, neginf = (int(counts[m].sum()) for m in (np.isnan(c.values), c.values == np.inf, c.values == -np.inf))
-            zeros = int(counts[c.values == 0].sum())
+            s1, s2 = float(np.sum(counts * v)), float(np.sum(counts * (v * v)))
+            lo, hi = (float(v[0]), float(v[-1])) if n else (math.nan, math.nan)
+            nan, posinf, neginf = (sk.where(m) for m in (np.isnan(c.values), c.values == np.inf, c.values == -np.inf))
+            zeros = sk.where(c.values == 0)
         else:
             n, s1, s2 = self.finite, self.s1, self.s2
             lo, hi = (self.lo, self.hi) if n else (math.nan, math.nan)
@@ -360,29 +361,37 @@ def _float_scalars(x64: torch.Tensor) -> list[torch.Tensor]:
 class Sketch:
     """How many elements had each value pattern: a distribution at 16-bit resolution. For
     float32 a pattern stands for its bfloat16 prefix (the value truncated toward zero), which is
-    exact for the values people set by hand (0, 1, small integers)."""
+    exact for the values people set by hand (0, 1, small integers). Sparse: only the patterns
+    present (a few thousand for a typical weight), so summaries cost little per tensor."""
 
     codec: Codec
-    counts: np.ndarray  # int64[codec.size]
+    patterns: np.ndarray  # int64[k]: the patterns present
+    counts: np.ndarray  # int64[k]: elements with each
 
-    def sorted_values(self) -> tuple[np.ndarray, np.ndarray]:
-        """(values, counts) of the finite patterns present, by increasing value."""
-        return self._sorted
+    @classmethod
+    def of(cls, codec: Codec, dense: torch.Tensor) -> Sketch:
+        patterns = torch.nonzero(dense).reshape(-1)
+        return cls(codec, patterns.numpy(), dense[patterns].numpy())
+
+    def where(self, mask: np.ndarray) -> int:
+        """How many elements have a pattern for which `mask` (over all patterns) is true."""
+        return int(self.counts[mask[self.patterns]].sum())
 
     @functools.cached_property
-    def _sorted(self) -> tuple[np.ndarray, np.ndarray]:
-        order = self.codec.order
-        counts = self.counts[order]
-        keep = counts > 0
-        values = self.codec.values[order][keep]
-        return values, counts[keep]
+    def finite(self) -> tuple[np.ndarray, np.ndarray]:
+        """(values, counts) of the finite patterns present, by increasing value."""
+        keep = self.codec.finite[self.patterns]
+        values, counts = self.codec.values[self.patterns[keep]], self.counts[keep]
+        order = np.argsort(values, kind="stable")
+        return values[order], counts[order]
 
     def hist(self) -> np.ndarray:
-        fin = self.counts * self.codec.finite
-        return np.bincount(self.codec.bins, weights=fin, minlength=len(HIST_EDGES) - 1).astype(np.int64)
+        keep = self.codec.finite[self.patterns]
+        bins = self.codec.bins[self.patterns[keep]]
+        return np.bincount(bins, weights=self.counts[keep], minlength=len(HIST_EDGES) - 1).astype(np.int64)
 
     def quantiles(self, qs) -> tuple[float, ...]:
-        values, counts = self.sorted_values()
+        values, counts = self.finite
         if not len(values):
             return tuple(math.nan for _ in qs)
         cum = np.cumsum(counts)
@@ -395,8 +404,8 @@ class Sketch:
 def wasserstein1(a: Sketch, b: Sketch) -> float:
     """W1 = integral of |F_A(x) - F_B(x)| dx between the two value distributions (finite
     values; exact for 16/8-bit dtypes, at bfloat16 resolution for float32)."""
-    va, ca = a.sorted_values()
-    vb, cb = b.sorted_values()
+    va, ca = a.finite
+    vb, cb = b.finite
     if not len(va) or not len(vb):
         return math.nan
     xs = np.union1d(va, vb)
