@@ -51,7 +51,7 @@ OVERFLOW_SHARE = 0.5  # max|w| past half a 16-bit dtype's largest value: the nex
 OUTLIER_Z = 3.5  # modified z-score (Iglewicz & Hoaglin's cut-off for outliers)
 OUTLIER_RATIO = 3.0  # and at least 3x away from the peers' median update ratio
 MAD_FLOOR = 0.05  # dex: peers that agree within ~12% must not make 1.5x look significant
-MIN_PEERS = 3  # a role needs this many tensors to define "normal"
+MIN_PEERS = 3  # a role needs this many layers to define "normal" (fewer: no outlier test)
 FROZEN_PEERS = 0.5  # "frozen" only while at least half of the other tensors changed
 
 TIERS = {"nonfinite": 0, "exploded": 1, "extreme": 1, "drifted": 2, "stalled": 2, "dead": 3, "frozen": 4}
@@ -471,13 +471,9 @@ def _flag_update_outliers(findings: list[TensorFinding]) -> None:
     """Robust z-score of log10(update ratio) within each role (same name across layers)."""
     usable = [f for f in findings if f.b.nonfinite == 0 and math.isfinite(f.delta.rel_change) and f.delta.rel_change > 0]
     groups: dict[str, list[TensorFinding]] = {}
-    for f in usable:
-        groups.setdefault(role(f.name), []).append(f)
-    fallback: dict[str, list[TensorFinding]] = {}
-    for f in usable:  # a role with too few members: compare with all tensors of its kind
-        if len(groups[role(f.name)]) < MIN_PEERS:
-            fallback.setdefault(kind(f.name, f.shape), []).append(f)
-    for label, members in [*groups.items(), *fallback.items()]:
+    for f in usable:  # peers are the same parameter in other layers, never other kinds of tensor:
+        groups.setdefault(role(f.name), []).append(f)  # embeddings move ~10x less than matrices
+    for label, members in groups.items():
         if len(members) < MIN_PEERS:
             continue
         logs = [math.log10(f.delta.rel_change) for f in members]
@@ -523,11 +519,6 @@ def _overflow_limit(dtype: str) -> float | None:
 def role(name: str) -> str:
     """The name with its layer index replaced by *: blocks.3.mlp.0.weight -> blocks.*.mlp.0.weight."""
     return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name, count=1)
-
-
-def kind(name: str, shape: list[int]) -> str:
-    """What a tensor is regardless of where: '*.weight (2-D)'."""
-    return f"*.{name.rpartition('.')[2]} ({len(shape)}-D)"
 
 
 def _counts(s: Side) -> str:
