@@ -7,7 +7,7 @@ import re
 
 import click
 
-from ckptlab.cli.common import json_option
+from ckptlab.cli.common import find_run, json_option, run_option
 
 
 def _regex(ctx, param, value):
@@ -31,14 +31,16 @@ def _regex(ctx, param, value):
 @click.option("--no-verify", is_flag=True, help="Do not check RUN@STEP checkpoints against their recorded sha256 (faster on big runs).")
 @click.option("--workers", type=click.IntRange(1, 64), envvar="CKPTLAB_WORKERS", default=None,
               help="Threads to use (default: the available cores, at most 8). Also CKPTLAB_WORKERS.")
+@run_option
 @json_option
-def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify, workers, as_json) -> None:
+def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify, workers, run_dir, as_json) -> None:
     """Compare checkpoint A with B, tensor by tensor, and rank what went wrong.
 
     \b
     A and B are .pt/.pth/.bin or .safetensors files, Hugging Face sharded folders,
     torch.distributed.checkpoint folders, ckptlab runs (their latest checkpoint) or
-    RUN@STEP / RUN@latest. Without B: the health of A alone (non-finite, extreme, dead).
+    RUN@STEP / RUN@latest; @STEP alone is a step of the run found as --run says.
+    Without B: the health of A alone (non-finite, extreme, dead).
 
     \b
     Per tensor: NaN/Inf counts, mean, std, extremes, norms of A, B and B-A, the update ratio
@@ -53,6 +55,7 @@ def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify,
     from ckptlab.render.console import Terminal
 
     term = Terminal(json_mode=as_json)
+    a, b = (f"{find_run(run_dir, term)}{ref}" if ref and ref.startswith("@") else ref for ref in (a, b))
     sd_a = open_checkpoint(a, sequential=sequential, verify=not no_verify)
     sd_b = open_checkpoint(b, sequential=sequential, verify=not no_verify) if b is not None else None
     try:

@@ -11,7 +11,7 @@ from tests import models
 from tests.io.checkpoints import planted_faults, toy_state, write
 
 
-def run(capsys, *args, env=None, monkeypatch=None):
+def run(capsys, *args):
     with pytest.raises(SystemExit) as e:
         main(["diff", *map(str, args)])
     out, err = capsys.readouterr()
@@ -133,6 +133,8 @@ def test_one_run_alone_and_run_at_step(capsys, tmp_path):
     code, out, _ = run(capsys, f"{run_dir}@0", f"{run_dir}@latest", "--json", "--no-verify")
     doc = json.loads(out)
     assert code == 0 and (doc["a"], doc["b"]) == (f"{run_dir}@0", f"{run_dir}@20") and len(doc["ranked"]) == 4
+    code, out, _ = run(capsys, "@10", "@latest", "--run", run_dir, "--json")  # @STEP: a step of --run's run
+    assert code == 0 and (json.loads(out)["a"], json.loads(out)["b"]) == (f"{run_dir}@10", f"{run_dir}@20")
 
 
 def test_plot_writes_a_png(capsys, pair, tmp_path):
