@@ -15,7 +15,7 @@ pair at a time as they stream from disk, then ranked:
                             model's typical max|A| (a zero-initialised bias that learns is not
                             an explosion)
   2     drifted / stalled   the update ratio ||B-A||/||A|| is an outlier among parameters of
-                            the same role across layers (blocks.*.mlp.fc.weight): robust
+                            the same role across >= 3 layers (blocks.*.mlp.fc.weight): robust
                             z-score >= 3.5 and >= 3x off their median
   3     dead                a matrix that became all zeros
   4     frozen              B == A bit for bit while most of the model changed
