@@ -30,7 +30,7 @@ _LAZY = {
     "Recorder": ("ckptlab.record", "Recorder"),
     "open_run": ("ckptlab.run.reader", "open_run"),
     "Run": ("ckptlab.run.reader", "Run"),
-    "replay": ("ckptlab.replay", "replay"),
+    "replay": ("ckptlab.replayer", "replay"),
     "diff": ("ckptlab.analysis.diff", "diff"),
     "skip_samples": ("ckptlab.analysis.dirty", "skip_samples"),
 }

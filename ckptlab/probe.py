@@ -45,6 +45,7 @@ class StepHealth:
     lr: list[float]
     stepped: bool  # the optimizer's step ran (a GradScaler skips it on overflow)
     update_ratio: np.ndarray | None = None  # float32[P]: ||w_after - w_before|| / ||w_before||
+    update_ratio_global: float | None = None  # the same over all parameters together
     weight_norm: np.ndarray | None = None  # float32[P], after the update
     grad_scale: float | None = None
     step_time: float = 0.0
@@ -67,6 +68,8 @@ class StepHealth:
             out["grad_scale"] = self.grad_scale
         if self.weight_norm is not None:
             out["nonfinite_weights"] = int((~np.isfinite(self.weight_norm)).sum())
+        if self.update_ratio_global is not None:
+            out["update_ratio_global"] = self.update_ratio_global
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -182,7 +185,7 @@ class StepProbe:
             step_time=step_time,
         )
         if self._before is not None:
-            health.update_ratio, health.weight_norm = self._update_stats()
+            health.update_ratio, health.weight_norm, health.update_ratio_global = self._update_stats()
         self._before = None
         return health
 
@@ -208,7 +211,7 @@ class StepProbe:
         g = self.params[i].grad
         return int((~torch.isfinite(g)).sum()) if g is not None else -1
 
-    def _update_stats(self) -> tuple[np.ndarray, np.ndarray]:
+    def _update_stats(self) -> tuple[np.ndarray, np.ndarray, float]:
         with torch.no_grad():
             after = [p.detach() for p in self.params]
             w_norm = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in after])
@@ -220,4 +223,5 @@ class StepProbe:
                 d_norm = torch.zeros_like(w_norm)
             b_norm = torch.stack([torch.linalg.vector_norm(b, dtype=torch.float32) for b in self._before])
             ratio = torch.where(b_norm > 0, d_norm / b_norm, torch.where(d_norm > 0, torch.inf, 0.0))
-        return ratio.cpu().numpy().astype(np.float32), w_norm.cpu().numpy().astype(np.float32)
+            total = torch.linalg.vector_norm(d_norm.double()) / torch.linalg.vector_norm(b_norm.double()).clamp_min(1e-300)
+        return ratio.cpu().numpy().astype(np.float32), w_norm.cpu().numpy().astype(np.float32), float(total)

@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,11 +41,14 @@ from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
 from ckptlab.errors import NonFiniteLoss, RecordError
 from ckptlab.probe import StepHealth, StepProbe, named_parameters
 from ckptlab.run import codec, framelog, records
-from ckptlab.run.checkpoint import CapturedState, list_checkpoints
-from ckptlab.run.layout import MANIFEST, batches_dir, checkpoints_dir, journal_dir, segments
+from ckptlab.run.archive import unfinished_rollback
+from ckptlab.run.checkpoint import list_checkpoints
+from ckptlab.run.layout import MANIFEST, checkpoints_dir
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
-from ckptlab.run.writer import Retention, RunWriter
-from ckptlab.state import capture_env, capture_model, capture_rng, capture_train_state, load_model, load_train_state, restore_rng, rng_equal
+from ckptlab.run.reader import read_progress
+from ckptlab.run.writer import Retention, RunWriter, io_error
+from ckptlab.state import capture_env, capture_rng, rng_equal, snapshot
+from ckptlab.state import restore as restore_state
 from ckptlab import userfns
 
 
@@ -70,6 +74,12 @@ class Recorder:
         keep_best: checkpoint the state whenever `val_metric` improves, so rollback can
             return to exactly the best-validation weights.
         data_info: facts about the data for `ckptlab dirty`, e.g. {"pad_id": 0, "vocab_size": 50257}.
+        step_scheduler: call `scheduler.step()` after each step (False when step_fn, or the
+            framework driving the loop, steps it itself; the scheduler is still checkpointed).
+        on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
+            gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
+            (default) prints one warning line per anomaly episode naming the replay command;
+            None is silent. Events are recorded either way.
     """
 
     def __init__(
@@ -92,6 +102,8 @@ class Recorder:
         val_mode: str = "min",
         keep_best: bool = True,
         data_info: dict | None = None,
+        step_scheduler: bool = True,
+        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
     ):
         if ckpt_every < 1 or health_every < 1:
             raise RecordError("ckpt_every and health_every must be >= 1")
@@ -106,6 +118,10 @@ class Recorder:
         self.ckpt_every, self.health_every, self.keep_last = ckpt_every, health_every, keep_last
         self.on_nonfinite = on_nonfinite
         self.val_metric, self.val_mode, self.keep_best = val_metric, val_mode, keep_best
+        self.step_scheduler = step_scheduler
+        self.on_anomaly = _warn_anomaly(str(run_dir)) if on_anomaly == "warn" else on_anomaly
+        self._in_step = False
+        self._ckpt_wait = 0.0
         self._loss_spikes, self._grad_spikes = SpikeDetector(LOSS_RULE), SpikeDetector(GRAD_RULE)
         self._first_anomaly: int | None = None
         self._best: tuple[int, float] | None = None
@@ -118,7 +134,7 @@ class Recorder:
         exists = (self.run_dir / MANIFEST).exists()
         if exists and not resume:
             raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
-        if not exists and self.run_dir.exists() and any(self.run_dir.iterdir()):
+        if not exists and self.run_dir.exists() and any(not _first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if exists:
@@ -139,7 +155,10 @@ class Recorder:
                 "restored_from": self.restored_step,
             }
         )
-        write_manifest(self.run_dir, self.manifest)
+        try:
+            write_manifest(self.run_dir, self.manifest)
+        except OSError as e:  # e.g. a full disk: one clear line, like every other failed write
+            raise (io_error(e, "writing manifest.json", self.run_dir) or e) from None
         self.session_start = self.next_step
         self.probe = StepProbe(model, optimizer, scaler)
         self.writer = RunWriter(self.run_dir, self.session)
@@ -159,6 +178,7 @@ class Recorder:
                 "val_metric": self.val_metric,
                 "val_mode": self.val_mode,
                 "has_scheduler": self.scheduler is not None,
+                "step_scheduler": self.step_scheduler,
                 "has_scaler": self.scaler is not None,
             },
             functions={
@@ -183,17 +203,36 @@ class Recorder:
 
     def _resume(self, restore: bool) -> int:
         """Next step number for a resumed session; restores the state when asked."""
-        for stale in checkpoints_dir(self.run_dir).glob(".tmp-*"):  # a crash mid-commit
+        pending = unfinished_rollback(self.run_dir)
+        if pending is not None:  # half the later steps moved: resuming now would mix timelines
+            raise RecordError(f"a rollback into {pending.name} was interrupted", path=self.run_dir,
+                              hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume")
+        root = checkpoints_dir(self.run_dir)
+        for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:  # a crash mid-commit or mid-delete
             shutil.rmtree(stale, ignore_errors=True)
         found, _ = list_checkpoints(self.run_dir)
+        progress = read_progress(self.run_dir)
+        # Committed checkpoints are never written again, and retention keeps protecting the
+        # best-validation and last-healthy checkpoints of earlier sessions.
+        self._ckpt_steps = [c.step for c in found]
+        self._first_anomaly = progress.first_anomaly
+        for loss, grad in progress.recent:  # spikes are judged against the run so far, not a blank
+            self._loss_spikes.check(loss)
+            self._grad_spikes.check(grad)
+        if not found:
+            warnings.warn(
+                f"{self.run_dir}: resuming a run that has no checkpoint; the model as given becomes the "
+                "state of the first resumed step",
+                stacklevel=3,
+            )
+        for step, metrics in progress.validation:
+            value = metrics.get(self.val_metric)
+            if value is not None and math.isfinite(value) and self._improves(value):
+                self._best = (step, float(value))
         rollback = self.manifest.get("rollback")
-        last = max(
-            [c.step for c in found]
-            + [ref.step for _, _, p in segments(batches_dir(self.run_dir)) for ref in framelog.scan(p).frames]
-            + [ref.step for _, _, p in segments(journal_dir(self.run_dir)) for ref in framelog.scan(p).frames],
-            default=-1,
-        )
-        next_step, target = last + 1, None
+        # The next step follows the last one recorded. A checkpoint can be one past it (taken at
+        # a validation after the last step, or committed just before a kill hit its step).
+        next_step, target = max(progress.last_step + 1, max(self._ckpt_steps, default=0)), None
         if rollback is not None:
             target = next((c for c in found if c.step == rollback["step"]), None)
             if target is None:
@@ -206,10 +245,7 @@ class Recorder:
         if restore and target is not None:
             target.verify()
             tensors, aliases = target.load_model(verify=False)
-            load_model(self.model, tensors, aliases)
-            state = target.load_state(verify=False)
-            load_train_state(state, self.optimizer, self.scheduler, self.scaler)
-            restore_rng(state["rng"])
+            restore_state(self.model, self.optimizer, self.scheduler, self.scaler, tensors, aliases, target.load_state(verify=False))
             self.restored_step = target.step
         return next_step
 
@@ -217,42 +253,74 @@ class Recorder:
 
     def step(self, batch: Any, sample_ids=None):
         """Record and run one training step; returns what `step_fn` returned (the loss)."""
+        self.begin_step(batch, sample_ids)
+        try:
+            loss = self.step_fn(self.model, self.optimizer, batch)
+        except BaseException:
+            self.abort_step()  # the batch stays recorded: a crashing step can be replayed
+            raise
+        self.end_step(loss)
+        return loss
+
+    # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
+
+    def begin_step(self, batch: Any, sample_ids=None) -> int:
+        """Record the batch of the step about to run (checkpointing first when one is due);
+        returns its step number. The step's gradients and update are measured until
+        `end_step(loss)`."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
+        if self._in_step:
+            raise RecordError("begin_step called twice without end_step", path=self.run_dir)
+        self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
         if sample_ids is not None:
             sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
-        ckpt_wait = 0.0
+        self._ckpt_wait = 0.0
         if n == self.session_start or n % self.ckpt_every == 0:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
-                ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+                self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
         self._force_rng = False
-
         self.probe.begin(measure_update=n % self.health_every == 0)
+        self._in_step = True
+        return n
+
+    def abort_step(self) -> None:
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
+        self.probe._active = False
+        self._in_step = False
+
+    def end_step(self, loss) -> StepHealth:
+        """Finish the step begun by `begin_step`: record its health (and any anomaly), step
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
+        if not self._in_step:
+            raise RecordError("end_step called without begin_step", path=self.run_dir)
+        n = self.next_step
         try:
-            loss = self.step_fn(self.model, self.optimizer, batch)
             health = self.probe.end(loss)
         finally:
-            self.probe._active = False
-        if self.scheduler is not None:
+            self.abort_step()
+        if self.scheduler is not None and self.step_scheduler:
             self.scheduler.step()
         self._rng_after_prev = capture_rng()
 
         events = self._anomalies(n, health)
         scalars = {"step": n, "time": time.time(), **health.scalars()}
-        if ckpt_wait:
-            scalars["ckpt_wait"] = ckpt_wait
+        if self._ckpt_wait:
+            scalars["ckpt_wait"] = self._ckpt_wait
         self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
         for event in events:
             self.writer.append_json(framelog.EVENT, n, event)
         self.next_step = n + 1
+        if events and self.on_anomaly is not None:
+            self.on_anomaly(n, events)
         if not health.loss_finite and self.on_nonfinite == "raise":
             raise NonFiniteLoss(n, health.loss, str(self.run_dir))
-        return loss
+        return health
 
     def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
         events = []
@@ -279,12 +347,14 @@ class Recorder:
         value = clean.get(self.val_metric)
         if value is None or not math.isfinite(value):
             return
-        better = self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
-        if better:
+        if self._improves(value):
             self._best = (step, value)
             if self.keep_best and step not in self._ckpt_steps:
                 self._checkpoint(step, "best")
                 self._force_rng = True
+
+    def _improves(self, value: float) -> bool:
+        return self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
@@ -294,8 +364,6 @@ class Recorder:
         return self.next_step
 
     def _checkpoint(self, step: int, reason: str) -> float:
-        tensors, aliases = capture_model(self.model)
-        spec, state_tensors = codec.encode(capture_train_state(self.optimizer, self.scheduler, self.scaler), prefix="state")
         info = {
             "session": self.session,
             "reason": reason,
@@ -305,10 +373,8 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        return self.writer.submit_checkpoint(
-            CapturedState(step, tensors, aliases, spec, state_tensors, info),
-            Retention(self.keep_last, self._protected),
-        )
+        captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
+        return self.writer.submit_checkpoint(captured, Retention(self.keep_last, self._protected))
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()
@@ -338,6 +404,32 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
+    """The default alert: one line on stderr per anomaly episode (steps more than 16 apart start
+    a new one), naming what happened and the command that explains it."""
+    last = [-(10**9)]
+
+    def warn(step: int, events: list[dict]) -> None:
+        quiet = step - last[0] <= 16
+        last[0] = step
+        if quiet:
+            return
+        from rich.console import Console
+
+        what = ", ".join(e["kind"].replace("_", " ") for e in events)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[yellow]ckptlab:[/yellow] step {step}: {what}; explain it with "
+            f"[bold]ckptlab replay --run {run_dir} --step {step}[/bold]"
+        )
+
+    return warn
+
+
+def _first_leftover(name: str) -> bool:
+    """What a first session killed before its manifest was written leaves behind."""
+    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
 
 
 def _plain_ids(ids) -> list:

@@ -196,7 +196,9 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         except RuntimeError:  # only settable before the first parallel work; rarely changes bits
             notes.append(f"inter-op threads stay {torch.get_num_interop_threads()} (recorded {env['num_interop_threads']})")
     deterministic = bool(env.get("deterministic_algorithms")) or force_deterministic
-    torch.use_deterministic_algorithms(deterministic, warn_only=bool(env.get("deterministic_warn_only")))
+    # Forced (not recorded): warn, don't fail, on ops that have no deterministic kernel.
+    warn_only = bool(env.get("deterministic_warn_only")) or (force_deterministic and not env.get("deterministic_algorithms"))
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.deterministic = bool(env.get("cudnn_deterministic")) or force_deterministic
     torch.backends.cudnn.benchmark = bool(env.get("cudnn_benchmark")) and not force_deterministic
     torch.backends.cudnn.allow_tf32 = bool(env.get("cudnn_allow_tf32", True))
@@ -212,3 +214,51 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         # cuBLAS reads this when its handle is created: effective only before the first matmul.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = wanted
     return notes
+
+
+# --- whole-state snapshots (checkpoints and replay share these) ------------------------------
+
+def capture_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients that exist between steps: usually none (zero_grad(set_to_none=True)), but
+    accumulation across steps, or parameters the optimizer does not own (never zeroed), carry
+    state into the next step that replay must have too."""
+    return {n: p.grad for n, p in unwrap(model).named_parameters() if p.grad is not None}
+
+
+def restore_grads(model, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in unwrap(model).named_parameters():
+        g = grads.get(n)
+        p.grad = None if g is None else g.detach().to(p.device, copy=True)
+
+
+def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None):
+    """Copy the whole training state off the device: a CapturedState a checkpoint commit can
+    write, or replay can keep in memory and load again (bit-exact either way)."""
+    from ckptlab.run import codec
+    from ckptlab.run.checkpoint import CapturedState
+
+    tensors, aliases = capture_model(model)
+    state = capture_train_state(optimizer, scheduler, scaler)
+    grads = capture_grads(model)
+    if grads:
+        state["grads"] = grads
+    spec, state_tensors = codec.encode(state, prefix="state")
+    return CapturedState(step, tensors, aliases, spec, state_tensors, dict(info or {}))
+
+
+def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
+    """Load a model state, optimizer/scheduler/scaler state, leftover gradients and the RNGs
+    (not the env)."""
+    load_model(model, tensors, aliases)
+    load_train_state(train_state, optimizer, scheduler, scaler)
+    restore_grads(model, train_state.get("grads", {}))
+    restore_rng(train_state["rng"])
+
+
+def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None) -> None:
+    from ckptlab.run import codec
+
+    # Clone: optimizer.load_state_dict keeps tensors that already have the right dtype/device,
+    # and the next step would update them in place -- inside our snapshot.
+    tensors = {k: v.clone() for k, v in captured.state_tensors.items()}
+    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, codec.decode(captured.state_spec, tensors))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptlab.errors import RecordError, ReplayError
-from ckptlab.run.layout import sources_dir
+from ckptlab.run.layout import sources_dir, write_bytes_atomic
 
 
 def describe(fn: Callable, role: str, run_dir: Path) -> dict:
@@ -52,8 +52,8 @@ def describe(fn: Callable, role: str, run_dir: Path) -> dict:
         src = sources_dir(run_dir)
         src.mkdir(parents=True, exist_ok=True)
         copy = src / f"{desc['sha256']}{path.suffix}"
-        if not copy.exists():
-            copy.write_bytes(data)
+        if not copy.exists() or hashlib.sha256(copy.read_bytes()).hexdigest() != desc["sha256"]:
+            write_bytes_atomic(copy, data)  # a kill mid-copy must not leave a truncated "record"
         desc["source_copy"] = os.path.relpath(copy, run_dir)
         if module == "__main__":
             _warn_unguarded(path, data)

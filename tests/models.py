@@ -138,3 +138,11 @@ def record_run(run_dir, build, step, batches, *, stop_on_nonfinite: bool = True,
                 if metrics:
                     rec.log_validation(**metrics)
     return losses
+
+
+# --- a build_fn that prints and compiles (torch.compile prefixes names with `_orig_mod.`) ------
+
+def build_compiled_noisy():
+    print("building the model (a chatty build_fn)")
+    model, opt = build_mlp()
+    return torch.compile(model, backend="eager"), opt

@@ -27,7 +27,9 @@ class SpikeRule:
 
 
 LOSS_RULE = SpikeRule(min_ratio=1.2)
-GRAD_RULE = SpikeRule(min_ratio=2.0)
+# Gradient norms of small batches are heavy-tailed: 2-3x the median is routine (seen on the
+# bundled sample: ~1 alarm per 70 healthy steps at 2x). 5x keeps real explosions (1e2..1e17x).
+GRAD_RULE = SpikeRule(min_ratio=5.0)
 
 
 @dataclass

@@ -37,10 +37,14 @@ class RunSummary:
     validation: dict
     disk: dict
     functions: dict
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # torn tails (a crash's), and all of `damaged`
+    damaged: list[str] = field(default_factory=list)  # corrupt, truncated or tampered files
 
 
 def summarize(run: Run, *, verify: bool = True) -> RunSummary:
+    """`verify` hashes every checkpoint file and checks every log frame's CRC."""
+    if verify:
+        run.verify_logs()
     m = run.metrics()
     batch_steps = run.steps
     done = set(m.step.tolist())
@@ -51,6 +55,9 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         "batches_retained": [batch_steps[0], batch_steps[-1]] if batch_steps else None,
         "incomplete": [s for s in batch_steps if s not in done],  # batch recorded, step never returned
     }
+    checkpoints = [_checkpoint_status(run, s, verify) for s in run.checkpoints]
+    anomalies = run.events()  # reads the journal, noting its problems
+    failed = [c.problem for c in checkpoints if c.verified is False]
     return RunSummary(
         run=str(run.path),
         format_version=run.manifest["format_version"],
@@ -59,12 +66,13 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         device=run.manifest.get("device", "cpu"),
         sessions=run.manifest.get("sessions", []),
         steps=steps,
-        checkpoints=[_checkpoint_status(run, s, verify) for s in run.checkpoints],
-        anomalies=run.events(),
+        checkpoints=checkpoints,
+        anomalies=anomalies,
         validation=_validation(run),
         disk=_disk(run),
         functions=_functions(run),
-        problems=list(run.problems),
+        problems=[*run.problems, *failed],
+        damaged=[*run.damaged, *failed],
     )
 
 

@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("CKPTLAB_DEBUG") == "1"
     try:
-        cli.main(args=args, prog_name="ckptlab", standalone_mode=False)
+        # With standalone_mode=False click *returns* the code of a command's
+        # `raise click.exceptions.Exit(n)` instead of raising it.
+        code = cli.main(args=args, prog_name="ckptlab", standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:  # usage errors exit 2, others 1

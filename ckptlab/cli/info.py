@@ -18,9 +18,11 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
     anomalies seen while recording, validation points, disk use per part, and whether the
     recorded build_fn/step_fn source changed since recording.
 
-    Exits 1 if a checkpoint fails verification.
+    Exits 1 when anything recorded is damaged: a checkpoint that fails its hashes, a corrupt
+    or truncated log segment or checkpoint file. A crash's torn tail is only a warning.
     """
     from ckptlab.analysis.summary import summarize
+    from ckptlab.errors import CorruptFileError
     from ckptlab.render.console import Terminal
     from ckptlab.run.reader import open_run
 
@@ -31,9 +33,9 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
         term.json(summary)
     else:
         render(summary, term)
-    bad = [c for c in summary.checkpoints if c.verified is False]
-    if bad:
-        raise click.exceptions.Exit(1)
+    if summary.damaged:
+        more = len(summary.damaged) - 1
+        raise CorruptFileError(summary.damaged[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""))
 
 
 def render(s, term) -> None:
@@ -81,7 +83,8 @@ def render(s, term) -> None:
         state = "[yellow]source changed since recording[/yellow]" if f["changed"] else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
         term.print(f"{role:<10} {f['name']}  ({f['file']}: {state})")
     for p in s.problems:
-        term.warn(p)
+        if p not in s.damaged[:1]:  # the first damage is the error line `command` ends with
+            term.warn(p)
 
 
 def _fmt_value(v) -> str:

@@ -115,6 +115,7 @@ class FrameWriter:
 class ScanResult:
     frames: list[FrameRef]
     torn_bytes: int  # bytes after the last good frame (a crash's torn tail), 0 if clean
+    corrupt: str | None = None  # why the scan stopped early, when a crash cannot explain it
 
 
 def scan(path: Path, *, verify: bool = False) -> ScanResult:
@@ -140,8 +141,9 @@ def _map(f) -> bytes | mmap.mmap:
 def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
     """Stop at the first frame that is incomplete or fails its CRC.
 
-    With one appending writer, that can only be the tail a crash tore. The last frame's CRC is
-    always checked, since a kill can leave a full-length header before an unwritten payload.
+    With one appending writer, a crash can only tear the last frame: a prefix of it is on disk
+    (or, after a power loss, its length with zeros). The last frame's CRC is always checked for
+    that reason. A bad frame with an intact frame after it is corruption, reported in `corrupt`.
     """
     size = len(data)
     head = bytes(data[: len(FILE_MAGIC)])
@@ -151,13 +153,33 @@ def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
         raise CorruptFileError("not a ckptlab log segment (bad file header)", path=path)
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)
+    why = None
     while pos + FRAME.size <= size:
         magic, kind, flags, rank, step, length, crc = FRAME.unpack_from(data, pos)
         end = pos + FRAME.size + length
-        if magic != FRAME_MAGIC or kind not in KIND_NAMES or end > size:
+        if magic != FRAME_MAGIC or kind not in KIND_NAMES:
+            why = f"bad frame header at byte {pos}"
+            break
+        if end > size:
             break
         if (verify or end == size) and zlib.crc32(data[pos + FRAME.size : end]) != crc:
+            why = f"frame for step {step} at byte {pos} fails its CRC"
             break
         frames.append(FrameRef(path, pos + FRAME.size, kind, flags, rank, step, length, crc))
         pos = end
-    return ScanResult(frames, size - pos)
+    corrupt = None
+    if pos < size and _intact_frame_after(data, pos + 1):
+        corrupt = f"{why or f'frame at byte {pos} is cut short'}, with intact frames after it (corrupt file)"
+    return ScanResult(frames, size - pos, corrupt)
+
+
+def _intact_frame_after(data, start: int) -> bool:
+    """Whether a whole frame with a good CRC starts somewhere at or after `start`."""
+    i = data.find(FRAME_MAGIC, start)
+    while i != -1 and i + FRAME.size <= len(data):
+        _, kind, _, _, _, length, crc = FRAME.unpack_from(data, i)
+        end = i + FRAME.size + length
+        if kind in KIND_NAMES and end <= len(data) and zlib.crc32(data[i + FRAME.size : end]) == crc:
+            return True
+        i = data.find(FRAME_MAGIC, i + 1)
+    return False

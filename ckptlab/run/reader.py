@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.errors import ReplayError
+from ckptlab.errors import CorruptFileError, ReplayError
 from ckptlab.run import framelog, records
 from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
 from ckptlab.run.layout import archive_dir, batches_dir, journal_dir, segments
@@ -58,7 +58,8 @@ class Run:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.problems: list[str] = []  # torn tails, incomplete checkpoints: reported, not fatal
+        self.problems: list[str] = []  # one line each: torn tails, and all of `damaged`
+        self.damaged: list[str] = []  # what a crash cannot explain: corrupt or incomplete files
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, steps={len(self.steps)}, checkpoints={self.checkpoints})"
@@ -68,14 +69,45 @@ class Run:
     @cached_property
     def _batch_index(self) -> dict[int, framelog.FrameRef]:
         index: dict[int, framelog.FrameRef] = {}
-        for _, _, path in segments(batches_dir(self.path, 0)):
-            scan = framelog.scan(path)
-            if scan.torn_bytes:
-                self.problems.append(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
+        for path, open_end in _segments(batches_dir(self.path, 0)):
+            scan = self._scan(path, open_end)
             for ref in scan.frames:
                 if ref.kind == framelog.BATCH:
                     index[ref.step] = ref
         return dict(sorted(index.items()))
+
+    def _scan(self, path: Path, open_end: bool, *, verify: bool = False) -> framelog.ScanResult:
+        """Scan one segment, noting a torn tail (a crash's) or damage (not a crash's)."""
+        try:
+            scan = framelog.scan(path, verify=verify)
+        except CorruptFileError as e:
+            self._damage(str(e))
+            return framelog.ScanResult([], 0)
+        if scan.corrupt:
+            self._damage(f"{path}: {scan.corrupt}")
+        elif scan.torn_bytes and not open_end:
+            self._damage(f"{path}: truncated in a frame, though its session went on to later segments (corrupt file)")
+        elif scan.torn_bytes:
+            self._note(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
+        return scan
+
+    def _note(self, problem: str) -> None:
+        if problem not in self.problems:
+            self.problems.append(problem)
+
+    def _damage(self, problem: str) -> None:
+        self._note(problem)
+        if problem not in self.damaged:
+            self.damaged.append(problem)
+
+    def verify_logs(self) -> list[str]:
+        """Check the CRC of every frame of every log segment (reads every recorded byte);
+        returns `damaged`. Reading checks only what it reads."""
+        folders = [journal_dir(self.path), *sorted((self.path / "batches").glob("rank*"))]
+        for folder in folders:
+            for path, open_end in _segments(folder):
+                self._scan(path, open_end, verify=True)
+        return self.damaged
 
     @property
     def steps(self) -> list[int]:
@@ -108,7 +140,8 @@ class Run:
     @cached_property
     def _checkpoints(self) -> dict[int, Checkpoint]:
         found, problems = list_checkpoints(self.path)
-        self.problems.extend(problems)
+        for problem in problems:
+            self._damage(problem)
         return {c.step: c for c in found}
 
     @property
@@ -134,8 +167,7 @@ class Run:
     @cached_property
     def _journal(self) -> dict[int, list[tuple[int, int, Any]]]:
         by_kind: dict[int, list] = {framelog.STEP: [], framelog.VALIDATION: [], framelog.EVENT: []}
-        for _, _, path in segments(journal_dir(self.path)):
-            scan_problem = None
+        for path, open_end in _segments(journal_dir(self.path)):
             try:
                 for ref, payload in framelog.iter_payloads(path):
                     where = f"{path}@{ref.step}"
@@ -143,13 +175,10 @@ class Run:
                         by_kind[ref.kind].append((ref.step, records.decode_step(payload, where=where)))
                     elif ref.kind in by_kind:
                         by_kind[ref.kind].append((ref.step, records.decode_json(payload, where=where)))
-                torn = framelog.scan(path).torn_bytes
-                if torn:
-                    scan_problem = f"{path}: {torn} bytes torn at the tail (an interrupted write), ignored"
-            except Exception as e:  # a corrupt segment: report it, keep the others readable
-                scan_problem = str(e)
-            if scan_problem:
-                self.problems.append(scan_problem)
+            except CorruptFileError as e:  # a corrupt segment: report it, keep the others readable
+                self._damage(str(e))
+                continue
+            self._scan(path, open_end)
         return by_kind
 
     def metrics(self) -> Metrics:
@@ -207,6 +236,45 @@ class Run:
     def archives(self) -> list[Path]:
         root = archive_dir(self.path)
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def _segments(folder: Path) -> list[tuple[Path, bool]]:
+    """Segments in recording order, each with whether it was its session's last: the only one
+    a crash can tear, since the writer moves on to a new segment only after whole frames."""
+    segs = segments(folder)
+    return [(path, i + 1 == len(segs) or segs[i + 1][0] != session) for i, (session, _, path) in enumerate(segs)]
+
+
+@dataclass
+class Progress:
+    """How far a run got, from frame headers (cheap on a long run): what a resumed Recorder
+    needs to continue the numbering and keep retention's promises."""
+
+    last_step: int  # the last step with a batch or health record; -1: none
+    first_anomaly: int | None  # the first step with an anomaly event
+    validation: list[tuple[int, dict]]  # (step, metrics), in recording order
+    recent: list[tuple[float, float]]  # (loss, grad_norm) of the last `recent` steps recorded
+
+
+def read_progress(run_dir: Path, recent: int = 128) -> Progress:
+    last, first_anomaly, validation, steps = -1, None, [], []
+    for folder in (batches_dir(run_dir, 0), journal_dir(run_dir)):
+        for _, _, path in segments(folder):
+            for ref in framelog.scan(path).frames:
+                if ref.kind in (framelog.BATCH, framelog.STEP):
+                    last = max(last, ref.step)
+                    if ref.kind == framelog.STEP:
+                        steps.append(ref)
+                elif ref.kind == framelog.EVENT:
+                    first_anomaly = ref.step if first_anomaly is None else min(first_anomaly, ref.step)
+                elif ref.kind == framelog.VALIDATION:
+                    record = records.decode_json(ref.read_payload()[0], where=f"{path}@{ref.step}")
+                    validation.append((ref.step, record.get("metrics", {})))
+    tail = []
+    for ref in sorted(steps, key=lambda r: r.step)[-recent:] if recent else []:
+        scalars, _ = records.decode_step(ref.read_payload()[0], where=f"{ref.path}@{ref.step}")
+        tail.append((_f(scalars.get("loss")), _f(scalars.get("grad_norm"))))
+    return Progress(last, first_anomaly, validation, tail)
 
 
 def _f(x) -> float:

@@ -9,7 +9,9 @@ the training thread waits (and the wait is reported as `ckpt_wait` in the step's
 from __future__ import annotations
 
 import errno
+import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +33,33 @@ class Retention:
     protect: Callable[[], tuple[set[int], tuple[int, int] | None]]
 
 
+def io_error(e: BaseException, what: str, run_dir: Path) -> RecordError | None:
+    """A failed write as one line ("no space left on device while writing step 8 to ..."), or
+    None when `e` is not an I/O error. safetensors reports them as "... (os error 28)"."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None:
+            return None
+        code = int(found.group(1))
+    reason = {
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EFBIG: "file too large (a file size limit was hit)",
+    }.get(code, os.strerror(code).lower())
+    return RecordError(
+        f"{reason} while {what}; everything recorded before this is intact",
+        path=run_dir,
+        hint="free space, then continue with Recorder(..., resume=True)",
+    )
+
+
 class RunWriter:
+    """After the first failed write the writer stops (`failed`): appending after a torn frame
+    would hide every later frame from readers. A new session (resume) starts new segments.
+    A failure in the background surfaces at the next `check()` (the start of a step), so a
+    step is either recorded whole or not started."""
+
     def __init__(self, run_dir: Path, session: int, rank: int = 0, *, journal: bool = True):
         self.run_dir = run_dir
         self.session = session
@@ -42,7 +70,8 @@ class RunWriter:
         self._batch_compress = records.Compressor()
         self._jobs: queue.Queue = queue.Queue()
         self._ckpt_slot = threading.Semaphore(1)  # at most one checkpoint in flight
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # from the background thread, raised once
+        self.failed: BaseException | None = None  # the first failed write; nothing is written after it
         self._thread = threading.Thread(target=self._work, name="ckptlab-writer", daemon=True)
         self._thread.start()
 
@@ -65,7 +94,7 @@ class RunWriter:
         try:
             return framelog.FrameWriter(path)
         except OSError as e:
-            raise self._io_error(e, f"cannot create {path.name}") from None
+            raise self._fail(e, f"creating {path.name}") from None
 
     def append_batch(self, step: int, payload: bytes) -> int:
         data, flags = self._batch_compress(payload)
@@ -78,21 +107,29 @@ class RunWriter:
         return self._append(self._journal, kind, step, records.encode_json(meta), 0)
 
     def _append(self, writer, kind, step, data, flags) -> int:
-        self.raise_pending()
+        if self.failed is not None:
+            self.check()
         if writer is None:
             raise RecordError("the recording is closed", path=self.run_dir)
         try:
             return writer.append(kind, step, data, flags=flags, rank=self.rank)
         except OSError as e:
-            raise self._io_error(e, f"writing step {step} to {writer.path.name}") from None
+            raise self._fail(e, f"writing step {step} to {writer.path.name}") from None
 
-    def _io_error(self, e: OSError, what: str) -> RecordError:
-        reason = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else e.strerror
-        return RecordError(
-            f"{reason} while {what}; everything recorded before this is intact",
-            path=self.run_dir,
-            hint="free space, then continue with Recorder(..., resume=True)",
-        )
+    def _fail(self, e: OSError, what: str) -> RecordError:
+        self.failed = io_error(e, what, self.run_dir) or RecordError(f"{e} while {what}", path=self.run_dir)
+        return self.failed
+
+    def check(self) -> None:
+        """Raise a background failure (once), then refuse to go on after any failed write."""
+        self.raise_pending()
+        if self.failed is not None:
+            problem = getattr(self.failed, "problem", None) or f"{type(self.failed).__name__}: {self.failed}"
+            raise RecordError(
+                f"recording stopped at an earlier failure: {problem}",
+                path=self.run_dir,
+                hint="continue with Recorder(..., resume=True)",
+            )
 
     # --- checkpoints (background) --------------------------------------------------------
 
@@ -110,7 +147,6 @@ class RunWriter:
         return waited
 
     def _submit(self, job) -> None:
-        self.raise_pending()
         self._jobs.put(job)
 
     def _work(self) -> None:
@@ -130,15 +166,15 @@ class RunWriter:
                     if retention is not None:
                         apply_retention(self.run_dir, retention.keep_last, *retention.protect())
             except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
-                if isinstance(e, OSError):
-                    e = self._io_error(e, f"writing checkpoint {getattr(job[1], 'step', '?')}")
-                self._error = e
+                what = f"writing checkpoint {job[1].step}" if job[0] == "checkpoint" else f"closing {job[1].path.name}"
+                self._error = io_error(e, what, self.run_dir) or e
             finally:
                 self._jobs.task_done()
 
     def raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            self.failed = self.failed or err
             raise err
 
     def flush(self) -> None:

@@ -1,0 +1,850 @@
+"""Find dirty data in a recorded run, and skip it on resume.
+
+    report = scan(ckptlab.open_run("runs/exp1"))      # static + dynamic (+ attribution) scan
+    for r in report.flagged:                           # most suspicious first
+        r.step, r.row, r.sample_id, r.reason, r.evidence
+    write_skip_list(report, "skip.json")
+    sampler = ckptlab.skip_samples(sampler, "skip.json")   # on resume: those ids never come back
+
+Three stages, each usable alone:
+1. static: every retained batch, row by row, field by field (a "field" is one tensor/array in
+   the batch's nesting, e.g. `ids` or `0`): non-finite values; all-padding or empty rows;
+   token ids out of range; values extreme against the run's own robust statistics (per
+   feature for narrow fields, per row summary for wide ones); length outliers; the same
+   content seen under another sample id (a duplicate).
+2. dynamic: the step health (loss and gradient-norm spikes by the one spike rule in
+   analysis/spikes.py, non-finite losses), mapped to their steps and batches.
+3. attribution (optional): for flagged steps, replay's per-row loss and gradient norm
+   (`ckptlab.replayer.attribute_rows(run, step)`), naming the rows that caused a spike even
+   when their content looks normal. Skipped, with a note, when replay is not available.
+
+Ranking: each reason has a base score (non-finite 100 ... length outlier 20); a row flagged by
+content in a step that also spiked gains 15, since two independent signals agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeRule, find_spikes
+from ckptlab.errors import CkptlabError
+from ckptlab.run.reader import Run
+
+SKIP_FORMAT = "ckptlab-skip"
+
+# Base scores: how sure a reason alone makes us that a row is bad.
+SCORES = {
+    "nonfinite": 100.0,
+    "out_of_range": 90.0,
+    "nonfinite_loss": 85.0,
+    "nonfinite_grad": 85.0,
+    "attributed": 80.0,
+    "extreme": 70.0,
+    "loss_spike": 60.0,
+    "grad_spike": 55.0,
+    "all_padding": 50.0,
+    "empty": 50.0,
+    "duplicate": 30.0,
+    "length": 20.0,
+}
+CORROBORATED = 15.0  # a content flag in a step whose loss/gradient also went wrong
+STEP_REASONS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
+# Reasons whose rows go into the skip list. Length outliers are reported but kept: long or
+# short documents are usually legitimate.
+SKIP_REASONS = frozenset(SCORES) - {"length"}
+TOKEN_FIELD_HINTS = ("ids", "token", "label", "target", "input")
+MASK_FIELD_HINTS = ("mask",)
+
+
+@dataclass(frozen=True)
+class DirtyRules:
+    extreme_z: float = 10.0  # robust z (median/MAD) a value must exceed to be "extreme"
+    length_z: float = 6.0  # robust z of a row's length ...
+    length_ratio: float = 4.0  # ... and >= 4x shorter/longer than the median length
+    max_features: int = 64  # per-feature statistics for fields up to this many values per row
+    ignore_index: int = -100  # a negative label that is not out of range (cross_entropy's default)
+    loss_spike: SpikeRule = LOSS_RULE
+    grad_spike: SpikeRule = GRAD_RULE
+    attribution_ratio: float = 3.0  # a row is to blame at >= 3x the other rows' median loss (or squared grad norm) ...
+    attribution_share: float = 0.2  # ... carrying >= 20% of the batch's excess over its median
+    max_attribute: int = 20  # flagged steps replayed for attribution, worst first
+
+
+@dataclass
+class DirtyRow:
+    step: int
+    row: int | None  # None: the whole batch (a step flag without a row to blame)
+    sample_id: Any
+    reason: str
+    evidence: dict
+    score: float
+
+
+@dataclass
+class DirtyReport:
+    run: str
+    scanned: dict  # steps, rows, fields, seconds, batches_per_s
+    data_info: dict  # pad_id / vocab_size used, and where they came from
+    rules: DirtyRules
+    flagged: list[DirtyRow]  # ranked, most suspicious first
+    steps: list[dict]  # dynamic flags: {step, kind, value, median, z, batch}
+    attribution: dict  # {"status": "done" | "unavailable" | "off" | "nothing to attribute", ...}
+    skip_ids: list  # sample ids a resumed run should skip
+    notes: list[str] = field(default_factory=list)
+    verdict: str = ""
+
+
+# --- walking a batch ---------------------------------------------------------------------------------
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) for every array-like or string-list leaf of a batch's nesting; tensors
+    come back as numpy arrays (bfloat16 and friends as float32)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k, v in zip(obj._fields, obj):
+            yield from leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(obj, (list, tuple)):
+        if obj and all(isinstance(v, (str, bytes)) for v in obj):
+            yield path or "0", list(obj)
+            return
+        for i, v in enumerate(obj):
+            yield from leaves(v, f"{path}.{i}" if path else str(i))
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "biufc":
+            yield path, obj
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.is_complex():
+            t = t.abs()
+        elif t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+            t = t.float()  # bfloat16, float8: numpy has no such dtype
+        yield path, t.numpy()
+
+
+# --- per-field accumulators (one pass over the batches) -------------------------------------------
+
+@dataclass
+class _Row:
+    step: int
+    row: int
+    sample_id: Any
+
+
+class _FloatField:
+    """Keeps per-row features (narrow fields) or per-row summaries (wide ones) for the
+    run-wide robust statistics computed after the pass."""
+
+    def __init__(self, name: str, width: int, max_features: int):
+        self.name = name
+        self.per_feature = width <= max_features
+        self.labels = [f"{name}[{i}]" for i in range(width)] if self.per_feature else [f"{name} max|x|", f"{name} mean", f"{name} std"]
+        self.values: list[np.ndarray] = []  # (rows, features) float64 chunks
+        self.where: list[int] = []  # global row index of each chunk's first row
+
+    def add(self, first_row: int, a: np.ndarray) -> None:
+        flat = a.reshape(a.shape[0], -1).astype(np.float64, copy=False)
+        if self.per_feature:
+            feats = flat
+        else:
+            finite = np.where(np.isfinite(flat), flat, np.nan)
+            with np.errstate(all="ignore"):
+                feats = np.stack([np.nanmax(np.abs(finite), 1), np.nanmean(finite, 1), np.nanstd(finite, 1)], 1)
+        self.values.append(feats)
+        self.where.append(first_row)
+
+
+class _TokenField:
+    """Per-row facts about a 2-D integer field, enough to decide padding and length once the
+    pad id is known: the value and run length at each end of a row, and whether the row is
+    one value throughout. Kept as numpy chunks, joined by `arrays()`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, first_row: int, flat: np.ndarray) -> None:
+        B, T = flat.shape
+        if T == 0:
+            return
+        head_n, tail_n = _run_length(flat), _run_length(flat[:, ::-1])
+        self.chunks.append((np.arange(first_row, first_row + B), np.full(B, T), flat[:, 0].astype(np.int64), head_n,
+                            flat[:, -1].astype(np.int64), tail_n, head_n == T))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        keys = ("row", "width", "head", "head_n", "tail", "tail_n", "constant")
+        if not self.chunks:
+            return {k: np.zeros(0, dtype=bool if k == "constant" else np.int64) for k in keys}
+        if len(self.chunks) > 1:  # join once; later calls reuse it
+            self.chunks = [tuple(np.concatenate([c[i] for c in self.chunks]) for i in range(len(keys)))]
+        return dict(zip(keys, self.chunks[0]))
+
+
+def _run_length(flat: np.ndarray) -> np.ndarray:
+    """Length of the run of equal values at the start of each row."""
+    diff = flat != flat[:, :1]
+    return np.where(diff.any(1), diff.argmax(1), flat.shape[1])
+
+
+# --- the scan --------------------------------------------------------------------------------------
+
+def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: bool = True,
+         data_info: dict | None = None, progress: Callable[[int, int], None] | None = None) -> DirtyReport:
+    """Static, dynamic and (when `attribute` and replay is available) attribution scans."""
+    t0 = time.perf_counter()
+    info = {**(run.manifest.get("data_info") or {}), **(data_info or {})}
+    static = _StaticScan(run, rules, info)
+    steps = run.steps
+    for i, step in enumerate(steps):
+        static.add(step)
+        if progress is not None:
+            progress(i + 1, len(steps))
+    flagged = static.finish()
+    seconds = time.perf_counter() - t0
+    step_flags = dynamic_flags(run, rules, ids_by_step=static.ids_by_step())
+    flagged += _step_rows(step_flags)
+    attribution = {"status": "off"}
+    if attribute:
+        attribution, rows = _attribution(run, step_flags, rules)
+        flagged += rows
+    _corroborate(flagged)
+    flagged.sort(key=lambda r: (-r.score, r.step, -1 if r.row is None else r.row, r.reason))
+    report = DirtyReport(
+        run=str(run.path),
+        scanned={
+            "steps": len(steps), "first": steps[0] if steps else None, "last": steps[-1] if steps else None,
+            "rows": static.n_rows, "fields": sorted(static.field_names), "seconds": seconds,
+            "batches_per_s": len(steps) / seconds if seconds > 0 else None,
+        },
+        data_info=static.info_used,
+        rules=rules,
+        flagged=flagged,
+        steps=step_flags,
+        attribution=attribution,
+        skip_ids=[],
+        notes=static.notes,
+    )
+    report.skip_ids = skip_ids(report)
+    report.verdict = _verdict(report)
+    return report
+
+
+class _StaticScan:
+    def __init__(self, run: Run, rules: DirtyRules, info: dict):
+        self.run, self.rules, self.info = run, rules, info
+        self.rows: list[_Row] = []
+        self.n_rows = 0
+        self.field_names: set[str] = set()
+        self.floats: dict[str, _FloatField] = {}
+        self.tokens: dict[str, _TokenField] = {}
+        self.strings: dict[str, list[tuple[int, int]]] = defaultdict(list)  # field -> (row, length)
+        self.flags: list[tuple[int, str, dict]] = []  # (global row, reason, evidence)
+        self.hashes: dict[bytes, int] = {}
+        self.dupes: list[tuple[int, int]] = []  # (row, first row with that content)
+        self.notes: list[str] = []
+        self.vocab = _int_or_none(info.get("vocab_size"))
+        self.vocab_source = "data_info" if self.vocab is not None else None
+        if self.vocab is None:
+            self.vocab = _embedding_rows(run)
+            self.vocab_source = "inferred from the embedding table" if self.vocab is not None else None
+        self.ignore_index = int(info.get("ignore_index", rules.ignore_index))
+        self.info_used: dict = {}
+
+    # one batch
+    def add(self, step: int) -> None:
+        try:
+            batch, ids = self.run.batch(step)
+        except CkptlabError as e:
+            self.notes.append(f"step {step}: batch unreadable ({e}); skipped")
+            return
+        fields = list(leaves(batch))
+        B = _batch_size(fields, ids)
+        if B == 0:
+            return
+        first = self.n_rows
+        for r in range(B):
+            self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None))
+        self.n_rows += B
+        content: list[np.ndarray] = []  # per field: (B, bytes) -- a row's content is its bytes in every field
+        for name, value in fields:
+            if isinstance(value, list):
+                if len(value) != B:
+                    continue
+                self.field_names.add(name)
+                self._strings(name, first, value)
+                digests = b"".join(hashlib.blake2b(str(v).encode(), digest_size=16).digest() for v in value)
+                content.append(np.frombuffer(digests, dtype=np.uint8).reshape(B, 16))
+                continue
+            if value.ndim == 0 or value.shape[0] != B:
+                continue
+            self.field_names.add(name)
+            self._array(name, first, value)
+            content.append(np.ascontiguousarray(value).reshape(B, -1).view(np.uint8))
+        if content:
+            rows = np.concatenate(content, 1) if len(content) > 1 else content[0]
+            for r in range(B):
+                key = hashlib.blake2b(rows[r].tobytes(), digest_size=16).digest()
+                seen = self.hashes.setdefault(key, first + r)
+                if seen != first + r:
+                    self.dupes.append((first + r, seen))
+
+    def _strings(self, name, first, value):
+        for r, s in enumerate(value):
+            text = s.encode() if isinstance(s, str) else s
+            self.strings[name].append((first + r, len(text)))
+            if not text.strip():
+                self.flags.append((first + r, "empty", {"field": name}))
+
+    def _array(self, name: str, first: int, a: np.ndarray) -> None:
+        B = a.shape[0]
+        rows = a.reshape(B, -1)
+        kind = a.dtype.kind
+        if kind == "f":
+            bad = ~np.isfinite(rows)
+            counts = bad.sum(1)
+            for r in np.flatnonzero(counts):
+                vals = rows[r][bad[r]]
+                self.flags.append((first + int(r), "nonfinite", {
+                    "field": name, "count": int(counts[r]), "nan": int(np.isnan(vals).sum()),
+                    "inf": int(np.isinf(vals).sum()), "first_index": int(np.argmax(bad[r]))}))
+            field_ = self.floats.get(name)
+            if field_ is None:
+                field_ = self.floats[name] = _FloatField(name, rows.shape[1], self.rules.max_features)
+            field_.add(first, rows)
+        elif kind in "iu":
+            self._ints(name, first, a, rows)
+        elif kind == "b" and _is_mask(name) and rows.shape[1] > 1:
+            for r in np.flatnonzero(~rows.any(1)):
+                self.flags.append((first + int(r), "empty", {"field": name, "mask_sum": 0}))
+
+    def _ints(self, name: str, first: int, a: np.ndarray, rows: np.ndarray) -> None:
+        if _is_mask(name):
+            if rows.shape[1] > 1:
+                for r in np.flatnonzero(rows.sum(1) == 0):
+                    self.flags.append((first + int(r), "empty", {"field": name, "mask_sum": 0}))
+            return
+        neg = (rows < 0) & (rows != self.ignore_index)
+        high = rows >= self.vocab if self.vocab is not None and _is_tokens(name, a) else np.zeros_like(neg)
+        for r in np.flatnonzero(neg.any(1) | high.any(1)):
+            bad = rows[r][neg[r] | high[r]]
+            self.flags.append((first + int(r), "out_of_range", {
+                "field": name, "count": int(len(bad)), "min": int(bad.min()), "max": int(bad.max()),
+                "vocab_size": self.vocab, "vocab_source": self.vocab_source}))
+        if a.ndim >= 2 and rows.shape[1] >= 2:
+            tf = self.tokens.get(name)
+            if tf is None:
+                tf = self.tokens[name] = _TokenField(name)
+            tf.add(first, rows)  # (B, T)
+
+    def ids_by_step(self) -> dict[int, list]:
+        out: dict[int, list] = defaultdict(list)
+        for r in self.rows:
+            out[r.step].append(r.sample_id)
+        return dict(out)
+
+    # after the pass
+    def finish(self) -> list[DirtyRow]:
+        pad, pad_source = self._pad_id()
+        self.info_used = {"pad_id": pad, "pad_source": pad_source, "vocab_size": self.vocab, "vocab_source": self.vocab_source,
+                          "ignore_index": self.ignore_index}
+        padded = self._padding(pad)
+        self._lengths(pad, padded)
+        self._extremes()
+        self._duplicates(padded)
+        out = []
+        for g, reason, ev in self.flags:
+            row = self.rows[g]
+            score = SCORES[reason] + (min(20.0, math.log10(max(ev.get("z", 1.0), 1.0))) if reason == "extreme" else 0.0)
+            out.append(DirtyRow(row.step, row.row, row.sample_id, reason, ev, score))
+        return _merge_same_row(out)
+
+    def _pad_id(self) -> tuple[int | None, str | None]:
+        given = _int_or_none(self.info.get("pad_id", self.info.get("pad_token_id")))
+        if given is not None:
+            return given, "data_info"
+        # Inferred: the value that ends (or starts) rows in runs of >= 2 in at least 1% of rows
+        # (padding); random token data does that with probability ~1/vocab, spread over values.
+        values, total = [], 0
+        for tf in self.tokens.values():
+            a = tf.arrays()
+            total += len(a["row"])
+            values.append(np.where(a["tail_n"] >= 2, a["tail"], np.where(a["head_n"] >= 2, a["head"], np.iinfo(np.int64).min)))
+        if not values:
+            return None, None
+        v = np.concatenate(values)
+        v = v[v != np.iinfo(np.int64).min]
+        if not len(v):
+            return None, None
+        uniq, counts = np.unique(v, return_counts=True)
+        i = int(np.argmax(counts))
+        if counts[i] >= max(2, 0.01 * total):
+            return int(uniq[i]), f"inferred: fills the end of {int(counts[i])} rows"
+        return None, None
+
+    def _padding(self, pad: int | None) -> set[int]:
+        """All-padding rows: every token is the pad id (or, with no pad id known, one value
+        repeated across a row of >= 4 tokens: padding in all but name)."""
+        found = set()
+        for tf in self.tokens.values():
+            a = tf.arrays()
+            hit = a["constant"] & ((a["head"] == pad) if pad is not None else (a["width"] >= 4))
+            for i in np.flatnonzero(hit):
+                g = int(a["row"][i])
+                found.add(g)
+                self.flags.append((g, "all_padding", {"field": tf.name, "value": int(a["head"][i]), "length": int(a["width"][i]),
+                                                      "pad_id": pad}))
+        return found
+
+    def _lengths(self, pad: int | None, skip: set[int]) -> None:
+        series: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if pad is not None:
+            for tf in self.tokens.values():
+                a = tf.arrays()
+                right = np.where(a["tail"] == pad, a["tail_n"], 0)  # right padding, else left
+                left = np.where((a["head"] == pad) & (a["tail"] != pad), a["head_n"], 0)
+                series[tf.name] = (a["row"], (a["width"] - right - left).astype(np.float64))
+        for name, items in self.strings.items():
+            series[name] = (np.array([g for g, _ in items]), np.array([n for _, n in items], dtype=np.float64))
+        for name, (rows, lengths) in series.items():
+            keep = ~np.isin(rows, list(skip)) if skip else np.ones(len(rows), dtype=bool)
+            if keep.sum() < 8:
+                continue
+            med = float(np.median(lengths[keep]))
+            scale = max(1.4826 * float(np.median(np.abs(lengths[keep] - med))), 0.05 * med, 1.0)
+            z = (lengths - med) / scale
+            ratio = (lengths + 1) / (med + 1)
+            out = keep & (np.abs(z) >= self.rules.length_z) & ((ratio <= 1 / self.rules.length_ratio) | (ratio >= self.rules.length_ratio))
+            for i in np.flatnonzero(out):
+                self.flags.append((int(rows[i]), "length", {"field": name, "length": int(lengths[i]), "median": med, "z": float(z[i])}))
+
+    def _extremes(self) -> None:
+        for f in self.floats.values():
+            if not f.values:
+                continue
+            X = np.concatenate(f.values, 0)
+            starts = np.concatenate([np.full(len(v), s, dtype=np.int64) for v, s in zip(f.values, f.where)])
+            offsets = np.concatenate([np.arange(len(v)) for v in f.values])
+            rows = starts + offsets
+            with np.errstate(all="ignore"):
+                med, scale = _robust(X)
+                Z = np.abs(X - med) / scale
+            Z = np.where(np.isfinite(X), Z, 0.0)
+            hit = Z >= self.rules.extreme_z
+            for i in np.flatnonzero(hit.any(1)):
+                j = int(np.argmax(Z[i]))
+                self.flags.append((int(rows[i]), "extreme", {
+                    "field": f.labels[j], "value": float(X[i, j]), "median": float(med[j]),
+                    "scale": float(scale[j]), "z": float(Z[i, j]), "features": int(hit[i].sum())}))
+
+    def _duplicates(self, padded: set[int]) -> None:
+        pairs = [(g, first) for g, first in self.dupes if g not in padded and first not in padded]
+        # The same sample id again is another epoch, not a duplicate.
+        pairs = [(g, f) for g, f in pairs if self.rows[g].sample_id is None or self.rows[g].sample_id != self.rows[f].sample_id]
+        no_ids = [(g, f) for g, f in pairs if self.rows[g].sample_id is None]
+        if no_ids and len(no_ids) > 0.5 * self.n_rows:
+            self.notes.append(f"{len(no_ids)} rows repeat earlier content without sample ids (multi-epoch training?); not flagged")
+            pairs = [p for p in pairs if self.rows[p[0]].sample_id is not None]
+        for g, f in pairs:
+            first = self.rows[f]
+            self.flags.append((g, "duplicate", {"same_as": {"step": first.step, "row": first.row, "sample_id": first.sample_id}}))
+
+
+def _robust(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column median and scale: 1.4826 * MAD (a normal's sigma). Where the MAD is 0 (a
+    mostly-constant or sparse binary feature) the spread of the central 99.8% stands in, so
+    the occasional 1 in a column of 0s is not "infinitely" extreme; then the magnitude."""
+    Xf = np.where(np.isfinite(X), X, np.nan)
+    med = np.nanmedian(Xf, 0)
+    mad = np.nan_to_num(1.4826 * np.nanmedian(np.abs(Xf - med), 0))
+    lo, hi = np.nanpercentile(Xf, [0.1, 99.9], axis=0)
+    spread = np.nan_to_num((hi - lo) / 6.18)
+    magnitude = np.maximum(np.abs(np.nan_to_num(med)), 1e-12) * 1e-3
+    scale = np.where(mad > 0, mad, np.where(spread > 0, spread, magnitude))
+    return np.nan_to_num(med), scale
+
+
+def _merge_same_row(rows: list[DirtyRow]) -> list[DirtyRow]:
+    """One entry per (step, row, reason): keep the strongest evidence, count the rest."""
+    best: dict[tuple, DirtyRow] = {}
+    for r in rows:
+        key = (r.step, r.row, r.reason)
+        cur = best.get(key)
+        if cur is None or r.score > cur.score:
+            if cur is not None:
+                r.evidence.setdefault("also", []).append(cur.evidence.get("field"))
+            best[key] = r
+        else:
+            cur.evidence.setdefault("also", []).append(r.evidence.get("field"))
+    return list(best.values())
+
+
+# --- dynamic: the step health ----------------------------------------------------------------------
+
+def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: dict | None = None) -> list[dict]:
+    """Steps whose loss or gradient norm went wrong: {step, kind, value, median, z, batch,
+    sample_ids} (`ids_by_step`, from a static scan, saves reading those batches again)."""
+    m = run.metrics()
+    retained = set(run.steps)
+    out = []
+    for i in np.flatnonzero(~np.isfinite(m.loss)):
+        out.append({"step": int(m.step[i]), "kind": "nonfinite_loss", "value": float(m.loss[i]), "median": None, "z": None})
+    # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
+    # the weights go NaN one step later, so the step that got them is the one to look at.
+    for i in np.flatnonzero(np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0))):
+        out.append({"step": int(m.step[i]), "kind": "nonfinite_grad", "value": float(m.grad_norm[i]), "median": None, "z": None})
+    for kind, series, rule in (("loss_spike", m.loss, rules.loss_spike), ("grad_spike", m.grad_norm, rules.grad_spike)):
+        for i, s in find_spikes(series, rule):
+            out.append({"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio})
+    for f in out:
+        f["batch"] = "retained" if f["step"] in retained else "pruned by retention"
+        if f["step"] not in retained:
+            f["sample_ids"] = None
+        elif ids_by_step is not None and f["step"] in ids_by_step:
+            f["sample_ids"] = ids_by_step[f["step"]]
+        else:
+            f["sample_ids"] = run.batch(f["step"])[1]
+    return sorted(out, key=lambda f: (f["step"], f["kind"]))
+
+
+def _step_rows(step_flags: list[dict]) -> list[DirtyRow]:
+    out = []
+    for f in step_flags:
+        ev = {k: f[k] for k in ("value", "median", "z", "ratio", "batch") if f.get(k) is not None}
+        ev["rows"] = len(f["sample_ids"]) if f.get("sample_ids") is not None else None
+        score = SCORES[f["kind"]] + (min(10.0, math.log10(max(f["z"], 1.0))) if f.get("z") else 0.0)
+        out.append(DirtyRow(f["step"], None, None, f["kind"], ev, score))
+    return out
+
+
+def _corroborate(rows: list[DirtyRow]) -> None:
+    step_kinds: dict[int, list[str]] = defaultdict(list)
+    for r in rows:
+        if r.row is None:
+            step_kinds[r.step].append(r.reason)
+    for r in rows:
+        if r.row is not None and step_kinds.get(r.step):
+            r.score += CORROBORATED
+            r.evidence["step_flags"] = sorted(set(step_kinds[r.step]))
+
+
+# --- attribution (optional; replay provides it) ------------------------------------------------------
+
+def attribution_function() -> tuple[Callable | None, str | None]:
+    """`ckptlab.replayer.attribute_rows` if this ckptlab has it, else (None, why not)."""
+    try:
+        from ckptlab.replayer import attribute_rows
+    except ImportError as e:
+        return None, f"replay attribution is not available ({e})"
+    return attribute_rows, None
+
+
+def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules) -> tuple[dict, list[DirtyRow]]:
+    retained = [f for f in step_flags if f["batch"] == "retained"]
+    if not retained:
+        return {"status": "nothing to attribute", "steps": []}, []
+    fn, why = attribution_function()
+    if fn is None:
+        return {"status": "unavailable", "note": why, "steps": []}, []
+    worst = sorted({f["step"] for f in retained}, key=lambda s: -max((f.get("z") or math.inf) for f in retained if f["step"] == s))
+    out, done, failed = [], [], []
+    for step in sorted(worst[: rules.max_attribute]):
+        try:
+            per_row = [_row_tuple(x) for x in fn(run, step)]
+        except Exception as e:  # noqa: BLE001 - attribution is optional: the scan's findings stand
+            failed.append({"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)})
+            continue
+        done.append(step)
+        out += _blame(step, per_row, rules)
+    status = {"status": "done" if done else "failed", "steps": done}
+    if failed:
+        status["failed"] = failed
+    if len(worst) > rules.max_attribute:
+        status["note"] = f"attributed the {rules.max_attribute} worst of {len(worst)} flagged steps"
+    return status, out
+
+
+def _row_tuple(x) -> tuple[int, Any, float, float]:
+    """(row, sample_id, loss, grad_norm) from a tuple, a dict or an object with those names
+    (replay's SampleBlame); a value replay could not measure (None) becomes NaN."""
+    if isinstance(x, dict):
+        row, sid, loss, grad = x["row"], x.get("sample_id"), x.get("loss"), x.get("grad_norm")
+    elif hasattr(x, "row") and hasattr(x, "loss"):
+        row, sid, loss, grad = x.row, getattr(x, "sample_id", None), x.loss, getattr(x, "grad_norm", None)
+    else:
+        row, sid, loss, grad = x
+    return int(row), sid, _float(loss), _float(grad)
+
+
+def _float(v) -> float:
+    return math.nan if v is None else float(v)
+
+
+def _blame(step: int, rows: list[tuple[int, Any, float, float]], rules: DirtyRules) -> list[DirtyRow]:
+    """The rows that made the step go wrong. Per-sample losses are noisy (one sample's squared
+    error is often 5x the median), so a row is blamed only when it stands out (>= 3x the
+    median of the other rows) *and* carries >= 20% of the batch's excess over its median --
+    for the loss, or for the squared gradient norm (squares add up like the batch's). An
+    infinite loss or gradient is always blamed. A step where every row rose together (an LR
+    spike) blames nobody."""
+    loss = np.array([l for _, _, l, _ in rows], dtype=np.float64)
+    grad2 = np.array([g for _, _, _, g in rows], dtype=np.float64) ** 2
+    share_l, ratio_l = _stand_out(loss)
+    share_g, ratio_g = _stand_out(grad2)
+    out = []
+    for i, (row, sid, l, g) in enumerate(rows):
+        bad = math.isinf(l) or math.isinf(g)
+        hit = any(r >= rules.attribution_ratio and sh >= rules.attribution_share
+                  for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i])))
+        if bad or hit:
+            worst = max(ratio_l[i], math.sqrt(ratio_g[i]))
+            score = SCORES["nonfinite"] if bad else SCORES["attributed"] + min(15.0, 5 * math.log10(max(worst, 1.0)))
+            out.append(DirtyRow(step, row, sid, "attributed", {
+                "loss": l, "grad_norm": g, "loss_ratio": float(ratio_l[i]), "grad_ratio": float(math.sqrt(ratio_g[i])),
+                "loss_share": float(share_l[i]), "grad_share": float(share_g[i])}, score))
+    return out
+
+
+def _stand_out(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: its share of the batch's excess over the median, and its ratio to the median
+    of the other rows (0 where not measured)."""
+    finite = np.isfinite(x)
+    share, ratio = np.zeros(len(x)), np.zeros(len(x))
+    if finite.sum() < 2:
+        return share, ratio
+    med = float(np.median(x[finite]))
+    excess = np.where(finite, np.maximum(x - med, 0.0), 0.0)
+    if excess.sum() > 0:
+        share = excess / excess.sum()
+    for i in np.flatnonzero(finite):
+        others = np.delete(x, i)
+        others = others[np.isfinite(others)]
+        m = float(np.median(others)) if len(others) else math.nan
+        ratio[i] = x[i] / m if m > 0 else (math.inf if x[i] > 0 else 0.0)
+    return share, ratio
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.median(finite)) if finite else math.nan
+
+
+# --- skip list ---------------------------------------------------------------------------------------
+
+def skip_ids(report: DirtyReport, *, whole_batches: bool = True) -> list:
+    """Sample ids to skip: rows flagged for a SKIP_REASONS reason, and (whole_batches) every
+    row of a spiking step for which no row was found to blame -- the way large-model teams
+    skip the batches around a spike."""
+    ids, seen = [], set()
+    blamed_steps = {r.step for r in report.flagged if r.row is not None and r.reason in SKIP_REASONS}
+
+    def add(sid):
+        key = (type(sid).__name__, sid)
+        if sid is not None and key not in seen:
+            seen.add(key)
+            ids.append(sid)
+
+    for r in report.flagged:
+        if r.row is not None and r.reason in SKIP_REASONS:
+            add(r.sample_id)
+    if whole_batches:
+        spiking = sorted({f["step"] for f in report.steps if f["batch"] == "retained"} - blamed_steps)
+        for f in report.steps:
+            if f["step"] in spiking:
+                for sid in f.get("sample_ids") or []:
+                    add(sid)
+    return ids
+
+
+def write_skip_list(report: DirtyReport, path: str | os.PathLike, run: Run | None = None) -> dict:
+    """Write the skip list as JSON (atomically); returns what was written."""
+    from ckptlab.run.layout import write_json_atomic
+
+    entries: dict = {}
+    for r in report.flagged:
+        if r.sample_id is None or r.row is None or r.reason not in SKIP_REASONS:
+            continue
+        e = entries.setdefault(repr(r.sample_id), {"sample_id": r.sample_id, "step": r.step, "row": r.row, "reasons": []})
+        if r.reason not in e["reasons"]:
+            e["reasons"].append(r.reason)
+    doc = {
+        "format": SKIP_FORMAT,
+        "version": 1,
+        "run": report.run,
+        "created": time.time(),
+        "sample_ids": report.skip_ids,
+        "entries": list(entries.values()),
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(target, doc)
+    return doc
+
+
+def read_skip_list(path: str | os.PathLike) -> list:
+    import json
+
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CkptlabError("no such skip list", path=p) from None
+    except ValueError as e:
+        raise CkptlabError(f"not a JSON skip list ({e})", path=p) from None
+    if isinstance(doc, list):
+        return doc
+    if not isinstance(doc, dict) or doc.get("format") != SKIP_FORMAT:
+        raise CkptlabError("not a ckptlab skip list (written by `ckptlab dirty --out`)", path=p)
+    return list(doc.get("sample_ids", []))
+
+
+def _verdict(report: DirtyReport) -> str:
+    rows = [r for r in report.flagged if r.row is not None]
+    steps = [r for r in report.flagged if r.row is None]
+    if not rows and not steps:
+        return f"No dirty data found in {report.scanned['steps']} retained batches ({report.scanned['rows']} rows)."
+    parts = []
+    if rows:
+        kinds = Counter(r.reason for r in rows)
+        parts.append(f"{len(rows)} suspicious row(s) (" + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + ")")
+    if steps:
+        parts.append(f"{len({r.step for r in steps})} step(s) with loss/gradient trouble")
+    top = report.flagged[0]
+    where = f"step {top.step}" + (f" row {top.row} (sample {top.sample_id!r})" if top.row is not None else "")
+    return f"{'; '.join(parts)}; worst: {where}, {top.reason}. Skip list: {len(report.skip_ids)} sample id(s)."
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+def _batch_size(fields: list[tuple[str, Any]], ids) -> int:
+    if ids is not None:
+        return len(ids)
+    sizes = Counter(len(v) if isinstance(v, list) else v.shape[0] for _, v in fields if isinstance(v, list) or v.ndim >= 1)
+    return sizes.most_common(1)[0][0] if sizes else 0
+
+
+def _is_mask(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1].lower()
+    return any(h in last for h in MASK_FIELD_HINTS)
+
+
+def _is_tokens(name: str, a: np.ndarray) -> bool:
+    last = name.rsplit(".", 1)[-1].lower()
+    return a.ndim >= 2 or any(h in last for h in TOKEN_FIELD_HINTS)
+
+
+def _int_or_none(x) -> int | None:
+    try:
+        return int(x) if x is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _embedding_rows(run: Run) -> int | None:
+    """The vocabulary size, read off the model: the rows of the first embedding-like table."""
+    from ckptlab.analysis.health import _is_embedding
+
+    for p in run.manifest.get("parameters", []):
+        if len(p.get("shape", ())) == 2 and _is_embedding(p["name"]):
+            return int(p["shape"][0])
+    return None
+
+
+# --- skip_samples: the resume-side helper ----------------------------------------------------------
+
+def skip_samples(source, skip, *, key: Callable[[Any], Any] | None = None):
+    """Wrap a sampler, batch sampler, dataset or any iterable so that the sample ids in `skip`
+    never come out of it.
+
+        sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")
+        loader = DataLoader(ds, sampler=sampler, batch_size=32)
+
+    `skip` is a skip-list file (`ckptlab dirty --out skip.json`), a DirtyReport, or ids.
+    - A sampler (yields dataset indices, which is what a DataLoader records as sample ids when
+      you pass the indices): yields every index not in `skip`.
+    - A batch sampler (yields lists of indices): drops those indices from each batch, and a
+      batch left empty.
+    - A map-style dataset (`__getitem__` + `__len__`): a `torch.utils.data.Subset` without the
+      skipped indices (positions shift: prefer wrapping the sampler).
+    - Any other iterable (an IterableDataset, a generator): yields items whose id is not in
+      `skip`; the id is `key(item)`, else the item itself.
+    """
+    ids = _skip_set(skip)
+    if _is_map_dataset(source):
+        keep = [i for i in range(len(source)) if not _member(i, ids)]
+        return tud.Subset(source, keep)
+    return _SkipIterable(source, ids, key)
+
+
+def _skip_set(skip) -> frozenset:
+    if isinstance(skip, DirtyReport):
+        values = skip.skip_ids
+    elif isinstance(skip, (str, os.PathLike)):
+        values = read_skip_list(skip)
+    else:
+        values = list(skip)
+    return frozenset(_norm_id(v) for v in values)
+
+
+def _norm_id(v):
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+        v = v.item()
+    return v
+
+
+def _member(v, ids: frozenset) -> bool:
+    try:
+        return _norm_id(v) in ids
+    except TypeError:  # unhashable item without a key: never skipped
+        return False
+
+
+def _is_map_dataset(source) -> bool:
+    if isinstance(source, (tud.Sampler, tud.IterableDataset)):
+        return False
+    return hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, (list, tuple, range, str))
+
+
+class _SkipIterable(tud.Sampler):
+    """Filters what the wrapped sampler/iterable yields (see `skip_samples`)."""
+
+    def __init__(self, source: Iterable, ids: frozenset, key: Callable | None):
+        self.source, self.ids, self.key = source, ids, key
+
+    def __iter__(self):
+        for item in self.source:
+            if self.key is not None:
+                if not _member(self.key(item), self.ids):
+                    yield item
+            elif isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
+                kept = [i for i in item if not _member(i, self.ids)]
+                if kept:
+                    yield type(item)(kept) if isinstance(item, tuple) else kept
+            elif not _member(item, self.ids):
+                yield item
+
+    def __len__(self):
+        """For a sampler of indices 0..n-1: n minus the skipped ids in that range (a
+        DataLoader only uses it for len(loader)); batch samplers keep their length."""
+        n = len(self.source)
+        if self.key is not None:
+            return n
+        inner = getattr(self.source, "sampler", None)  # a BatchSampler
+        if inner is not None:
+            return n
+        return n - sum(1 for i in self.ids if isinstance(i, int) and 0 <= i < n)
+
+    def set_epoch(self, epoch: int) -> None:  # DistributedSampler's hook passes through
+        if hasattr(self.source, "set_epoch"):
+            self.source.set_epoch(epoch)

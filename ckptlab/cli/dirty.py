@@ -1,0 +1,116 @@
+"""`ckptlab dirty`: find the dirty batches and samples of a run; write a skip list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptlab.cli.common import find_run, json_option, run_option
+
+
+@click.command("dirty")
+@run_option
+@json_option
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the skip list (JSON) here, for ckptlab.skip_samples(...) on resume.")
+@click.option("--attribute/--no-attribute", default=True, show_default=True,
+              help="Replay flagged steps for per-sample loss and gradient norm (needs ckptlab's replay module).")
+@click.option("--top", type=click.IntRange(1), default=20, show_default=True, help="Rows to show (--json lists all).")
+@click.option("--loss-z", type=float, default=None, help="Loss spike: robust z over the window (default 6, as OLMo).")
+@click.option("--grad-z", type=float, default=None, help="Gradient-norm spike: robust z (default 6).")
+@click.option("--window", type=click.IntRange(2), default=None, help="Spike window in steps (default 128).")
+@click.option("--loss-ratio", type=float, default=None, help="Loss spike: also >= this x the window median (default 1.2).")
+@click.option("--grad-ratio", type=float, default=None, help="Gradient spike: also >= this x the window median (default 5).")
+@click.option("--extreme-z", type=float, default=None, help="A value is extreme beyond this robust z of its field (default 10).")
+@click.option("--pad-id", type=int, default=None, help="Padding token id (default: data_info['pad_id'], else inferred).")
+@click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: data_info, else the embedding's rows).")
+@click.option("--no-skip-batches", is_flag=True, help="Leave whole spike batches without a row to blame out of the skip list.")
+def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, loss_ratio, grad_ratio, extreme_z,
+            pad_id, vocab_size, no_skip_batches) -> None:
+    """Scan every retained batch for dirty data, and the step health for spikes.
+
+    \b
+    Static: non-finite values, all-padding or empty rows, token ids out of range, values
+    extreme against the run's own robust statistics, length outliers, the same content under
+    another sample id. Dynamic: loss and gradient-norm spikes (thresholds settable; see
+    docs/dirty.md) and non-finite losses, mapped to their batches. With --attribute, flagged
+    steps are replayed for per-row loss and gradient norm. Prints a ranked list of
+    (step, row, sample_id, reason, evidence); --out writes the skip list.
+    """
+    from dataclasses import replace
+
+    from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
+    from ckptlab.render.console import Terminal
+    from ckptlab.run.reader import open_run
+
+    term = Terminal(json_mode=as_json)
+    run = open_run(find_run(run_dir, term))
+    rules = DirtyRules()
+    rules = replace(rules, loss_spike=_rule(rules.loss_spike, loss_z, window, loss_ratio),
+                    grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
+                    extreme_z=extreme_z if extreme_z is not None else rules.extreme_z)
+    info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
+    with term.status("scanning batches"):
+        report = scan(run, rules, attribute=attribute, data_info=info)
+    if no_skip_batches:
+        report.skip_ids = skip_ids(report, whole_batches=False)
+    if out_path is not None:
+        write_skip_list(report, out_path)
+        term.note(f"wrote {out_path} ({len(report.skip_ids)} sample ids)")
+    if as_json:
+        term.json(report)
+    else:
+        render(report, term, top)
+    for p in run.problems:
+        term.warn(p)
+
+
+def _rule(rule, z, window, ratio):
+    from dataclasses import replace
+
+    changes = {k: v for k, v in (("z", z), ("window", window), ("min_ratio", ratio)) if v is not None}
+    return replace(rule, **changes) if changes else rule
+
+
+def render(r, term, top: int) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    s = r.scanned
+    info = r.data_info
+    term.print(f"[bold]{r.run}[/bold]  scanned {s['steps']} retained batches ({s['rows']} rows; steps {s['first']}..{s['last']}) "
+               f"at {s['batches_per_s'] or 0:.0f} batches/s")
+    term.print(f"data       fields {', '.join(s['fields']) or '-'}; pad id {_src(info['pad_id'], info['pad_source'])}; "
+               f"vocab size {_src(info['vocab_size'], info['vocab_source'])}")
+    a = r.attribution
+    term.print(f"attribution {a['status']}" + (f" ({a['note']})" if a.get("note") else "")
+               + (f": steps {a['steps']}" if a.get("steps") else ""))
+    if r.flagged:
+        table = Table(title=f"flagged (top {min(top, len(r.flagged))} of {len(r.flagged)})", title_justify="left", show_edge=False)
+        for col in ("score", "step", "row", "sample_id", "reason", "evidence"):
+            table.add_column(col)
+        for row in r.flagged[:top]:
+            table.add_row(f"{row.score:.0f}", str(row.step), "-" if row.row is None else str(row.row),
+                          "-" if row.sample_id is None else escape(repr(row.sample_id)), row.reason, escape(_evidence(row.evidence)))
+        term.print(table)
+    for note in r.notes:
+        term.note(note)
+    term.print(f"[bold]verdict:[/bold] {escape(r.verdict)}")
+
+
+def _src(value, source) -> str:
+    return "unknown" if value is None else f"{value} ({source})"
+
+
+def _evidence(ev: dict) -> str:
+    parts = []
+    for k, v in ev.items():
+        if k in ("also",):
+            continue
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, dict):
+            v = "{" + ", ".join(f"{a}={b}" for a, b in v.items()) + "}"
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)

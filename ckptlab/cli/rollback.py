@@ -1,0 +1,128 @@
+"""`ckptlab rollback`: go back to the best-validation or last healthy checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptlab.cli.common import find_run, json_option, run_option
+
+
+@click.command("rollback")
+@run_option
+@json_option
+@click.option("--metric", default=None, help="Validation metric to choose by (default: the run's val_metric, e.g. val_loss).")
+@click.option("--mode", type=click.Choice(["min", "max"]), default=None, help="Whether lower or higher --metric is better (default: the run's).")
+@click.option("--before-anomaly", is_flag=True, help="Choose the last healthy checkpoint before the first anomaly instead.")
+@click.option("--patience", type=click.IntRange(1), default=3, show_default=True,
+              help="Evaluations without improvement before validation counts as turned up (early stopping).")
+@click.option("--to", "to_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Export the chosen checkpoint here as plain files (model.safetensors, optimizer.pt) instead of rewinding the run.")
+@click.option("--dry-run", is_flag=True, help="Show the candidates and what would happen; change nothing.")
+@click.option("--no-verify", is_flag=True, help="Do not hash every candidate (the chosen one is always verified).")
+def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dry_run, no_verify) -> None:
+    """Choose a checkpoint and restore it.
+
+    \b
+    Candidates are the retained checkpoints with their validation metrics, health and
+    integrity. By --metric (the default when validation was logged): early stopping, the
+    best value before validation turned up. By --before-anomaly: the last healthy checkpoint
+    before the first anomaly. Then --to DIR exports it; without --to the run is rewound:
+    later steps move under RUN/archive/<name>/ (never deleted) and
+    Recorder(..., resume=True) continues from the chosen step. Stop training first.
+    An interrupted rollback is finished by running this command again.
+    """
+    from ckptlab.analysis.rollback import choose
+    from ckptlab.errors import CkptlabError
+    from ckptlab.render.console import Terminal
+    from ckptlab.run import archive
+    from ckptlab.run.reader import open_run
+
+    if before_anomaly and (metric or mode):
+        raise click.UsageError("--before-anomaly chooses by health; do not combine it with --metric/--mode")
+    term = Terminal(json_mode=as_json)
+    path = find_run(run_dir, term)
+    pending = archive.unfinished_rollback(path)
+    if pending is not None:
+        if dry_run:
+            raise CkptlabError(f"a rollback into {pending} was interrupted", path=path, hint="run without --dry-run to finish it")
+        plan = archive.finish_interrupted(path)
+        result = {"finished_interrupted": True, "action": {"kind": "rewind", **plan.summary()}}
+        if as_json:
+            term.json(result)
+        else:
+            term.print(f"finished the interrupted rollback to step {plan.step} (archive {plan.archive}); nothing else was changed. "
+                       "Run the command again to choose anew.")
+        return
+    run = open_run(path)
+    with term.status("verifying checkpoints"):
+        choice = choose(run, metric=metric, mode=mode, before_anomaly=before_anomaly, patience=patience, verify=not no_verify)
+    target = run.checkpoint(choice.step)
+    target.verify()  # always, even with --no-verify: nothing moves on a corrupt target
+    action = _act(run, path, choice, to_dir, dry_run)
+    if as_json:
+        term.json({**_plain_choice(choice), "action": action})
+    else:
+        render(choice, action, term)
+
+
+def _act(run, path: Path, choice, to_dir: Path | None, dry_run: bool) -> dict:
+    from ckptlab.run import archive
+    from ckptlab.run.export import export_checkpoint
+
+    if to_dir is not None:
+        if dry_run:
+            return {"kind": "export", "dry_run": True, "to": str(to_dir), "step": choice.step}
+        info = export_checkpoint(run.checkpoint(choice.step), to_dir, run=str(path))
+        return {"kind": "export", "dry_run": False, "to": str(to_dir), "step": choice.step, "files": info["files"], "load": info["load"]}
+    plan = archive.plan_rewind(path, choice.step)
+    if plan.empty:
+        return {"kind": "none", "dry_run": dry_run, "step": choice.step,
+                "note": f"nothing was recorded after step {choice.step}: the run already ends there"}
+    if not dry_run:
+        archive.rewind(path, choice.step, archive=plan.archive,
+                       info={"by": choice.by, "metric": choice.metric, "mode": choice.mode, "why": choice.why})
+    return {"kind": "rewind", "dry_run": dry_run, **plan.summary(),
+            "resume": f"Recorder({str(path)!r}, ..., resume=True) restores checkpoint {choice.step} and records on from step {choice.step}"}
+
+
+def _plain_choice(choice) -> dict:
+    from ckptlab.render.jsonout import plain
+
+    return plain(choice)
+
+
+def render(choice, action: dict, term) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"candidates ({choice.run})", title_justify="left", show_edge=False)
+    for col in ("", "step", "reason", "validation", "health", "integrity"):
+        table.add_column(col)
+    for c in choice.candidates:
+        val = ", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-"
+        integrity = "[green]ok[/green]" if c.integrity == "ok" else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{escape(c.integrity)}[/red]")
+        table.add_row("[bold]>[/bold]" if c.chosen else "", str(c.step), c.reason, val,
+                      "healthy" if c.healthy else "[yellow]after anomaly[/yellow]", integrity)
+    term.print(table)
+    if choice.first_anomaly:
+        term.print(f"first anomaly: {choice.first_anomaly['kind']} at step {choice.first_anomaly['step']}")
+    term.print(f"[bold]chosen: step {choice.step}[/bold]: {escape(choice.why)}")
+    for note in choice.notes:
+        term.note(note)
+    dry = "[dim](dry run: nothing changed)[/dim] " if action.get("dry_run") else ""
+    if action["kind"] == "export":
+        term.print(f"{dry}export to {action['to']}" + ("" if action.get("dry_run") else f": {', '.join(action['files'])}"))
+        if not action.get("dry_run"):
+            term.print(f"load it with: {escape(action['load'])}")
+    elif action["kind"] == "none":
+        term.print(f"{dry}{escape(action['note'])}")
+    else:
+        arch = action["archived_steps"]
+        verb = "would move" if action.get("dry_run") else "moved"
+        term.print(f"{dry}rewind: {verb} steps {arch[0]}..{arch[1] if arch else ''} to {action['archive']} "
+                   f"({len(action['checkpoints_moved'])} checkpoint(s), {len(action['segments_moved'])} segment(s) moved, "
+                   f"{len(action['segments_split'])} split)" if arch else f"{dry}rewind to step {choice.step}")
+        if not action.get("dry_run"):
+            term.print(escape(action["resume"]))

@@ -1,0 +1,322 @@
+"""Rewinding a run to one of its checkpoints: later steps are set aside, never deleted.
+
+    plan = plan_rewind(run_dir, 120)          # what would move (`ckptlab rollback --dry-run`)
+    done = rewind(run_dir, 120, info={...})   # do it; then Recorder(..., resume=True) restores
+                                              # checkpoint 120 and records on from step 120
+
+After rewinding RUN to step k into archive NAME:
+
+    RUN/manifest.json              rollback = {"step": k, "archive": NAME, ...}
+    RUN/checkpoints/step-*         the checkpoints at steps <= k
+    RUN/journal, batches/rank*/    the frames of steps < k (and validation measured at k)
+    RUN/archive/NAME/
+        ROLLBACK.json              the intent: written first, "status": "done" written last
+        manifest.json              the manifest as it was: the archive opens as a run
+        checkpoints/step-k/        hard links to checkpoint k's files (archived steps replay)
+        checkpoints/step-*/        the later checkpoints, moved
+        journal/, batches/rankN/   segments holding frames >= k: moved whole; a segment that
+                                   spans k is kept here intact, and RUN gets a trimmed copy
+        sources/                   hard links to the recorded build_fn/step_fn copies
+
+Crash safety: every change is one atomic rename (or a hard link, which only adds a name), in
+an order where each file's data is always reachable under RUN or RUN/archive/NAME:
+  1. ROLLBACK.json (status "in_progress") -- from here on `unfinished_rollback` reports it,
+     the Recorder refuses to resume, and `finish_interrupted` completes it;
+  2. the manifest copy, the source and checkpoint-k links;
+  3. later checkpoints, newest first: rename into the archive;
+  4. segments: a segment with no frame to keep is renamed into the archive; a segment that
+     spans k is hard-linked into the archive, then replaced in RUN by a trimmed copy
+     (temp file, fsync, rename over the original);
+  5. RUN/manifest.json with `rollback` (temp file, fsync, rename);
+  6. ROLLBACK.json "status": "done".
+A kill anywhere leaves a state from which re-running the same rewind finishes the job
+(each step above checks what is already done), and nothing is ever deleted.
+See docs/rollback.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptlab.errors import CkptlabError, CorruptFileError
+from ckptlab.run import framelog
+from ckptlab.run.checkpoint import list_checkpoints
+from ckptlab.run.layout import (
+    MANIFEST,
+    archive_dir,
+    checkpoint_name,
+    checkpoints_dir,
+    fsync_path,
+    journal_dir,
+    segments,
+    sources_dir,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from ckptlab.run.manifest import read_manifest, write_manifest
+
+INTENT = "ROLLBACK.json"
+
+
+@dataclass
+class SegmentAction:
+    path: Path  # the segment in the run
+    rel: str  # its path relative to the run directory (the same under the archive)
+    action: str  # "move" (every frame is archived) or "split" (frames on both sides of k)
+    kept: int  # frames that stay in the run
+    archived: int  # frames that go to the archive
+    steps: tuple[int, int] | None  # first and last archived step
+
+
+@dataclass
+class RewindPlan:
+    run: Path
+    step: int  # the checkpoint the run goes back to
+    archive: str  # archive/<name>
+    checkpoints: list[int]  # moved (steps > k)
+    segments: list[SegmentAction]
+    last_step: int | None  # the last step recorded before the rewind
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def archive_path(self) -> Path:
+        return archive_dir(self.run) / self.archive
+
+    @property
+    def empty(self) -> bool:
+        return not self.checkpoints and not self.segments
+
+    def summary(self) -> dict:
+        archived = [s.steps for s in self.segments if s.steps]
+        return {
+            "step": self.step,
+            "archive": str(Path("archive") / self.archive),
+            "checkpoints_moved": self.checkpoints,
+            "segments_moved": [s.rel for s in self.segments if s.action == "move"],
+            "segments_split": [s.rel for s in self.segments if s.action == "split"],
+            "archived_steps": [min(a for a, _ in archived), max(b for _, b in archived)] if archived else None,
+            "last_step": self.last_step,
+        }
+
+
+def keeps(kind: int, step: int, k: int) -> bool:
+    """Whether a frame stays in the run rewound to step k: everything before step k, and
+    validation logged *at* k (it was measured on the state checkpoint k holds)."""
+    return step < k or (kind == framelog.VALIDATION and step == k)
+
+
+def _segment_folders(run_dir: Path) -> list[Path]:
+    folders = [journal_dir(run_dir)]
+    root = run_dir / "batches"
+    if root.is_dir():
+        folders += sorted(p for p in root.iterdir() if p.is_dir())
+    return folders
+
+
+def plan_rewind(run_dir: str | os.PathLike, step: int, *, archive: str | None = None) -> RewindPlan:
+    """What rewinding to checkpoint `step` would move; changes nothing."""
+    run_dir = Path(run_dir)
+    found, _ = list_checkpoints(run_dir)
+    if step not in {c.step for c in found}:
+        raise CkptlabError(f"no complete checkpoint at step {step} to roll back to", path=run_dir)
+    actions, last = [], None
+    for folder in _segment_folders(run_dir):
+        for _, _, path in segments(folder):
+            frames = framelog.scan(path).frames
+            recorded = [f.step for f in frames if f.kind in (framelog.BATCH, framelog.STEP)]
+            if recorded:
+                last = max(last if last is not None else -1, max(recorded))
+            kept = [f for f in frames if keeps(f.kind, f.step, step)]
+            gone = [f for f in frames if not keeps(f.kind, f.step, step)]
+            if kept and gone:
+                action = "split"
+            elif gone or (not kept and _first_step(path) >= step):  # incl. a segment holding only a torn tail
+                action = "move"
+            else:
+                continue
+            ran = [f.step for f in gone if f.kind in (framelog.BATCH, framelog.STEP)]
+            span = (min(ran), max(ran)) if ran else None
+            actions.append(SegmentAction(path, str(path.relative_to(run_dir)), action, len(kept), len(gone), span))
+    later = sorted((c.step for c in found if c.step > step), reverse=True)  # newest first
+    return RewindPlan(run_dir, step, archive or _new_archive_name(run_dir, step), later, actions, last)
+
+
+def _first_step(path: Path) -> int:
+    from ckptlab.run.layout import parse_segment
+
+    parsed = parse_segment(path.name)
+    return parsed[1] if parsed else -1
+
+
+def _new_archive_name(run_dir: Path, step: int) -> str:
+    root = archive_dir(run_dir)
+    n = 1 + sum(1 for p in root.iterdir() if p.name.startswith("rollback-")) if root.is_dir() else 1
+    while True:
+        name = f"rollback-{n:03d}-to-{step:09d}"
+        if not (root / name).exists():
+            return name
+        n += 1
+
+
+# --- doing it --------------------------------------------------------------------------------------
+
+def rewind(run_dir: str | os.PathLike, step: int, *, info: dict | None = None, archive: str | None = None) -> RewindPlan:
+    """Rewind the run to checkpoint `step` (see the module docstring). The caller verifies
+    the checkpoint's integrity first. Returns the plan it carried out."""
+    run_dir = Path(run_dir)
+    pending = unfinished_rollback(run_dir)
+    if pending is not None:
+        raise CkptlabError(f"a rollback into {pending} was interrupted; finish it first", path=run_dir,
+                           hint="run `ckptlab rollback` again")
+    plan = plan_rewind(run_dir, step, archive=archive)
+    manifest = read_manifest(run_dir)
+    intent = {
+        "format_version": 1,
+        "status": "in_progress",
+        "step": step,
+        "archive": plan.archive,
+        "created": time.time(),
+        "last_step": plan.last_step,
+        **(info or {}),
+    }
+    dest = plan.archive_path
+    dest.mkdir(parents=True, exist_ok=False)
+    fsync_path(dest.parent)
+    write_json_atomic(dest / INTENT, intent)
+    archived_manifest = dict(manifest, rollback=None)
+    write_json_atomic(dest / MANIFEST, archived_manifest)
+    _carry_out(run_dir, dest, plan, intent, manifest)
+    return plan
+
+
+def finish_interrupted(run_dir: str | os.PathLike) -> RewindPlan | None:
+    """Complete a rewind that a crash interrupted (None if there is none)."""
+    run_dir = Path(run_dir)
+    dest = unfinished_rollback(run_dir)
+    if dest is None:
+        return None
+    intent = _read_intent(dest)
+    step = int(intent["step"])
+    manifest = read_manifest(run_dir)
+    if not (dest / MANIFEST).exists():
+        write_json_atomic(dest / MANIFEST, dict(manifest, rollback=None))
+    plan = plan_rewind(run_dir, step, archive=dest.name)
+    _carry_out(run_dir, dest, plan, intent, manifest)
+    return plan
+
+
+def unfinished_rollback(run_dir: str | os.PathLike) -> Path | None:
+    """The archive of a rewind that started but did not finish, if any."""
+    root = archive_dir(Path(run_dir))
+    if not root.is_dir():
+        return None
+    for p in sorted(root.iterdir()):
+        if (p / INTENT).is_file():
+            try:
+                if _read_intent(p).get("status") != "done":
+                    return p
+            except CorruptFileError:
+                return p
+    return None
+
+
+def _read_intent(dest: Path) -> dict:
+    try:
+        return json.loads((dest / INTENT).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"unreadable rollback record ({e})", path=dest / INTENT) from None
+
+
+def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manifest: dict) -> None:
+    k = plan.step
+    _link_tree(sources_dir(run_dir), dest / "sources")
+    _link_checkpoint(checkpoints_dir(run_dir) / checkpoint_name(k), dest / "checkpoints" / checkpoint_name(k))
+    for s in plan.checkpoints:
+        src = checkpoints_dir(run_dir) / checkpoint_name(s)
+        target = dest / "checkpoints" / checkpoint_name(s)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, target)
+        fsync_path(target.parent)
+        fsync_path(src.parent)
+    for seg in plan.segments:
+        target = dest / seg.rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if seg.action == "move":
+            if target.exists():
+                _refuse(target)
+            os.rename(seg.path, target)
+        else:
+            _split(seg.path, target, k)
+        fsync_path(target.parent)
+        fsync_path(seg.path.parent)
+    history = list(manifest.get("rollbacks") or [])
+    record = {key: intent[key] for key in intent if key not in ("status", "format_version")}
+    if not any(h.get("archive") == plan.archive for h in history):
+        history.append(record)
+    write_manifest(run_dir, dict(manifest, rollback=record, rollbacks=history))
+    write_json_atomic(dest / INTENT, dict(intent, status="done", finished=time.time()))
+
+
+def _refuse(target: Path) -> None:
+    raise CkptlabError("already exists in the archive with different content; not overwriting", path=target)
+
+
+def _split(path: Path, archived: Path, k: int) -> None:
+    """Keep the frames < k in the run (a new, trimmed segment under the same name) and the
+    original, intact, in the archive. Frames are copied byte for byte."""
+    if archived.exists():
+        if not os.path.samefile(path, archived):
+            _refuse(archived)
+    else:
+        _link_or_copy(path, archived)
+    scan = framelog.scan(path)
+    data = path.read_bytes()
+    out = bytearray(framelog.FILE_MAGIC)
+    for ref in scan.frames:
+        if keeps(ref.kind, ref.step, k):
+            out += data[ref.offset - framelog.FRAME.size: ref.offset + ref.length]
+    write_bytes_atomic(path, bytes(out))  # a new inode: the archived link keeps the original
+
+
+def _link_checkpoint(src: Path, target: Path) -> None:
+    """Checkpoint k appears in the archive complete or not at all (temp folder + rename)."""
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for f in sorted(src.iterdir()):
+        _link_or_copy(f, tmp / f.name)
+    fsync_path(tmp)
+    os.rename(tmp, target)
+    fsync_path(target.parent)
+
+
+def _link_tree(src: Path, target: Path) -> None:
+    if not src.is_dir():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not (target / f.name).exists():
+            _link_or_copy(f, target / f.name)
+    fsync_path(target)
+
+
+def _link_or_copy(src: Path, target: Path) -> None:
+    """A hard link (instant, no extra space); a copy where links are not supported."""
+    try:
+        os.link(src, target)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        fsync_path(tmp)
+        os.rename(tmp, target)

@@ -1,0 +1,355 @@
+"""Trace one training step per op and per element, forward, backward and optimizer.
+
+    with Tracer(model, optimizer, rows=16) as tracer:
+        loss = step_fn(model, optimizer, batch)
+    tracer.origin          # the first op that produced a non-finite value from clean inputs
+    tracer.events          # every op: phase, aten name, module path, user source line, input
+                           # and output summaries (shape, dtype, NaN/Inf counts, abs max)
+
+How an op is placed:
+- the aten op name comes from a TorchDispatchMode (below autograd, so backward ops are seen);
+- the user-level call (`softmax`, `linear`) and its source line come from a TorchFunctionMode
+  (above autograd), which also stamps every autograd node it creates with (call, module,
+  source); in backward, `torch._C._current_autograd_node()` finds that stamp, so a backward op
+  is charged to the module whose forward created it;
+- the module path comes from global forward pre/post hooks (a stack of module names).
+
+The origin rule. An op is an origin candidate when it
+  - outputs NaN while none of its tensor inputs holds a NaN, or
+  - outputs +-Inf while all of its inputs (tensors and scalars) are finite.
+So `masked_fill(mask, -inf)` (an Inf scalar in, on purpose) is not an origin, but a softmax
+over a fully masked row (-inf in, NaN out) is; an overflowing matmul (finite in, Inf out) is,
+and so is a float16 cast of a value above 65504. Uninitialized outputs (`empty*`) are ignored.
+The first candidate in execution order is the origin.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though it ships with us
+_STAMP = "ckptlab"
+# Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
+_IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
+
+
+@dataclass
+class TensorSummary:
+    shape: tuple[int, ...]
+    dtype: str
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    absmax: float = 0.0  # over finite elements
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.posinf == 0 and self.neginf == 0
+
+    def describe(self) -> str:
+        bad = ", ".join(f"{n} {k}" for k, n in (("NaN", self.nan), ("+Inf", self.posinf), ("-Inf", self.neginf)) if n)
+        return f"{self.dtype}{list(self.shape)} |x|max={self.absmax:.3g}" + (f" ({bad})" if bad else "")
+
+
+def summarize(t: torch.Tensor) -> TensorSummary:
+    s = TensorSummary(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    if t.numel() == 0 or t.is_complex() or t.dtype == torch.bool:
+        return s
+    with torch.no_grad():
+        # One pass, no temporary: min and max propagate NaN, and +-Inf shows up in them, so a
+        # finite result proves the whole tensor finite. Only a non-finite one is counted.
+        lo, hi = torch.aminmax(t)
+        lo, hi = float(lo), float(hi)
+        if math.isfinite(lo) and math.isfinite(hi):
+            s.absmax = max(-lo, hi)
+            return s
+        s.nan = int(torch.isnan(t).sum())
+        s.posinf = int(torch.isposinf(t).sum())
+        s.neginf = int(torch.isneginf(t).sum())
+        fin = t[torch.isfinite(t)]
+        s.absmax = float(fin.abs().max()) if fin.numel() else 0.0
+    return s
+
+
+@dataclass
+class OpEvent:
+    index: int
+    phase: str  # forward | backward | optimizer
+    op: str  # aten name, e.g. "aten.addmm.default"
+    call: str | None  # the user-level torch call, e.g. "linear", "softmax"
+    module: str | None  # module path; "" = the root model; None = outside the model
+    source: str | None  # "model.py:57"
+    inputs: list[TensorSummary]
+    outputs: list[TensorSummary]
+    scalar_nonfinite: bool = False
+    new_nan: bool = False
+    new_inf: bool = False
+    bad_rows: dict[int, int] | None = None  # batch row -> non-finite output elements
+    first_bad_index: list[int] | None = None
+
+    @property
+    def is_origin_candidate(self) -> bool:
+        return self.new_nan or self.new_inf
+
+    @property
+    def output_finite(self) -> bool:
+        return all(o.finite for o in self.outputs)
+
+    def where(self) -> str:
+        mod = "<root>" if self.module == "" else (self.module or "<outside the model>")
+        return f"{mod} {self.op}" + (f" ({self.call}, {self.source})" if self.source else "")
+
+
+def user_source() -> tuple[str | None, str | None]:
+    """(short "file.py:line", full path:line) of the innermost frame outside torch and ckptlab."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        ours = fn.startswith(_CKPTLAB_DIR) and not fn.startswith(_EXAMPLES_DIR)
+        if not (fn.startswith(_TORCH_DIR) or ours or fn.startswith("<")):
+            return f"{os.path.basename(fn)}:{f.f_lineno}", f"{fn}:{f.f_lineno}"
+        if ours and f.f_code.co_name == "run_step":  # reached the replay driver: no user frame
+            return None, None
+        f = f.f_back
+    return None, None
+
+
+def rows_of(shape: tuple[int, ...], index: list[int], rows: int | None) -> int | None:
+    """Map an element index to a batch row, for the common layouts: (B, ...), (B*k, ...)
+    (flattened tokens, batch-major heads) and (T, B, ...) (sequence-first)."""
+    if not rows or not shape:
+        return None
+    if shape[0] == rows:
+        return index[0]
+    if shape[0] > rows and shape[0] % rows == 0:
+        return index[0] // (shape[0] // rows)
+    if len(shape) > 1 and shape[1] == rows:
+        return index[1]
+    return None
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracer
+        outer = tr._call
+        name = getattr(func, "__name__", None) or str(func)
+        short, full = user_source()
+        tr._call = (name, short, full)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            tr._call = outer
+        tr._stamp(out, (name, tr.current_module(), short))
+        return out
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tracer
+        name = str(func)
+        record = not name.startswith(_IGNORE_PREFIXES) and name != "aten.detach.default"
+        flat_in = tree_flatten((args, kwargs))[0] if record else []
+        inputs = [tr.summary(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
+        out = func(*args, **kwargs)
+        if record:
+            tr._record(name, flat_in, inputs, out)
+        return out
+
+
+class Tracer:
+    """Context manager that traces everything run inside it. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, rows: int | None = None, max_events: int = 200_000):
+        from ckptlab.state import unwrap
+
+        self.model = unwrap(model)
+        self.optimizer = optimizer
+        self.rows = rows
+        self.max_events = max_events
+        self.events: list[OpEvent] = []
+        self.origin: OpEvent | None = None
+        self.candidates: list[OpEvent] = []
+        self.truncated = False
+        self._names = {id(m): n for n, m in self.model.named_modules()}
+        self._stack: list[str] = []
+        self._call: tuple[str, str | None, str | None] | None = None
+        self._in_optimizer = False
+        self._seen_backward = False
+        self._handles: list[Any] = []
+        # Summaries of tensors already seen (most op inputs are earlier outputs or parameters),
+        # valid while the tensor's version counter is unchanged (in-place ops bump it).
+        self._seen = WeakIdKeyDictionary()
+
+    def summary(self, t: torch.Tensor) -> TensorSummary:
+        try:
+            hit = self._seen.get(t)
+            version = t._version
+        except (TypeError, RuntimeError):  # tensors without weakref/version support
+            return summarize(t)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        s = summarize(t)
+        self._seen[t] = (version, s)
+        return s
+
+    # --- context ------------------------------------------------------------------------
+
+    def __enter__(self) -> "Tracer":
+        nn = torch.nn.modules.module
+        self._handles = [
+            nn.register_module_forward_pre_hook(self._push),
+            nn.register_module_forward_hook(self._pop),
+        ]
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(lambda *a: self._set_opt(True)))
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *a: self._set_opt(False)))
+        self._fmode, self._dmode = _FunctionMode(self), _DispatchMode(self)
+        self._fmode.__enter__()
+        self._dmode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._dmode.__exit__(*exc)
+        self._fmode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _set_opt(self, on: bool) -> None:
+        self._in_optimizer = on
+
+    def _push(self, module, args) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+            self._seen_backward = False  # a new forward (e.g. the next micro-batch) begins
+
+    def _pop(self, module, args, output) -> None:
+        name = self._names.get(id(module))
+        if name is not None and self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    def current_module(self) -> str | None:
+        return self._stack[-1] if self._stack else None
+
+    # --- autograd stamps ------------------------------------------------------------------
+
+    def _stamp(self, out, stamp) -> None:
+        """Stamp the autograd nodes created by one user-level call with (call, module, source)."""
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+                continue
+            todo = [t.grad_fn]
+            while todo:
+                node = todo.pop()
+                if node is None or _STAMP in node.metadata or type(node).__name__ == "AccumulateGrad":
+                    continue
+                node.metadata[_STAMP] = stamp
+                todo.extend(nf for nf, _ in node.next_functions)
+
+    # --- per-op record ------------------------------------------------------------------------
+
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            self._seen_backward = True
+            return "backward"
+        # After backward and outside any module: gradient clipping and the update itself.
+        if self._in_optimizer or (self._seen_backward and not self._stack):
+            return "optimizer"
+        return "forward"
+
+    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out) -> None:
+        if len(self.events) >= self.max_events:
+            self.truncated = True
+            return
+        phase = self._phase()
+        call = module = source = None
+        if phase == "backward":
+            node = torch._C._current_autograd_node()
+            stamp = node.metadata.get(_STAMP) if node is not None else None
+            if stamp:
+                call, module, source = stamp
+        else:
+            module = self.current_module()
+            if self._call is not None:
+                call, source = self._call[0], self._call[1]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ev = OpEvent(
+            index=len(self.events),
+            phase=phase,
+            op=name,
+            call=call,
+            module=module,
+            source=source,
+            inputs=inputs,
+            outputs=[self.summary(t) for t in outs],
+            scalar_nonfinite=any(isinstance(a, float) and not math.isfinite(a) for a in flat_in),
+        )
+        in_nan = any(s.nan for s in inputs)
+        in_nonfinite = any(not s.finite for s in inputs) or ev.scalar_nonfinite
+        ev.new_nan = not in_nan and any(s.nan for s in ev.outputs)
+        ev.new_inf = not in_nonfinite and any(s.posinf or s.neginf for s in ev.outputs)
+        self.events.append(ev)
+        if ev.is_origin_candidate and len(self.candidates) < 8:
+            self._locate(ev, outs)
+            self.candidates.append(ev)
+            if self.origin is None:
+                self.origin = ev
+
+    def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
+        """Element indices of the new non-finite values, mapped to batch rows."""
+        for t, s in zip(outs, ev.outputs):
+            if s.finite or not t.is_floating_point():
+                continue
+            with torch.no_grad():
+                bad = (~torch.isfinite(t)).nonzero()
+            if not len(bad):
+                continue
+            ev.first_bad_index = bad[0].tolist()
+            rows: dict[int, int] = {}
+            for idx in bad[:100_000].tolist():
+                r = rows_of(tuple(t.shape), idx, self.rows)
+                if r is not None:
+                    rows[r] = rows.get(r, 0) + 1
+            ev.bad_rows = rows or None
+            return
+
+    # --- summaries ------------------------------------------------------------------------------
+
+    def chain(self, limit: int = 12) -> list[OpEvent]:
+        """The non-finite values' path from the origin on: one event per (phase, module) run."""
+        if self.origin is None:
+            return []
+        out: list[OpEvent] = [self.origin]
+        for ev in self.events[self.origin.index + 1 :]:
+            if ev.output_finite or ev.op in ("aten.view.default", "aten._unsafe_view.default", "aten.t.default"):
+                continue
+            last = out[-1]
+            if (ev.phase, ev.module) == (last.phase, last.module):
+                continue
+            out.append(ev)
+            if len(out) >= limit:
+                break
+        return out

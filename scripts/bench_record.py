@@ -1,0 +1,154 @@
+"""Benchmark the Recorder's overhead on a small transformer LM trained on the CPU (the LM of
+scripts/bench_replay.py: GPT-style, tied embeddings, vocabulary 4096).
+
+Three identical runs train side by side in one process, alternating step by step (in rotating
+order): bare, recorded with health every step, recorded with the default health_every. Machines
+here are shared and noisy, so each mode sees the same slow and fast moments: compare the
+ratios, not the seconds. Each recorded run keeps every batch and the health of every step and
+checkpoints every 100 steps. Prints the median step-time ratio to bare, where the remaining
+cost goes (the Recorder's phases, timed inside the recorded runs), and the bytes stored per
+step against the raw batch.
+
+    PYTHONPATH=. python scripts/bench_record.py [--steps 300] [--layers 4] [--width 256]
+        [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from functools import wraps
+from pathlib import Path
+
+import torch
+from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
+
+import ckptlab
+from ckptlab import record
+from ckptlab.probe import StepProbe
+from ckptlab.run import records
+from ckptlab.run.layout import dir_size
+from ckptlab.run.writer import RunWriter
+
+
+def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
+    """Token ids drawn from a Zipf-like law (as text is), int64 as a tokenizer returns them."""
+    g = torch.Generator().manual_seed(1)
+    probs = 1.0 / (torch.arange(VOCAB, dtype=torch.float64) + 10)
+    out = []
+    for i in range(n):
+        ids = torch.multinomial(probs, batch * (CFG["seq"] + 1), replacement=True, generator=g)
+        out.append(({"ids": ids.view(batch, CFG["seq"] + 1)}, [i * batch + r for r in range(batch)]))
+    return out
+
+
+# --- phase timers: wrap the Recorder's parts; a perf_counter pair costs ~0.1 us ---------------
+
+PHASES = {
+    "batch encode+write": [(records, "encode_batch"), (RunWriter, "append_batch")],
+    "probe hooks (grad norms, lr)": [(StepProbe, "_on_grad"), (StepProbe, "_on_post_step"), (StepProbe, "end")],
+    "update-ratio copy + norms": [(StepProbe, "_on_pre_step"), (StepProbe, "_update_stats")],
+    "step record (health, anomalies)": [(records, "encode_step"), (RunWriter, "append_step"), (record.Recorder, "_anomalies")],
+    "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
+    "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
+}
+spent: dict[tuple[str, str], float] = defaultdict(float)  # (mode, phase) -> seconds
+current = {"mode": ""}
+
+
+def instrument() -> None:
+    """Time each phase; a nested phase (end -> _update_stats) is charged to the inner one only."""
+    stack: list[str] = []
+    for phase, targets in PHASES.items():
+        for owner, name in targets:
+            fn = getattr(owner, name)
+
+            def timed(*a, _fn=fn, _phase=phase, **kw):
+                stack.append(_phase)
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    dt = time.perf_counter() - t0
+                    stack.pop()
+                    spent[current["mode"], _phase] += dt
+                    if stack:
+                        spent[current["mode"], stack[-1]] -= dt
+
+            setattr(owner, name, wraps(fn)(timed))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300, help="steps per mode")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    CFG.update(layers=args.layers, width=args.width, seq=args.seq)
+    batches = make_batches(args.steps, args.batch)
+    instrument()
+    times: dict[str, list[float]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        bare_model, bare_opt = build()
+        recorders = {}
+        for mode, health_every in (("recorded, health_every=1", 1), ("recorded, health_every=10 (default)", 10)):
+            model, opt = build()
+            recorders[mode] = ckptlab.Recorder(Path(tmp) / f"health{health_every}", model, opt, step_fn=step, build_fn=build,
+                                               ckpt_every=args.ckpt_every, health_every=health_every)
+        modes = ["bare", *recorders]
+        for i, (batch, ids) in enumerate(batches):
+            for mode in modes[i % 3:] + modes[: i % 3]:  # rotate: no mode always runs first
+                current["mode"] = mode
+                t0 = time.perf_counter()
+                if mode == "bare":
+                    step(bare_model, bare_opt, batch)
+                else:
+                    recorders[mode].step(batch, sample_ids=ids)
+                if i:  # the first step warms caches up
+                    times[mode].append(time.perf_counter() - t0)
+            if (i + 1) % 50 == 0:
+                print(f"step {i + 1}/{args.steps}: " + ", ".join(f"{m} {statistics.median(t) * 1e3:.0f} ms" for m, t in times.items()), flush=True)
+        for rec in recorders.values():
+            rec.close()
+        run_dir = recorders["recorded, health_every=1"].run_dir
+        stored = {p: dir_size(run_dir / p) for p in ("batches", "journal", "checkpoints")}
+        n_ckpt = len(ckptlab.open_run(run_dir).checkpoints)
+    report(args, times, stored, n_ckpt)
+
+
+def report(args, times, stored, n_ckpt) -> None:
+    bare = statistics.median(times["bare"])
+    n_params = sum(p.numel() for p in build()[0].parameters())
+    print(f"\nmodel: {args.layers} layers x {args.width} wide, vocab {VOCAB}, {n_params / 1e6:.2f}M parameters; "
+          f"batch {args.batch} x {args.seq} tokens; {torch.get_num_threads()} threads; {args.steps} steps per mode; "
+          f"checkpoint every {args.ckpt_every} steps")
+    print(f"{'mode':<38}{'median ms':>10}{'mean ms':>10}{'median ratio':>14}{'mean ratio':>12}")
+    for mode, t in times.items():
+        print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.mean(t) * 1e3:>10.1f}"
+              f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x")
+    for mode in times:
+        if mode == "bare":
+            continue
+        print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
+        phases = {p: v for (m, p), v in spent.items() if m == mode}
+        for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
+            per = total / args.steps
+            print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
+        print(f"  {'sum':<36}{sum(phases.values()) / args.steps * 1e3:>8.2f} ms {sum(phases.values()) / args.steps / bare * 100:>6.2f}%")
+    raw = args.batch * (args.seq + 1) * 8  # int64 token ids
+    print(f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "
+          f"{stored['batches'] / args.steps / raw:.2f}x), journal {stored['journal'] / args.steps:,.0f} B; "
+          f"{n_ckpt} checkpoints kept, {stored['checkpoints'] / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

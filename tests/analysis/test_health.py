@@ -1,0 +1,170 @@
+"""report's analyses on recorded runs that each plant one pathology; a healthy run gets no alarm."""
+
+import math
+
+import numpy as np
+import pytest
+
+import ckptlab
+from ckptlab.analysis.health import HealthRules, curve_shape, diagnose, early_stopping
+from ckptlab.analysis.spikes import SpikeRule
+from tests import act_models as am
+from tests import models
+
+
+def _record(root, name, build, step, batches, **kw):
+    kw = {"ckpt_every": 50, "health_every": 5, "keep_last": 10, **kw}
+    models.record_run(root / name, build, step, batches, **kw)
+    return diagnose(ckptlab.open_run(root / name))
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("health")
+    return {
+        "healthy": _record(root, "healthy", am.build_healthy, models.step_mlp, am.regression_batches(300)),
+        "overfit": _record(root, "overfit", am.build_overfit, models.step_mlp, am.overfit_batches(150),
+                           validate=am.overfit_validate(5)),
+        "high_lr": _record(root, "high_lr", am.build_high_lr, models.step_mlp, am.regression_batches(300)),
+        "plateau": _record(root, "plateau", am.build_plateau, models.step_mlp, am.regression_batches(300)),
+        "frozen": _record(root, "frozen", am.build_frozen, models.step_mlp, am.regression_batches(150)),
+        "imbalanced": _record(root, "imbalanced", am.build_imbalanced, models.step_mlp, am.regression_batches(150)),
+        "spike": _record(root, "spike", am.build_healthy, models.step_mlp, am.spiky_regression_batches(200, 150)),
+        "lm": _record(root, "lm", models.build_lm, models.step_lm, models.lm_batches(120)),
+    }
+
+
+def kinds(report, severities=("warning", "error")):
+    return {f.kind for f in report.findings if f.severity in severities}
+
+
+def test_healthy_run_gets_no_alarm(reports):
+    r = reports["healthy"]
+    assert r.alarms() == [], [f.title for f in r.alarms()]
+    assert r.curve.kind == r.curve.shape == "fast_drop"
+    assert r.verdict.startswith("Healthy")
+    assert r.perplexity is None  # a regression, not a language model
+
+
+def test_overfitting_found_with_its_best_step(reports):
+    r = reports["overfit"]
+    # validation logged after step i is at step i + 1; the planted run's minimum is after 30 steps
+    f = next(f for f in r.findings if f.kind == "overfitting")
+    assert f.evidence["best_step"] == 30
+    assert f.evidence["last"] > f.evidence["best"] * 1.3
+    assert f.evidence["train_loss_at_end"] < f.evidence["train_loss_at_best"]
+    assert r.curve.kind == "overfitting"
+    assert any("ckptlab rollback --metric val_loss" in x for x in f.remedies)
+
+
+def test_oscillation_from_a_too_high_learning_rate(reports):
+    r = reports["high_lr"]
+    f = next(f for f in r.findings if f.kind == "oscillation")
+    assert f.severity == "warning"
+    assert f.evidence["lag1_autocorrelation"] < -0.25 or f.evidence["median_update_ratio"] > 0.1
+    assert r.curve.kind == "oscillation"
+    assert "overfitting" not in kinds(r) and "plateau" not in kinds(r)
+
+
+def test_plateau_with_its_window(reports):
+    r = reports["plateau"]
+    f = next(f for f in r.findings if f.kind == "plateau")
+    first, last = f.steps
+    assert first < 20 and 90 <= last <= 140  # the LR sits near zero for steps 0..119
+    assert r.curve.kind == "plateau"
+
+
+def test_frozen_layer(reports):
+    r = reports["frozen"]
+    f = next(f for f in r.findings if f.kind == "frozen")
+    assert set(f.params) == {"fc1.weight", "fc1.bias"}
+    assert "get gradients" in f.title  # it is not requires_grad=False: it is missing from the optimizer
+    assert f.evidence["fc1.weight"]["bit_identical_across_checkpoints"] and f.evidence["fc1.weight"]["update_ratio_always_0"]
+    assert f.evidence["fc1.weight"]["median_grad_norm"] > 0
+
+
+def test_imbalanced_layer(reports):
+    r = reports["imbalanced"]
+    f = next(f for f in r.findings if f.kind == "gradient_imbalance")
+    assert f.params == ["fc2.weight"]
+    assert f.evidence["ratio"] < 1e-2
+    low = next(f for f in r.findings if f.kind == "update_ratio_low")
+    assert "fc2.weight" in low.params
+    assert "frozen" not in kinds(r)
+
+
+def test_loss_spike_and_its_recovery(reports):
+    r = reports["spike"]
+    f = next(f for f in r.findings if f.kind == "loss_spike")
+    assert f.steps[0] == 150
+    assert f.evidence["recovery"] in ("fast", "slow")
+    assert f.severity == "warning"  # a 10^6 x spike is never "just noise"
+    grad = next(f for f in r.findings if f.kind == "gradient_explosion")
+    assert 150 in grad.steps
+
+
+def test_language_model_gets_perplexity(reports):
+    r = reports["lm"]
+    p = r.perplexity
+    assert p is not None
+    assert math.isclose(p.best, math.exp(r.curve.best), rel_tol=1e-9)
+    assert p.last < p.first
+    assert r.alarms() == []
+
+
+def test_too_short_and_empty_runs(tmp_path):
+    models.record_run(tmp_path / "tiny", am.build_healthy, models.step_mlp, am.regression_batches(3), ckpt_every=50)
+    r = diagnose(ckptlab.open_run(tmp_path / "tiny"))
+    assert r.curve.shape == "too_short" and r.alarms() == [] and r.verdict.startswith("Too few steps")
+    model, opt = am.build_healthy()
+    ckptlab.Recorder(tmp_path / "empty", model, opt, step_fn=models.step_mlp, build_fn=am.build_healthy).close()
+    r = diagnose(ckptlab.open_run(tmp_path / "empty"))
+    assert (r.curve.kind, r.findings, r.steps["recorded"]) == ("empty", [], 0)
+
+
+def test_nan_explosion(tmp_path):
+    def batches():
+        for step, ((x, y), ids) in enumerate(am.regression_batches(40)):
+            if step == 30:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            yield (x, y), ids
+
+    models.record_run(tmp_path / "r", am.build_healthy, models.step_mlp, batches(), ckpt_every=10, health_every=5)
+    r = diagnose(ckptlab.open_run(tmp_path / "r"))
+    f = r.findings[0]
+    assert (f.kind, f.severity, f.evidence["first_step"]) == ("explosion", "error", 30)
+    assert r.curve.kind == "explosion"
+    assert "ckptlab replay --step 30" in f.remedies[0]
+
+
+def test_plots_data_is_kept_out_of_json(reports):
+    from ckptlab.render.jsonout import dumps
+
+    doc = dumps(reports["overfit"])
+    assert "_plots" not in doc and "loss_ema" not in doc
+    assert reports["overfit"]._plots.best_val_step == 30
+
+
+def test_early_stopping_with_patience():
+    pts = [(0, 1.0), (10, 0.8), (20, 0.7), (30, 0.75), (40, 0.72), (50, 0.71), (60, 0.65)]
+    es = early_stopping(pts, patience=3)
+    assert (es.best_step, es.stop_step, es.global_best_step) == (20, 50, 60)
+    assert early_stopping(pts, patience=4).best_step == 60
+    assert early_stopping([(0, 0.1), (5, 0.3)], mode="max", patience=1).best_step == 5
+    assert early_stopping([]) is None
+
+
+def test_curve_shapes():
+    steps = np.arange(200)
+    assert curve_shape(np.exp(-steps / 10) + 0.01) == "fast_drop"
+    assert curve_shape(2.0 - steps / 200) == "slow_drop"
+    assert curve_shape(np.full(200, 1.0)) == "flat"
+    assert curve_shape(1.0 + steps / 100) == "rising"
+    assert curve_shape(np.ones(5)) == "too_short"
+
+
+def test_rules_are_settable(reports):
+    run = ckptlab.open_run(reports["spike"].run)
+    quiet = diagnose(run, HealthRules(loss_spike=SpikeRule(z=1e12)), weights=False)
+    assert "loss_spike" not in {f.kind for f in quiet.findings}

@@ -1,0 +1,113 @@
+"""run/framelog.py: the bytes on disk, and telling a crash's torn tail from corruption."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+
+from ckptlab.errors import CorruptFileError
+from ckptlab.run import framelog, records
+
+
+def write_log(path, frames):
+    w = framelog.FrameWriter(path)
+    for kind, step, payload, flags in frames:
+        w.append(kind, step, payload, flags=flags)
+    w.close()
+    return path.read_bytes()
+
+
+FRAMES = [(framelog.BATCH, 0, b"first", 0), (framelog.STEP, 0, b"second payload", 2), (framelog.EVENT, 1, b"{}", 0)]
+
+
+def test_bytes_on_disk_are_as_documented(tmp_path):
+    """The layout docs/run-format.md specifies, spelled out byte by byte."""
+    data = write_log(tmp_path / "s000-000000000.log", [(framelog.STEP, 5, b"abc", framelog.FLAG_SAFETENSORS)])
+    crc = zlib.crc32(b"abc")
+    assert data == (
+        b"ckptlab-log-v1\n\x00"  # 16-byte file header
+        + b"CKF1"  # frame magic
+        + b"\x02"  # kind: STEP
+        + b"\x02"  # flags: bit1 = safetensors payload
+        + b"\x00\x00"  # rank 0 (u16)
+        + (5).to_bytes(8, "little")  # step (i64)
+        + (3).to_bytes(4, "little")  # payload length (u32)
+        + crc.to_bytes(4, "little")  # crc32 of the stored payload (u32)
+        + b"abc"
+    )
+    (ref,) = framelog.scan(tmp_path / "s000-000000000.log").frames
+    assert (ref.offset, ref.kind, ref.step, ref.length) == (16 + 24, framelog.STEP, 5, 3)
+
+
+def test_every_torn_tail_is_skipped_and_counted(tmp_path):
+    full = write_log(tmp_path / "full.log", FRAMES)
+    ends, pos = [], 16
+    for _, _, payload, _ in FRAMES:
+        pos += 24 + len(payload)
+        ends.append(pos)
+    cut_path = tmp_path / "cut.log"
+    for cut in range(len(full) + 1):  # a kill can stop a write after any byte
+        cut_path.write_bytes(full[:cut])
+        scan = framelog.scan(cut_path, verify=True)
+        complete = [e for e in ends if e <= cut]
+        assert len(scan.frames) == len(complete), cut
+        assert scan.torn_bytes == cut - (complete[-1] if complete else (16 if cut >= 16 else 0))
+        assert scan.corrupt is None
+
+
+def test_a_full_length_last_frame_with_a_bad_crc_is_a_torn_tail(tmp_path):
+    """A power loss can leave the last frame's length allocated but its bytes zero."""
+    full = bytearray(write_log(tmp_path / "a.log", FRAMES))
+    full[-2:] = b"\x00\x00"
+    (tmp_path / "a.log").write_bytes(bytes(full))
+    scan = framelog.scan(tmp_path / "a.log")
+    assert len(scan.frames) == 2 and scan.torn_bytes == 24 + 2 and scan.corrupt is None
+
+
+def test_damage_before_the_tail_is_corruption_not_a_torn_tail(tmp_path):
+    path = tmp_path / "a.log"
+    clean = write_log(path, FRAMES)
+    second = 16 + 24 + len(FRAMES[0][2])  # offset of the second frame
+
+    bad = bytearray(clean)
+    bad[second + 24 + 3] ^= 0xFF  # a bit flip in the second frame's payload
+    path.write_bytes(bytes(bad))
+    scan = framelog.scan(path)  # headers only: the frames are all indexed ...
+    assert len(scan.frames) == 3
+    with pytest.raises(CorruptFileError, match=r"a\.log: frame for step 0 at byte \d+ fails its CRC"):
+        scan.frames[1].read_payload()  # ... and the damaged one refuses to be read
+    verified = framelog.scan(path, verify=True)
+    assert len(verified.frames) == 1 and "fails its CRC" in verified.corrupt
+
+    bad = bytearray(clean)
+    bad[second] = ord("X")  # a damaged frame header, with good frames after it
+    path.write_bytes(bytes(bad))
+    scan = framelog.scan(path)
+    assert len(scan.frames) == 1 and "bad frame header" in scan.corrupt
+
+
+def test_not_a_log_segment(tmp_path):
+    path = tmp_path / "s000-000000000.log"
+    path.write_bytes(b"PK\x03\x04 this is a zip file, not a log")
+    with pytest.raises(CorruptFileError, match="not a ckptlab log segment"):
+        framelog.scan(path)
+    path.write_bytes(b"ckptlab-l")  # killed while writing the file header: an empty log
+    assert framelog.scan(path).frames == []
+
+
+def test_a_segment_is_never_appended_to_twice(tmp_path):
+    write_log(tmp_path / "a.log", FRAMES)
+    with pytest.raises(FileExistsError):
+        framelog.FrameWriter(tmp_path / "a.log")
+
+
+def test_compression_is_used_only_where_it_pays():
+    compress = records.Compressor()
+    tokens = bytes(range(50)) * 400  # token ids: repetitive
+    noise = os.urandom(20_000)  # float activations: incompressible
+    assert compress(tokens)[1] & framelog.FLAG_ZLIB
+    compress_noise = records.Compressor()
+    data, flags = compress_noise(noise)
+    assert not flags & framelog.FLAG_ZLIB and data == noise

@@ -1,0 +1,53 @@
+"""Recorder hooks for loops it does not drive (begin_step/end_step) and anomaly alerts."""
+
+import pytest
+
+import ckptlab
+from tests import fault_models as fm
+from tests import models
+
+
+def test_begin_end_step_records_what_step_records(tmp_path):
+    batches = list(models.mlp_batches(8))
+    driven = models.record_run(tmp_path / "a", models.build_mlp, models.step_mlp, batches, ckpt_every=4)
+    model, opt = models.build_mlp()
+    external = []
+    with ckptlab.Recorder(tmp_path / "b", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=4) as rec:
+        for batch, ids in batches:  # a framework runs the step; ckptlab only watches
+            n = rec.begin_step(batch, sample_ids=ids)
+            loss = models.step_mlp(model, opt, batch)
+            health = rec.end_step(loss)
+            assert health.loss == loss.item() and n == len(external)
+            external.append(loss.item())
+    assert external == driven
+    a, b = ckptlab.open_run(tmp_path / "a").metrics(), ckptlab.open_run(tmp_path / "b").metrics()
+    assert a.grad_norm.tolist() == b.grad_norm.tolist()
+    assert ckptlab.replay(tmp_path / "b", 7).deterministic
+
+
+def test_misuse_of_begin_end_is_a_clear_error(run_dir):
+    model, opt = models.build_mlp()
+    (batch, ids), = list(models.mlp_batches(1))
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
+        with pytest.raises(ckptlab.RecordError, match="end_step called without begin_step"):
+            rec.end_step(1.0)
+        rec.begin_step(batch, ids)
+        with pytest.raises(ckptlab.RecordError, match="twice"):
+            rec.begin_step(batch, ids)
+
+
+def test_on_anomaly_callback_and_default_warning(tmp_path, capsys):
+    seen = []
+    fm._record(tmp_path / "cb", fm.build_mlp, fm.step_mlp, _nan_at(27), on_anomaly=lambda step, events: seen.append((step, [e["kind"] for e in events])))
+    assert seen[0][0] == 27 and "nonfinite_loss" in seen[0][1]
+    fm._record(tmp_path / "warn", fm.build_mlp, fm.step_mlp, _nan_at(27))
+    err = capsys.readouterr().err
+    assert "step 27: nonfinite loss" in err and f"ckptlab replay --run {tmp_path / 'warn'} --step 27" in err
+
+
+def _nan_at(step):
+    for s in range(40):
+        x, y = fm._xy(s)
+        if s == step:
+            x[0, 0] = float("nan")
+        yield x, y

@@ -1,0 +1,131 @@
+"""Replay is bit-exact, survives resumes, and fails clearly on bad input."""
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ckptlab
+from tests import fault_models as fm
+from tests import models
+
+
+def test_every_replayed_loss_equals_the_record(run_dir):
+    losses = models.record_run(run_dir, models.build_lm, models.step_lm, models.lm_batches(25), ckpt_every=10)
+    report = ckptlab.replay(run_dir, 24)
+    assert report.start_checkpoint == 20 and not report.fault_recorded and report.root_step is None
+    assert [c.step for c in report.steps] == [20, 21, 22, 23, 24]
+    assert [c.loss for c in report.steps] == losses[20:25]  # == on floats: bit for bit
+    assert all(c.match for c in report.steps) and report.deterministic
+    assert "healthy" in report.verdict
+
+
+def test_replay_across_a_resumed_session(run_dir):
+    batches = list(models.mlp_batches(30))
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, batches[:15], ckpt_every=10)
+    model, opt = models.build_mlp()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=10, resume=True) as rec:
+        assert rec.next_step == 15 and rec.restored_step == 10
+        resumed = [rec.step(b, sample_ids=i).item() for b, i in batches[15:30]]
+    run = ckptlab.open_run(run_dir)
+    assert 15 in run.checkpoints  # a resumed session starts with a checkpoint
+    report = ckptlab.replay(run, 18)
+    assert report.start_checkpoint == 15  # never across the session boundary
+    assert [c.loss for c in report.steps] == resumed[:4]
+    assert report.deterministic
+
+
+def test_unknown_step_is_a_clear_error(run_dir):
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(12), ckpt_every=5)
+    with pytest.raises(ckptlab.ReplayError, match="step 99 was not recorded"):
+        ckptlab.replay(run_dir, 99)
+
+
+def test_pruned_step_is_a_clear_error(run_dir):
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(40), ckpt_every=5, keep_last=2)
+    with pytest.raises(ckptlab.ReplayError, match="before the first retained checkpoint|pruned"):
+        ckptlab.replay(run_dir, 3)
+
+
+def _user_module(tmp_path, name, hidden=16):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(f"""
+        import torch
+        import torch.nn.functional as F
+
+        def build():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(8, {hidden}), torch.nn.ReLU(), torch.nn.Linear({hidden}, 1))
+            return m, torch.optim.SGD(m.parameters(), lr=0.01)
+
+        def step(model, opt, batch):
+            loss = F.mse_loss(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+    """))
+    sys.path.insert(0, str(tmp_path))
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+def test_missing_build_module_says_what_to_do(tmp_path, run_dir):
+    mod = _user_module(tmp_path, "ckl_user_gone")
+    models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
+    (tmp_path / "ckl_user_gone.py").unlink()
+    sys.modules.pop("ckl_user_gone")
+    with pytest.raises(ckptlab.ReplayError, match="cannot import ckl_user_gone"):
+        ckptlab.replay(run_dir, 5)
+
+
+def test_model_that_no_longer_matches_the_checkpoint(tmp_path, run_dir):
+    mod = _user_module(tmp_path, "ckl_user_changed")
+    models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
+    _user_module(tmp_path, "ckl_user_changed", hidden=32)  # the code moved on
+    with pytest.raises(ckptlab.ReplayError, match="does not fit the model.*shape"):
+        ckptlab.replay(run_dir, 5)
+
+
+def test_changed_source_is_reported(tmp_path, run_dir):
+    mod = _user_module(tmp_path, "ckl_user_edited")
+    models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
+    path = tmp_path / "ckl_user_edited.py"
+    path.write_text(path.read_text() + "\n# an edit\n")
+    report = ckptlab.replay(run_dir, 5)
+    assert any("source changed" in n for n in report.notes)
+    assert report.deterministic  # the edit was harmless
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "ckptlab", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_json_and_errors(run_dir):
+    exp = fm.record_input_nan(run_dir)
+    ok = _cli("replay", "--run", str(run_dir), "--step", str(exp.symptom), "--json")
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc["root_step"] == 27 and doc["samples"][0]["sample_id"] == 2704
+    text = _cli("replay", "--run", str(run_dir), "--step", str(exp.symptom))
+    assert text.returncode == 0 and text.stdout.startswith("Step 27: the batch itself carries non-finite values")
+    bad = _cli("replay", "--run", str(run_dir), "--step", "500")
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.strip().count("\n") == 0 and "step 500 was not recorded" in bad.stderr
+    usage = _cli("replay", "--run", str(run_dir))
+    assert usage.returncode == 2
+
+
+def test_compiled_model_and_printing_build_fn(run_dir):
+    models.record_run(run_dir, models.build_compiled_noisy, models.step_mlp, models.mlp_batches(12), ckpt_every=5)
+    run = ckptlab.open_run(run_dir)
+    assert run.param_names[0] == "fc1.weight"  # no _orig_mod. prefix in the run
+    tensors, _ = run.checkpoint(10).load_model()
+    assert "fc1.weight" in tensors
+    out = _cli("replay", "--run", str(run_dir), "--step", "11", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # the build_fn's print went to stderr, not into the JSON
+    assert doc["deterministic"] is True
+    assert "chatty build_fn" in out.stderr

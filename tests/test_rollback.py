@@ -1,0 +1,206 @@
+"""Rollback never loses data: a rewound run resumes bit-exactly, the archived steps stay
+readable (and replayable from the hard-linked checkpoint), and a kill at any file operation
+of a rewind leaves every frame and checkpoint reachable, a Recorder that refuses to resume,
+and a state that re-running finishes into the same result."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import ckptlab
+from ckptlab.analysis.rollback import choose
+from ckptlab.run import archive, framelog
+from ckptlab.run.export import export_checkpoint
+from ckptlab.run.layout import SEGMENT_RE
+from ckptlab.state import load_model, load_train_state, restore_rng
+from tests import act_models as am
+from tests import models
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """The overfitting run: periodic checkpoints every 20 steps, a best-validation one at 30
+    (mid-segment), validation every 5 steps."""
+    path = tmp_path_factory.mktemp("rb") / "run"
+    batches = list(am.overfit_batches(STEPS))
+    losses = models.record_run(path, am.build_overfit, models.step_mlp, batches, ckpt_every=20, health_every=5,
+                               keep_last=10, validate=am.overfit_validate(5))
+    return path, batches, losses
+
+
+@pytest.fixture
+def run_dir(recorded, tmp_path):
+    path = tmp_path / "run"
+    shutil.copytree(recorded[0], path)
+    return path
+
+
+def frames_under(root: Path) -> set:
+    """Every (kind, step, crc) frame in every segment under root (run and archives)."""
+    out = set()
+    for p in root.rglob("*.log"):
+        if SEGMENT_RE.match(p.name):
+            out |= {(f.kind, f.step, f.crc) for f in framelog.scan(p).frames}
+    return out
+
+
+def checkpoints_under(root: Path) -> set:
+    return {(p.name, (p / "model.safetensors").read_bytes()) for p in root.rglob("step-*") if (p / "COMMIT.json").is_file()}
+
+
+def main_state(run_dir: Path) -> tuple:
+    run = ckptlab.open_run(run_dir)
+    main_frames = set()
+    for folder in (run_dir / "journal", run_dir / "batches" / "rank0"):
+        for p in folder.glob("*.log"):
+            main_frames |= {(f.kind, f.step, f.crc) for f in framelog.scan(p).frames}
+    return frozenset(main_frames), tuple(run.checkpoints), run.manifest["rollback"]["step"]
+
+
+def test_choose_best_validation_mid_segment(run_dir):
+    choice = choose(ckptlab.open_run(run_dir))
+    assert (choice.by, choice.step) == ("metric", 30)
+    assert choice.early_stop.stop_step == 45
+    assert [c.step for c in choice.candidates if c.chosen] == [30]
+    assert all(c.integrity == "ok" for c in choice.candidates)
+
+
+def test_rewind_then_resume_is_bit_exact_and_archive_stays_readable(run_dir, recorded):
+    _, batches, losses = recorded
+    before = ckptlab.open_run(run_dir)
+    original = {s: before.batch(s) for s in range(40, STEPS)}
+    plan = archive.rewind(run_dir, 30)
+    assert plan.summary()["segments_split"] == ["journal/s000-000000020.log", "batches/rank0/s000-000000020.log"]
+
+    run = ckptlab.open_run(run_dir)
+    assert run.steps[-1] == 29 and run.metrics().step[-1] == 29
+    assert run.checkpoints[-1] == 30
+    assert [p["step"] for p in run.validation()][-1] == 30  # measured on the state checkpoint 30 holds
+    assert run.manifest["rollback"]["step"] == 30
+
+    arch = ckptlab.open_run(run.archives[0])
+    assert arch.checkpoints == [30, 40]
+    arch.checkpoint(30).verify()
+    assert arch.metrics().loss[arch.metrics().window(30, STEPS - 1)].tolist() == losses[30:]
+    batch, ids = arch.batch(45)
+    assert torch.equal(batch[0], original[45][0][0]) and ids == original[45][1]
+
+    model, opt = am.build_overfit()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=am.build_overfit, resume=True,
+                          ckpt_every=20, health_every=5, keep_last=10) as rec:
+        assert (rec.restored_step, rec.next_step) == (30, 30)
+        resumed = [rec.step(b, sample_ids=i).item() for b, i in batches[30:]]
+    assert resumed == losses[30:]  # bit for bit
+
+    run = ckptlab.open_run(run_dir)
+    assert run.steps[-1] == STEPS - 1 and run.metrics().loss.tolist() == losses
+    assert run.manifest["rollback"] is None and run.manifest["sessions"][-1]["restored_from"] == 30
+    assert [h["step"] for h in run.manifest["rollbacks"]] == [30]
+    arch = ckptlab.open_run(run.archives[0])  # still readable after the resumed run wrote on
+    assert torch.equal(arch.batch(55)[0][0], original[55][0][0])
+    _replay(run, 40, losses)
+    _replay(arch, 40, losses)  # the archived timeline replays from its own checkpoints too
+
+
+def _replay(run, start: int, losses: list[float]) -> None:
+    """Restore checkpoint `start` and re-run the recorded steps: every loss matches the record."""
+    model, opt = am.build_overfit()
+    ckpt = run.checkpoint(start)
+    load_model(model, *ckpt.load_model())
+    state = ckpt.load_state()
+    load_train_state(state, opt)
+    restore_rng(state["rng"])
+    for step in range(start, STEPS):
+        batch, _ = run.batch(step)
+        assert models.step_mlp(model, opt, batch).item() == losses[step], step
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: raised at the n-th filesystem operation of a rewind."""
+
+
+class KillAt:
+    OPS = ("rename", "replace", "link")
+
+    def __init__(self, n: int | None):
+        self.n, self.count = n, 0
+
+    def __enter__(self):
+        self.saved = {name: getattr(os, name) for name in self.OPS}
+        for name in self.OPS:
+            setattr(os, name, self._wrap(self.saved[name]))
+        return self
+
+    def _wrap(self, fn):
+        def op(*args, **kwargs):
+            if self.n is not None and self.count == self.n:
+                raise Killed()
+            self.count += 1
+            return fn(*args, **kwargs)
+        return op
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(os, name, fn)
+        return exc[0] is Killed
+
+
+def test_a_kill_at_any_point_loses_nothing_and_rerunning_finishes(recorded, tmp_path):
+    src = recorded[0]
+    all_frames, all_ckpts = frames_under(src), checkpoints_under(src)
+    clean = tmp_path / "clean"
+    shutil.copytree(src, clean)
+    with KillAt(None) as counter:
+        archive.rewind(clean, 30)
+    expected = main_state(clean)
+    assert counter.count > 10
+    interrupted = 0
+    for n in range(counter.count):
+        run_dir = tmp_path / f"kill{n}"
+        shutil.copytree(src, run_dir)
+        with KillAt(n):
+            archive.rewind(run_dir, 30)
+            pytest.fail("not killed")
+        assert frames_under(run_dir) >= all_frames, n  # every frame reachable (main or archive)
+        assert checkpoints_under(run_dir) >= all_ckpts, n
+        pending = archive.unfinished_rollback(run_dir)
+        if pending is not None:
+            model, opt = am.build_overfit()
+            with pytest.raises(ckptlab.RecordError, match="interrupted"):
+                ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=am.build_overfit, resume=True)
+            archive.finish_interrupted(run_dir)
+            interrupted += 1
+        else:  # killed before the intent was written: nothing moved yet; start again
+            archive.rewind(run_dir, 30)
+        assert main_state(run_dir) == expected, n
+        assert frames_under(run_dir) >= all_frames and archive.unfinished_rollback(run_dir) is None
+    assert interrupted == counter.count - 1  # only a kill before the intent file leaves nothing to finish
+
+
+def test_rewind_refuses_while_one_is_unfinished(run_dir):
+    with KillAt(8):
+        archive.rewind(run_dir, 30)
+    with pytest.raises(ckptlab.CkptlabError, match="interrupted"):
+        archive.rewind(run_dir, 30)
+
+
+def test_export_is_loadable_without_ckptlab(tmp_path):
+    models.record_run(tmp_path / "lm", models.build_lm, models.step_lm, models.lm_batches(12), ckpt_every=5)
+    ckpt = ckptlab.open_run(tmp_path / "lm").checkpoint(10)
+    info = export_checkpoint(ckpt, tmp_path / "out")
+    assert sorted(info["files"]) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
+    model, opt, sched = models.build_lm()
+    model.load_state_dict(safetensors.torch.load_file(tmp_path / "out" / "model.safetensors"))  # strict, tied names included
+    opt.load_state_dict(torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True))
+    sched.load_state_dict(torch.load(tmp_path / "out" / "scheduler.pt", weights_only=True))
+    assert model.lm_head.weight is model.wte.weight  # the tie survives loading
+    tensors, _ = ckpt.load_model()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in tensors.items())
+    with pytest.raises(ckptlab.CkptlabError, match="refusing to overwrite"):
+        export_checkpoint(ckpt, tmp_path / "out")

@@ -1,0 +1,84 @@
+"""The origin rule and op placement of trace.Tracer, on small direct cases."""
+
+import torch
+import torch.nn as nn
+
+from ckptlab.trace import Tracer, rows_of, summarize
+
+
+class Masked(nn.Module):
+    def forward(self, scores, mask):
+        return scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = Masked()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.lin(self.att(x, mask))
+
+
+def test_intended_inf_is_not_an_origin_but_the_softmax_of_a_fully_masked_row_is():
+    model = Root()
+    x = torch.randn(3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[:, 3] = True  # partial masking everywhere: -inf on purpose, no NaN
+    with Tracer(model, rows=3) as tr:
+        model(x, mask)
+    assert tr.origin is None
+    mask[1] = True  # row 1 fully masked
+    with Tracer(model, rows=3) as tr:
+        model(x, mask).sum().backward()
+    o = tr.origin
+    assert (o.op, o.module, o.phase, o.call) == ("aten._softmax.default", "att", "forward", "softmax")
+    assert o.new_nan and o.bad_rows == {1: 4}
+    assert o.source.startswith("test_trace.py:")
+
+
+class SqrtNorm(nn.Module):
+    def forward(self, x):
+        return torch.sqrt((x * x).sum(dim=1))  # finite forward; at x = 0 the backward divides by 0
+
+
+def test_backward_origin_is_charged_to_the_module_that_created_the_op():
+    model = nn.Sequential(nn.Linear(3, 3), SqrtNorm())
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+    with Tracer(model, rows=2) as tr:
+        out = model(torch.randn(2, 3))
+        assert torch.isfinite(out).all()
+        out.sum().backward()
+    o = tr.origin
+    assert o.phase == "backward"
+    assert o.module == "1"  # the SqrtNorm, whose forward created the op
+    assert o.call == "sqrt"
+
+
+def test_uninitialized_memory_is_not_an_origin():
+    with Tracer(nn.Identity()) as tr:
+        e = torch.empty(1000)
+        e.fill_(1.0)
+    assert tr.origin is None
+
+
+def test_overflow_from_finite_inputs_is_an_origin():
+    lin = nn.Linear(2, 1)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    with Tracer(lin, rows=2) as tr:
+        lin(torch.tensor([[3e38, 3e38], [1.0, 1.0]]))
+    assert tr.origin.op == "aten.addmm.default" and tr.origin.new_inf and tr.origin.bad_rows == {0: 1}
+
+
+def test_summaries_and_row_mapping():
+    s = summarize(torch.tensor([1.0, -3.0, float("nan"), float("inf")]))
+    assert (s.nan, s.posinf, s.neginf, s.absmax) == (1, 1, 0, 3.0)
+    assert summarize(torch.tensor([1.0, -3.0])).finite
+    assert rows_of((4, 10), [2, 7], 4) == 2  # (B, ...)
+    assert rows_of((8, 5), [5, 0], 4) == 2  # (B*2, ...) batch-major
+    assert rows_of((7, 4, 3), [0, 3, 1], 4) == 3  # (T, B, ...)
+    assert rows_of((3, 3), [0, 0], 4) is None
