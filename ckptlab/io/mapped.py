@@ -1,0 +1,108 @@
+"""Tensors stored raw in a file at a known byte offset (safetensors, .pt zip records).
+
+Two ways to read them:
+- mapped (default): one read-only private mmap per file; a segment is a zero-copy view, and
+  `release` drops its pages from this process (MADV_DONTNEED) so resident memory stays flat
+  however big the file is; the page cache keeps them for the next reader.
+- sequential: positioned reads (pread) into a reusable buffer. For network filesystems,
+  where page faults are slow and a file changed under a mapping kills the process (SIGBUS).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ckptlab.errors import CorruptFileError
+from ckptlab.io.base import TensorRef
+
+_PAGE = mmap.PAGESIZE
+
+
+class MappedFile:
+    """One open checkpoint file."""
+
+    def __init__(self, path: str | os.PathLike, *, sequential: bool = False):
+        self.path = Path(path)
+        self.sequential = sequential
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+        self._mm: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def _mapping(self) -> mmap.mmap:
+        if self._mm is None:
+            with self._lock:
+                if self._mm is None:
+                    # ACCESS_COPY (private, writable) rather than ACCESS_READ: torch.frombuffer
+                    # warns on read-only buffers. Nothing writes; a write would stay private.
+                    self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)
+        return self._mm
+
+    def read(self, offset: int, nbytes: int, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) as a 1-D tensor of `dtype`."""
+        count = nbytes // dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        if offset + nbytes > self.size:
+            raise CorruptFileError(f"truncated: needs bytes up to {offset + nbytes}, the file has {self.size}", path=self.path)
+        if not self.sequential:
+            return torch.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset)
+        buf = scratch[:nbytes] if scratch is not None and scratch.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < nbytes:  # pread releases the GIL; a short read means the file shrank
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptFileError(f"truncated while reading: ended at byte {offset + done}", path=self.path)
+            done += n
+        return buf.view(dtype)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Drop the pages of a range from this process (mapped mode only; page cache keeps them)."""
+        if self._mm is None or nbytes <= 0 or not hasattr(self._mm, "madvise"):
+            return
+        start = offset - offset % _PAGE
+        end = min(self.size, offset + nbytes)
+        # Whole pages only; a page shared with a neighbour that is still being read just
+        # faults back in from the page cache on its next touch.
+        self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        # The mapping stays until the tensors viewing it are gone (closing it under a live view
+        # would fail); it is unmapped when garbage-collected.
+        self._mm = None
+
+
+class FileTensor(TensorRef):
+    """A contiguous tensor at a byte offset of a MappedFile."""
+
+    splittable = True
+
+    def __init__(self, file: MappedFile, offset: int, shape, dtype: torch.dtype):
+        self.file = file
+        self.offset = offset
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+    def load(self) -> torch.Tensor:
+        return self.file.read(self.offset, self.nbytes, self.dtype).view(self.shape)
+
+    def segment(self, start, count, scratch=None):
+        size = self.dtype.itemsize
+        return self.file.read(self.offset + start * size, count * size, self.dtype, scratch)
+
+    def release(self, start, count):
+        size = self.dtype.itemsize
+        self.file.release(self.offset + start * size, count * size)
+
+    @property
+    def identity(self):
+        return (str(self.file.path), self.offset, self.shape, self.dtype)
