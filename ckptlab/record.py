@@ -48,7 +48,9 @@ from ckptlab.run.layout import MANIFEST, checkpoints_dir
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.writer import Retention, RunWriter, io_error
-from ckptlab.state import capture_env, capture_rng, rng_equal, snapshot
+from ckptlab.run.retention import apply_retention
+from ckptlab.run.sharded import save_sharded
+from ckptlab.state import capture_env, capture_rng, capture_train_state, rng_equal, snapshot
 from ckptlab.state import restore as restore_state
 from ckptlab import userfns
 
@@ -395,8 +397,14 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        if self.world.sharded:
-            raise RecordError("checkpoints of sharded (FSDP) training are not supported yet", path=self.run_dir)
+        if self.world.sharded:  # FSDP: every rank writes its shards (DCP), on this thread
+            t0 = time.perf_counter()
+            state = capture_train_state(self.optimizer, self.scheduler, self.scaler)
+            state.pop("optimizer")  # its tensors go into DCP; param_groups with them
+            save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
+            if self.world.is_main:
+                apply_retention(self.run_dir, self.keep_last, *self._protected())
+            return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)

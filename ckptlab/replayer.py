@@ -43,7 +43,8 @@ from ckptlab.probe import NO_GRAD, StepHealth, StepProbe
 from ckptlab.run.reader import Run, open_run
 from ckptlab.run.checkpoint import commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_name
-from ckptlab.state import apply_env, capture_env, restore, restore_rng, restore_snapshot, snapshot
+from ckptlab.run.sharded import full_snapshot, load_full, load_sharded
+from ckptlab.state import _NoOptimizer, apply_env, capture_env, capture_train_state, load_train_state, restore, restore_rng, restore_snapshot, snapshot
 from ckptlab.trace import OpEvent, Tracer
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
@@ -221,10 +222,18 @@ class Replayer:
     def load_checkpoint(self, t: Trainee, step: int) -> None:
         ckpt = self.run.checkpoint(step)
         ckpt.verify()
-        tensors, aliases = ckpt.load_model(verify=False)
         state = ckpt.load_state(verify=False)
         try:
-            restore(t.model, t.optimizer, t.scheduler, t.scaler, tensors, aliases, state)
+            if ckpt.sharded and self.world.sharded and self.world.distributed:
+                load_sharded(ckpt.path, t.model, t.optimizer, state)  # each rank its shards
+                load_train_state({k: v for k, v in state.items() if k != "optimizer"}, _NoOptimizer(), t.scheduler, t.scaler)
+                restore_rng(state["rng"])
+            elif ckpt.sharded:  # one process: the whole state, assembled from the shards
+                model_sd, optim_sd = load_full(ckpt.path, state)
+                restore(t.model, t.optimizer, t.scheduler, t.scaler, model_sd, {}, {**state, "optimizer_fqn": optim_sd})
+            else:
+                tensors, aliases = ckpt.load_model(verify=False)
+                restore(t.model, t.optimizer, t.scheduler, t.scaler, tensors, aliases, state)
         except (ValueError, KeyError, RuntimeError) as e:
             raise ReplayError(
                 f"checkpoint {step} does not fit the model build_fn returns: {e}",
@@ -253,6 +262,13 @@ class Replayer:
         if t.scheduler is not None and self.step_scheduler:
             t.scheduler.step()
         return health
+
+    def snapshot(self, t: Trainee, step: int):
+        """The state `step` starts in. Sharded training: collective, whole on rank 0 only."""
+        if self.world is not None and self.world.sharded and self.world.distributed:
+            state = capture_train_state(None, t.scheduler, t.scaler)
+            return full_snapshot(self.world, step, t.model, t.optimizer, state)
+        return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
     def close(self, t: Trainee) -> None:
         if t.probe is not None:
@@ -384,10 +400,11 @@ def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, 
         inv = _Investigation(run, step, device=device, from_step=k, log=None, rank=rank)
         checks, root, snap, _ = inv.replay_window(k, snap_from)
         faulty = _faulty_rank(checks, root)
-        if root is not None and snap is None:
+        if root is not None and root < snap_from:  # (the same on every rank: sharded snapshots live on rank 0 only)
             snap = inv.state_before(k, root)  # collective: every rank replays up to the root again
-        if root is not None and rank == faulty:
-            # This rank's view of the state the root step started in (its own RNG streams).
+        writer = 0 if inv.r.world.sharded else faulty  # sharded: whole state on rank 0, all RNGs
+        if root is not None and rank == writer:
+            # The state the root step started in, with the faulty rank's RNG streams.
             commit_checkpoint(Path(out) / "snapshot", snap)
         if rank == 0:
             doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": inv.r.notes}
@@ -513,7 +530,7 @@ class _Investigation:
             self.log(f"replaying step {s} ({s - k + 1}/{self.step - k + 1})")
             rec = r.batch(s)
             suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
-            snap = snapshot(s, t.model, t.optimizer, t.scheduler, t.scaler) if suspect else None
+            snap = r.snapshot(t, s) if suspect else None
             dets_before = copy.deepcopy(dets)
             h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
             found = self.anomalies(h, dets)
@@ -545,7 +562,7 @@ class _Investigation:
         r.load_checkpoint(t, k)
         for s in range(k, root):
             r.run_step(t, r.batch(s), measure_update=False)
-        snap = snapshot(root, t.model, t.optimizer, t.scheduler, t.scaler)
+        snap = r.snapshot(t, root)
         r.close(t)
         return snap
 
@@ -640,7 +657,7 @@ class _Blame:
         self.t = self.r.build()
 
     def fresh(self) -> None:
-        restore_snapshot(self.snap, self.t.model, self.t.optimizer, self.t.scheduler, self.t.scaler)
+        restore_snapshot(self.snap, self.t.model, self.t.optimizer, self.t.scheduler, self.t.scaler, rank=self.r.rank)
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()

@@ -108,7 +108,7 @@ def _few(items: list[str], n: int = 3) -> str:
 
 def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any]:
     """Plain nested state (tensors still live: encode it with the codec, which copies)."""
-    state: dict[str, Any] = {"optimizer": optimizer.state_dict()}
+    state: dict[str, Any] = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if scaler is not None:
@@ -118,8 +118,14 @@ def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any
     return state
 
 
+class _NoOptimizer:
+    def load_state_dict(self, state) -> None:
+        pass
+
+
 def load_train_state(state: dict[str, Any], optimizer, scheduler=None, scaler=None) -> None:
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and "scaler" in state:
@@ -248,17 +254,28 @@ def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dic
 
 def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
     """Load a model state, optimizer/scheduler/scaler state, leftover gradients and the RNGs
-    (not the env)."""
-    load_model(model, tensors, aliases)
-    load_train_state(train_state, optimizer, scheduler, scaler)
-    restore_grads(model, train_state.get("grads", {}))
+    (not the env). A whole-state snapshot of sharded (FSDP) training carries its optimizer
+    state keyed by parameter name (`optimizer_fqn`) and goes in through DCP's state-dict API."""
+    if "optimizer_fqn" in train_state:
+        from ckptlab.run.sharded import set_full
+
+        set_full(model, optimizer, expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
+        load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, _NoOptimizer(), scheduler, scaler)
+    else:
+        load_model(model, tensors, aliases)
+        load_train_state(train_state, optimizer, scheduler, scaler)
+        restore_grads(model, train_state.get("grads", {}))
     restore_rng(train_state["rng"])
 
 
-def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None) -> None:
+def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None, *, rank: int | None = None) -> None:
+    """Load a snapshot; `rank` picks that rank's RNG streams from a sharded run's snapshot."""
     from ckptlab.run import codec
 
     # Clone: optimizer.load_state_dict keeps tensors that already have the right dtype/device,
     # and the next step would update them in place -- inside our snapshot.
     tensors = {k: v.clone() for k, v in captured.state_tensors.items()}
-    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, codec.decode(captured.state_spec, tensors))
+    state = codec.decode(captured.state_spec, tensors)
+    if "rng_by_rank" in state:
+        state["rng"] = state["rng_by_rank"][rank or 0]
+    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, state)

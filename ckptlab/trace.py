@@ -37,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ckptlab.dist import local
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though it ships with us
@@ -65,6 +67,7 @@ class TensorSummary:
 
 def summarize(t: torch.Tensor) -> TensorSummary:
     s = TensorSummary(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    t = local(t)  # a DTensor (FSDP): this process's shard
     if t.numel() == 0 or t.is_complex() or t.dtype == torch.bool:
         return s
     with torch.no_grad():

@@ -859,9 +859,9 @@ def weight_snapshots(run: Run, limit: int = 6) -> list[WeightSnapshot]:
     read one tensor at a time, each with a content digest (no tensor is kept around)."""
     import hashlib
 
-    import safetensors
     import torch
 
+    from ckptlab.io import open_checkpoint
     from ckptlab.stats import tensor_stats
 
     steps = run.checkpoints
@@ -874,10 +874,10 @@ def weight_snapshots(run: Run, limit: int = 6) -> list[WeightSnapshot]:
     for step in steps:
         path = run.checkpoint(step).model_path
         stats, digests = {}, {}
-        try:
-            with safetensors.safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    t = f.get_tensor(name)
+        try:  # any checkpoint layout (model.safetensors, or an FSDP run's DCP shards)
+            with open_checkpoint(f"{run.path}@{step}", verify=False) as weights:
+                for name in weights.refs:  # each stored tensor once (tied names share one)
+                    t = weights[name]
                     stats[name] = tensor_stats(t)
                     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
                     digests[name] = hashlib.blake2b(raw, digest_size=16).hexdigest()

@@ -84,6 +84,15 @@ def read_metadata(folder: Path):
 
 def open_dcp(folder: str | Path):
     """(refs, notes, skipped, closers) for the model weights of a DCP folder."""
+    tree, skipped, closers = dcp_tree(folder)
+    flat, where = find_state_dict(tree)
+    notes = [n for n in [describe(tree, where)] if n]
+    return flat, notes, skipped, closers
+
+
+def dcp_tree(folder: str | Path):
+    """(tree, skipped, closers): every tensor of a DCP folder as a LazyTensor, nested as it was
+    saved (e.g. {"model": {...}, "optim": {"state": {...}}})."""
     require_safe_torch()
     folder = Path(folder)
     meta = read_metadata(folder)
@@ -115,9 +124,7 @@ def open_dcp(folder: str | Path):
             raise CorruptFileError(f"DCP chunks of {fqn!r} do not cover its shape {list(md.size)}", path=folder)
         if fqn not in skipped:
             _insert(tree, tuple(key_path), LazyTensor(tuple(md.size), md.properties.dtype, _chunk_loader(folder, fqn, md, infos)))
-    flat, where = find_state_dict(tree)
-    notes = [n for n in [describe(tree, where)] if n]
-    return flat, notes, skipped, [f.close for f in files.values()]
+    return tree, skipped, [f.close for f in files.values()]
 
 
 def _insert(tree: dict, key_path: tuple, leaf) -> None:

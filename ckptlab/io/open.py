@@ -101,6 +101,9 @@ def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: b
     ck = run.checkpoint(number)  # ReplayError naming the checkpoints there are, if absent
     if verify:
         ck.verify()  # IntegrityError if a file no longer matches its recorded sha256
+    if ck.sharded:  # FSDP training: a DCP folder of shards
+        refs, notes, skipped, closers = open_dcp(ck.model_path)
+        return LazyStateDict(refs, label=f"{run_dir}@{number}", format="ckptlab-run (dcp)", notes=notes, skipped=skipped, closers=closers)
     return _open_file(ck.model_path, f"{run_dir}@{number}", sequential=sequential, format="ckptlab-run")
 
 

@@ -42,6 +42,7 @@ from ckptlab.run.layout import (
 from ckptlab.run.records import META_KEY
 
 ALIASES_KEY = "ckptlab.aliases"
+DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 _HASH_CHUNK = 8 << 20
 
 
@@ -69,33 +70,47 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
     """Write and atomically commit one checkpoint; returns its COMMIT record."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(captured.step)
     tmp = root / f".tmp-{checkpoint_name(captured.step)}-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
     try:
         safetensors.torch.save_file(
             captured.model, tmp / MODEL_FILE, metadata={"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
         )
-        safetensors.torch.save_file(
-            captured.state_tensors, tmp / STATE_FILE, metadata={META_KEY: json.dumps(captured.state_spec)}
-        )
-        files = {}
-        for name in (MODEL_FILE, STATE_FILE):
-            fsync_path(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-        commit = {"format_version": 1, "step": captured.step, "created": time.time(), "files": files, **captured.info}
-        with open(tmp / COMMIT, "w") as f:
-            json.dump(commit, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(tmp)
-        if final.exists():  # an orphan from a crashed session at the same step: set it aside
-            final.rename(root / f".superseded-{final.name}-{time.monotonic_ns()}")
-        os.rename(tmp, final)
-        fsync_path(root)
+        write_state_file(tmp, captured)
+        files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+        return finish_commit(tmp, captured.step, files, captured.info)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_state_file(folder: Path, captured: CapturedState) -> None:
+    safetensors.torch.save_file(captured.state_tensors, folder / STATE_FILE, metadata={META_KEY: json.dumps(captured.state_spec)})
+
+
+def file_record(path: Path) -> dict:
+    """Size and sha256 of a file written for a checkpoint, after fsync."""
+    fsync_path(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def finish_commit(tmp: Path, step: int, files: dict, info: dict) -> dict:
+    """COMMIT.json last (fsync), then the folder (fsync), then rename into place (fsync the
+    parent): before the rename there is no checkpoint, after it a complete one."""
+    root = tmp.parent
+    final = root / checkpoint_name(step)
+    commit = {"format_version": 1, "step": step, "created": time.time(), "files": files, **info}
+    with open(tmp / COMMIT, "w") as f:
+        json.dump(commit, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    for sub in {Path(name).parent for name in files} - {Path(".")}:
+        fsync_path(tmp / sub)
+    fsync_path(tmp)
+    if final.exists():  # an orphan from a crashed session at the same step: set it aside
+        final.rename(root / f".superseded-{final.name}-{time.monotonic_ns()}")
+    os.rename(tmp, final)
+    fsync_path(root)
     return commit
 
 
@@ -113,8 +128,14 @@ class Checkpoint:
     commit: dict
 
     @property
+    def sharded(self) -> bool:
+        """Written by FSDP training as a torch.distributed.checkpoint folder (`dcp/`)."""
+        return self.commit.get("layout") == "sharded"
+
+    @property
     def model_path(self) -> Path:
-        return self.path / MODEL_FILE
+        """The model weights: model.safetensors, or the DCP folder of a sharded checkpoint."""
+        return self.path / (DCP_DIR if self.sharded else MODEL_FILE)
 
     @property
     def reason(self) -> str:
@@ -139,8 +160,13 @@ class Checkpoint:
                 raise IntegrityError("sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path)
 
     def load_model(self, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The full model state dict (a sharded checkpoint's shards assembled) and aliases."""
         if verify:
             self.verify()
+        if self.sharded:
+            from ckptlab.run.sharded import load_full_model
+
+            return load_full_model(self.model_path), {}
         try:
             with safetensors.safe_open(self.model_path, framework="pt") as f:
                 aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
