@@ -8,7 +8,6 @@ returns (weakly: a replayed model that is dropped takes its entry with it).
 
 from __future__ import annotations
 
-
 import numbers
 import weakref
 from typing import Any, Callable, Mapping
@@ -52,7 +51,3 @@ def end_step(rec, loss):
     except NonFiniteLoss:
         rec.close()
         raise
-
-
-
-
