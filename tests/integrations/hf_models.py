@@ -40,7 +40,7 @@ ARGS = TrainingArguments(
 
 def config() -> GPT2Config:
     # dropout stays on (0.1): replay must restore the RNG of every step bit for bit
-    return GPT2Config(n_layer=1, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ)
+    return GPT2Config(n_layer=1, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
 
 
 def build():
