@@ -5,10 +5,16 @@ import pytest
 
 pytest.importorskip("lightning")
 
+import torch  # noqa: E402
+
 import ckptlab  # noqa: E402
 from ckptlab.errors import RecordError  # noqa: E402
 from ckptlab.integrations import lightning as ckl  # noqa: E402
 from tests.integrations import lit_models as lm  # noqa: E402
+
+# Lightning's own deprecation noise (torch pytree API), and the refusal test's missing val loader.
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec"),
+              pytest.mark.filterwarnings("ignore:.*no `val_dataloader`.*")]
 
 FAULT_STEP = lm.FAULT_SAMPLE // lm.BATCH  # 9
 FAULT_ROW = lm.FAULT_SAMPLE % lm.BATCH  # 1
@@ -19,6 +25,7 @@ def fit(tmp_path, fault, **callback_kw):
     cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build, sample_ids="idx", ckpt_every=5, **callback_kw)
     train, val = lm.loaders(fault)
     trainer = lm.trainer(tmp_path, callbacks=[cb])
+    torch.manual_seed(0)  # the same initial weights every time: where an overflow lands depends on them
     if fault is None:
         trainer.fit(lm.LitMLP(), train, val)
     else:
@@ -43,7 +50,7 @@ def test_records_batches_ids_health_validation_and_checkpoints(nan_run):
                                   "scheduler_step": True, "precision": "32-true"}
     assert [v["step"] for v in run.validation()] == [4, 8]  # after 4 and 8 steps
     assert set(run.validation()[0]["metrics"]) == {"val_loss"}
-    assert run.checkpoints == [4, 5, 8]  # best validation at 4 and 8, periodic at 5 (0: retired)
+    assert {4, 5} <= set(run.checkpoints)  # the first validation is the best so far; 5 is periodic
     m = run.metrics()
     assert (m.grad_norm[:FAULT_STEP] > 0).all() and m.lr[1, 0] > m.lr[0, 0]  # warm-up stepped by the trainer
     assert {e["kind"] for e in run.events()} >= {"nonfinite_loss"}
@@ -61,7 +68,7 @@ def test_replay_names_the_nan_sample_bit_exactly(nan_run):
 def test_every_step_replays_bit_for_bit(nan_run):
     """From the first retained checkpoint: dropout's RNG, clipping and the scheduler's warm-up
     all as the trainer ran them, and the same numbers on a second replay."""
-    first = ckptlab.replay(nan_run, FAULT_STEP, from_step=4, trace=False, counterfactuals=False)
+    first = ckptlab.replay(nan_run, FAULT_STEP, from_step=4, trace=False, counterfactuals=False)  # 4: best val
     assert [c.step for c in first.steps] == list(range(4, FAULT_STEP + 1))
     assert all(c.match for c in first.steps) and first.deterministic
     again = ckptlab.replay(nan_run, FAULT_STEP, from_step=4, trace=False, counterfactuals=False)
@@ -72,6 +79,7 @@ def test_replay_names_the_layer_an_absurd_sample_overflows(tmp_path):
     report = ckptlab.replay(fit(tmp_path, "overflow"), FAULT_STEP)
     assert report.reproduced and report.deterministic and report.root_step == FAULT_STEP
     assert report.origin.module == "fc1" and report.origin.op == "aten.addmm.default"
+    assert report.origin.phase == "forward"  # though it ran inside optimizer.step(closure)
     assert [s.sample_id for s in report.samples] == [lm.FAULT_SAMPLE]
 
 

@@ -6,6 +6,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import torch  # noqa: E402
+
 import ckptlab  # noqa: E402
 from ckptlab.errors import RecordError  # noqa: E402
 from tests.integrations import hf_models as hm  # noqa: E402
@@ -19,6 +21,7 @@ FAULT_ROW = hm.FAULT_SAMPLE % hm.BATCH  # 1
 
 def train(tmp_path, fault, args=hm.ARGS, **callback_kw):
     run_dir = tmp_path / "run"
+    torch.manual_seed(0)  # the same initial weights every time
     trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=args, train_dataset=hm.Sequences(fault=fault),
                       eval_dataset=hm.Sequences(8, seed=4))
     ckt.record(trainer, run_dir, build_fn=hm.build, sample_id_key="idx", ckpt_every=5, **callback_kw)
