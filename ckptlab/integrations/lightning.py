@@ -33,6 +33,7 @@ optimizer step, scheduler step) for one batch. docs/integrations.md lists what r
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from typing import Any, Callable
 
@@ -200,9 +201,8 @@ def build(module, optimizer=None, scheduler=None):
     (the same parsing the trainer does) unless you pass them. Registers the scheduler, which
     `training_step` steps where the recorded trainer did."""
     if optimizer is None:
-        from lightning.pytorch.core.optimizer import _configure_optimizers  # what the trainer calls
-
-        optimizers, schedulers, _ = _configure_optimizers(module.configure_optimizers())
+        parse = importlib.import_module(f"{pl.__name__}.core.optimizer")._configure_optimizers  # the trainer's parser
+        optimizers, schedulers, _ = parse(module.configure_optimizers())
         if len(optimizers) != 1:
             raise RecordError(f"configure_optimizers returned {len(optimizers)} optimizers; ckptlab replays one")
         optimizer = optimizers[0]
@@ -291,8 +291,7 @@ def _quiet_log():
 
 
 def _takes_batch_idx(model) -> bool:
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
+    is_param_in_hook_signature = importlib.import_module(f"{pl.__name__}.utilities.signature_utils").is_param_in_hook_signature
     return is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
 
 
