@@ -226,7 +226,7 @@ class Tracer:
             nn.register_module_forward_hook(self._pop),
         ]
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(lambda *a: self._set_opt(True)))
+            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
             self._handles.append(self.optimizer.register_step_post_hook(lambda *a: self._set_opt(False)))
         self._fmode, self._dmode = _FunctionMode(self), _DispatchMode(self)
         self._fmode.__enter__()
@@ -242,6 +242,26 @@ class Tracer:
 
     def _set_opt(self, on: bool) -> None:
         self._in_optimizer = on
+
+    def _on_pre_step(self, optimizer, args, kwargs):
+        """The update begins -- except that `optimizer.step(closure)` (LBFGS, Lightning's
+        automatic optimization) first runs the closure: its forward and backward are not the
+        optimizer's, so the closure runs with the optimizer phase off."""
+        self._in_optimizer = True
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            return None
+
+        def closure_outside_the_update(*a, **k):
+            self._in_optimizer = False
+            try:
+                return closure(*a, **k)
+            finally:
+                self._in_optimizer = True
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_outside_the_update}
+        return (closure_outside_the_update, *args[1:]), kwargs
 
     def _push(self, module, args) -> None:
         name = self._names.get(id(module))

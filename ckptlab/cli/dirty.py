@@ -51,8 +51,8 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
                     grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
                     extreme_z=extreme_z if extreme_z is not None else rules.extreme_z)
     info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
-    with term.status("scanning batches"):
-        report = scan(run, rules, attribute=attribute, data_info=info)
+    with term.progress("scanning batches", total=len(run.steps)) as update:
+        report = scan(run, rules, attribute=attribute, data_info=info, progress=update)
     if no_skip_batches:
         report.skip_ids = skip_ids(report, whole_batches=False)
     if out_path is not None:

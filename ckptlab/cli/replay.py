@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 
 from ckptlab.cli.common import find_run, json_option, run_option
@@ -38,10 +40,15 @@ def command(run_dir, step: int, as_json: bool, device, from_step, nproc, rank, n
 
     term = Terminal(json_mode=as_json)
     run = open_run(find_run(run_dir, term))
-    with term.status(f"replaying step {step}") as status:
+    with term.progress(f"replaying step {step}") as update:
         def log(msg: str) -> None:
-            if status is not None:
-                status.update(msg)
+            # The replayer says "replaying step S (i/n)" for each step of its window: a bar
+            # with steps done/total; later phases (trace, counterfactuals) only relabel it.
+            done = re.search(r"\((\d+)/(\d+)\)", msg)
+            if done:
+                update(int(done[1]), total=int(done[2]), description=msg[: done.start()].strip())
+            else:
+                update(description=msg)
 
         report = replay(run, step, device=device, from_step=from_step, trace=not no_trace,
                         counterfactuals=not no_counterfactuals, log=log, rank=rank, nproc=nproc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -48,6 +49,32 @@ class Terminal:
 
             return nullcontext()
         return self.err.status(_escape(message))
+
+    @contextmanager
+    def progress(self, description: str, total: int | None = None):
+        """A progress bar on stderr while something long runs; yields
+        `update(done=None, total=None, description=None)`. Done/total when the total is known,
+        a spinner until then; silent (and free) when not a terminal, --json or quiet."""
+        if self.quiet or self.json_mode or not self.err.is_terminal:
+            yield lambda done=None, total=None, description=None: None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.err, transient=True) as bar:
+            task = bar.add_task(_escape(description), total=total)
+
+            def update(done: int | None = None, total: int | None = None, description: str | None = None) -> None:
+                changes = {}
+                if done is not None:
+                    changes["completed"] = done
+                if total is not None:
+                    changes["total"] = total
+                if description is not None:
+                    changes["description"] = _escape(description)
+                bar.update(task, **changes)
+
+            yield update
 
 
 def _escape(text: str) -> str:

@@ -1,0 +1,341 @@
+"""Record a PyTorch Lightning run with ckptlab, and replay it bit-exactly.
+
+    # train.py                                               pip install ckptlab[lightning]
+    import lightning.pytorch as pl
+    from ckptlab.integrations import lightning as ckl
+
+    def build():                          # module level: replay imports it by name
+        torch.manual_seed(0)
+        return ckl.build(LitModel())      # -> (module, optimizer[, scheduler]) from configure_optimizers
+
+    if __name__ == "__main__":
+        cb = ckl.CkptlabCallback("runs/lit", build_fn=build, sample_ids="idx", ckpt_every=500)
+        pl.Trainer(max_steps=10_000, gradient_clip_val=1.0, callbacks=[cb]).fit(LitModel(), loader)
+    # then: ckptlab replay --run runs/lit --step 5432
+
+What is recorded from which hook:
+- `on_train_start`: the Recorder is created on the trainer's module, optimizer and LR scheduler
+  (checkpointed; the trainer steps it, so `step_scheduler=False`);
+- `on_train_batch_start`: `begin_step` with the batch as `training_step` receives it (after the
+  transfer to the device), its batch index, and how the trainer will finish the step (gradient
+  clipping, whether the scheduler steps after it, the precision); a checkpoint first when due;
+- `on_train_batch_end`: `end_step` with the loss `training_step` returned (health, anomalies,
+  `on_anomaly` alerts, NonFiniteLoss);
+- `on_validation_end`: `log_validation` with the trainer's metrics whose names start with
+  `val_prefix` (not during the sanity check);
+- `on_train_end` / `on_exception`: close.
+
+`training_step` below is the recorded step function: it performs the trainer's automatic
+optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
+optimizer step, scheduler step) for one batch. docs/integrations.md lists what replays exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ckptlab.errors import RecordError
+from ckptlab.integrations import _common
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the standalone package
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        raise ImportError(
+            "ckptlab.integrations.lightning needs PyTorch Lightning: pip install 'ckptlab[lightning]'"
+        ) from None
+
+# Precisions whose training step this module reproduces: full float32 (Lightning's default),
+# and bf16 autocast (no grad scaler). "16-mixed" adds a GradScaler whose unscale/skip logic
+# is not replayed; float64 / true-half ("64-true", "bf16-true") convert the module and the
+# batch, which build_fn would have to mirror.
+EXACT_PRECISIONS = {"32-true", "32", "bf16-mixed"}
+BUILD_HINT = "return ckptlab.integrations.lightning.build(module) from build_fn"
+
+
+class CkptlabCallback(pl.Callback):
+    """Records the run a Lightning Trainer drives into `run_dir` (see the module docstring).
+
+    Args:
+        run_dir: the run directory.
+        build_fn: module-level `build_fn() -> (module, optimizer[, scheduler])` for replay;
+            usually `return ckptlab.integrations.lightning.build(MyModule())`.
+        sample_ids: where each batch row's dataset id is: a key of a dict batch (e.g. "idx"),
+            a function `batch -> ids`, or None.
+        val_prefix: validation metrics are the trainer's metrics whose names start with it.
+        ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
+            keep_best, data_info, resume: passed to `ckptlab.Recorder`. With `resume`, the
+            Recorder does not restore anything: the trainer restores its own checkpoint.
+    """
+
+    def __init__(
+        self,
+        run_dir,
+        *,
+        build_fn: Callable,
+        sample_ids: str | Callable[[Any], Any] | None = None,
+        val_prefix: str = "val",
+        ckpt_every: int = 500,
+        health_every: int = 10,
+        keep_last: int = 3,
+        on_nonfinite: str = "raise",
+        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
+        val_metric: str = "val_loss",
+        val_mode: str = "min",
+        keep_best: bool = True,
+        data_info: dict | None = None,
+        resume: bool = False,
+    ):
+        self.run_dir, self.build_fn, self.sample_ids, self.val_prefix = run_dir, build_fn, sample_ids, val_prefix
+        self.recorder_kw = dict(
+            ckpt_every=ckpt_every, health_every=health_every, keep_last=keep_last, on_nonfinite=on_nonfinite,
+            on_anomaly=on_anomaly, val_metric=val_metric, val_mode=val_mode, keep_best=keep_best,
+            data_info=data_info, resume=resume,
+        )
+        self.rec = None
+        self._scheduler_count: int | None = None
+        self._warned_scheduler = False
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.world_size > 1:
+            warnings.warn("ckptlab: recording a multi-process Lightning run is not supported; recording nothing", stacklevel=2)
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise RecordError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ckptlab records one optimizer step per "
+                "batch, so gradient accumulation cannot be recorded", hint="train with accumulate_grad_batches=1")
+        for problem in _replay_limits(trainer, pl_module):
+            warnings.warn(f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
+                          "replay will not be exact)", stacklevel=2)
+        configs = trainer.lr_scheduler_configs
+        from ckptlab.record import Recorder
+
+        self.rec = Recorder(
+            self.run_dir, pl_module, trainer.optimizers[0],
+            step_fn=training_step, build_fn=self.build_fn,
+            scheduler=configs[0].scheduler if configs else None,
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            step_scheduler=False,  # the trainer steps it
+            restore=False,  # on resume the trainer restored its own checkpoint
+            **self.recorder_kw,
+        )
+
+    # --- one step -------------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.rec is None:
+            return
+        ids = _sample_ids(batch, self.sample_ids)
+        scheduler = _scheduler_steps(trainer, batch_idx)
+        self._scheduler_count = _scheduler_count(trainer)
+        algorithm, clip_val = trainer.gradient_clip_algorithm, trainer.gradient_clip_val
+        record = {
+            "batch": batch,
+            "batch_idx": batch_idx,
+            "lightning": {
+                "epoch": trainer.current_epoch,
+                # as the trainer passes them to configure_gradient_clipping (None: not set)
+                "gradient_clip_val": None if clip_val is None else float(clip_val),
+                "gradient_clip_algorithm": None if algorithm is None else str(getattr(algorithm, "value", algorithm)),
+                "scheduler_step": scheduler,
+                "precision": str(trainer.precision),
+            },
+        }
+        self._predicted_scheduler_step = scheduler
+        self.rec.begin_step(record, ids)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.rec is None or not self.rec._in_step:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:  # training_step returned None: Lightning skipped backward
+            self.rec.abort_step()
+            return
+        self._check_scheduler(trainer)
+        _common.end_step(self.rec, loss)
+
+    def _check_scheduler(self, trainer) -> None:
+        """The scheduler step predicted at batch start must be what the trainer did."""
+        count = _scheduler_count(trainer)
+        stepped = count is not None and self._scheduler_count is not None and count != self._scheduler_count
+        if stepped != self._predicted_scheduler_step and not self._warned_scheduler:
+            self._warned_scheduler = True
+            warnings.warn("ckptlab: the LR scheduler stepped where ckptlab did not predict it; replay will not match "
+                          "the record bit for bit", stacklevel=2)
+
+    # --- validation and end ---------------------------------------------------------------
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.rec is None or trainer.sanity_checking:
+            return
+        metrics = _common.scalar_metrics(trainer.callback_metrics, lambda k: k.startswith(self.val_prefix))
+        if metrics:
+            self.rec.log_validation(**metrics)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.rec is not None and self.rec._in_step:
+            self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
+        self.close()
+
+    def close(self) -> None:
+        if self.rec is not None:
+            self.rec.close()
+
+
+# --- build and replay ----------------------------------------------------------------------
+
+def build(module, optimizer=None, scheduler=None):
+    """`(module, optimizer[, scheduler])` for build_fn, from `module.configure_optimizers()`
+    (the same parsing the trainer does) unless you pass them. Registers the scheduler, which
+    `training_step` steps where the recorded trainer did."""
+    if optimizer is None:
+        parse = importlib.import_module(f"{pl.__name__}.core.optimizer")._configure_optimizers  # the trainer's parser
+        optimizers, schedulers, _ = parse(module.configure_optimizers())
+        if len(optimizers) != 1:
+            raise RecordError(f"configure_optimizers returned {len(optimizers)} optimizers; ckptlab replays one")
+        optimizer = optimizers[0]
+        if schedulers:
+            first = schedulers[0]
+            scheduler = first["scheduler"] if isinstance(first, dict) else first
+    _common.register(optimizer, scheduler=scheduler)
+    return (module, optimizer, scheduler) if scheduler is not None else (module, optimizer)
+
+
+def training_step(model, optimizer, batch):
+    """One step of Lightning's automatic optimization, as the recorded trainer ran it:
+
+    optimizer.step(closure), where the closure runs training_step (under autocast for
+    bf16-mixed), on_before_zero_grad + optimizer_zero_grad, on_before_backward + backward +
+    on_after_backward, then on_before_optimizer_step and configure_gradient_clipping; then the
+    LR scheduler's step when the trainer stepped it after this batch. Returns the loss.
+    """
+    cfg = batch["lightning"]
+    inputs, batch_idx, epoch = batch["batch"], batch["batch_idx"], cfg["epoch"]
+    args = (inputs, batch_idx) if _takes_batch_idx(model) else (inputs,)
+    out: dict[str, torch.Tensor] = {}
+
+    def closure():
+        with _autocast(model, cfg["precision"]), _quiet_log():
+            result = model.training_step(*args)
+        loss = result.get("loss") if isinstance(result, dict) else result
+        model.on_before_zero_grad(optimizer)
+        model.optimizer_zero_grad(epoch, batch_idx, optimizer)
+        if loss is None:
+            return None
+        loss = loss / 1  # ClosureResult normalizes by accumulate_grad_batches (1)
+        out["loss"] = loss.detach()
+        model.on_before_backward(loss)
+        model.backward(loss)
+        model.on_after_backward()
+        model.on_before_optimizer_step(optimizer)
+        with _trainerless_clipping(model):
+            model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
+        return loss
+
+    with _quiet_log():
+        model.optimizer_step(epoch, batch_idx, optimizer, closure)
+    if cfg["scheduler_step"]:
+        scheduler = _common.registered(optimizer, "scheduler", required=True, hint=BUILD_HINT)
+        model.lr_scheduler_step(scheduler, None)
+    return out.get("loss")
+
+
+def _clip(optimizer, gradient_clip_val, gradient_clip_algorithm) -> None:
+    """Lightning's Precision.clip_gradients: over the optimizer's parameters, group by group."""
+    if not gradient_clip_val or gradient_clip_val <= 0:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)).lower() == "value":
+        torch.nn.utils.clip_grad_value_(params, clip_value=gradient_clip_val)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
+
+@contextlib.contextmanager
+def _trainerless_clipping(model):
+    """`LightningModule.clip_gradients` asks the trainer's precision plugin; replay has no
+    trainer, so the module's own (or overridden) configure_gradient_clipping reaches `_clip`."""
+    model.__dict__["clip_gradients"] = lambda optimizer, gradient_clip_val=None, gradient_clip_algorithm=None: _clip(
+        optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+    try:
+        yield
+    finally:
+        model.__dict__.pop("clip_gradients", None)
+
+
+def _autocast(model, precision: str):
+    if precision == "bf16-mixed":
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _quiet_log():
+    """`self.log` without a trainer warns on every call and does nothing: fine in replay."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
+        yield
+
+
+def _takes_batch_idx(model) -> bool:
+    is_param_in_hook_signature = importlib.import_module(f"{pl.__name__}.utilities.signature_utils").is_param_in_hook_signature
+    return is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
+
+
+# --- what the trainer will do after this batch ------------------------------------------------
+
+def _scheduler_steps(trainer, batch_idx: int) -> bool:
+    """Whether the trainer steps the (first) LR scheduler after this batch: Lightning's
+    `_update_learning_rates` rule ("step" interval every `frequency` batches; "epoch"
+    interval after the epoch's last batch, every `frequency` epochs; never ReduceLROnPlateau,
+    which it steps after validation)."""
+    configs = trainer.lr_scheduler_configs
+    if not configs or configs[0].reduce_on_plateau:
+        return False
+    c = configs[0]
+    if c.interval == "step":
+        return (batch_idx + 1) % c.frequency == 0
+    last = trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+    return bool(last) and (trainer.current_epoch + 1) % c.frequency == 0
+
+
+def _scheduler_count(trainer) -> int | None:
+    configs = trainer.lr_scheduler_configs
+    return getattr(configs[0].scheduler, "last_epoch", None) if configs else None
+
+
+def _replay_limits(trainer, module) -> list[str]:
+    """What keeps replay from being exact in this trainer's configuration."""
+    problems = []
+    if not module.automatic_optimization:
+        problems.append("manual optimization: the training_step drives the optimizers through the trainer")
+    if str(trainer.precision) not in EXACT_PRECISIONS:
+        problems.append(f"precision={trainer.precision!s} is not replayed (exact: {', '.join(sorted(EXACT_PRECISIONS))})")
+    if len(trainer.lr_scheduler_configs) > 1:
+        problems.append(f"{len(trainer.lr_scheduler_configs)} LR schedulers: only the first is checkpointed and replayed")
+    if len(trainer.optimizers) > 1:
+        problems.append(f"{len(trainer.optimizers)} optimizers: only the first is checkpointed")
+    return problems
+
+
+def _sample_ids(batch, where):
+    if where is None:
+        return None
+    if callable(where):
+        return where(batch)
+    if isinstance(batch, dict) and where in batch:
+        return batch[where]
+    raise RecordError(f"sample_ids={where!r}: the batch has no such key", hint="pass sample_ids=lambda batch: ... ")

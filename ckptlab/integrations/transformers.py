@@ -1,0 +1,269 @@
+"""Record a Hugging Face Trainer run with ckptlab, and replay it bit-exactly.
+
+    # train.py                                           pip install ckptlab[transformers]
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from ckptlab.integrations import transformers as ckt
+
+    ARGS = TrainingArguments("out", max_steps=10_000, max_grad_norm=1.0, report_to="none")
+
+    def build():                          # module level: replay imports it by name
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
+        return ckt.build(model, ARGS)     # the Trainer's own optimizer and LR scheduler
+
+    if __name__ == "__main__":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
+        trainer = Trainer(model=model, args=ARGS, train_dataset=ds)
+        ckt.record(trainer, "runs/hf", build_fn=build, sample_id_key="idx", ckpt_every=500)
+        trainer.train()
+    # then: ckptlab replay --run runs/hf --step 5432
+
+HF callbacks are not given the batch or the loss, so `record` (or `CkptlabCallback.attach`)
+also wraps `trainer.training_step`. What is recorded from which hook:
+- `on_train_begin`: the Recorder is created on the trainer's model, optimizer and LR scheduler
+  (checkpointed; the Trainer steps the scheduler, so `step_scheduler=False`);
+- the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
+  was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
+  (`sample_id_key`) before the model sees them;
+- `on_step_end` (after clipping, the optimizer step, the scheduler step and zero_grad):
+  `end_step` with the loss `training_step` returned;
+- `on_evaluate`: `log_validation` with the `eval_*` metrics (timings left out);
+- `on_train_end`, or `train()` raising: close.
+
+`training_step` below is the recorded step function: the Trainer's `training_step` (run by a
+Trainer built from the same arguments), then the optimizer half of its loop: clip to
+`max_grad_norm`, optimizer step, scheduler step, zero_grad. docs/integrations.md lists what
+replays exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ckptlab.errors import RecordError
+from ckptlab.integrations import _common
+
+try:
+    import transformers
+    from transformers import Trainer, TrainerCallback
+except ImportError:
+    raise ImportError(
+        "ckptlab.integrations.transformers needs transformers and accelerate: pip install 'ckptlab[transformers]'"
+    ) from None
+
+BUILD_HINT = "return ckptlab.integrations.transformers.build(model, args) from build_fn"
+# Metrics of `evaluate()` that time the evaluation rather than measure the model.
+TIMING_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
+
+
+class CkptlabCallback(TrainerCallback):
+    """Records the run a Hugging Face Trainer drives into `run_dir` (see the module docstring).
+
+    Args:
+        run_dir: the run directory.
+        build_fn: module-level `build_fn() -> (model, optimizer, scheduler)` for replay;
+            usually `return ckptlab.integrations.transformers.build(model, ARGS)`.
+        sample_id_key: the key of `inputs` that holds each row's dataset id (e.g. "idx"); it
+            is removed before the model sees the inputs, and kept by the Trainer's column
+            removal. None: no sample ids.
+        ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
+            keep_best, data_info, resume: passed to `ckptlab.Recorder`. With `resume`, the
+            Recorder does not restore anything: the Trainer restores its own checkpoint.
+    """
+
+    def __init__(
+        self,
+        run_dir,
+        *,
+        build_fn: Callable,
+        sample_id_key: str | None = None,
+        ckpt_every: int = 500,
+        health_every: int = 10,
+        keep_last: int = 3,
+        on_nonfinite: str = "raise",
+        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
+        val_metric: str = "eval_loss",
+        val_mode: str = "min",
+        keep_best: bool = True,
+        data_info: dict | None = None,
+        resume: bool = False,
+    ):
+        self.run_dir, self.build_fn, self.sample_id_key = run_dir, build_fn, sample_id_key
+        self.recorder_kw = dict(
+            ckpt_every=ckpt_every, health_every=health_every, keep_last=keep_last, on_nonfinite=on_nonfinite,
+            on_anomaly=on_anomaly, val_metric=val_metric, val_mode=val_mode, keep_best=keep_best,
+            data_info=data_info, resume=resume,
+        )
+        self.trainer = None
+        self.rec = None
+        self._loss = None
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def attach(self, trainer: Trainer) -> "CkptlabCallback":
+        """Add this callback to `trainer` and wrap its `training_step`, so that each step's
+        inputs and loss reach the Recorder."""
+        if self.trainer is not None:
+            raise RecordError("this CkptlabCallback is already attached to a Trainer")
+        self.trainer = trainer
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        trainer.training_step = functools.partial(self._training_step, trainer.training_step)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_and_close(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            finally:
+                self.close()  # also when training raised: everything recorded reaches the disk
+
+        trainer.train = train_and_close
+        if self.sample_id_key is not None and trainer.args.remove_unused_columns:
+            # The Trainer drops dataset columns its model's forward does not take; keep the ids.
+            trainer._set_signature_columns_if_needed()
+            if self.sample_id_key not in trainer._signature_columns:
+                trainer._signature_columns.append(self.sample_id_key)
+        return self
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.trainer is None:
+            raise RecordError("CkptlabCallback is not attached", hint="call ckptlab.integrations.transformers.record(trainer, ...) "
+                              "or callback.attach(trainer) before trainer.train()")
+        if args.world_size > 1:
+            warnings.warn("ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2)
+            return
+        if args.gradient_accumulation_steps != 1:
+            raise RecordError(
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: ckptlab records one optimizer step per "
+                "batch, so gradient accumulation cannot be recorded", hint="train with gradient_accumulation_steps=1")
+        for problem in _replay_limits(args):
+            warnings.warn(f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
+                          "replay will not be exact)", stacklevel=2)
+        if args.max_steps <= 0:
+            warnings.warn(f"ckptlab: training by epochs; for an exact LR schedule in replay, build_fn must pass "
+                          f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build", stacklevel=2)
+        from ckptlab.record import Recorder
+
+        self.rec = Recorder(
+            self.run_dir, model, _inner(optimizer),
+            step_fn=training_step, build_fn=self.build_fn,
+            scheduler=_inner(lr_scheduler),
+            step_scheduler=False,  # the Trainer steps it
+            restore=False,  # on resume the Trainer restored its own checkpoint
+            **self.recorder_kw,
+        )
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _training_step(self, original, model, inputs, num_items_in_batch=None):
+        if self.rec is None or self.rec._closed:
+            return original(model, inputs, num_items_in_batch)
+        ids = None
+        if self.sample_id_key is not None:
+            if self.sample_id_key not in inputs:
+                raise RecordError(f"sample_id_key={self.sample_id_key!r}: the Trainer's inputs have no such key",
+                                  hint="keep the column in the dataset and the collator")
+            ids = inputs.pop(self.sample_id_key)  # the model never sees it
+        record = {"inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs,
+                  "transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)}}
+        if num_items_in_batch is not None:
+            record["num_items_in_batch"] = num_items_in_batch
+        self.rec.begin_step(record, ids)
+        try:
+            self._loss = original(model, inputs, num_items_in_batch)
+        except BaseException:
+            self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
+            raise
+        return self._loss
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.rec is not None and self.rec._in_step:
+            _common.end_step(self.rec, self._loss)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.rec is None or self.rec._closed or not metrics:
+            return
+        found = _common.scalar_metrics(metrics, lambda k: k.startswith("eval_") and not k.endswith(TIMING_SUFFIXES))
+        if found:
+            self.rec.log_validation(**found)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        if self.rec is not None:
+            self.rec.close()
+
+
+def record(trainer: Trainer, run_dir, *, build_fn: Callable, **kwargs) -> CkptlabCallback:
+    """Record `trainer`'s next `train()` into `run_dir`: `CkptlabCallback(...).attach(trainer)`."""
+    return CkptlabCallback(run_dir, build_fn=build_fn, **kwargs).attach(trainer)
+
+
+# --- build and replay ----------------------------------------------------------------------
+
+def build(model, args, *, num_training_steps: int | None = None, trainer_cls: type = Trainer, **trainer_kwargs):
+    """`(model, optimizer, scheduler)` for build_fn: a `trainer_cls(model=model, args=args,
+    **trainer_kwargs)` creates them as `train()` does (`create_optimizer_and_scheduler`), and
+    is kept for `training_step` to run the same training step.
+
+    `num_training_steps` is what the LR schedule is laid out over: `args.max_steps` unless you
+    train by epochs (the callback warns with the number to pass)."""
+    steps = num_training_steps if num_training_steps is not None else args.max_steps
+    if steps is None or steps <= 0:
+        raise ValueError("build needs num_training_steps when args.max_steps is not set (training by epochs)")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
+        trainer_kwargs.setdefault("eval_dataset", [])  # the Trainer insists on one; replay never evaluates
+    trainer = trainer_cls(model=model, args=args, **trainer_kwargs)
+    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+    # Set by the training loop for each optimizer step; one batch per step here.
+    trainer.current_gradient_accumulation_steps = 1
+    _common.register(trainer.optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
+    return trainer.model, trainer.optimizer, trainer.lr_scheduler
+
+
+def training_step(model, optimizer, batch):
+    """One optimizer step of the Trainer's loop (gradient_accumulation_steps=1), as recorded:
+
+        loss = trainer.training_step(model, inputs, num_items_in_batch)   # forward + backward
+        clip to max_grad_norm (or measure with an infinite bound, as the Trainer does at 0)
+        optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau); model.zero_grad()
+    """
+    trainer = _common.registered(optimizer, "trainer", required=True, hint=BUILD_HINT)
+    scheduler = _common.registered(optimizer, "scheduler", required=False, hint=BUILD_HINT)
+    max_grad_norm = batch["transformers"]["max_grad_norm"]
+    loss = trainer.training_step(model, batch["inputs"], batch.get("num_items_in_batch"))
+    # Trainer._clip_grad_norm / _get_grad_norm: with max_grad_norm <= 0 it still "clips" to
+    # inf, which multiplies every gradient by 1 -- or by NaN when the norm is NaN.
+    trainer.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step()
+    model.zero_grad()
+    return loss
+
+
+def _inner(obj):
+    """The torch optimizer / scheduler inside accelerate's wrappers (their state is the inner's)."""
+    for attr in ("optimizer", "scheduler"):
+        inner = getattr(obj, attr, None)
+        if type(obj).__module__.startswith("accelerate") and inner is not None:
+            return inner
+    return obj
+
+
+def _replay_limits(args) -> list[str]:
+    problems = []
+    if args.fp16:
+        problems.append("fp16 uses a grad scaler whose skipped steps are not replayed")
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        problems.append("DeepSpeed/FSDP steps are not replayed")
+    return problems
+
+
+__all__ = ["CkptlabCallback", "build", "record", "training_step", "transformers"]

@@ -1,0 +1,120 @@
+"""`ckptlab export --tensorboard`: read back with TensorBoard's own event reader."""
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+import ckptlab  # noqa: E402
+from tests.models import build_lm, lm_batches, record_run, step_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    record_run(run_dir, build_lm, step_lm, lm_batches(25), ckpt_every=10,
+               validate=lambda i, m: {"val_loss": 1.0 / (i + 1)} if i % 8 == 7 else None)
+    return ckptlab.open_run(run_dir)
+
+
+def read(logdir) -> EventAccumulator:
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_health_curves_validation_and_histograms_read_back(cli, run, tmp_path):
+    r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb")
+    assert r.code == 0, r.err
+    assert "tensorboard --logdir" in r.out
+    acc = read(tmp_path / "tb")
+    m = run.metrics()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == m.step.tolist()
+    assert np.allclose([e.value for e in loss], m.loss, rtol=1e-6)  # stored as float32
+    assert np.allclose([e.value for e in acc.Scalars("train/grad_norm")], m.grad_norm, rtol=1e-6)
+    assert np.allclose([e.value for e in acc.Scalars("train/lr")], m.lr[:, 0], rtol=1e-6)
+    assert [e.step for e in acc.Scalars("train/update_ratio")] == [s for s in m.step.tolist() if s % 10 == 0]
+    assert [(e.step, e.value) for e in acc.Scalars("val/val_loss")] == [(8, 0.125), (16, pytest.approx(1 / 16)), (24, pytest.approx(1 / 24))]
+    name = m.param_names[0]
+    assert len(acc.Scalars(f"grad_norm/{name}")) == len(m.step)
+    tags = acc.Tags()["histograms"]
+    assert {f"weights/{n}" for n in m.param_names} <= set(tags)
+    assert {f"grads/{n}" for n in m.param_names} <= set(tags)
+    weights = acc.Histograms(f"weights/{name}")
+    assert [h.step for h in weights] == run.checkpoints
+    assert weights[0].histogram_value.num == math.prod(run.checkpoint(run.checkpoints[0]).load_model()[0][name].shape)
+
+
+def test_json_summary_and_no_grads(cli, run, tmp_path):
+    r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads", "--json")
+    assert r.code == 0, r.err
+    assert r.err == ""  # no progress bar (nor anything else) when not a terminal / with --json
+    doc = r.json()
+    assert doc["steps"] == 25 and doc["checkpoints"] == run.checkpoints and doc["gradient_checkpoints"] == []
+    assert not any(t.startswith("grads/") for t in read(tmp_path / "tb").Tags()["histograms"])
+
+
+def test_refuses_to_mix_two_exports_in_one_folder(cli, run, tmp_path):
+    assert cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads").code == 0
+    r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads")
+    assert r.code == 1 and "already holds TensorBoard event files" in r.err and r.out == ""
+
+
+def test_anomalies_and_a_nan_loss_are_exported(tmp_path):
+    from ckptlab.render.tensorboard import write_tensorboard
+    from tests import fault_models as fm
+
+    exp = fm.record_input_nan(tmp_path / "nan")
+    nan_run = ckptlab.open_run(tmp_path / "nan")
+    summary = write_tensorboard(nan_run, tmp_path / "tb")
+    assert summary.steps == len(nan_run.steps)
+    acc = read(tmp_path / "tb")
+    assert math.isnan(acc.Scalars("train/loss")[-1].value)
+    text = acc.Tensors("anomalies/text_summary")[-1]
+    assert text.step == exp.step and b"nonfinite_loss" in text.tensor_proto.string_val[0]
+
+
+def test_nonfinite_values_are_counted_beside_the_histogram():
+    import torch
+
+    from ckptlab.render.tensorboard import _histogram
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, global_step):
+            self.calls.append(("scalar", tag, value, global_step))
+
+        def add_histogram(self, tag, values, global_step):
+            self.calls.append(("histogram", tag, len(values), global_step))
+
+    w = Writer()
+    t = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
+    assert _histogram(w, "weights/w", t, 7, "nonfinite/weights/w") == 1
+    assert w.calls == [("scalar", "nonfinite/weights/w", 2, 7), ("histogram", "weights/w", 2, 7)]
+    assert _histogram(w, "weights/n", torch.full((3,), float("nan")), 7, "nonfinite/weights/n") == 0
+
+
+def test_progress_bar_counts_on_a_terminal_and_is_silent_otherwise():
+    import io
+
+    from rich.console import Console
+
+    from ckptlab.render.console import Terminal
+
+    term = Terminal()
+    term.err = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with term.progress("exporting checkpoints", total=3) as update:
+        for i in range(3):
+            update(i + 1)
+    assert "3/3" in term.err.file.getvalue()
+    quiet = Terminal(json_mode=True)
+    quiet.err = Console(file=io.StringIO(), force_terminal=True)
+    with quiet.progress("x", total=3) as update:
+        update(1, description="y")
+    assert quiet.err.file.getvalue() == ""

@@ -1,0 +1,67 @@
+"""A tiny GPT-2 (built from a config: no downloads) and its data, with a fault planted in one
+sample. `build` lives at module level: replay imports it by name.
+
+The samples carry `inputs_embeds` (float) rather than token ids, so that a NaN or an absurd
+value can be planted in one sample's input.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from ckptlab.integrations import transformers as ckt  # noqa: E402
+
+hf_logging.set_verbosity_error()
+
+BATCH, SEQ, EMBD, VOCAB = 4, 8, 32, 64
+MAX_STEPS = 12
+FAULT_SAMPLE = 37  # row 1 of the batch at step 9 (no shuffling: the sampler is sequential)
+
+ARGS = TrainingArguments(
+    output_dir=os.path.join(tempfile.gettempdir(), "ckptlab-hf-test"),  # nothing is saved there
+    max_steps=MAX_STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+    learning_rate=3e-3, warmup_steps=3, max_grad_norm=1.0, lr_scheduler_type="linear",
+    eval_strategy="steps", eval_steps=4, logging_strategy="no", save_strategy="no",
+    report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    train_sampling_strategy="sequential",
+)
+
+
+def config() -> GPT2Config:
+    # dropout stays on (0.1): replay must restore the RNG of every step bit for bit
+    return GPT2Config(n_layer=1, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+
+
+def build():
+    torch.manual_seed(0)
+    return ckt.build(GPT2LMHeadModel(config()), ARGS)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """inputs_embeds: (SEQ, EMBD) float, labels: (SEQ,) token ids, idx: the sample id."""
+
+    def __init__(self, n: int = 64, fault: str | None = None, seed: int = 3):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, SEQ, EMBD, generator=g)
+        self.labels = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        if fault == "nan":
+            self.x[FAULT_SAMPLE, 3, 5] = float("nan")
+        elif fault == "overflow":
+            self.x[FAULT_SAMPLE] = 3e38  # finite, absurd: the first op that scales it overflows
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"inputs_embeds": self.x[i], "labels": self.labels[i], "idx": i}

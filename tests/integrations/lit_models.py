@@ -1,0 +1,87 @@
+"""A tiny LightningModule and its data, with a NaN planted in one sample.
+
+build/step functions live at module level: replay imports `build` by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lightning.pytorch as pl
+
+from ckptlab.integrations import lightning as ckl
+
+BATCH = 4
+FAULT_SAMPLE = 37  # the dataset index with the planted fault: row 1 of the batch at step 9
+
+
+class Regression(torch.utils.data.Dataset):
+    """x: (8,) features, y: (1,) target, idx: the dataset index (the sample id)."""
+
+    def __init__(self, n: int = 64, fault: str | None = None, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+        if fault == "nan":
+            self.x[FAULT_SAMPLE, 2] = float("nan")
+        elif fault == "overflow":
+            self.x[FAULT_SAMPLE] = 3e38  # finite, absurd: fc1's matmul sums to Inf
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "idx": i}
+
+
+class LitMLP(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.1)  # consumes the RNG: replay must restore it bit for bit
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch["x"]), batch["y"])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch["x"]), batch["y"]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def build():
+    torch.manual_seed(0)
+    return ckl.build(LitMLP())
+
+
+def trainer(root, **kw) -> pl.Trainer:
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # no banners, tips, summaries
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+    opts = dict(
+        accelerator="cpu", devices=1, max_steps=12, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(root), val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0,
+    )
+    opts.update(kw)
+    return pl.Trainer(**opts)
+
+
+def loaders(fault: str | None = None):
+    train = torch.utils.data.DataLoader(Regression(fault=fault), batch_size=BATCH, shuffle=False)
+    val = torch.utils.data.DataLoader(Regression(16, seed=2), batch_size=BATCH)
+    return train, val

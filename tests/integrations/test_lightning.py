@@ -1,0 +1,96 @@
+"""The Lightning callback records a real Trainer's run; replay re-runs its steps bit for bit
+and names the planted sample (and, for an overflow, the layer)."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+
+import ckptlab  # noqa: E402
+from ckptlab.errors import RecordError  # noqa: E402
+from ckptlab.integrations import lightning as ckl  # noqa: E402
+from tests.integrations import lit_models as lm  # noqa: E402
+
+# Lightning's own deprecation noise (torch pytree API), and the refusal test's missing val loader.
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec"),
+              pytest.mark.filterwarnings("ignore:.*no `val_dataloader`.*")]
+
+FAULT_STEP = lm.FAULT_SAMPLE // lm.BATCH  # 9
+FAULT_ROW = lm.FAULT_SAMPLE % lm.BATCH  # 1
+
+
+def fit(tmp_path, fault, **callback_kw):
+    run_dir = tmp_path / "run"
+    cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build, sample_ids="idx", ckpt_every=5, **callback_kw)
+    train, val = lm.loaders(fault)
+    trainer = lm.trainer(tmp_path, callbacks=[cb])
+    torch.manual_seed(0)  # the same initial weights every time: where an overflow lands depends on them
+    if fault is None:
+        trainer.fit(lm.LitMLP(), train, val)
+    else:
+        with pytest.raises(ckptlab.NonFiniteLoss) as e:
+            trainer.fit(lm.LitMLP(), train, val)
+        assert e.value.step == FAULT_STEP
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    return fit(tmp_path_factory.mktemp("lit-nan"), "nan")
+
+
+def test_records_batches_ids_health_validation_and_checkpoints(nan_run):
+    run = ckptlab.open_run(nan_run)
+    assert run.steps == list(range(FAULT_STEP + 1))
+    batch, ids = run.batch(FAULT_STEP)
+    assert ids == [36, 37, 38, 39]
+    assert batch["batch_idx"] == FAULT_STEP and batch["batch"]["x"].shape == (4, 8)
+    assert batch["lightning"] == {"epoch": 0, "gradient_clip_val": 1.0, "gradient_clip_algorithm": None,
+                                  "scheduler_step": True, "precision": "32-true"}
+    assert [v["step"] for v in run.validation()] == [4, 8]  # after 4 and 8 steps
+    assert set(run.validation()[0]["metrics"]) == {"val_loss"}
+    assert {4, 5} <= set(run.checkpoints)  # the first validation is the best so far; 5 is periodic
+    m = run.metrics()
+    assert (m.grad_norm[:FAULT_STEP] > 0).all() and m.lr[1, 0] > m.lr[0, 0]  # warm-up stepped by the trainer
+    assert {e["kind"] for e in run.events()} >= {"nonfinite_loss"}
+
+
+def test_replay_names_the_nan_sample_bit_exactly(nan_run):
+    report = ckptlab.replay(nan_run, FAULT_STEP)
+    assert report.reproduced and report.deterministic
+    assert report.root_step == FAULT_STEP
+    assert report.origin.kind == "data" and report.origin.module is None  # it arrived in the batch
+    assert [(s.row, s.sample_id) for s in report.samples] == [(FAULT_ROW, lm.FAULT_SAMPLE)]
+    assert report.counterfactuals[0].fault is False
+
+
+def test_every_step_replays_bit_for_bit(nan_run):
+    """From the first retained checkpoint: dropout's RNG, clipping and the scheduler's warm-up
+    all as the trainer ran them, and the same numbers on a second replay."""
+    first = ckptlab.replay(nan_run, FAULT_STEP, from_step=4, trace=False, counterfactuals=False)  # 4: best val
+    assert [c.step for c in first.steps] == list(range(4, FAULT_STEP + 1))
+    assert all(c.match for c in first.steps) and first.deterministic
+    again = ckptlab.replay(nan_run, FAULT_STEP, from_step=4, trace=False, counterfactuals=False)
+    assert [repr((c.loss, c.grad_norm)) for c in again.steps] == [repr((c.loss, c.grad_norm)) for c in first.steps]
+
+
+def test_replay_names_the_layer_an_absurd_sample_overflows(tmp_path):
+    report = ckptlab.replay(fit(tmp_path, "overflow"), FAULT_STEP)
+    assert report.reproduced and report.deterministic and report.root_step == FAULT_STEP
+    assert report.origin.module == "fc1" and report.origin.op == "aten.addmm.default"
+    assert report.origin.phase == "forward"  # though it ran inside optimizer.step(closure)
+    assert [s.sample_id for s in report.samples] == [lm.FAULT_SAMPLE]
+
+
+def test_on_anomaly_reaches_the_recorder(tmp_path):
+    seen = []
+    fit(tmp_path, "nan", on_anomaly=lambda step, events: seen.append((step, [e["kind"] for e in events])))
+    assert seen and seen[0][0] == FAULT_STEP and "nonfinite_loss" in seen[0][1]
+
+
+def test_gradient_accumulation_is_refused(tmp_path):
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build)
+    train, _ = lm.loaders()
+    with pytest.raises(RecordError, match="accumulate_grad_batches=2"):
+        lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=2, limit_val_batches=0).fit(lm.LitMLP(), train)

@@ -1,0 +1,95 @@
+"""The Hugging Face callback records a real Trainer's run (a tiny GPT-2 built from a config);
+replay re-runs its steps bit for bit and names the planted sample and the layer."""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+
+import ckptlab  # noqa: E402
+from ckptlab.errors import RecordError  # noqa: E402
+from tests.integrations import hf_models as hm  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer  # noqa: E402
+
+from ckptlab.integrations import transformers as ckt  # noqa: E402
+
+FAULT_STEP = hm.FAULT_SAMPLE // hm.BATCH  # 9
+FAULT_ROW = hm.FAULT_SAMPLE % hm.BATCH  # 1
+
+
+def train(tmp_path, fault, args=hm.ARGS, **callback_kw):
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)  # the same initial weights every time
+    trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=args, train_dataset=hm.Sequences(fault=fault),
+                      eval_dataset=hm.Sequences(8, seed=4))
+    ckt.record(trainer, run_dir, build_fn=hm.build, sample_id_key="idx", ckpt_every=5, **callback_kw)
+    if fault is None:
+        trainer.train()
+    else:
+        with pytest.raises(ckptlab.NonFiniteLoss) as e:
+            trainer.train()
+        assert e.value.step == FAULT_STEP
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("hf-nan"), "nan")
+
+
+def test_records_inputs_ids_health_validation_and_checkpoints(nan_run):
+    run = ckptlab.open_run(nan_run)
+    assert run.steps == list(range(FAULT_STEP + 1))
+    batch, ids = run.batch(FAULT_STEP)
+    assert ids == [36, 37, 38, 39]
+    assert set(batch["inputs"]) == {"inputs_embeds", "labels"}  # the id column never reached the model
+    assert batch["transformers"] == {"max_grad_norm": 1.0}
+    assert int(batch["num_items_in_batch"]) == hm.BATCH * hm.SEQ  # label tokens, as the Trainer counts them
+    assert [v["step"] for v in run.validation()] == [4, 8]
+    assert "eval_loss" in run.validation()[0]["metrics"] and "eval_runtime" not in run.validation()[0]["metrics"]
+    m = run.metrics()
+    assert m.lr[1, 0] > m.lr[0, 0]  # linear warm-up, stepped by the Trainer
+    assert 5 in run.checkpoints
+
+
+def test_replay_names_the_nan_sample_bit_exactly(nan_run):
+    report = ckptlab.replay(nan_run, FAULT_STEP)
+    assert report.reproduced and report.deterministic and report.root_step == FAULT_STEP
+    assert report.origin.kind == "data" and report.origin.module is None  # it arrived in the batch
+    assert "enters the model at `transformer`" in report.origin.detail
+    assert [(s.row, s.sample_id) for s in report.samples] == [(FAULT_ROW, hm.FAULT_SAMPLE)]
+    assert report.counterfactuals[0].fault is False
+
+
+def test_every_step_replays_bit_for_bit(nan_run):
+    """Dropout's RNG, clipping and the LR warm-up as the Trainer ran them, twice alike."""
+    start = ckptlab.open_run(nan_run).checkpoints[0]
+    first = ckptlab.replay(nan_run, FAULT_STEP, from_step=start, trace=False, counterfactuals=False)
+    assert len(first.steps) >= 2 and all(c.match for c in first.steps) and first.deterministic
+    again = ckptlab.replay(nan_run, FAULT_STEP, from_step=start, trace=False, counterfactuals=False)
+    assert [repr((c.loss, c.grad_norm)) for c in again.steps] == [repr((c.loss, c.grad_norm)) for c in first.steps]
+
+
+def test_replay_names_the_layer_an_absurd_sample_overflows(tmp_path):
+    report = ckptlab.replay(train(tmp_path, "overflow"), FAULT_STEP)
+    assert report.reproduced and report.deterministic and report.root_step == FAULT_STEP
+    assert report.origin.module == "transformer.h.0.ln_1"
+    assert report.origin.op == "aten.native_layer_norm.default"
+    assert [s.sample_id for s in report.samples] == [hm.FAULT_SAMPLE]
+
+
+def test_gradient_accumulation_is_refused(tmp_path):
+    from dataclasses import replace
+
+    with pytest.raises(RecordError, match="gradient_accumulation_steps=2"):
+        train(tmp_path, None, args=replace(hm.ARGS, gradient_accumulation_steps=2))
+
+
+def test_a_callback_that_was_not_attached_says_how(tmp_path):
+    cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build)
+    trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=hm.ARGS, train_dataset=hm.Sequences(),
+                      eval_dataset=hm.Sequences(8), callbacks=[cb])
+    with pytest.raises(RecordError, match="attach"):
+        trainer.train()
