@@ -286,6 +286,7 @@ def replay(
     trace: bool = True,
     counterfactuals: bool = True,
     log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     rank: int | None = None,
     nproc: int | None = None,
 ) -> ReplayReport:
@@ -293,7 +294,8 @@ def replay(
 
     A distributed run replays on as many processes as it was recorded with (`nproc`, if
     given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
-    process: a quick look, not bit-exact (the other ranks' gradients are missing)."""
+    process: a quick look, not bit-exact (the other ranks' gradients are missing).
+    `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps."""
     run = open_run(run) if not isinstance(run, Run) else run
     saved_env = capture_env()
     try:
@@ -304,6 +306,7 @@ def replay(
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
         with _solo_world(run.world_size > 1):
             inv = _Investigation(run, step, device=device, from_step=from_step, log=log, rank=rank or 0)
+            inv.progress = progress or inv.progress
             if run.world_size > 1:
                 inv.r.notes.append(
                     f"single-process replay of rank {rank}'s micro-batches out of {run.world_size}: "
@@ -434,6 +437,7 @@ class _Investigation:
     def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0):
         self.run, self.step, self.from_step = run, step, from_step
         self.log = log or (lambda msg: None)
+        self.progress: Callable[[int, int], None] = lambda done, total: None
         self.t0 = time.perf_counter()
         self.timing: dict[str, float] = {}
         m = run.metrics()
@@ -527,7 +531,7 @@ class _Investigation:
         checks: list[StepCheck] = []
         kept: dict[int, tuple] = {}
         for s in range(k, self.step + 1):
-            self.log(f"replaying step {s} ({s - k + 1}/{self.step - k + 1})")
+            self.progress(s - k, self.step - k + 1)
             rec = r.batch(s)
             suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
             snap = r.snapshot(t, s) if suspect else None

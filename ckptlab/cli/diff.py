@@ -60,7 +60,13 @@ def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify,
     sd_b = open_checkpoint(b, sequential=sequential, verify=not no_verify) if b is not None else None
     try:
         total = sd_a.nbytes + (sd_b.nbytes if sd_b is not None else 0)
-        with view.progress(term, total) as advance:
+        with term.progress("comparing", total, in_bytes=True) as update:
+            read = [0]
+
+            def advance(n: int) -> None:
+                read[0] += n
+                update(read[0])
+
             findings = diff(sd_a, sd_b, select=select, sequential=sequential, workers=workers, progress=advance)
     finally:
         sd_a.close()

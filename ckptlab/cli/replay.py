@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 
 import click
 
@@ -40,18 +39,11 @@ def command(run_dir, step: int, as_json: bool, device, from_step, nproc, rank, n
 
     term = Terminal(json_mode=as_json)
     run = open_run(find_run(run_dir, term))
-    with term.progress(f"replaying step {step}") as update:
-        def log(msg: str) -> None:
-            # The replayer says "replaying step S (i/n)" for each step of its window: a bar
-            # with steps done/total; later phases (trace, counterfactuals) only relabel it.
-            done = re.search(r"\((\d+)/(\d+)\)", msg)
-            if done:
-                update(int(done[1]), total=int(done[2]), description=msg[: done.start()].strip())
-            else:
-                update(description=msg)
-
+    with term.progress(f"replaying up to step {step}") as update:
         report = replay(run, step, device=device, from_step=from_step, trace=not no_trace,
-                        counterfactuals=not no_counterfactuals, log=log, rank=rank, nproc=nproc)
+                        counterfactuals=not no_counterfactuals, rank=rank, nproc=nproc,
+                        log=lambda msg: update(description=msg),
+                        progress=lambda done, total: update(done, total=total))
     for note in report.notes:
         term.warn(note)
     if as_json:

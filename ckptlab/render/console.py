@@ -51,16 +51,19 @@ class Terminal:
         return self.err.status(_escape(message))
 
     @contextmanager
-    def progress(self, description: str, total: int | None = None):
+    def progress(self, description: str, total: int | None = None, *, in_bytes: bool = False):
         """A progress bar on stderr while something long runs; yields
-        `update(done=None, total=None, description=None)`. Done/total when the total is known,
-        a spinner until then; silent (and free) when not a terminal, --json or quiet."""
+        `update(done=None, total=None, description=None)`. Done/total when the total is known
+        (as bytes and a transfer rate with `in_bytes`), a spinner until then; silent (and
+        free) when not a terminal, --json or quiet."""
         if self.quiet or self.json_mode or not self.err.is_terminal:
             yield lambda done=None, total=None, description=None: None
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn,
+                                   TextColumn, TimeElapsedColumn, TransferSpeedColumn)
 
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        counts = (DownloadColumn(), TransferSpeedColumn()) if in_bytes else (MofNCompleteColumn(),)
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *counts, TimeElapsedColumn())
         with Progress(*columns, console=self.err, transient=True) as bar:
             task = bar.add_task(_escape(description), total=total)
 

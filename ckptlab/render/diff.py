@@ -248,23 +248,6 @@ def _tick(s: float) -> str:
     return f"{'-' if s < 0 else ''}1e{int(abs(s) - DECADES)}"
 
 
-# --- progress ------------------------------------------------------------------------------------
-
-
-@contextmanager
-def progress(term, total: int):
-    """A byte-progress bar on stderr while a diff streams (only on a terminal, not with --json)."""
-    if term.json_mode or term.quiet or not term.err.is_terminal or total < (256 << 20):
-        yield None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=term.err, transient=True) as bar:
-        task = bar.add_task("comparing", total=total)
-        yield lambda n: bar.advance(task, n)
-
-
 def _n(x: float | None) -> str:
     return "" if x is None or x != x else short_number(x)
 
