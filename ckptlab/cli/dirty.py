@@ -15,7 +15,7 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the skip list (JSON) here, for ckptlab.skip_samples(...) on resume.")
 @click.option("--attribute/--no-attribute", default=True, show_default=True,
-              help="Replay flagged steps for per-sample loss and gradient norm (needs ckptlab's replay module).")
+              help="Replay flagged steps for per-sample loss and gradient norm.")
 @click.option("--top", type=click.IntRange(1), default=20, show_default=True, help="Rows to show (--json lists all).")
 @click.option("--loss-z", type=float, default=None, help="Loss spike: robust z over the window (default 6, as OLMo).")
 @click.option("--grad-z", type=float, default=None, help="Gradient-norm spike: robust z (default 6).")
@@ -34,7 +34,7 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
     Static: non-finite values, all-padding or empty rows, token ids out of range, values
     extreme against the run's own robust statistics, length outliers, the same content under
     another sample id. Dynamic: loss and gradient-norm spikes (thresholds settable; see
-    docs/dirty.md) and non-finite losses, mapped to their batches. With --attribute, flagged
+    docs/dirty.md), non-finite losses and gradients, mapped to their batches. With --attribute, flagged
     steps are replayed for per-row loss and gradient norm. Prints a ranked list of
     (step, row, sample_id, reason, evidence); --out writes the skip list.
     """
