@@ -30,6 +30,8 @@ class RunSummary:
     created: float
     versions: dict
     device: str
+    world_size: int
+    layout: str
     sessions: list[dict]
     steps: dict
     checkpoints: list[CheckpointStatus]
@@ -53,8 +55,11 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         "first": int(m.step[0]) if len(m) else None,
         "last": int(m.step[-1]) if len(m) else None,
         "batches_retained": [batch_steps[0], batch_steps[-1]] if batch_steps else None,
+        "batch_ranges": _ranges(batch_steps),  # retention leaves gaps (e.g. around an anomaly)
         "incomplete": [s for s in batch_steps if s not in done],  # batch recorded, step never returned
     }
+    if run.world_size > 1:  # each rank's own batch log
+        steps["ranks"] = {r: _ranges(run.steps_of(r)) for r in run.ranks}
     checkpoints = [_checkpoint_status(run, s, verify) for s in run.checkpoints]
     anomalies = run.events()  # reads the journal, noting its problems
     failed = [c.problem for c in checkpoints if c.verified is False]
@@ -64,6 +69,8 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         created=run.manifest.get("created", 0.0),
         versions=run.manifest.get("versions", {}),
         device=run.manifest.get("device", "cpu"),
+        world_size=run.world_size,
+        layout=run.manifest.get("layout", "replicated"),
         sessions=run.manifest.get("sessions", []),
         steps=steps,
         checkpoints=checkpoints,
@@ -74,6 +81,17 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         problems=[*run.problems, *failed],
         damaged=[*run.damaged, *failed],
     )
+
+
+def _ranges(steps: list[int]) -> list[list[int]]:
+    """[[first, last], ...] runs of consecutive steps."""
+    out: list[list[int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
 
 
 def _checkpoint_status(run: Run, step: int, verify: bool) -> CheckpointStatus:

@@ -48,9 +48,11 @@ def render(s, term) -> None:
                f"torch {s.versions.get('torch')}, {s.device})")
     if st["recorded"]:
         term.print(f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
-                   + (f"batches kept for {st['batches_retained'][0]}..{st['batches_retained'][1]}" if st["batches_retained"] else "no batches kept"))
+                   + (f"batches kept for {_spans(st['batch_ranges'])}" if st["batch_ranges"] else "no batches kept"))
     else:
         term.print("steps      none recorded yet")
+    if s.world_size > 1:
+        term.print(f"ranks      {s.world_size} ({s.layout}): " + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items()))
     if st["incomplete"]:
         term.print(f"[yellow]incomplete[/yellow] step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)")
     term.print(f"sessions   {len(s.sessions)}: " + ", ".join(f"#{x['session']} from step {x['start_step']}" + (f" (restored {x['restored_from']})" if x.get("restored_from") is not None else "") for x in s.sessions))
@@ -85,6 +87,10 @@ def render(s, term) -> None:
     for p in s.problems:
         if p not in s.damaged[:1]:  # the first damage is the error line `command` ends with
             term.warn(p)
+
+
+def _spans(ranges) -> str:
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges)
 
 
 def _fmt_value(v) -> str:

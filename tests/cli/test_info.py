@@ -17,7 +17,7 @@ from ckptlab.cli import main
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"run", "format_version", "created", "versions", "device", "sessions", "steps", "checkpoints",
+KEYS = {"run", "format_version", "created", "versions", "device", "world_size", "layout", "sessions", "steps", "checkpoints",
         "anomalies", "validation", "disk", "functions", "problems", "damaged"}
 
 
@@ -56,7 +56,7 @@ def test_json_has_the_documented_keys_and_verifies(recorded, info):
     s = json.loads(out)
     assert set(s) == KEYS
     assert s["format_version"] == 1 and s["run"] == str(recorded)
-    assert s["steps"] == {"recorded": 30, "first": 0, "last": 29, "batches_retained": [0, 29], "incomplete": []}
+    assert s["steps"] == {"recorded": 30, "first": 0, "last": 29, "batches_retained": [0, 29], "batch_ranges": [[0, 29]], "incomplete": []}
     assert [c["step"] for c in s["checkpoints"]] == [0, 5, 10, 20]
     assert all(c["verified"] is True and c["problem"] is None for c in s["checkpoints"])
     assert [c["reason"] for c in s["checkpoints"]] == ["start", "best", "best", "periodic"]
