@@ -47,25 +47,11 @@ def capture_model(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     `aliases` maps a tied name to the name it shares storage with (GPT's `lm_head.weight` ->
     `transformer.wte.weight`); safetensors refuses to save the same storage twice.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[tuple, str] = {}
-    for name, t in unwrap(model).state_dict().items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        key = _storage_key(t)
-        if key in first_name:
-            aliases[name] = first_name[key]
-            continue
-        first_name[key] = name
-        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
-    return tensors, aliases
+    from ckptlab.io.base import split_tied
 
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    if t.numel() == 0:
-        return ("empty", id(t))
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    state = {n: t for n, t in unwrap(model).state_dict().items() if isinstance(t, torch.Tensor)}
+    first, aliases = split_tied(state)
+    return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in first.items()}, aliases
 
 
 def expand_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
