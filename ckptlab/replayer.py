@@ -960,21 +960,26 @@ def verdict(r: ReplayReport) -> str:
 
 # --- attribution for other commands (dirty) ------------------------------------------------------------
 
-def attribute_rows(run: Run | str | Path, step: int, *, device: str | None = None) -> list[SampleBlame]:
+def attribute_rows(run: Run | str | Path, step: int, *, device: str | None = None, rank: int = 0) -> list[SampleBlame]:
     """Per-row loss and gradient norm of one recorded step, replayed from the state it started
-    in; rows ranked by gradient norm (the row that dominates the update first)."""
+    in; rows ranked by gradient norm (the row that dominates the update first). For a
+    distributed run, rank `rank`'s micro-batch, replayed in this one process (approximate)."""
     run = open_run(run) if not isinstance(run, Run) else run
     saved = capture_env()
     try:
-        inv = _Investigation(run, step, device=device, from_step=None, log=None)
-        k = inv.choose_start(step)
-        snap = inv.state_before(k, step)
-        b = _Blame(inv, step, snap, inv.detectors(step), k)
-        rows = b.per_row()
-        out = [SampleBlame(r, b.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
-        b.r.close(b.t)
+        with _solo_world(run.world_size > 1):
+            return _attribute_rows(run, step, device, rank)
     finally:
         apply_env(saved)
+
+
+def _attribute_rows(run: Run, step: int, device, rank: int) -> list[SampleBlame]:
+    inv = _Investigation(run, step, device=device, from_step=None, log=None, rank=rank)
+    k = inv.choose_start(step)
+    b = _Blame(inv, step, inv.state_before(k, step), inv.detectors(step), k)
+    rows = b.per_row()
+    b.r.close(b.t)
+    out = [SampleBlame(r, b.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
     return sorted(out, key=lambda s: -(s.grad_norm if math.isfinite(s.grad_norm) else math.inf))
 
 

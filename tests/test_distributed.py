@@ -121,3 +121,12 @@ def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):
         run.checkpoint(c).verify()
     assert set(range(10, 12)) <= set(run.steps_of(1))
     assert ckptlab.replay(run, 11).deterministic
+
+
+def test_dirty_scans_every_ranks_batches(ddp_run):
+    from ckptlab.analysis.dirty import scan
+
+    report = scan(ckptlab.open_run(ddp_run), attribute=False)
+    rows = {(f.step, f.rank, f.row, f.sample_id) for f in report.flagged if f.reason == "nonfinite"}
+    assert rows == {(dm.NAN_STEP, dm.NAN_RANK, dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])}
+    assert dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW] in report.skip_ids

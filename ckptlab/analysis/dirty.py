@@ -89,6 +89,7 @@ class DirtyRow:
     reason: str
     evidence: dict
     score: float
+    rank: int | None = None  # distributed runs: whose micro-batch (None: one process, or a step flag)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class _Row:
     step: int
     row: int
     sample_id: Any
+    rank: int | None = None
 
 
 class _FloatField:
@@ -207,17 +209,19 @@ def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: bool = True,
     info = {**(run.manifest.get("data_info") or {}), **(data_info or {})}
     static = _StaticScan(run, rules, info)
     steps = run.steps
-    for i, step in enumerate(steps):
-        static.add(step)
+    ranks = run.ranks if run.world_size > 1 else [None]  # a distributed run: every rank's batches
+    work = [(step, rank) for rank in ranks for step in (steps if rank is None else run.steps_of(rank))]
+    for i, (step, rank) in enumerate(work):
+        static.add(step, rank)
         if progress is not None:
-            progress(i + 1, len(steps))
+            progress(i + 1, len(work))
     flagged = static.finish()
     seconds = time.perf_counter() - t0
     step_flags = dynamic_flags(run, rules, ids_by_step=static.ids_by_step())
     flagged += _step_rows(step_flags)
     attribution = {"status": "off"}
     if attribute:
-        attribution, rows = _attribution(run, step_flags, rules)
+        attribution, rows = _attribution(run, step_flags, rules, ranks)
         flagged += rows
     _corroborate(flagged)
     flagged.sort(key=lambda r: (-r.score, r.step, -1 if r.row is None else r.row, r.reason))
@@ -263,11 +267,11 @@ class _StaticScan:
         self.info_used: dict = {}
 
     # one batch
-    def add(self, step: int) -> None:
+    def add(self, step: int, rank: int | None = None) -> None:
         try:
-            batch, ids = self.run.batch(step)
+            batch, ids = self.run.batch(step, rank or 0)
         except CkptlabError as e:
-            self.notes.append(f"step {step}: batch unreadable ({e}); skipped")
+            self.notes.append(f"step {step}{'' if rank is None else f' (rank {rank})'}: batch unreadable ({e}); skipped")
             return
         fields = list(leaves(batch))
         B = _batch_size(fields, ids)
@@ -275,7 +279,7 @@ class _StaticScan:
             return
         first = self.n_rows
         for r in range(B):
-            self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None))
+            self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None, rank))
         self.n_rows += B
         content: list[np.ndarray] = []  # per field: (B, bytes) -- a row's content is its bytes in every field
         for name, value in fields:
@@ -351,7 +355,8 @@ class _StaticScan:
     def ids_by_step(self) -> dict[int, list]:
         out: dict[int, list] = defaultdict(list)
         for r in self.rows:
-            out[r.step].append(r.sample_id)
+            if not r.rank:  # rank 0's (or the only) batch: what step flags point at
+                out[r.step].append(r.sample_id)
         return dict(out)
 
     # after the pass
@@ -367,7 +372,7 @@ class _StaticScan:
         for g, reason, ev in self.flags:
             row = self.rows[g]
             score = SCORES[reason] + (min(20.0, math.log10(max(ev.get("z", 1.0), 1.0))) if reason == "extreme" else 0.0)
-            out.append(DirtyRow(row.step, row.row, row.sample_id, reason, ev, score))
+            out.append(DirtyRow(row.step, row.row, row.sample_id, reason, ev, score, row.rank))
         return _merge_same_row(out)
 
     def _pad_id(self) -> tuple[int | None, str | None]:
@@ -458,7 +463,10 @@ class _StaticScan:
             pairs = [p for p in pairs if self.rows[p[0]].sample_id is not None]
         for g, f in pairs:
             first = self.rows[f]
-            self.flags.append((g, "duplicate", {"same_as": {"step": first.step, "row": first.row, "sample_id": first.sample_id}}))
+            same = {"step": first.step, "row": first.row, "sample_id": first.sample_id}
+            if first.rank is not None:
+                same["rank"] = first.rank
+            self.flags.append((g, "duplicate", {"same_as": same}))
 
 
 def _robust(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -479,7 +487,7 @@ def _merge_same_row(rows: list[DirtyRow]) -> list[DirtyRow]:
     """One entry per (step, row, reason): keep the strongest evidence, count the rest."""
     best: dict[tuple, DirtyRow] = {}
     for r in rows:
-        key = (r.step, r.row, r.reason)
+        key = (r.step, r.rank, r.row, r.reason)
         cur = best.get(key)
         if cur is None or r.score > cur.score:
             if cur is not None:
@@ -550,7 +558,7 @@ def attribution_function() -> tuple[Callable | None, str | None]:
     return attribute_rows, None
 
 
-def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules) -> tuple[dict, list[DirtyRow]]:
+def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules, ranks=(None,)) -> tuple[dict, list[DirtyRow]]:
     retained = [f for f in step_flags if f["batch"] == "retained"]
     if not retained:
         return {"status": "nothing to attribute", "steps": []}, []
@@ -560,13 +568,17 @@ def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules) -> tuple[d
     worst = sorted({f["step"] for f in retained}, key=lambda s: -max((f.get("z") or math.inf) for f in retained if f["step"] == s))
     out, done, failed = [], [], []
     for step in sorted(worst[: rules.max_attribute]):
-        try:
-            per_row = [_row_tuple(x) for x in fn(run, step)]
-        except Exception as e:  # noqa: BLE001 - attribution is optional: the scan's findings stand
-            failed.append({"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)})
-            continue
+        for rank in ranks:  # a distributed run: each rank's micro-batch, replayed alone (approximate)
+            try:
+                per_row = [_row_tuple(x) for x in (fn(run, step) if rank is None else fn(run, step, rank=rank))]
+            except Exception as e:  # noqa: BLE001 - attribution is optional: the scan's findings stand
+                failed.append({"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)})
+                continue
+            blamed = _blame(step, per_row, rules)
+            for b in blamed:
+                b.rank = rank
+            out += blamed
         done.append(step)
-        out += _blame(step, per_row, rules)
     status = {"status": "done" if done else "failed", "steps": done}
     if failed:
         status["failed"] = failed
@@ -603,10 +615,13 @@ def _blame(step: int, rows: list[tuple[int, Any, float, float]], rules: DirtyRul
     share_l, ratio_l = _stand_out(loss)
     share_g, ratio_g = _stand_out(grad2)
     out = []
+    # A row whose own loss or gradient is not finite is the culprit; then the others' spread
+    # among themselves is noise, not evidence.
+    any_bad = any(not (math.isfinite(l) and math.isfinite(g)) for _, _, l, g in rows)
     for i, (row, sid, l, g) in enumerate(rows):
-        bad = math.isinf(l) or math.isinf(g)
-        hit = any(r >= rules.attribution_ratio and sh >= rules.attribution_share
-                  for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i])))
+        bad = not (math.isfinite(l) and math.isfinite(g)) if any_bad else math.isinf(l) or math.isinf(g)
+        hit = not any_bad and any(r >= rules.attribution_ratio and sh >= rules.attribution_share
+                                  for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i])))
         if bad or hit:
             worst = max(ratio_l[i], math.sqrt(ratio_g[i]))
             score = SCORES["nonfinite"] if bad else SCORES["attributed"] + min(15.0, 5 * math.log10(max(worst, 1.0)))

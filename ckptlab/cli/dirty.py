@@ -88,10 +88,12 @@ def render(r, term, top: int) -> None:
                + (f": steps {a['steps']}" if a.get("steps") else ""))
     if r.flagged:
         table = Table(title=f"flagged (top {min(top, len(r.flagged))} of {len(r.flagged)})", title_justify="left", show_edge=False)
-        for col in ("score", "step", "row", "sample_id", "reason", "evidence"):
+        ranked = any(row.rank is not None for row in r.flagged)  # a distributed run
+        for col in ("score", "step", *(("rank",) if ranked else ()), "row", "sample_id", "reason", "evidence"):
             table.add_column(col)
         for row in r.flagged[:top]:
-            table.add_row(f"{row.score:.0f}", str(row.step), "-" if row.row is None else str(row.row),
+            rank = ("-" if row.rank is None else str(row.rank),) if ranked else ()
+            table.add_row(f"{row.score:.0f}", str(row.step), *rank, "-" if row.row is None else str(row.row),
                           "-" if row.sample_id is None else escape(repr(row.sample_id)), row.reason, escape(_evidence(row.evidence)))
         term.print(table)
     for note in r.notes:

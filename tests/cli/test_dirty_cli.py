@@ -35,7 +35,7 @@ def test_json(cli, spike_run):
     doc = cli("dirty", "--run", spike_run, "--json", "--no-attribute").json()
     assert set(doc) >= {"run", "scanned", "data_info", "flagged", "steps", "attribution", "skip_ids", "verdict"}
     top = doc["flagged"][0]
-    assert set(top) == {"step", "row", "sample_id", "reason", "evidence", "score"}
+    assert set(top) == {"step", "row", "sample_id", "reason", "evidence", "score", "rank"}
     assert (top["step"], top["row"], top["sample_id"]) == (50, 3, 50003)
     assert doc["attribution"] == {"status": "off"}
     assert doc["scanned"]["steps"] == 80
