@@ -130,3 +130,22 @@ def test_dirty_scans_every_ranks_batches(ddp_run):
     rows = {(f.step, f.rank, f.row, f.sample_id) for f in report.flagged if f.reason == "nonfinite"}
     assert rows == {(dm.NAN_STEP, dm.NAN_RANK, dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])}
     assert dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW] in report.skip_ids
+
+
+def test_rollback_exports_a_sharded_checkpoint_loadable_without_ckptlab(fsdp_run, tmp_path):
+    import safetensors.torch
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    from ckptlab.run.export import export_checkpoint
+    from tests.models import MLP
+
+    run = ckptlab.open_run(fsdp_run)
+    export_checkpoint(run.checkpoint(run.checkpoints[-1]), tmp_path / "out")
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    whole = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, safetensors.torch.load_file(tmp_path / "out" / "model.safetensors"), options=whole)
+    set_optimizer_state_dict(model, opt, torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True), options=whole)
+    assert torch.equal(model.fc1.weight, run.checkpoint(run.checkpoints[-1]).load_model()[0]["fc1.weight"])
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == (16, 8)

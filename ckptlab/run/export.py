@@ -31,6 +31,14 @@ LOAD_HINT = (
     "model.load_state_dict(safetensors.torch.load_file('model.safetensors')); "
     "optimizer.load_state_dict(torch.load('optimizer.pt', weights_only=True))"
 )
+# A sharded (FSDP) run's optimizer state is keyed by parameter name: DCP's state-dict API
+# loads it into a sharded or a plain model alike.
+SHARDED_LOAD_HINT = (
+    "from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict, "
+    "StateDictOptions; o = StateDictOptions(full_state_dict=True); "
+    "set_model_state_dict(model, safetensors.torch.load_file('model.safetensors'), options=o); "
+    "set_optimizer_state_dict(model, optimizer, torch.load('optimizer.pt', weights_only=True), options=o)"
+)
 
 
 def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | None = None) -> dict:
@@ -41,6 +49,10 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
     ckpt.verify()
     tensors, aliases = ckpt.load_model(verify=False)
     state = ckpt.load_state(verify=False)
+    if ckpt.sharded:  # the shards assembled: the whole model and the name-keyed optimizer state
+        from ckptlab.run.sharded import load_full
+
+        tensors, state["optimizer"] = load_full(ckpt.path, state)
     # Tied names become copies: a strict load_state_dict then finds every key, and copying
     # the same values into shared storage twice keeps the tie.
     full = {name: t.clone() if name in aliases else t for name, t in expand_aliases(tensors, aliases).items()}
@@ -67,7 +79,7 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
             "created": time.time(),
             "tied": aliases,
             "files": files,
-            "load": LOAD_HINT,
+            "load": SHARDED_LOAD_HINT if ckpt.sharded else LOAD_HINT,
         }
         write_json_atomic(tmp / "export.json", info)
         fsync_path(tmp)
