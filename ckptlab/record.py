@@ -51,7 +51,7 @@ from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.sharded import save_sharded
 from ckptlab.state import capture_env, capture_rng, capture_train_state, rng_equal, snapshot
-from ckptlab.state import restore as restore_state
+from ckptlab.state import restore_checkpoint
 from ckptlab import userfns
 
 
@@ -264,8 +264,7 @@ class Recorder:
             target = found[-1] if found else None
         if restore and target is not None:
             target.verify()
-            tensors, aliases = target.load_model(verify=False)
-            restore_state(self.model, self.optimizer, self.scheduler, self.scaler, tensors, aliases, target.load_state(verify=False))
+            restore_checkpoint(target, self.model, self.optimizer, self.scheduler, self.scaler, self.world)
             self.restored_step = target.step
         return next_step
 

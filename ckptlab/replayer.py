@@ -43,8 +43,8 @@ from ckptlab.probe import NO_GRAD, StepHealth, StepProbe
 from ckptlab.run.reader import Run, open_run
 from ckptlab.run.checkpoint import commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_name
-from ckptlab.run.sharded import full_snapshot, load_full, load_sharded
-from ckptlab.state import _NoOptimizer, apply_env, capture_env, capture_train_state, load_train_state, restore, restore_rng, restore_snapshot, snapshot
+from ckptlab.run.sharded import full_snapshot
+from ckptlab.state import apply_env, capture_env, capture_train_state, restore_checkpoint, restore_rng, restore_snapshot, snapshot
 from ckptlab.trace import OpEvent, Tracer
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
@@ -222,18 +222,8 @@ class Replayer:
     def load_checkpoint(self, t: Trainee, step: int) -> None:
         ckpt = self.run.checkpoint(step)
         ckpt.verify()
-        state = ckpt.load_state(verify=False)
         try:
-            if ckpt.sharded and self.world.sharded and self.world.distributed:
-                load_sharded(ckpt.path, t.model, t.optimizer, state)  # each rank its shards
-                load_train_state({k: v for k, v in state.items() if k != "optimizer"}, _NoOptimizer(), t.scheduler, t.scaler)
-                restore_rng(state["rng"])
-            elif ckpt.sharded:  # one process: the whole state, assembled from the shards
-                model_sd, optim_sd = load_full(ckpt.path, state)
-                restore(t.model, t.optimizer, t.scheduler, t.scaler, model_sd, {}, {**state, "optimizer_fqn": optim_sd})
-            else:
-                tensors, aliases = ckpt.load_model(verify=False)
-                restore(t.model, t.optimizer, t.scheduler, t.scaler, tensors, aliases, state)
+            state = restore_checkpoint(ckpt, t.model, t.optimizer, t.scheduler, t.scaler, self.world)
         except (ValueError, KeyError, RuntimeError) as e:
             raise ReplayError(
                 f"checkpoint {step} does not fit the model build_fn returns: {e}",

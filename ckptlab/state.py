@@ -265,3 +265,25 @@ def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None, *,
     if "rng_by_rank" in state:
         state["rng"] = state["rng_by_rank"][rank or 0]
     restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, state)
+
+
+def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, world=None) -> dict:
+    """Load a committed checkpoint (any layout) into live training objects; returns its
+    training state (env included, not applied). Sharded checkpoints go shard by shard into a
+    distributed sharded model, else whole (assembled from the shards) into any model."""
+    state = ckpt.load_state(verify=False)
+    if ckpt.sharded and world is not None and world.sharded and world.distributed:
+        from ckptlab.run.sharded import load_sharded
+
+        load_sharded(ckpt.path, model, optimizer, state)
+        load_train_state({k: v for k, v in state.items() if k != "optimizer"}, _NoOptimizer(), scheduler, scaler)
+        restore_rng(state["rng"])
+    elif ckpt.sharded:
+        from ckptlab.run.sharded import load_full
+
+        model_sd, optim_sd = load_full(ckpt.path, state)
+        restore(model, optimizer, scheduler, scaler, model_sd, {}, {**state, "optimizer_fqn": optim_sd})
+    else:
+        tensors, aliases = ckpt.load_model(verify=False)
+        restore(model, optimizer, scheduler, scaler, tensors, aliases, state)
+    return state

@@ -1,6 +1,6 @@
 """Models and data for the distributed tests (DDP and FSDP2, 2 processes, gloo on the CPU).
 
-`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|fsdp [KILL_STEP]`
+`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|fsdp [KILL_STEP|resume]`
 records a run; rank 1 meets a NaN in row 2 of its batch at step NAN_STEP.
 """
 
@@ -51,7 +51,7 @@ def batch(step: int, rank: int):
     return (x, y), sample_ids(step, rank)
 
 
-def main(run_dir: str, kind: str, kill_step: int | None = None) -> None:
+def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -59,8 +59,8 @@ def main(run_dir: str, kind: str, kill_step: int | None = None) -> None:
     rank = dist.get_rank()
     build = build_ddp if kind == "ddp" else build_fsdp
     model, opt = build()
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None) as rec:
-        for s in range(STEPS):
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume) as rec:
+        for s in range(rec.next_step, STEPS):  # (a resumed run continues its numbering)
             if s == kill_step and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             b, ids = batch(s, rank)
@@ -73,4 +73,5 @@ def main(run_dir: str, kind: str, kill_step: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    extra = sys.argv[3] if len(sys.argv) > 3 else None
+    main(sys.argv[1], sys.argv[2], int(extra) if extra and extra.isdigit() else None, resume=extra == "resume")

@@ -15,7 +15,7 @@ from tests import dist_models as dm
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(run_dir, kind, kill_step=None):
+def torchrun(run_dir, kind, kill_step=None):  # kill_step: a step number, or "resume"
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             str(ROOT / "tests" / "dist_models.py"), str(run_dir), kind]
     if kill_step is not None:
@@ -121,6 +121,14 @@ def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):
         run.checkpoint(c).verify()
     assert set(range(10, 12)) <= set(run.steps_of(1))
     assert ckptlab.replay(run, 11).deterministic
+    # Restart the job: every rank restores its shards of the latest checkpoint and goes on.
+    again = torchrun(run_dir, "fsdp", kill_step="resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    run = ckptlab.open_run(run_dir)
+    resumed = run.manifest["sessions"][-1]
+    assert resumed["restored_from"] == max(c for c in run.checkpoints if c < resumed["start_step"])
+    report = ckptlab.replay(run, run.steps[-1])
+    assert report.deterministic and report.rank == dm.NAN_RANK and report.root_step == run.steps[-1]
 
 
 def test_dirty_scans_every_ranks_batches(ddp_run):
