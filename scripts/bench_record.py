@@ -50,7 +50,7 @@ def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
 PHASES = {
     "batch encode+write": [(records, "encode_batch"), (RunWriter, "append_batch")],
     "probe hooks (grad norms, lr)": [(StepProbe, "_on_grad"), (StepProbe, "_on_post_step"), (StepProbe, "end")],
-    "update-ratio copy + norms": [(StepProbe, "_on_pre_step"), (StepProbe, "_update_stats")],
+    "update-ratio copy + norms": [(StepProbe, "_on_pre_step"), (StepProbe, "_local_updates")],
     "step record (health, anomalies)": [(records, "encode_step"), (RunWriter, "append_step"), (record.Recorder, "_anomalies")],
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
@@ -60,7 +60,7 @@ current = {"mode": ""}
 
 
 def instrument() -> None:
-    """Time each phase; a nested phase (end -> _update_stats) is charged to the inner one only."""
+    """Time each phase; a nested phase (end -> _local_updates) is charged to the inner one only."""
     stack: list[str] = []
     for phase, targets in PHASES.items():
         for owner, name in targets:
