@@ -8,6 +8,8 @@ multi-GB tensor without holding it. `LazyStateDict` maps names to them like a st
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -43,7 +45,7 @@ def safe_member(folder: os.PathLike | str, name: str, *, what: str) -> str:
     return name
 
 
-class TensorRef:
+class TensorRef(ABC):
     """One stored tensor, before any of its data is read."""
 
     shape: tuple[int, ...]
@@ -58,8 +60,9 @@ class TensorRef:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @abstractmethod
     def load(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The whole tensor (every reader implements this)."""
 
     def segment(self, start: int, count: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements [start, start + count) in row-major order, as a 1-D contiguous tensor.
