@@ -34,11 +34,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ckptlab.dist import World
-from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
+from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import NonFiniteLoss, RecordError
 from ckptlab.probe import StepHealth, StepProbe, named_parameters
 from ckptlab.run import codec, framelog, records
@@ -125,7 +124,7 @@ class Recorder:
         self._on_anomaly = on_anomaly
         self._in_step = False
         self._ckpt_wait = 0.0
-        self._loss_spikes, self._grad_spikes = SpikeDetector(LOSS_RULE), SpikeDetector(GRAD_RULE)
+        self._spikes = detectors()
         self._first_anomaly: int | None = None
         self._best: tuple[int, float] | None = None
         self._ckpt_steps: list[int] = []
@@ -237,8 +236,8 @@ class Recorder:
         self._ckpt_steps = [c.step for c in found]
         self._first_anomaly = progress.first_anomaly
         for loss, grad in progress.recent:  # spikes are judged against the run so far, not a blank
-            self._loss_spikes.check(loss)
-            self._grad_spikes.check(grad)
+            self._spikes["loss"].check(loss)
+            self._spikes["grad"].check(grad)
         if not found:
             warnings.warn(
                 f"{self.run_dir}: resuming a run that has no checkpoint; the model as given becomes the "
@@ -344,17 +343,7 @@ class Recorder:
         return health
 
     def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
-        events = []
-        if not h.loss_finite:
-            events.append({"kind": "nonfinite_loss", "value": h.loss})
-        if h.nonfinite_grads or not np.isfinite(h.param_grad_norm).all():
-            events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
-        if h.weight_norm is not None and not all(math.isfinite(x) for x in h.weight_norm):
-            events.append({"kind": "nonfinite_weight", "value": int(sum(not math.isfinite(x) for x in h.weight_norm))})
-        for kind, det, value in (("loss_spike", self._loss_spikes, h.loss), ("grad_spike", self._grad_spikes, h.grad_norm)):
-            spike = det.check(value)
-            if spike is not None:
-                events.append({"kind": kind, "value": value, "median": spike.median, "z": spike.z})
+        events = step_anomalies(h, self._spikes)
         if events and self._first_anomaly is None:
             self._first_anomaly = n
         return events

@@ -788,7 +788,7 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
             steps=steps[:50],
             evidence={"checkpoints": [{"step": s, "tensor": n} for s, n in ckpt_bad[:20]]},
             params=params,
-            remedies=[f"roll back to a healthy checkpoint: ckptlab rollback --before-anomaly",
+            remedies=["roll back to a healthy checkpoint: ckptlab rollback --before-anomaly",
                       f"find the cause: ckptlab replay --step {steps[0]}"],
         ))
     grown = {}

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
 
 import numpy as np
 

@@ -4,7 +4,6 @@ renders without errors."""
 import re
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 
 import pytest

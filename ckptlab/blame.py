@@ -1,0 +1,378 @@
+"""Blame the root step of a fault: trace it per op, name the rows (with their sample ids) and
+the parameters, find the origin, and prove the blame by counterfactual replay.
+
+    Blame(investigation, root, snapshot, detectors, start).explain(report, trace, counterfactuals)
+
+Works on the state the root step started in (a snapshot), re-running the step as often as it
+needs: once traced, once plain, once per row, once without the blamed rows, and from an older
+checkpoint or with the recent learning rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+
+from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
+from ckptlab.analysis.spikes import GRAD_RULE
+from ckptlab.errors import CkptlabError
+from ckptlab.probe import NO_GRAD, StepHealth
+from ckptlab.replay_findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, _same
+from ckptlab.run.reader import Run
+from ckptlab.state import restore_snapshot
+from ckptlab.trace import OpEvent, Tracer
+
+# A row is "absurd" when its largest |value| is this many times the run's typical row maximum
+# for the same field (median over the retained batches).
+ABSURD_RATIO = 1e3
+# A row dominates a step when its own gradient norm is this many times the median row's.
+DOMINANT_ROW_RATIO = 10.0
+
+
+class Blame:
+    """Everything about the root step: trace, rows, parameters, counterfactuals, origin."""
+
+    def __init__(self, inv, root: int, snap, dets, start: int):
+        self.inv, self.root, self.snap, self.dets, self.start = inv, root, snap, dets, start
+        self.r = inv.r
+        self.rec = self.r.batch(root)
+        self.ids = self.rec.sample_ids
+        self.rows = _batch_rows(self.rec.batch, self.ids)
+        self.t = self.r.build()
+
+    def fresh(self) -> None:
+        restore_snapshot(self.snap, self.t.model, self.t.optimizer, self.t.scheduler, self.t.scaler, rank=self.r.rank)
+
+    def step(self, batch=None, tracer=None) -> StepHealth:
+        self.fresh()
+        return self.r.run_step(self.t, self.rec, batch, tracer=tracer)
+
+    def fault(self, h: StepHealth) -> list[str]:
+        return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
+
+    def sample_id(self, row: int):
+        return self.ids[row] if self.ids is not None and row < len(self.ids) else None
+
+    def explain(self, rep: ReplayReport, do_trace: bool, do_counterfactuals: bool) -> None:
+        self.report = rep
+        t0 = time.perf_counter()
+        tracer = None
+        if do_trace:
+            self.inv.log(f"tracing step {self.root} per op")
+            tracer = Tracer(self.t.model, self.t.optimizer, rows=self.rows)
+            traced = self.step(tracer=tracer)
+            if not _same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
+                rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
+            rep.chain = [_event_json(e) for e in tracer.chain()]
+            self.inv.timing["trace_s"] = time.perf_counter() - t0
+        base = self.base = self.step()  # the root step as replayed, for parameter blame
+        data_rows = self.data_rows()
+        rows = self.per_row() if self.rows and self.rows > 1 else {}
+        rep.parameters = self.parameters(base)
+        rep.origin, rep.samples = self.origin(tracer, base, data_rows, rows)
+        if do_counterfactuals:
+            rep.counterfactuals = self.counterfactuals(rep.samples)
+        self.r.close(self.t)
+        self.inv.timing["blame_s"] = time.perf_counter() - t0
+
+    # rows ------------------------------------------------------------------------------------------
+
+    def data_rows(self) -> dict[str, dict[int, str]]:
+        """What is wrong with each row's content, by category: "nonfinite" values, "absurd"
+        values (against the run's own typical row maximum per field), "empty" rows (all
+        padding, when the run's data_info names pad_id), token ids "out_of_range"."""
+        found: dict[str, dict[int, str]] = {"nonfinite": {}, "absurd": {}, "empty": {}, "out_of_range": {}}
+        if not self.rows:
+            return found
+        info = self.inv.run.manifest.get("data_info") or {}
+        pad, vocab = info.get("pad_id"), info.get("vocab_size")
+        typical = _typical_row_absmax(self.inv.run, self.root)
+        for path, leaf in _leaves(self.rec.batch):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != self.rows or leaf.dtype == torch.bool:
+                continue
+            flat = leaf.detach().reshape(self.rows, -1)
+            if not flat.is_floating_point():
+                for row in range(self.rows):
+                    if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
+                        found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
+                    if vocab is not None and flat.shape[1] and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0):
+                        found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
+                continue
+            flat = flat.float()
+            bad = (~torch.isfinite(flat)).sum(dim=1)
+            finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
+            absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(self.rows)
+            for row in range(self.rows):
+                if int(bad[row]):
+                    found["nonfinite"].setdefault(row, f"{int(bad[row])} non-finite value(s) in batch{path}")
+                elif path in typical and typical[path] > 0 and float(absmax[row]) > ABSURD_RATIO * typical[path]:
+                    found["absurd"].setdefault(
+                        row,
+                        f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
+                    )
+        return found
+
+    def per_row(self) -> dict[int, StepHealth]:
+        """Each row alone through the step: its own loss and gradient norm."""
+        out = {}
+        for row in range(self.rows):
+            try:
+                out[row] = self.step(_select_rows(self.rec.batch, [row], self.rows))
+            except Exception:  # noqa: BLE001 - a model that cannot take one row (BatchNorm...)
+                return {}
+        return out
+
+    # parameters -------------------------------------------------------------------------------------
+
+    def parameters(self, h: StepHealth) -> list[ParameterBlame]:
+        m = self.inv.m
+        names = m.param_names
+        hist = m.window(max(0, self.root - 128), self.root - 1)
+        typical = np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0) if hist.stop > hist.start else np.full(len(names), np.nan)
+        out = []
+        for i, name in enumerate(names):
+            g = float(h.param_grad_norm[i])
+            nf = int(h.param_nonfinite[i]) if h.param_nonfinite is not None else 0
+            ratio = float(h.update_ratio[i]) if h.update_ratio is not None else None
+            w = float(h.weight_norm[i]) if h.weight_norm is not None else None
+            typ = float(typical[i]) if i < len(typical) and math.isfinite(typical[i]) else None
+            reasons = []
+            if nf or (g != NO_GRAD and not math.isfinite(g)):
+                reasons.append(f"{nf} non-finite gradient elements" if nf > 0 else "non-finite gradient")
+            if w is not None and not math.isfinite(w):
+                reasons.append("weights went non-finite")
+            if typ and math.isfinite(g) and g > GRAD_RULE.min_ratio * 5 * typ:
+                reasons.append(f"gradient norm {g:.3g} is {g / typ:.0f}x its typical {typ:.3g}")
+            if ratio is not None and math.isfinite(ratio) and ratio > UPDATE_EXPLOSION:
+                reasons.append(f"update moved the weights by {ratio:.3g}x their norm")
+            elif ratio is not None and not math.isfinite(ratio) and w is not None and math.isfinite(w):
+                pass  # a zero-initialized tensor's first move: not an explosion
+            if reasons:
+                out.append(ParameterBlame(name, "; ".join(reasons), g if g != NO_GRAD else None, typ, nf, ratio, w))
+        out.sort(key=lambda p: (-p.nonfinite_grad, -(p.grad_norm / p.typical_grad_norm if p.grad_norm and p.typical_grad_norm and math.isfinite(p.grad_norm) else (math.inf if p.grad_norm is not None and not math.isfinite(p.grad_norm) else 0)), -(p.update_ratio or 0)))
+        return out
+
+    # the origin ----------------------------------------------------------------------------------------
+
+    def origin(self, tracer: Tracer | None, h: StepHealth, data_rows: dict[str, dict[int, str]], rows: dict[int, StepHealth]):
+        samples: dict[int, SampleBlame] = {}
+
+        def blame(row: int, reason: str) -> None:
+            if row in samples:
+                samples[row].reason += "; " + reason
+            else:
+                samples[row] = SampleBlame(row, self.sample_id(row), reason)
+
+        ev: OpEvent | None = tracer.origin if tracer is not None else None
+        nonfinite_in_batch, absurd = data_rows["nonfinite"], data_rows["absurd"]
+        dominant = _dominant_rows(rows)
+        param = self.report.parameters[0].name if self.report.parameters else None
+
+        if nonfinite_in_batch:
+            for r, why in nonfinite_in_batch.items():
+                blame(r, why)
+            enters = next((e for e in (tracer.events if tracer else []) if e.phase == "forward" and any(not s.finite for s in e.inputs)), None)
+            where = f"; it enters the model at `{enters.module or '<root>'}` ({enters.op})" if enters is not None and enters.module is not None else ""
+            o = Origin("data", "forward", None, None, None, None, detail="the batch carries non-finite values" + where)
+        elif ev is not None:
+            for r, n in sorted((ev.bad_rows or {}).items(), key=lambda kv: -kv[1]):
+                blame(r, f"{n} non-finite value(s) first appear in this row at {ev.op}")
+            for r, why in absurd.items():
+                blame(r, why)
+            kind = "numeric"
+            if absurd and (not ev.bad_rows or set(ev.bad_rows) <= set(absurd)):
+                kind = "data"
+            elif ev.phase == "optimizer":
+                kind = "optimizer"
+            o = Origin(
+                kind,
+                ev.phase,
+                ev.module,
+                ev.op,
+                param if ev.phase != "forward" else None,
+                ev.source,
+                call=ev.call,
+                produced="NaN" if ev.new_nan else "Inf",
+                inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
+                detail=f"{ev.op} produced {'NaN' if ev.new_nan else 'Inf'} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
+                f"({', '.join(s.describe() for s in ev.inputs[:3])})",
+            )
+        else:
+            # Nothing went non-finite in the root step itself: an explosion (finite) that breaks later.
+            lr_jump = _lr_jump(self.inv.m, self.root, h)
+            for r, why in absurd.items():
+                blame(r, why)
+            for r, ratio in dominant.items():
+                blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
+            if absurd or dominant:
+                o = Origin("data", "backward", None, None, param, None,
+                           detail="an absurd value in the batch makes the gradients explode" if absurd else "one row dominates the update")
+            elif lr_jump is not None or "update_explosion" in self.fault(h):
+                detail = f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value" if lr_jump else "the update exploded without a gradient explosion"
+                o = Origin("optimizer", "optimizer", None, None, param, None, detail=detail)
+            elif self.report.parameters:
+                o = Origin("numeric", "backward", None, None, param, None, detail="gradients exploded with no single row to blame")
+            else:
+                o = Origin("none", None, None, None, None, None)
+        for category in ("empty", "out_of_range"):
+            for r, why in data_rows[category].items():
+                if r in samples:
+                    samples[r].reason = why + "; " + samples[r].reason
+        for r, row_h in rows.items():
+            if r in samples:
+                samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
+        ranked = sorted(samples.values(), key=lambda s: (-(s.grad_norm if s.grad_norm is not None and math.isfinite(s.grad_norm) else math.inf if s.grad_norm is not None else 0)))
+        return o, ranked
+
+    # counterfactuals ------------------------------------------------------------------------------------
+
+    def counterfactuals(self, samples: list[SampleBlame]) -> list[Counterfactual]:
+        out = []
+        if samples and self.rows:
+            keep = [r for r in range(self.rows) if r not in {s.row for s in samples}]
+            ids = ", ".join(str(s.sample_id) for s in samples[:5])
+            if keep:
+                h = self.step(_select_rows(self.rec.batch, keep, self.rows))
+                found = self.fault(h)
+                out.append(
+                    Counterfactual(
+                        f"does step {self.root} still fail without the blamed rows ({ids})?",
+                        bool(found),
+                        f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}" + (f" -> still {', '.join(found)}" if found else " -> the fault vanishes"),
+                    )
+                )
+            else:
+                out.append(Counterfactual(f"does step {self.root} still fail without the blamed rows?", None, "every row is blamed; nothing left to run"))
+        lr = _lr_jump(self.inv.m, self.root, self.base) if self.report.origin.kind == "optimizer" else None
+        if lr is not None:
+            typical = lr[1] / lr[0]
+            self.fresh()
+            for g in self.t.optimizer.param_groups:
+                g["lr"] = typical
+            h = self.r.run_step(self.t, self.rec)
+            found = self.fault(h)
+            out.append(
+                Counterfactual(
+                    f"does step {self.root} still fail with its recent learning rate {typical:.3g} instead of {lr[1]:.3g}?",
+                    bool(found),
+                    f"with lr {typical:.3g}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
+                    + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
+                )
+            )
+        older = [c for c in self.inv.run.checkpoints if c < self.root]
+        if older and samples:
+            c = older[0] if older[-1] == self.root else older[-1]
+            if c == self.start and len(older) > 1:
+                c = older[-2]
+            t = self.r.build()
+            self.r.load_checkpoint(t, c)
+            h = self.r.run_step(t, self.rec)
+            self.r.close(t)
+            found = self.fault(h)
+            out.append(
+                Counterfactual(
+                    f"does the same batch fail from the older model state at step {c}?",
+                    bool(found),
+                    f"from checkpoint {c}: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                    + (" -> fails too: the data alone triggers it" if found else " -> no fault: it needs this model state as well as this data"),
+                )
+            )
+        return out
+
+
+
+# --- rows -------------------------------------------------------------------------------------------
+
+def _leaves(obj, path: str = ""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        fields = getattr(type(obj), "_fields", None)
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}.{fields[i]}" if fields else f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def _batch_rows(batch, ids) -> int | None:
+    if ids is not None:
+        return len(ids)
+    dims = [leaf.shape[0] for _, leaf in _leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim]
+    return max(set(dims), key=dims.count) if dims else None
+
+
+def _select_rows(obj, rows: list[int], n: int):
+    """The batch restricted to `rows` (every leaf whose first dimension is the batch's)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[rows] if obj.dim() and obj.shape[0] == n else obj
+    if isinstance(obj, np.ndarray):
+        return obj[rows] if obj.ndim and obj.shape[0] == n else obj
+    if isinstance(obj, dict):
+        return {k: _select_rows(v, rows, n) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        return type(obj)(*[_select_rows(v, rows, n) for v in obj])
+    if isinstance(obj, (list, tuple)):
+        if len(obj) == n and not any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj):
+            return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
+        return type(obj)(_select_rows(v, rows, n) for v in obj)
+    return obj
+
+
+def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str, float]:
+    """Median per-row max |value| per float field, over retained batches near `step`."""
+    steps = [s for s in run.steps if s != step]
+    steps = sorted(steps, key=lambda s: abs(s - step))[:max_batches]
+    per_field: dict[str, list[float]] = {}
+    for s in steps:
+        try:
+            batch, _ = run.batch(s)
+        except CkptlabError:
+            continue
+        for path, leaf in _leaves(batch):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() and leaf.numel():
+                flat = leaf.detach().reshape(leaf.shape[0], -1).float()
+                finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
+                per_field.setdefault(path, []).extend(finite.max(dim=1).values.tolist())
+    return {k: float(np.median(v)) for k, v in per_field.items() if v}
+
+
+def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:
+    if len(rows) < 2:
+        return {}
+    norms = {r: h.grad_norm for r, h in rows.items()}
+    finite = [v for v in norms.values() if math.isfinite(v)]
+    med = float(np.median(finite)) if finite else 0.0
+    out = {}
+    for r, v in norms.items():
+        if not math.isfinite(v) or (med > 0 and v > DOMINANT_ROW_RATIO * med):
+            out[r] = v / med if med > 0 and math.isfinite(v) else math.inf
+    return out if len(out) < len(rows) / 2 else {}
+
+
+def _lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:
+    hist = m.window(max(0, root - 32), root - 1)
+    if hist.stop <= hist.start or not h.lr:
+        return None
+    typical = float(np.nanmedian(m.lr[hist, 0]))
+    lr = float(h.lr[0])
+    if typical > 0 and lr > 10 * typical:
+        return lr / typical, lr
+    return None
+
+
+def _event_json(e: OpEvent) -> dict:
+    return {
+        "phase": e.phase,
+        "module": e.module,
+        "op": e.op,
+        "call": e.call,
+        "source": e.source,
+        "inputs": [s.describe() for s in e.inputs[:4]],
+        "outputs": [s.describe() for s in e.outputs[:2]],
+        "rows": sorted((e.bad_rows or {}).keys())[:16],
+    }

@@ -1,0 +1,169 @@
+"""What a replay concludes (plain dataclasses) and how it is said in one sentence (`verdict`).
+
+The replayer fills a ReplayReport; rendering (terminal, JSON) reads it and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+@dataclass
+class StepCheck:
+    step: int
+    loss: float
+    recorded_loss: float | None
+    grad_norm: float
+    recorded_grad_norm: float | None
+    match: bool  # loss and grad norm (and every rank's loss) equal to the record, bit for bit
+    anomalies: list[str] = field(default_factory=list)
+    rank_loss: list[float] | None = None  # distributed: each rank's loss, replayed ...
+    recorded_rank_loss: list[float] | None = None  # ... and recorded
+    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+
+
+@dataclass
+class Origin:
+    kind: str  # data | numeric | optimizer | none
+    phase: str | None  # forward | backward | optimizer
+    module: str | None
+    op: str | None
+    parameter: str | None
+    source: str | None
+    call: str | None = None
+    produced: str | None = None  # "NaN" or "Inf", when an op produced it
+    inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
+    detail: str | None = None
+
+
+@dataclass
+class SampleBlame:
+    row: int
+    sample_id: Any
+    reason: str
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class ParameterBlame:
+    name: str
+    reason: str
+    grad_norm: float | None
+    typical_grad_norm: float | None
+    nonfinite_grad: int
+    update_ratio: float | None
+    weight_norm: float | None
+
+
+@dataclass
+class Counterfactual:
+    question: str
+    fault: bool | None  # did the fault appear in this counterfactual run? None: not runnable
+    detail: str
+
+
+@dataclass
+class ReplayReport:
+    run: str
+    requested_step: int
+    root_step: int | None
+    start_checkpoint: int
+    fault_recorded: bool
+    reproduced: bool
+    deterministic: bool
+    first_divergence: dict | None
+    origin: Origin
+    samples: list[SampleBlame]
+    parameters: list[ParameterBlame]
+    chain: list[dict]
+    counterfactuals: list[Counterfactual]
+    steps: list[StepCheck]
+    verdict: str
+    notes: list[str] = field(default_factory=list)
+    timing: dict = field(default_factory=dict)
+    rank: int | None = None  # distributed: the rank whose batch the fault came in with
+
+    def to_json(self) -> dict:
+        """The stable `ckptlab replay --json` document (DESIGN.md keys first)."""
+        from ckptlab.render.jsonout import plain
+
+        d = plain(self)
+        keys = ["requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict"]
+        return {**{k: d[k] for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
+
+
+def verdict(r: ReplayReport) -> str:
+    if not r.fault_recorded and r.root_step is None:
+        return f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint {r.start_checkpoint}: nothing to explain."
+    if not r.reproduced:
+        rec = r.steps[-1].recorded_loss if r.steps else None
+        got = r.steps[-1].loss if r.steps else None
+        where = (
+            f"replay matched the record bit for bit until step {r.first_divergence['step'] - 1} and diverged at step {r.first_divergence['step']}"
+            if r.first_divergence
+            else "every replayed step before it matched the record bit for bit"
+        )
+        return (
+            f"The fault did not reproduce: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} gives loss "
+            f"{_fmt(got)} (recorded {_fmt(rec)}); {where}. Suspect a transient fault: state changed outside the recorded "
+            "computation (hardware/memory error, non-determinism, or code outside step_fn)."
+        )
+    o = r.origin
+    root = r.root_step
+    lead = f"Step {root}" + (f" on rank {r.rank}" if r.rank is not None else "") + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
+    who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
+    more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
+    at = ""
+    if o.module is not None:
+        at = f" in `{o.module or '<root>'}`" + (f" ({o.source})" if o.source else "")
+    if o.kind == "data" and o.module is None and o.op is None and r.samples and "non-finite" in r.samples[0].reason:
+        s = f"{lead}: the batch itself carries non-finite values: {who}{more}."
+    elif o.kind == "data" and o.op is not None:
+        s = f"{lead}: {who}{more} carries absurd values that make {o.op}{at} overflow."
+    elif o.kind == "data":
+        why = r.samples[0].reason if r.samples else ""
+        what = "carries an absurd value" if "typical" in why else "dominates the update"
+        s = (f"{lead}: {who}{more} {what} ({why.split(';')[0]}), so the gradients explode"
+             + (f" (worst: `{o.parameter}`)" if o.parameter else "")
+             + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "") + ".")
+    elif o.kind == "numeric" and o.op is not None:
+        inputs = "finite inputs" if o.inputs_finite else "NaN-free inputs"
+        fact = next((x for x in (r.samples[0].reason.split("; ")[0],) if r.samples and ("is empty" in x or "outside [" in x)), None)
+        if fact:
+            s0 = r.samples[0]
+            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[1]}; {o.op}{at} produced {o.produced} from {inputs} on it."
+        else:
+            rows = f" for {who}{more}" if r.samples else ""
+            s = f"{lead}: {o.op}{at} produced {o.produced} from {inputs}{rows}."
+    elif o.kind == "optimizer":
+        s = f"{lead}: the optimizer update blew the weights up ({o.detail})" + (f", worst in `{o.parameter}`" if o.parameter else "") + "; no sample is to blame."
+    elif o.kind == "numeric":
+        s = f"{lead}: gradients exploded" + (f" (worst: `{o.parameter}`)" if o.parameter else "") + " with no single sample to blame."
+    else:
+        s = f"{lead}: the fault reproduced but no cause was found."
+    if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:
+        s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
+    if not r.deterministic:
+        s += f" Note: replay diverged from the record at step {r.first_divergence['step']}."
+    return s
+
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return False
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _absdiff(a, b) -> float | None:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    return abs(a - b)
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.6g}"
