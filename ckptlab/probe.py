@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -52,7 +52,6 @@ class StepHealth:
     step_time: float = 0.0
     rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
-    extra: dict = field(default_factory=dict)
 
     @property
     def loss_finite(self) -> bool:

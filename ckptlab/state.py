@@ -21,9 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-WRAPPER_ATTRS = ("_orig_mod", "module")  # torch.compile's OptimizedModule, DDP/DataParallel
-
-
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside torch.compile / DDP wrappers (their names carry no prefix)."""
     seen = 0
@@ -104,12 +101,8 @@ def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any
     return state
 
 
-class _NoOptimizer:
-    def load_state_dict(self, state) -> None:
-        pass
-
-
 def load_train_state(state: dict[str, Any], optimizer, scheduler=None, scaler=None) -> None:
+    """Optimizer (when the state has one: a sharded run's goes through DCP), scheduler, scaler."""
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "scheduler" in state:
@@ -246,7 +239,7 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
         from ckptlab.run.sharded import set_full
 
         set_full(model, optimizer, expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
-        load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, _NoOptimizer(), scheduler, scaler)
+        load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
     else:
         load_model(model, tensors, aliases)
         load_train_state(train_state, optimizer, scheduler, scaler)
@@ -276,7 +269,7 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, worl
         from ckptlab.run.sharded import load_sharded
 
         load_sharded(ckpt.path, model, optimizer, state)
-        load_train_state({k: v for k, v in state.items() if k != "optimizer"}, _NoOptimizer(), scheduler, scaler)
+        load_train_state({k: v for k, v in state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
         restore_rng(state["rng"])
     elif ckpt.sharded:
         from ckptlab.run.sharded import load_full

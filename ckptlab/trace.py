@@ -100,7 +100,6 @@ class OpEvent:
     new_nan: bool = False
     new_inf: bool = False
     bad_rows: dict[int, int] | None = None  # batch row -> non-finite output elements
-    first_bad_index: list[int] | None = None
 
     @property
     def is_origin_candidate(self) -> bool:
@@ -350,7 +349,6 @@ class Tracer:
                 bad = (~torch.isfinite(t)).nonzero()
             if not len(bad):
                 continue
-            ev.first_bad_index = bad[0].tolist()
             rows: dict[int, int] = {}
             for idx in bad[:100_000].tolist():
                 r = rows_of(tuple(t.shape), idx, self.rows)

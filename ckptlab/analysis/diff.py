@@ -287,7 +287,6 @@ class Plan:
     notes: list[str]
 
 
-WRAPPERS = ("module", "_orig_mod")  # DDP / DataParallel, torch.compile
 
 
 def canonical(name: str) -> str:

@@ -59,7 +59,6 @@ SCORES = {
     "length": 20.0,
 }
 CORROBORATED = 15.0  # a content flag in a step whose loss/gradient also went wrong
-STEP_REASONS = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_spike")
 # Reasons whose rows go into the skip list. Length outliers are reported but kept: long or
 # short documents are usually legitimate.
 SKIP_REASONS = frozenset(SCORES) - {"length"}

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -175,14 +174,6 @@ class Run:
         except KeyError:
             raise ReplayError(f"no checkpoint at step {step} (checkpoints: {self.checkpoints})", path=self.path) from None
 
-    def checkpoint_before(self, step: int) -> Checkpoint | None:
-        """The latest checkpoint at or before `step` (the state in which that step can start)."""
-        best = None
-        for s, c in self._checkpoints.items():
-            if s <= step:
-                best = c
-        return best
-
     # --- journal: health, validation, events --------------------------------------------------
 
     @cached_property
@@ -306,6 +297,3 @@ def open_run(path: str | Path) -> Run:
     """Open a run directory for reading (raises NotARunError / FormatVersionError / ...)."""
     return Run(path)
 
-
-def finite(x: float) -> bool:
-    return x is not None and math.isfinite(x)

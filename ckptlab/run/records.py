@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,7 +71,6 @@ class BatchRecord:
     batch: Any
     sample_ids: list | None
     rng: dict | None  # None: the RNG states were those at the end of the previous step
-    extra: dict = field(default_factory=dict)
 
 
 def encode_batch(step: int, batch: Any, sample_ids: list | None, rng: dict | None) -> bytes:
@@ -95,8 +94,6 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
 
 # --- step health records -------------------------------------------------------------------
 
-# Per-parameter arrays a step record may carry (float32/int64, one entry per recorded parameter).
-STEP_ARRAYS = ("param_grad_norm", "update_ratio", "weight_norm", "param_nonfinite")
 
 
 def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:

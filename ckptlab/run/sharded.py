@@ -71,18 +71,16 @@ def save_sharded(run_dir: Path, step: int, world, model, optimizer, train_state:
 
 # --- reading --------------------------------------------------------------------------------------
 
-class _SafeReader:
+def _safe_reader(folder: Path):
     """torch's FileSystemReader, with `.metadata` read by our allowlist unpickler."""
+    dcp, _ = _dcp()
+    from ckptlab.io.dcp import read_metadata
 
-    def __new__(cls, folder: Path):
-        dcp, _ = _dcp()
-        from ckptlab.io.dcp import read_metadata
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return read_metadata(Path(folder))
 
-        class Reader(dcp.FileSystemReader):
-            def read_metadata(self, *args, **kwargs):
-                return read_metadata(Path(folder))
-
-        return Reader(folder)
+    return Reader(folder)
 
 
 def _safe_planner():
@@ -102,7 +100,7 @@ def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:
     sd._init_optim_state(optimizer)  # Adam's state exists only after a step: make the slots to load into
     optim = sd.get_optimizer_state_dict(model, optimizer)
     state = {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}}
-    dcp.load(state, storage_reader=_SafeReader(folder / DCP_DIR), planner=_safe_planner())
+    dcp.load(state, storage_reader=_safe_reader(folder / DCP_DIR), planner=_safe_planner())
     sd.set_model_state_dict(model, state["model"])
     sd.set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": train_state["param_groups"]})
 
