@@ -32,7 +32,8 @@ _LAZY = {
     "Run": ("ckptlab.run.reader", "Run"),
     "replay": ("ckptlab.replayer", "replay"),
     "diff": ("ckptlab.analysis.diff", "diff"),
-    "skip_samples": ("ckptlab.analysis.dirty", "skip_samples"),
+    "skip_samples": ("ckptlab.training.sampler", "skip_samples"),
+    "RecordConfig": ("ckptlab.record", "RecordConfig"),
 }
 
 __all__ = [

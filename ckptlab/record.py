@@ -15,8 +15,8 @@ One `rec.step(batch)` for step n:
      changed since the end of the previous step: a DataLoader reseeding or augmentation in the
      loop moves them; otherwise "unchanged" costs nothing) -- before running the step, so a
      step that crashes the process still has its batch;
-  3. run `step_fn(model, optimizer, batch)` with the StepProbe's hooks active, then
-     `scheduler.step()`;
+  3. run `step_fn(model, optimizer, batch)` measured, then `scheduler.step()`: the same
+     sequence replay runs (training/step.py);
   4. append the step's health (loss, grad norms, lr, update ratios, ...) and any anomaly;
   5. on a non-finite loss, raise NonFiniteLoss (after recording), unless on_nonfinite="record".
 When `rec.step()` returns, the step's batch and health are in the kernel's hands: a SIGKILL
@@ -26,8 +26,8 @@ from then on cannot lose them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 import os
-import shutil
 import socket
 import time
 import warnings
@@ -36,34 +36,31 @@ from typing import Any, Callable
 
 import torch
 
-from ckptlab.dist import World
+from ckptlab.training.world import World
 from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import NonFiniteLoss, RecordError
-from ckptlab.probe import StepHealth, StepProbe, named_parameters
+from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.step import Trainee
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
-from ckptlab.run.checkpoint import list_checkpoints
-from ckptlab.run.layout import MANIFEST, checkpoints_dir
+from ckptlab.run.checkpoint import clean_stale, list_checkpoints
+from ckptlab.run.layout import MANIFEST, is_first_leftover
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.run.retention import apply_retention
-from ckptlab.run.sharded import save_sharded
-from ckptlab.state import capture_env, capture_rng, capture_train_state, rng_equal, snapshot
-from ckptlab.state import restore_checkpoint
-from ckptlab import userfns
+from ckptlab.training.sharded import save_sharded
+from ckptlab.training.state import capture_env, capture_rng, capture_train_state, rng_equal, snapshot
+from ckptlab.training.state import restore_checkpoint
+from ckptlab.training import userfns
 
 
-class Recorder:
-    """Records a training run into `run_dir`. See the module docstring and docs/run-format.md.
+@dataclass(frozen=True)
+class RecordConfig:
+    """How a Recorder records: the options `Recorder(...)` and both framework callbacks take
+    (as keywords, or as one `config=RecordConfig(...)`).
 
     Args:
-        run_dir: the run directory (created; must not already hold a run unless `resume`).
-        model, optimizer: what `step_fn` trains.
-        step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
-        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
-        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
-        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
         ckpt_every: steps between checkpoints (a checkpoint also starts every session).
         health_every: steps between update-ratio / weight-norm measurements (they cost a copy
             of the parameters); grad norms, loss and lr are recorded every step.
@@ -84,6 +81,53 @@ class Recorder:
             None is silent. Events are recorded either way.
     """
 
+    ckpt_every: int = 500
+    health_every: int = 10
+    keep_last: int = 3
+    on_nonfinite: str = "raise"
+    resume: bool = False
+    restore: bool = True
+    val_metric: str = "val_loss"
+    val_mode: str = "min"
+    keep_best: bool = True
+    data_info: dict | None = None
+    step_scheduler: bool = True
+    on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
+
+    def __post_init__(self) -> None:
+        if self.ckpt_every < 1 or self.health_every < 1:
+            raise RecordError("ckpt_every and health_every must be >= 1")
+        if self.on_nonfinite not in ("raise", "record"):
+            raise RecordError(f"on_nonfinite must be 'raise' or 'record', not {self.on_nonfinite!r}")
+        if self.val_mode not in ("min", "max"):
+            raise RecordError(f"val_mode must be 'min' or 'max', not {self.val_mode!r}")
+
+    @classmethod
+    def of(cls, config: RecordConfig | None = None, **options) -> RecordConfig:
+        """`config` (default: the defaults) with `options` replaced; RecordError naming an
+        option that does not exist."""
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise RecordError(f"unknown Recorder option(s) {', '.join(unknown)} (see ckptlab.RecordConfig)")
+        return replace(config or cls(), **options)
+
+
+class Recorder:
+    """Records a training run into `run_dir`. See the module docstring and docs/run-format.md.
+
+    Args:
+        run_dir: the run directory (created; must not already hold a run unless `resume`).
+        model, optimizer: what `step_fn` trains.
+        step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
+        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
+        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
+        config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
+            on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
+            step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
+            keywords win).
+    """
+
     def __init__(
         self,
         run_dir: str | os.PathLike,
@@ -94,34 +138,14 @@ class Recorder:
         build_fn: Callable,
         scheduler=None,
         scaler=None,
-        ckpt_every: int = 500,
-        health_every: int = 10,
-        keep_last: int = 3,
-        on_nonfinite: str = "raise",
-        resume: bool = False,
-        restore: bool = True,
-        val_metric: str = "val_loss",
-        val_mode: str = "min",
-        keep_best: bool = True,
-        data_info: dict | None = None,
-        step_scheduler: bool = True,
-        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
+        config: RecordConfig | None = None,
+        **options,
     ):
-        if ckpt_every < 1 or health_every < 1:
-            raise RecordError("ckpt_every and health_every must be >= 1")
-        if on_nonfinite not in ("raise", "record"):
-            raise RecordError(f"on_nonfinite must be 'raise' or 'record', not {on_nonfinite!r}")
-        if val_mode not in ("min", "max"):
-            raise RecordError(f"val_mode must be 'min' or 'max', not {val_mode!r}")
+        self.config = RecordConfig.of(config, **options)
         self.run_dir = Path(run_dir)
         self.model, self.optimizer = model, optimizer
         self.step_fn, self.build_fn = step_fn, build_fn
         self.scheduler, self.scaler = scheduler, scaler
-        self.ckpt_every, self.health_every, self.keep_last = ckpt_every, health_every, keep_last
-        self.on_nonfinite = on_nonfinite
-        self.val_metric, self.val_mode, self.keep_best = val_metric, val_mode, keep_best
-        self.step_scheduler = step_scheduler
-        self._on_anomaly = on_anomaly
         self._in_step = False
         self._ckpt_wait = 0.0
         self._spikes = detectors()
@@ -138,22 +162,22 @@ class Recorder:
         # Checks read the same disk on every rank, so every rank raises the same error.
         self.world = World.detect(model)
         exists = (self.run_dir / MANIFEST).exists()
-        if exists and not resume:
+        if exists and not self.config.resume:
             raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
-        if not exists and self.run_dir.exists() and any(not _first_leftover(p.name) for p in self.run_dir.iterdir()):
+        if not exists and self.run_dir.exists() and any(not is_first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
         self.world.barrier()  # nobody writes before every rank has checked
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if exists:
-                _clean_stale(self.run_dir)
+                clean_stale(self.run_dir)
             else:
-                self._write_manifest(self._new_manifest(data_info))
+                self._write_manifest(self._new_manifest())
         self.world.barrier()
         self.manifest = read_manifest(self.run_dir)
         if exists:
             self._check_same_model()
-            self.next_step = self._resume(restore)
+            self.next_step = self._resume(self.config.restore)
         else:
             self.next_step = 0
         self.session = len(self.manifest["sessions"])
@@ -171,9 +195,9 @@ class Recorder:
         if self.world.is_main:
             self._write_manifest(self.manifest)
         self.session_start = self.next_step
-        self.probe = StepProbe(model, optimizer, scaler, self.world)
-        warn = self._on_anomaly == "warn"
-        self.on_anomaly = (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self._on_anomaly
+        self.trainee = Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.config.step_scheduler, world=self.world)
+        warn = self.config.on_anomaly == "warn"
+        self.on_anomaly = (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
 
     def _write_manifest(self, manifest: dict) -> None:
@@ -184,20 +208,20 @@ class Recorder:
 
     # --- set-up ---------------------------------------------------------------------------
 
-    def _new_manifest(self, data_info: dict | None) -> dict:
+    def _new_manifest(self) -> dict:
         params = named_parameters(self.model)
         first = params[0][1] if params else None
         return new_manifest(
             device=str(first.device) if first is not None else "cpu",
             config={
-                "ckpt_every": self.ckpt_every,
-                "health_every": self.health_every,
-                "keep_last": self.keep_last,
-                "on_nonfinite": self.on_nonfinite,
-                "val_metric": self.val_metric,
-                "val_mode": self.val_mode,
+                "ckpt_every": self.config.ckpt_every,
+                "health_every": self.config.health_every,
+                "keep_last": self.config.keep_last,
+                "on_nonfinite": self.config.on_nonfinite,
+                "val_metric": self.config.val_metric,
+                "val_mode": self.config.val_mode,
                 "has_scheduler": self.scheduler is not None,
-                "step_scheduler": self.step_scheduler,
+                "step_scheduler": self.config.step_scheduler,
                 "has_scaler": self.scaler is not None,
             },
             functions={
@@ -209,7 +233,7 @@ class Recorder:
                 for n, p in params
             ],
             param_groups=len(self.optimizer.param_groups),
-            data_info=data_info or {},
+            data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,
             layout="sharded" if self.world.sharded else "replicated",
@@ -245,7 +269,7 @@ class Recorder:
                 stacklevel=3,
             )
         for step, metrics in progress.validation:
-            value = metrics.get(self.val_metric)
+            value = metrics.get(self.config.val_metric)
             if value is not None and math.isfinite(value) and self._improves(value):
                 self._best = (step, float(value))
         rollback = self.manifest.get("rollback")
@@ -271,13 +295,13 @@ class Recorder:
 
     def step(self, batch: Any, sample_ids=None):
         """Record and run one training step; returns what `step_fn` returned (the loss)."""
-        self.begin_step(batch, sample_ids)
-        try:
-            loss = self.step_fn(self.model, self.optimizer, batch)
-        except BaseException:
-            self.abort_step()  # the batch stays recorded: a crashing step can be replayed
-            raise
-        self.end_step(loss)
+        measure = self._record_batch(batch, sample_ids)
+        self._in_step = True
+        try:  # the same measured step that replay runs (training/step.py)
+            loss, health = self.trainee.run_step(self.step_fn, batch, measure_update=measure)
+        finally:
+            self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
+        self._record_health(health)
         return loss
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
@@ -286,6 +310,39 @@ class Recorder:
         """Record the batch of the step about to run (checkpointing first when one is due);
         returns its step number. The step's gradients and update are measured until
         `end_step(loss)`."""
+        measure = self._record_batch(batch, sample_ids)
+        self.trainee.begin(measure_update=measure)
+        self._in_step = True
+        return self.next_step
+
+    def abort_step(self) -> None:
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
+        self.trainee.abort()
+        self._in_step = False
+
+    def end_step(self, loss) -> StepHealth:
+        """Finish the step begun by `begin_step`: record its health (and any anomaly), step
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
+        if not self._in_step:
+            raise RecordError("end_step called without begin_step", path=self.run_dir)
+        try:
+            health = self.trainee.end(loss)
+        finally:
+            self._in_step = False
+        return self._record_health(health)
+
+    @property
+    def in_step(self) -> bool:
+        """Between `begin_step` and `end_step`/`abort_step`."""
+        return self._in_step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _record_batch(self, batch: Any, sample_ids) -> bool:
+        """Before step `next_step` runs: a checkpoint when one is due, then its batch, sample
+        ids and (when changed) RNG states. Returns whether this step measures its update."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
@@ -296,7 +353,7 @@ class Recorder:
             sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
         self._ckpt_wait = 0.0
-        if n == self.session_start or n % self.ckpt_every == 0:
+        if n == self.session_start or n % self.config.ckpt_every == 0:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
@@ -304,29 +361,12 @@ class Recorder:
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
         self._force_rng = False
-        self.probe.begin(measure_update=n % self.health_every == 0)
-        self._in_step = True
-        return n
+        return n % self.config.health_every == 0
 
-    def abort_step(self) -> None:
-        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
-        self.probe._active = False
-        self._in_step = False
-
-    def end_step(self, loss) -> StepHealth:
-        """Finish the step begun by `begin_step`: record its health (and any anomaly), step
-        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
-        if not self._in_step:
-            raise RecordError("end_step called without begin_step", path=self.run_dir)
+    def _record_health(self, health: StepHealth) -> StepHealth:
+        """After step `next_step` ran: its health and anomalies; NonFiniteLoss if asked to."""
         n = self.next_step
-        try:
-            health = self.probe.end(loss)
-        finally:
-            self.abort_step()
-        if self.scheduler is not None and self.step_scheduler:
-            self.scheduler.step()
         self._rng_after_prev = capture_rng()
-
         events = self._anomalies(n, health)
         scalars = {"step": n, "time": time.time(), **health.scalars()}
         if self._ckpt_wait:
@@ -338,7 +378,7 @@ class Recorder:
         self.next_step = n + 1
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
-        if not health.loss_finite and self.on_nonfinite == "raise":
+        if not health.loss_finite and self.config.on_nonfinite == "raise":
             raise NonFiniteLoss(n, health.loss, str(self.run_dir))
         return health
 
@@ -356,17 +396,17 @@ class Recorder:
         clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
         if self.world.is_main:
             self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
-        value = clean.get(self.val_metric)
+        value = clean.get(self.config.val_metric)
         if value is None or not math.isfinite(value):
             return
         if self._improves(value):
             self._best = (step, value)
-            if self.keep_best and step not in self._ckpt_steps:
+            if self.config.keep_best and step not in self._ckpt_steps:
                 self._checkpoint(step, "best")
                 self._force_rng = True
 
     def _improves(self, value: float) -> bool:
-        return self._best is None or (value < self._best[1] if self.val_mode == "min" else value > self._best[1])
+        return self._best is None or (value < self._best[1] if self.config.val_mode == "min" else value > self._best[1])
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
@@ -383,7 +423,7 @@ class Recorder:
             "first_anomaly": self._first_anomaly,
         }
         if self._best is not None and self._best[0] == step:
-            info["validation"] = {self.val_metric: self._best[1]}
+            info["validation"] = {self.config.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
         if self.world.sharded:  # FSDP: every rank writes its shards (DCP), on this thread
             t0 = time.perf_counter()
@@ -391,12 +431,12 @@ class Recorder:
             state.pop("optimizer")  # its tensors go into DCP; param_groups with them
             save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
             if self.world.is_main:
-                apply_retention(self.run_dir, self.keep_last, *self._protected())
+                apply_retention(self.run_dir, self.config.keep_last, *self._protected())
             return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
-        return self.writer.submit_checkpoint(captured, Retention(self.keep_last, self._protected))
+        return self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()
@@ -418,7 +458,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        self.probe.close()
+        self.trainee.close()
         self.writer.close()
 
     def __enter__(self) -> "Recorder":
@@ -447,18 +487,6 @@ def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
         )
 
     return warn
-
-
-def _clean_stale(run_dir: Path) -> None:
-    """Leftovers of a crash mid-commit or mid-delete (never a complete checkpoint)."""
-    root = checkpoints_dir(run_dir)
-    for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _first_leftover(name: str) -> bool:
-    """What a first session killed before its manifest was written leaves behind."""
-    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
 
 
 def _plain_ids(ids) -> list:

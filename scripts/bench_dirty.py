@@ -110,7 +110,7 @@ def main() -> None:
     for _ in range(args.repeat):
         run = ckptlab.open_run(path)  # cold reader: the scan pays for indexing and decoding
         t0 = time.perf_counter()
-        report = scan(run, attribute=False)
+        report = scan(run)
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
     n, rows = report.scanned["steps"], report.scanned["rows"]

@@ -28,7 +28,7 @@ from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on 
 
 import ckptlab
 from ckptlab import record
-from ckptlab.probe import StepProbe
+from ckptlab.training.probe import StepProbe
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter

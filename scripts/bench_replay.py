@@ -118,9 +118,9 @@ def main() -> int:
     print(f"replay {args.steps} steps: {replay_s:.2f} s vs recorded {recorded:.2f} s -> {replay_s / recorded:.2f}x "
           f"(bit-exact: {sum(c.match for c in report.steps)}/{len(report.steps)})")
 
-    from ckptlab.replayer import Replayer
-    from ckptlab.state import restore_snapshot, snapshot
-    from ckptlab.trace import Tracer
+    from ckptlab.replayer.driver import Replayer
+    from ckptlab.training.state import restore_snapshot, snapshot
+    from ckptlab.replayer.trace import Tracer
 
     r = Replayer(run)
     t = r.build()

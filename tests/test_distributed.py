@@ -134,7 +134,7 @@ def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):
 def test_dirty_scans_every_ranks_batches(ddp_run):
     from ckptlab.analysis.dirty import scan
 
-    report = scan(ckptlab.open_run(ddp_run), attribute=False)
+    report = scan(ckptlab.open_run(ddp_run))
     rows = {(f.step, f.rank, f.row, f.sample_id) for f in report.flagged if f.reason == "nonfinite"}
     assert rows == {(dm.NAN_STEP, dm.NAN_RANK, dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])}
     assert dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW] in report.skip_ids

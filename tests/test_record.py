@@ -204,3 +204,19 @@ def test_manifest_describes_the_run(run_dir):
     assert manifest["data_info"] == {"pad_id": 0}
     assert [p["name"] for p in manifest["parameters"]][:2] == ["wte.weight", "wpe.weight"]
     assert "lm_head.weight" not in [p["name"] for p in manifest["parameters"]]  # tied: once
+
+
+def test_options_as_a_config_or_as_keywords_and_unknown_ones_refused(run_dir):
+    """One RecordConfig behind the Recorder's keywords; a typo fails before anything is written."""
+    model, opt = models.build_mlp()[:2]
+    config = ckptlab.RecordConfig(ckpt_every=7, health_every=2)
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, config=config, keep_last=4
+    ) as rec:
+        assert (rec.config.ckpt_every, rec.config.health_every, rec.config.keep_last) == (7, 2, 4)
+    assert json.loads((run_dir / "manifest.json").read_text())["config"]["ckpt_every"] == 7
+    with pytest.raises(RecordError, match="unknown Recorder option.*ckpt_evry"):
+        ckptlab.Recorder(run_dir / "new", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_evry=5)
+    with pytest.raises(RecordError, match="ckpt_every and health_every must be >= 1"):
+        ckptlab.RecordConfig(ckpt_every=0)
+    assert not (run_dir / "new").exists()

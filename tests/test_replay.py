@@ -129,3 +129,17 @@ def test_compiled_model_and_printing_build_fn(run_dir):
     doc = json.loads(out.stdout)  # the build_fn's print went to stderr, not into the JSON
     assert doc["deterministic"] is True
     assert "chatty build_fn" in out.stderr
+
+
+def test_verdict_of_an_op_fault_with_no_row_to_blame():
+    """A numeric origin found by the trace, but no batch row blamed (e.g. every row alone is
+    healthy): the verdict names the op, and does not reach for a blamed row that is not there."""
+    from ckptlab.replayer.findings import Origin, ReplayReport, verdict
+
+    report = ReplayReport(
+        run="r", requested_step=9, root_step=9, start_checkpoint=0, fault_recorded=True, reproduced=True,
+        deterministic=True, first_divergence=None,
+        origin=Origin("numeric", "forward", "blocks.0.attn", "aten._softmax.default", None, "m.py:3", produced="NaN", inputs_finite=True),
+        samples=[], parameters=[], chain=[], counterfactuals=[], steps=[], verdict="",
+    )
+    assert verdict(report) == "Step 9: aten._softmax.default in `blocks.0.attn` (m.py:3) produced NaN from finite inputs."

@@ -16,7 +16,7 @@ from ckptlab.analysis.rollback import choose
 from ckptlab.run import archive, framelog
 from ckptlab.run.export import export_checkpoint
 from ckptlab.run.layout import SEGMENT_RE
-from ckptlab.state import load_model, load_train_state, restore_rng
+from ckptlab.training.state import load_model, load_train_state, restore_rng
 from tests import act_models as am
 from tests import models
 

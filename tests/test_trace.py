@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from ckptlab.trace import Tracer, rows_of, summarize
+from ckptlab.replayer.trace import Tracer, rows_of, summarize
 
 
 class Masked(nn.Module):

@@ -38,6 +38,7 @@ import torch
 
 from ckptlab import stats
 from ckptlab.errors import CkptlabError
+from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.io import LazyStateDict, open_checkpoint
 from ckptlab.io.stream import Job, default_workers, stream
 
@@ -125,11 +126,12 @@ class TensorFinding:
     a: Side
     b: Side | None
     delta: Delta | None
-    _hist_a: np.ndarray | None = field(default=None, repr=False)  # HIST_EDGES counts (not in JSON)
-    _hist_b: np.ndarray | None = field(default=None, repr=False)
-    _tier: int = UNFLAGGED
-    _score: float = 0.0
-    _order: int = 0  # position in checkpoint A (tables list tensors in model order)
+    # Working values for ranking and the terminal/plot renderers, not part of the JSON:
+    hist_a: np.ndarray | None = field(default=None, repr=False, metadata=NOT_IN_JSON)  # HIST_EDGES counts
+    hist_b: np.ndarray | None = field(default=None, repr=False, metadata=NOT_IN_JSON)
+    tier: int = field(default=UNFLAGGED, metadata=NOT_IN_JSON)
+    score: float = field(default=0.0, metadata=NOT_IN_JSON)
+    order: int = field(default=0, metadata=NOT_IN_JSON)  # position in checkpoint A (tables list tensors in model order)
 
 
 @dataclass
@@ -202,10 +204,10 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
     results = _stream_in_file_order(jobs, workers, progress)  # TensorStats / PairStats
     findings = [_finding(p, r, sd_a, sd_b) for p, r in zip(plan.pairs, results)]
     for i, f in enumerate(findings):
-        f._order = i
+        f.order = i
     (_rank_pairs if sd_b is not None else _rank_single)(findings)
-    findings.sort(key=lambda f: (f._tier, -f._score))
-    top = findings[0] if findings[0]._tier < UNFLAGGED else None
+    findings.sort(key=lambda f: (f.tier, -f.score))
+    top = findings[0] if findings[0].tier < UNFLAGGED else None
     nbytes = sum(j.a.nbytes + (j.b.nbytes if j.b is not None else 0) for j in jobs)
     seconds = time.perf_counter() - started
     return DiffFindings(
@@ -220,7 +222,7 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
         notes=[f"A: {n}" for n in sd_a.notes] + [f"B: {n}" for n in (sd_b.notes if sd_b else [])] + plan.notes,
         summary={
             "compared": len(findings),
-            "flagged": sum(1 for f in findings if f._tier < UNFLAGGED),
+            "flagged": sum(1 for f in findings if f.tier < UNFLAGGED),
             "elements": sum(j.a.numel for j in jobs),
             "bytes": nbytes,
             "seconds": round(seconds, 3),
@@ -411,7 +413,7 @@ def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Ten
     common = dict(name=p.name, module=p.name.rpartition(".")[0], flags=[], reason=None, shape=list(ra.shape),
                   dtype_a=_dt(ra.dtype), tied=p.tied)
     if sd_b is None:
-        return TensorFinding(**common, dtype_b=None, a=Side.of(r), b=None, delta=None, _hist_a=r.hist)
+        return TensorFinding(**common, dtype_b=None, a=Side.of(r), b=None, delta=None, hist_a=r.hist)
     rb = sd_b.info(p.name_b)
     d = r.delta
     delta = Delta(
@@ -429,7 +431,7 @@ def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Ten
     )
     flags = ["dtype_changed"] if ra.dtype != rb.dtype else []
     return TensorFinding(**{**common, "flags": flags}, dtype_b=_dt(rb.dtype), a=Side.of(r.a), b=Side.of(r.b), delta=delta,
-                         _hist_a=r.a.hist, _hist_b=r.b.hist)
+                         hist_a=r.a.hist, hist_b=r.b.hist)
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -443,8 +445,8 @@ def _flag(f: TensorFinding, flag: str, score: float, reason: str) -> None:
     f.flags.insert(len([x for x in f.flags if TIERS.get(x, UNFLAGGED) <= TIERS[flag]]), flag)
     if not (flag in ("drifted", "stalled") and "exploded" in f.flags):  # the explosion already says it
         f.reason = f"{f.reason}; {reason}" if f.reason else reason
-    if TIERS[flag] < f._tier:
-        f._tier, f._score = TIERS[flag], score
+    if TIERS[flag] < f.tier:
+        f.tier, f.score = TIERS[flag], score
 
 
 def _rank_pairs(findings: list[TensorFinding]) -> None:
@@ -452,7 +454,7 @@ def _rank_pairs(findings: list[TensorFinding]) -> None:
     changed = sum(1 for f in findings if f.delta.unchanged < 1)
     for f in findings:
         a, b, d = f.a, f.b, f.delta
-        f._score = d.rel_change if math.isfinite(d.rel_change) else 0.0
+        f.score = d.rel_change if math.isfinite(d.rel_change) else 0.0
         if b.nonfinite > a.nonfinite or (b.nonfinite and a.nonfinite):
             was = "A had none" if not a.nonfinite else f"A had {a.nonfinite}"
             _flag(f, "nonfinite", b.nonfinite - a.nonfinite + b.nonfinite / (b.numel + 1), f"{_counts(b)} ({was})")
@@ -495,7 +497,7 @@ def _rank_single(findings: list[TensorFinding]) -> None:
     for f in findings:
         a = f.a
         ratio = a.absmax / typical if typical > 0 and math.isfinite(a.absmax) else 0.0
-        f._score = ratio
+        f.score = ratio
         if a.nonfinite:
             _flag(f, "nonfinite", a.nonfinite, _counts(a))
         limit = _overflow_limit(f.dtype_a)

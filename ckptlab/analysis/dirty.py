@@ -1,6 +1,6 @@
-"""Find dirty data in a recorded run, and skip it on resume.
+"""Find dirty data in a recorded run, for a skip list on resume.
 
-    report = scan(ckptlab.open_run("runs/exp1"))      # static + dynamic (+ attribution) scan
+    report = scan(ckptlab.open_run("runs/exp1"), attribute=attribute_rows)  # static + dynamic + attribution
     for r in report.flagged:                           # most suspicious first
         r.step, r.row, r.sample_id, r.reason, r.evidence
     write_skip_list(report, "skip.json")
@@ -14,9 +14,10 @@ Three stages, each usable alone:
    content seen under another sample id (a duplicate).
 2. dynamic: the step health (loss and gradient-norm spikes by the one spike rule in
    analysis/spikes.py, non-finite losses), mapped to their steps and batches.
-3. attribution (optional): for flagged steps, replay's per-row loss and gradient norm
-   (`ckptlab.replayer.attribute_rows(run, step)`), naming the rows that caused a spike even
-   when their content looks normal. Skipped, with a note, when replay is not available.
+3. attribution (optional): for flagged steps, per-row loss and gradient norm from the
+   function passed as `attribute` (`ckptlab.replayer.attribute_rows(run, step[, rank=])`, which
+   replays the step row by row), naming the rows that caused a spike even when their content
+   looks normal. This module only reads stored data; replay is the caller's to pass in.
 
 Ranking: each reason has a base score (non-finite 100 ... length outlier 20); a row flagged by
 content in a step that also spiked gains 15, since two independent signals agree.
@@ -30,18 +31,18 @@ import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
-import torch
-import torch.utils.data as tud
 
+from ckptlab.analysis.batches import embedding_tables, leaves
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeRule, find_spikes
 from ckptlab.errors import CkptlabError
+from ckptlab.run import skiplist
 from ckptlab.run.reader import Run
 
-SKIP_FORMAT = "ckptlab-skip"
+# attribute(run, step[, rank=r]) -> [(row, sample_id, loss, grad_norm) | {"row": ...} | SampleBlame]
+Attribute = Callable[..., Iterable[Any]]
 
 # Base scores: how sure a reason alone makes us that a row is bad.
 SCORES = {
@@ -103,35 +104,6 @@ class DirtyReport:
     skip_ids: list  # sample ids a resumed run should skip
     notes: list[str] = field(default_factory=list)
     verdict: str = ""
-
-
-# --- walking a batch ---------------------------------------------------------------------------------
-
-def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, value) for every array-like or string-list leaf of a batch's nesting; tensors
-    come back as numpy arrays (bfloat16 and friends as float32)."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for k, v in zip(obj._fields, obj):
-            yield from leaves(v, f"{path}.{k}" if path else k)
-    elif isinstance(obj, (list, tuple)):
-        if obj and all(isinstance(v, (str, bytes)) for v in obj):
-            yield path or "0", list(obj)
-            return
-        for i, v in enumerate(obj):
-            yield from leaves(v, f"{path}.{i}" if path else str(i))
-    elif isinstance(obj, np.ndarray):
-        if obj.dtype.kind in "biufc":
-            yield path, obj
-    elif isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        if t.is_complex():
-            t = t.abs()
-        elif t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
-            t = t.float()  # bfloat16, float8: numpy has no such dtype
-        yield path, t.numpy()
 
 
 # --- per-field accumulators (one pass over the batches) -------------------------------------------
@@ -201,9 +173,10 @@ def _run_length(flat: np.ndarray) -> np.ndarray:
 
 # --- the scan --------------------------------------------------------------------------------------
 
-def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: bool = True,
+def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: Attribute | None = None,
          data_info: dict | None = None, progress: Callable[[int, int], None] | None = None) -> DirtyReport:
-    """Static, dynamic and (when `attribute` and replay is available) attribution scans."""
+    """Static and dynamic scans, and attribution of the flagged steps when `attribute` (a
+    per-row replay such as `ckptlab.replayer.attribute_rows`) is given."""
     t0 = time.perf_counter()
     info = {**(run.manifest.get("data_info") or {}), **(data_info or {})}
     static = _StaticScan(run, rules, info)
@@ -219,8 +192,8 @@ def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: bool = True,
     step_flags = dynamic_flags(run, rules, ids_by_step=static.ids_by_step())
     flagged += _step_rows(step_flags)
     attribution = {"status": "off"}
-    if attribute:
-        attribution, rows = _attribution(run, step_flags, rules, ranks)
+    if attribute is not None:
+        attribution, rows = _attribution(run, attribute, step_flags, rules, ranks)
         flagged += rows
     _corroborate(flagged)
     flagged.sort(key=lambda r: (-r.score, r.step, -1 if r.row is None else r.row, r.reason))
@@ -260,7 +233,7 @@ class _StaticScan:
         self.vocab = _int_or_none(info.get("vocab_size"))
         self.vocab_source = "data_info" if self.vocab is not None else None
         if self.vocab is None:
-            self.vocab = _embedding_rows(run)
+            self.vocab = next(iter(embedding_tables(run.manifest)), None)
             self.vocab_source = "inferred from the embedding table" if self.vocab is not None else None
         self.ignore_index = int(info.get("ignore_index", rules.ignore_index))
         self.info_used: dict = {}
@@ -546,24 +519,12 @@ def _corroborate(rows: list[DirtyRow]) -> None:
             r.evidence["step_flags"] = sorted(set(step_kinds[r.step]))
 
 
-# --- attribution (optional; replay provides it) ------------------------------------------------------
+# --- attribution (optional; the caller passes replay in) ------------------------------------------------------
 
-def attribution_function() -> tuple[Callable | None, str | None]:
-    """`ckptlab.replayer.attribute_rows` if this ckptlab has it, else (None, why not)."""
-    try:
-        from ckptlab.replayer import attribute_rows
-    except ImportError as e:
-        return None, f"replay attribution is not available ({e})"
-    return attribute_rows, None
-
-
-def _attribution(run: Run, step_flags: list[dict], rules: DirtyRules, ranks=(None,)) -> tuple[dict, list[DirtyRow]]:
+def _attribution(run: Run, fn: Attribute, step_flags: list[dict], rules: DirtyRules, ranks=(None,)) -> tuple[dict, list[DirtyRow]]:
     retained = [f for f in step_flags if f["batch"] == "retained"]
     if not retained:
         return {"status": "nothing to attribute", "steps": []}, []
-    fn, why = attribution_function()
-    if fn is None:
-        return {"status": "unavailable", "note": why, "steps": []}, []
     worst = sorted({f["step"] for f in retained}, key=lambda s: -max((f.get("z") or math.inf) for f in retained if f["step"] == s))
     out, done, failed = [], [], []
     for step in sorted(worst[: rules.max_attribute]):
@@ -681,10 +642,8 @@ def skip_ids(report: DirtyReport, *, whole_batches: bool = True) -> list:
     return ids
 
 
-def write_skip_list(report: DirtyReport, path: str | os.PathLike, run: Run | None = None) -> dict:
+def write_skip_list(report: DirtyReport, path: str | os.PathLike) -> dict:
     """Write the skip list as JSON (atomically); returns what was written."""
-    from ckptlab.run.layout import write_json_atomic
-
     entries: dict = {}
     for r in report.flagged:
         if r.sample_id is None or r.row is None or r.reason not in SKIP_REASONS:
@@ -692,35 +651,7 @@ def write_skip_list(report: DirtyReport, path: str | os.PathLike, run: Run | Non
         e = entries.setdefault(repr(r.sample_id), {"sample_id": r.sample_id, "step": r.step, "row": r.row, "reasons": []})
         if r.reason not in e["reasons"]:
             e["reasons"].append(r.reason)
-    doc = {
-        "format": SKIP_FORMAT,
-        "version": 1,
-        "run": report.run,
-        "created": time.time(),
-        "sample_ids": report.skip_ids,
-        "entries": list(entries.values()),
-    }
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(target, doc)
-    return doc
-
-
-def read_skip_list(path: str | os.PathLike) -> list:
-    import json
-
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CkptlabError("no such skip list", path=p) from None
-    except ValueError as e:
-        raise CkptlabError(f"not a JSON skip list ({e})", path=p) from None
-    if isinstance(doc, list):
-        return doc
-    if not isinstance(doc, dict) or doc.get("format") != SKIP_FORMAT:
-        raise CkptlabError("not a ckptlab skip list (written by `ckptlab dirty --out`)", path=p)
-    return list(doc.get("sample_ids", []))
+    return skiplist.write(path, report.skip_ids, list(entries.values()), run=report.run)
 
 
 def _verdict(report: DirtyReport) -> str:
@@ -763,102 +694,3 @@ def _int_or_none(x) -> int | None:
         return int(x) if x is not None else None
     except (TypeError, ValueError):
         return None
-
-
-def _embedding_rows(run: Run) -> int | None:
-    """The vocabulary size, read off the model: the rows of the first embedding-like table."""
-    from ckptlab.analysis.health import _is_embedding
-
-    for p in run.manifest.get("parameters", []):
-        if len(p.get("shape", ())) == 2 and _is_embedding(p["name"]):
-            return int(p["shape"][0])
-    return None
-
-
-# --- skip_samples: the resume-side helper ----------------------------------------------------------
-
-def skip_samples(source, skip, *, key: Callable[[Any], Any] | None = None):
-    """Wrap a sampler, batch sampler, dataset or any iterable so that the sample ids in `skip`
-    never come out of it.
-
-        sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")
-        loader = DataLoader(ds, sampler=sampler, batch_size=32)
-
-    `skip` is a skip-list file (`ckptlab dirty --out skip.json`), a DirtyReport, or ids.
-    - A sampler (yields dataset indices, which is what a DataLoader records as sample ids when
-      you pass the indices): yields every index not in `skip`.
-    - A batch sampler (yields lists of indices): drops those indices from each batch, and a
-      batch left empty.
-    - A map-style dataset (`__getitem__` + `__len__`): a `torch.utils.data.Subset` without the
-      skipped indices (positions shift: prefer wrapping the sampler).
-    - Any other iterable (an IterableDataset, a generator): yields items whose id is not in
-      `skip`; the id is `key(item)`, else the item itself.
-    """
-    ids = _skip_set(skip)
-    if _is_map_dataset(source):
-        keep = [i for i in range(len(source)) if not _member(i, ids)]
-        return tud.Subset(source, keep)
-    return _SkipIterable(source, ids, key)
-
-
-def _skip_set(skip) -> frozenset:
-    if isinstance(skip, DirtyReport):
-        values = skip.skip_ids
-    elif isinstance(skip, (str, os.PathLike)):
-        values = read_skip_list(skip)
-    else:
-        values = list(skip)
-    return frozenset(_norm_id(v) for v in values)
-
-
-def _norm_id(v):
-    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
-        v = v.item()
-    return v
-
-
-def _member(v, ids: frozenset) -> bool:
-    try:
-        return _norm_id(v) in ids
-    except TypeError:  # unhashable item without a key: never skipped
-        return False
-
-
-def _is_map_dataset(source) -> bool:
-    if isinstance(source, (tud.Sampler, tud.IterableDataset)):
-        return False
-    return hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, (list, tuple, range, str))
-
-
-class _SkipIterable(tud.Sampler):
-    """Filters what the wrapped sampler/iterable yields (see `skip_samples`)."""
-
-    def __init__(self, source: Iterable, ids: frozenset, key: Callable | None):
-        self.source, self.ids, self.key = source, ids, key
-
-    def __iter__(self):
-        for item in self.source:
-            if self.key is not None:
-                if not _member(self.key(item), self.ids):
-                    yield item
-            elif isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
-                kept = [i for i in item if not _member(i, self.ids)]
-                if kept:
-                    yield type(item)(kept) if isinstance(item, tuple) else kept
-            elif not _member(item, self.ids):
-                yield item
-
-    def __len__(self):
-        """For a sampler of indices 0..n-1: n minus the skipped ids in that range (a
-        DataLoader only uses it for len(loader)); batch samplers keep their length."""
-        n = len(self.source)
-        if self.key is not None:
-            return n
-        inner = getattr(self.source, "sampler", None)  # a BatchSampler
-        if inner is not None:
-            return n
-        return n - sum(1 for i in self.ids if isinstance(i, int) and 0 <= i < n)
-
-    def set_epoch(self, epoch: int) -> None:  # DistributedSampler's hook passes through
-        if hasattr(self.source, "set_epoch"):
-            self.source.set_epoch(epoch)

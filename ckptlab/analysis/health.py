@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ckptlab.analysis.batches import embedding_tables, is_embedding, leaves
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeRule, find_spikes
+from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.run.reader import Metrics, Run
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
-EMBEDDING_HINTS = ("emb", "wte", "wpe", "tok")  # names of embedding tables (sparse updates)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class HealthReport:
     findings: list[Finding]
     verdict: str
     rules: HealthRules
-    _plots: PlotData | None = None  # leading underscore: left out of --json
+    plots: PlotData | None = field(default=None, metadata=NOT_IN_JSON)  # for the HTML page
 
     @property
     def worst(self) -> str | None:
@@ -216,7 +217,7 @@ def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = Tr
         rules=rules,
     )
     if plots:
-        report._plots = _plot_data(run, m, val, metric, findings, snapshots, stop)
+        report.plots = _plot_data(run, m, val, metric, findings, snapshots, stop)
     return report
 
 
@@ -750,7 +751,7 @@ def _update_ratio_band(m: Metrics, names, shapes, measured, ur, frozen: set, rul
         ))
     if low:
         worst = min(low.values())
-        severe = any(v < lo / 10 and not _is_embedding(n) for n, v in low.items())
+        severe = any(v < lo / 10 and not is_embedding(n) for n, v in low.items())
         out.append(Finding(
             kind="update_ratio_low",
             severity="warning" if severe else "info",
@@ -763,10 +764,6 @@ def _update_ratio_band(m: Metrics, names, shapes, measured, ur, frozen: set, rul
                       "embeddings update only the rows in the batch, so their ratio is naturally lower"],
         ))
     return out
-
-
-def _is_embedding(name: str) -> bool:
-    return any(h in name.lower() for h in EMBEDDING_HINTS)
 
 
 def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: list[WeightSnapshot]) -> list[Finding]:
@@ -898,15 +895,13 @@ def is_language_model(run: Run) -> bool:
         return True
     if info.get("task"):
         return False
-    tables = [p["shape"][0] for p in run.manifest.get("parameters", []) if len(p.get("shape", ())) == 2 and _is_embedding(p["name"])]
+    tables = embedding_tables(run.manifest)
     if not tables or not run.steps:
         return False
     try:
         batch, _ = run.batch(run.steps[0])
     except Exception:  # noqa: BLE001 - an unreadable batch just means "cannot tell"
         return False
-    from ckptlab.analysis.dirty import leaves
-
     for _, value in leaves(batch):
         if getattr(value, "ndim", 0) == 2 and _is_int(value) and value.size and 0 <= int(value.min()) and int(value.max()) < max(tables):
             return True

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptlab import userfns
 from ckptlab.errors import CkptlabError
-from ckptlab.run.layout import archive_dir, dir_size, sources_dir
+from ckptlab.run.layout import dir_size, parts
+from ckptlab.run.manifest import resolve_file, source_changed
 from ckptlab.run.reader import Run
 
 
@@ -129,15 +129,9 @@ def _validation(run: Run) -> dict:
 
 
 def _disk(run: Run) -> dict:
-    parts = {
-        "checkpoints": dir_size(run.path / "checkpoints"),
-        "batches": dir_size(run.path / "batches"),
-        "journal": dir_size(run.path / "journal"),
-        "sources": dir_size(sources_dir(run.path)),
-        "archive": dir_size(archive_dir(run.path)),
-    }
-    parts["total"] = dir_size(run.path)
-    return parts
+    sizes = {name: dir_size(path) for name, path in parts(run.path).items()}
+    sizes["total"] = dir_size(run.path)
+    return sizes
 
 
 def _functions(run: Run) -> dict:
@@ -146,7 +140,7 @@ def _functions(run: Run) -> dict:
         out[role] = {
             "name": f"{desc.get('module')}.{desc.get('qualname')}",
             "file": desc.get("file"),
-            "found": userfns.resolve_file(desc, run.path) is not None,
-            "changed": userfns.source_changed(desc, run.path),
+            "found": resolve_file(desc, run.path) is not None,
+            "changed": source_changed(desc, run.path),
         }
     return out

@@ -22,19 +22,12 @@ def find_run(run_dir: Path | None, term) -> Path:
     env = os.environ.get("CKPTLAB_RUN")
     if env:
         return Path(env)
+    from ckptlab.run.layout import is_run, last_written
+
     root = Path("runs")
-    candidates = [d for d in root.iterdir() if (d / "manifest.json").is_file()] if root.is_dir() else []
+    candidates = [d for d in root.iterdir() if is_run(d)] if root.is_dir() else []
     if not candidates:
         raise NotARunError("no run given and none found under ./runs", hint="pass --run DIR or set CKPTLAB_RUN")
-    newest = max(candidates, key=_last_written)
+    newest = max(candidates, key=last_written)
     term.note(f"using run {newest} (the most recently written under ./runs; pass --run to choose)")
     return newest
-
-
-def _last_written(run: Path) -> float:
-    latest = (run / "manifest.json").stat().st_mtime
-    for sub in ("journal", "batches/rank0", "checkpoints"):
-        d = run / sub
-        if d.is_dir():
-            latest = max([latest, d.stat().st_mtime, *(p.stat().st_mtime for p in d.iterdir())])
-    return latest

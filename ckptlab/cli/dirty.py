@@ -42,6 +42,7 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
 
     from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
     from ckptlab.render.console import Terminal
+    from ckptlab.render.dirty import render
     from ckptlab.run.reader import open_run
 
     term = Terminal(json_mode=as_json)
@@ -51,8 +52,11 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
                     grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
                     extreme_z=extreme_z if extreme_z is not None else rules.extreme_z)
     info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
+    attribute_rows, unavailable = _attribution() if attribute else (None, None)
     with term.progress("scanning batches", total=len(run.steps)) as update:
-        report = scan(run, rules, attribute=attribute, data_info=info, progress=update)
+        report = scan(run, rules, attribute=attribute_rows, data_info=info, progress=update)
+    if unavailable:
+        report.attribution = {"status": "unavailable", "note": unavailable, "steps": []}
     if no_skip_batches:
         report.skip_ids = skip_ids(report, whole_batches=False)
     if out_path is not None:
@@ -66,53 +70,17 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
         term.warn(p)
 
 
+def _attribution():
+    """(replay's per-row attribution, None), or (None, why it cannot be had here)."""
+    try:
+        from ckptlab.replayer import attribute_rows
+    except ImportError as e:
+        return None, f"replay attribution is not available ({e})"
+    return attribute_rows, None
+
+
 def _rule(rule, z, window, ratio):
     from dataclasses import replace
 
     changes = {k: v for k, v in (("z", z), ("window", window), ("min_ratio", ratio)) if v is not None}
     return replace(rule, **changes) if changes else rule
-
-
-def render(r, term, top: int) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    s = r.scanned
-    info = r.data_info
-    term.print(f"[bold]{r.run}[/bold]  scanned {s['steps']} retained batches ({s['rows']} rows; steps {s['first']}..{s['last']}) "
-               f"at {s['batches_per_s'] or 0:.0f} batches/s")
-    term.print(f"data       fields {', '.join(s['fields']) or '-'}; pad id {_src(info['pad_id'], info['pad_source'])}; "
-               f"vocab size {_src(info['vocab_size'], info['vocab_source'])}")
-    a = r.attribution
-    term.print(f"attribution {a['status']}" + (f" ({a['note']})" if a.get("note") else "")
-               + (f": steps {a['steps']}" if a.get("steps") else ""))
-    if r.flagged:
-        table = Table(title=f"flagged (top {min(top, len(r.flagged))} of {len(r.flagged)})", title_justify="left", show_edge=False)
-        ranked = any(row.rank is not None for row in r.flagged)  # a distributed run
-        for col in ("score", "step", *(("rank",) if ranked else ()), "row", "sample_id", "reason", "evidence"):
-            table.add_column(col)
-        for row in r.flagged[:top]:
-            rank = ("-" if row.rank is None else str(row.rank),) if ranked else ()
-            table.add_row(f"{row.score:.0f}", str(row.step), *rank, "-" if row.row is None else str(row.row),
-                          "-" if row.sample_id is None else escape(repr(row.sample_id)), row.reason, escape(_evidence(row.evidence)))
-        term.print(table)
-    for note in r.notes:
-        term.note(note)
-    term.print(f"[bold]verdict:[/bold] {escape(r.verdict)}")
-
-
-def _src(value, source) -> str:
-    return "unknown" if value is None else f"{value} ({source})"
-
-
-def _evidence(ev: dict) -> str:
-    parts = []
-    for k, v in ev.items():
-        if k in ("also",):
-            continue
-        if isinstance(v, float):
-            v = f"{v:.4g}"
-        elif isinstance(v, dict):
-            v = "{" + ", ".join(f"{a}={b}" for a, b in v.items()) + "}"
-        parts.append(f"{k}={v}")
-    return ", ".join(parts)

@@ -34,8 +34,8 @@ def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
     run = open_run(find_run(run_dir, term))
     gradients = None
     if grads:
-        from ckptlab.analysis.gradients import checkpoint_gradients
-        from ckptlab.replayer import Replayer
+        from ckptlab.replayer.gradients import checkpoint_gradients
+        from ckptlab.replayer.driver import Replayer
 
         replayer = Replayer(run)
         gradients = lambda step: checkpoint_gradients(run, step, replayer=replayer)  # noqa: E731

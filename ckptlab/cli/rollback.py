@@ -35,7 +35,9 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
     """
     from ckptlab.analysis.rollback import choose
     from ckptlab.errors import CkptlabError
+    from ckptlab.jsonable import plain
     from ckptlab.render.console import Terminal
+    from ckptlab.render.rollback import render
     from ckptlab.run import archive
     from ckptlab.run.reader import open_run
 
@@ -62,7 +64,7 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
     target.verify()  # always, even with --no-verify: nothing moves on a corrupt target
     action = _act(run, path, choice, to_dir, dry_run)
     if as_json:
-        term.json({**_plain_choice(choice), "action": action})
+        term.json({**plain(choice), "action": action})
     else:
         render(choice, action, term)
 
@@ -87,42 +89,3 @@ def _act(run, path: Path, choice, to_dir: Path | None, dry_run: bool) -> dict:
             "resume": f"Recorder({str(path)!r}, ..., resume=True) restores checkpoint {choice.step} and records on from step {choice.step}"}
 
 
-def _plain_choice(choice) -> dict:
-    from ckptlab.render.jsonout import plain
-
-    return plain(choice)
-
-
-def render(choice, action: dict, term) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"candidates ({choice.run})", title_justify="left", show_edge=False)
-    for col in ("", "step", "reason", "validation", "health", "integrity"):
-        table.add_column(col)
-    for c in choice.candidates:
-        val = ", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-"
-        integrity = "[green]ok[/green]" if c.integrity == "ok" else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{escape(c.integrity)}[/red]")
-        table.add_row("[bold]>[/bold]" if c.chosen else "", str(c.step), c.reason, val,
-                      "healthy" if c.healthy else "[yellow]after anomaly[/yellow]", integrity)
-    term.print(table)
-    if choice.first_anomaly:
-        term.print(f"first anomaly: {choice.first_anomaly['kind']} at step {choice.first_anomaly['step']}")
-    term.print(f"[bold]chosen: step {choice.step}[/bold]: {escape(choice.why)}")
-    for note in choice.notes:
-        term.note(note)
-    dry = "[dim](dry run: nothing changed)[/dim] " if action.get("dry_run") else ""
-    if action["kind"] == "export":
-        term.print(f"{dry}export to {action['to']}" + ("" if action.get("dry_run") else f": {', '.join(action['files'])}"))
-        if not action.get("dry_run"):
-            term.print(f"load it with: {escape(action['load'])}")
-    elif action["kind"] == "none":
-        term.print(f"{dry}{escape(action['note'])}")
-    else:
-        arch = action["archived_steps"]
-        verb = "would move" if action.get("dry_run") else "moved"
-        term.print(f"{dry}rewind: {verb} steps {arch[0]}..{arch[1] if arch else ''} to {action['archive']} "
-                   f"({len(action['checkpoints_moved'])} checkpoint(s), {len(action['segments_moved'])} segment(s) moved, "
-                   f"{len(action['segments_split'])} split)" if arch else f"{dry}rewind to step {choice.step}")
-        if not action.get("dry_run"):
-            term.print(escape(action["resume"]))

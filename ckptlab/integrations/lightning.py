@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from ckptlab.record import RecordConfig, Recorder
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
 
@@ -70,9 +71,10 @@ class CkptlabCallback(pl.Callback):
         sample_ids: where each batch row's dataset id is: a key of a dict batch (e.g. "idx"),
             a function `batch -> ids`, or None.
         val_prefix: validation metrics are the trainer's metrics whose names start with it.
-        ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume: passed to `ckptlab.Recorder`. With `resume`, the
-            Recorder does not restore anything: the trainer restores its own checkpoint.
+        config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
+            ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
+            keep_best, data_info, resume). The trainer steps the LR scheduler, and
+            with `resume` the Recorder restores nothing: the trainer restores its own checkpoint.
     """
 
     def __init__(
@@ -82,23 +84,12 @@ class CkptlabCallback(pl.Callback):
         build_fn: Callable,
         sample_ids: str | Callable[[Any], Any] | None = None,
         val_prefix: str = "val",
-        ckpt_every: int = 500,
-        health_every: int = 10,
-        keep_last: int = 3,
-        on_nonfinite: str = "raise",
-        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
-        val_metric: str = "val_loss",
-        val_mode: str = "min",
-        keep_best: bool = True,
-        data_info: dict | None = None,
-        resume: bool = False,
+        config: RecordConfig | None = None,
+        **options,
     ):
         self.run_dir, self.build_fn, self.sample_ids, self.val_prefix = run_dir, build_fn, sample_ids, val_prefix
-        self.recorder_kw = dict(
-            ckpt_every=ckpt_every, health_every=health_every, keep_last=keep_last, on_nonfinite=on_nonfinite,
-            on_anomaly=on_anomaly, val_metric=val_metric, val_mode=val_mode, keep_best=keep_best,
-            data_info=data_info, resume=resume,
-        )
+        # The framework steps the scheduler, and on resume restores its own checkpoint.
+        self.config = RecordConfig.of(config, **{**options, "step_scheduler": False, "restore": False})
         self.rec = None
         self._scheduler_count: int | None = None
         self._warned_scheduler = False
@@ -117,16 +108,12 @@ class CkptlabCallback(pl.Callback):
             warnings.warn(f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
                           "replay will not be exact)", stacklevel=2)
         configs = trainer.lr_scheduler_configs
-        from ckptlab.record import Recorder
-
         self.rec = Recorder(
             self.run_dir, pl_module, trainer.optimizers[0],
             step_fn=training_step, build_fn=self.build_fn,
             scheduler=configs[0].scheduler if configs else None,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
-            step_scheduler=False,  # the trainer steps it
-            restore=False,  # on resume the trainer restored its own checkpoint
-            **self.recorder_kw,
+            config=self.config,
         )
 
     # --- one step -------------------------------------------------------------------------
@@ -154,7 +141,7 @@ class CkptlabCallback(pl.Callback):
         self.rec.begin_step(record, ids)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.rec is None or not self.rec._in_step:
+        if self.rec is None or not self.rec.in_step:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is None:  # training_step returned None: Lightning skipped backward
@@ -185,7 +172,7 @@ class CkptlabCallback(pl.Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if self.rec is not None and self.rec._in_step:
+        if self.rec is not None and self.rec.in_step:
             self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
         self.close()
 

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from ckptlab.record import RecordConfig, Recorder
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
 
@@ -70,9 +71,10 @@ class CkptlabCallback(TrainerCallback):
         sample_id_key: the key of `inputs` that holds each row's dataset id (e.g. "idx"); it
             is removed before the model sees the inputs, and kept by the Trainer's column
             removal. None: no sample ids.
-        ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume: passed to `ckptlab.Recorder`. With `resume`, the
-            Recorder does not restore anything: the Trainer restores its own checkpoint.
+        config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
+            ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
+            keep_best, data_info, resume) (val_metric: "eval_loss" by default here). The Trainer steps the LR scheduler, and
+            with `resume` the Recorder restores nothing: the Trainer restores its own checkpoint.
     """
 
     def __init__(
@@ -81,23 +83,12 @@ class CkptlabCallback(TrainerCallback):
         *,
         build_fn: Callable,
         sample_id_key: str | None = None,
-        ckpt_every: int = 500,
-        health_every: int = 10,
-        keep_last: int = 3,
-        on_nonfinite: str = "raise",
-        on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn",
-        val_metric: str = "eval_loss",
-        val_mode: str = "min",
-        keep_best: bool = True,
-        data_info: dict | None = None,
-        resume: bool = False,
+        config: RecordConfig | None = None,
+        **options,
     ):
         self.run_dir, self.build_fn, self.sample_id_key = run_dir, build_fn, sample_id_key
-        self.recorder_kw = dict(
-            ckpt_every=ckpt_every, health_every=health_every, keep_last=keep_last, on_nonfinite=on_nonfinite,
-            on_anomaly=on_anomaly, val_metric=val_metric, val_mode=val_mode, keep_best=keep_best,
-            data_info=data_info, resume=resume,
-        )
+        # The framework steps the scheduler, and on resume restores its own checkpoint.
+        self.config = RecordConfig.of(config or RecordConfig(val_metric="eval_loss"), **{**options, "step_scheduler": False, "restore": False})
         self.trainer = None
         self.rec = None
         self._loss = None
@@ -147,21 +138,17 @@ class CkptlabCallback(TrainerCallback):
         if args.max_steps <= 0:
             warnings.warn(f"ckptlab: training by epochs; for an exact LR schedule in replay, build_fn must pass "
                           f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build", stacklevel=2)
-        from ckptlab.record import Recorder
-
         self.rec = Recorder(
             self.run_dir, model, _inner(optimizer),
             step_fn=training_step, build_fn=self.build_fn,
             scheduler=_inner(lr_scheduler),
-            step_scheduler=False,  # the Trainer steps it
-            restore=False,  # on resume the Trainer restored its own checkpoint
-            **self.recorder_kw,
+            config=self.config,
         )
 
     # --- one step -------------------------------------------------------------------------
 
     def _training_step(self, original, model, inputs, num_items_in_batch=None):
-        if self.rec is None or self.rec._closed:
+        if self.rec is None or self.rec.closed:
             return original(model, inputs, num_items_in_batch)
         ids = None
         if self.sample_id_key is not None:
@@ -182,11 +169,11 @@ class CkptlabCallback(TrainerCallback):
         return self._loss
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.rec is not None and self.rec._in_step:
+        if self.rec is not None and self.rec.in_step:
             _common.end_step(self.rec, self._loss)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        if self.rec is None or self.rec._closed or not metrics:
+        if self.rec is None or self.rec.closed or not metrics:
             return
         found = _common.scalar_metrics(metrics, lambda k: k.startswith("eval_") and not k.endswith(TIMING_SUFFIXES))
         if found:

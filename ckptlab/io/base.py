@@ -195,6 +195,14 @@ def split_tied(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return first, aliases
 
 
+def expand_aliases(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The inverse of `split_tied`: every tied name back, sharing its target's tensor."""
+    full = dict(tensors)
+    for name, target in aliases.items():
+        full[name] = tensors[target]
+    return full
+
+
 def from_tensors(tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None) -> LazyStateDict:
     """Wrap an in-memory state dict; names sharing storage become aliases of the first one."""
     plain, skipped = {}, {}

@@ -157,3 +157,28 @@ def _chunk_loader(folder: Path, fqn: str, md, infos):
         return out
 
     return load
+
+
+# --- loading into live (distributed) training through torch's DCP API ----------------------------
+
+
+def safe_reader(folder: Path):
+    """torch's FileSystemReader, with `.metadata` read by the allowlist unpickler above."""
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return read_metadata(Path(folder))
+
+    return Reader(folder)
+
+
+def safe_planner():
+    """torch's load planner, refusing non-tensor items (torch's would unpickle them)."""
+    import torch.distributed.checkpoint as dcp
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            raise ValueError(f"unexpected non-tensor item {read_item.dest_index.fqn!r} in a ckptlab DCP checkpoint")
+
+    return Planner()

@@ -16,9 +16,9 @@ from ckptlab.io.base import LazyStateDict, from_tensors
 from ckptlab.io.dcp import METADATA, open_dcp
 from ckptlab.io.hf_sharded import find_index, open_sharded
 from ckptlab.io.nested import describe, find_state_dict
-from ckptlab.io.safetensors_file import looks_like_safetensors, open_safetensors
+from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors
 from ckptlab.io.torch_file import open_torch
-from ckptlab.run.checkpoint import ALIASES_KEY
+from ckptlab.run.layout import is_run
 
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")  # an unsharded save_pretrained folder
 EXPECTED = (
@@ -69,7 +69,7 @@ def _open_file(path: Path, label: str, *, sequential: bool, aliases=None, notes=
 
 
 def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> LazyStateDict:
-    if (path / "manifest.json").is_file():
+    if is_run(path):
         return open_run_checkpoint(path, "latest", sequential=sequential, verify=verify)
     index = find_index(path)
     if index is not None:
@@ -86,7 +86,7 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
 
 def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: bool) -> LazyStateDict:
     """RUN@STEP: the model weights of one committed checkpoint of a ckptlab run (labelled
-    RUN@<step>, also when asked for RUN@latest or RUN)."""
+    RUN@<step>, also when asked for RUN@latest or RUN). The one place io/ reaches up into run/."""
     from ckptlab.run import open_run
 
     run = open_run(run_dir)

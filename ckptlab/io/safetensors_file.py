@@ -21,6 +21,8 @@ from ckptlab.errors import CorruptFileError
 from ckptlab.io.mapped import FileTensor, MappedFile
 
 MAX_HEADER = 100_000_000  # the safetensors format's own limit
+# Metadata key of ckptlab's own files (run checkpoints): tied names, {"lm_head.weight": "wte.weight"}.
+ALIASES_KEY = "ckptlab.aliases"
 
 DTYPES = {
     "F64": torch.float64,

@@ -93,7 +93,7 @@ def _table(f: DiffFindings, show_all: bool, width: int):
                      no_wrap=c in ("tensor", "max|w| A→B", "largest change"))
     rows = _rows_to_show(f, show_all)
     current = None
-    for x in sorted(rows, key=lambda r: r._order):
+    for x in sorted(rows, key=lambda r: r.order):
         layer = layer_of(x.name)
         if layer != current:
             current = layer
@@ -101,7 +101,7 @@ def _table(f: DiffFindings, show_all: bool, width: int):
                 t.add_row(f"[bold]{_esc(layer)}[/bold]")
         label = x.name[len(layer) + 1:] if layer and x.name.startswith(layer + ".") else x.name
         label = ("  " if layer else "") + _esc(label) + (f" [dim](= {_esc(', '.join(x.tied))})[/dim]" if x.tied else "")
-        style = TIER_STYLE.get(x._tier, "")
+        style = TIER_STYLE.get(x.tier, "")
         flags = ",".join(x.flags)
         cells = [label, "x".join(map(str, x.shape)) or "scalar", f"[{style}]{flags}[/{style}]" if style else flags]
         t.add_row(*cells, *(_pair_cells(x, wide) if pair else _single_cells(x, wide)))
@@ -114,8 +114,8 @@ def _table(f: DiffFindings, show_all: bool, width: int):
 def _rows_to_show(f: DiffFindings, show_all: bool) -> list[TensorFinding]:
     if show_all or len(f.ranked) <= DEFAULT_ROWS:
         return f.ranked
-    flagged_layers = {layer_of(x.name) for x in f.ranked if x._tier < UNFLAGGED}
-    keep = {id(x) for x in f.ranked if layer_of(x.name) in flagged_layers and x._tier < UNFLAGGED}
+    flagged_layers = {layer_of(x.name) for x in f.ranked if x.tier < UNFLAGGED}
+    keep = {id(x) for x in f.ranked if layer_of(x.name) in flagged_layers and x.tier < UNFLAGGED}
     keep |= {id(x) for x in f.ranked[: len(keep) + TOP_UNFLAGGED]}
     return [x for x in f.ranked if id(x) in keep]
 
@@ -160,8 +160,8 @@ def bin_range(i: int) -> tuple[float, float]:
 
 
 def _histogram(x: TensorFinding, term, *, pair: bool) -> None:
-    ha = x._hist_a
-    hb = x._hist_b if pair else None
+    ha = x.hist_a
+    hb = x.hist_b if pair else None
     both = ha + (hb if hb is not None else 0)
     present = np.flatnonzero(both)
     legend = " in A ([blue]█[/blue]) and B ([red]█[/red])" if pair else ""
@@ -225,11 +225,11 @@ def plot(f: DiffFindings, path, *, names: list[str]) -> None:
     fig, axes = plt.subplots(len(picked), 1, figsize=(9, 2.6 * len(picked)), squeeze=False)
     centers = (HIST_EDGES[:-1] + HIST_EDGES[1:]) / 2
     for ax, x in zip(axes[:, 0], picked):
-        for hist, label, color in ((x._hist_a, f"A {f.a}", "tab:blue"), (x._hist_b, f"B {f.b}", "tab:red")):
+        for hist, label, color in ((x.hist_a, f"A {f.a}", "tab:blue"), (x.hist_b, f"B {f.b}", "tab:red")):
             if hist is not None:
                 ax.step(centers, hist, where="mid", label=label, color=color)
         ax.set_yscale("symlog")
-        present = np.flatnonzero((x._hist_a + (x._hist_b if x._hist_b is not None else 0)) > 0)
+        present = np.flatnonzero((x.hist_a + (x.hist_b if x.hist_b is not None else 0)) > 0)
         lo, hi = (HIST_EDGES[max(present[0] - 4, 0)], HIST_EDGES[min(present[-1] + 5, len(HIST_EDGES) - 1)]) if len(present) else (-1, 1)
         ax.set_xlim(lo, hi)
         ticks = np.arange(math.ceil(lo), math.floor(hi) + 1, 1 if hi - lo <= 12 else 4)  # x is symlog: 1 = a decade

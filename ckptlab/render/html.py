@@ -42,7 +42,7 @@ table.kv td { padding: 1px 10px 1px 0; vertical-align: top; } .charts svg { disp
 
 
 def report_page(report: HealthReport) -> str:
-    plots = report._plots
+    plots = report.plots
     body = [_header(report), _findings(report)]
     if plots is not None:
         body.append(_charts(report, plots))

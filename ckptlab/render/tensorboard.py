@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from ckptlab.errors import CkptlabError
-from ckptlab.probe import NO_GRAD
+from ckptlab.run.records import NO_GRAD
 from ckptlab.run.reader import Run
-from ckptlab.state import expand_aliases
+from ckptlab.io.base import expand_aliases
 
 # Per-parameter scalars multiply the tag count by the parameter count; past this many
 # parameters only the global curves and the histograms are written (TensorBoard's UI lists

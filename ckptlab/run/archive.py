@@ -49,8 +49,10 @@ from ckptlab.run import framelog
 from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import (
     MANIFEST,
+    batches_root,
     archive_dir,
     checkpoint_name,
+    parse_segment,
     checkpoints_dir,
     fsync_path,
     journal_dir,
@@ -113,7 +115,7 @@ def keeps(kind: int, step: int, k: int) -> bool:
 
 def _segment_folders(run_dir: Path) -> list[Path]:
     folders = [journal_dir(run_dir)]
-    root = run_dir / "batches"
+    root = batches_root(run_dir)
     if root.is_dir():
         folders += sorted(p for p in root.iterdir() if p.is_dir())
     return folders
@@ -148,8 +150,6 @@ def plan_rewind(run_dir: str | os.PathLike, step: int, *, archive: str | None = 
 
 
 def _first_step(path: Path) -> int:
-    from ckptlab.run.layout import parse_segment
-
     parsed = parse_segment(path.name)
     return parsed[1] if parsed else -1
 

@@ -30,8 +30,11 @@ import torch
 
 from ckptlab.errors import CorruptFileError, IntegrityError
 from ckptlab.run import codec
+from ckptlab.io.dcp import dcp_tree
+from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run.layout import (
     COMMIT,
+    DCP_DIR,
     MODEL_FILE,
     STATE_FILE,
     checkpoint_name,
@@ -41,8 +44,6 @@ from ckptlab.run.layout import (
 )
 from ckptlab.run.records import META_KEY
 
-ALIASES_KEY = "ckptlab.aliases"
-DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 _HASH_CHUNK = 8 << 20
 
 
@@ -114,6 +115,13 @@ def finish_commit(tmp: Path, step: int, files: dict, info: dict) -> dict:
     return commit
 
 
+def clean_stale(run_dir: Path) -> None:
+    """Remove the leftovers of a crash mid-commit or mid-delete (never a complete checkpoint)."""
+    root = checkpoints_dir(run_dir)
+    for stale in [*root.glob(".tmp-*"), *root.glob(".deleting-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def remove_checkpoint(path: Path) -> None:
     """Rename first, then delete: a half-deleted folder never looks like a checkpoint."""
     doomed = path.with_name(f".deleting-{path.name}-{time.monotonic_ns()}")
@@ -164,9 +172,7 @@ class Checkpoint:
         if verify:
             self.verify()
         if self.sharded:
-            from ckptlab.run.sharded import load_full_model
-
-            return load_full_model(self.model_path), {}
+            return read_dcp(self.model_path).get("model", {}), {}
         try:
             with safetensors.safe_open(self.model_path, framework="pt") as f:
                 aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
@@ -174,6 +180,14 @@ class Checkpoint:
         except Exception as e:  # noqa: BLE001
             raise CorruptFileError(f"unreadable safetensors ({e})", path=self.model_path) from None
         return tensors, aliases
+
+    def load_sharded(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+        """A sharded checkpoint's shards assembled in this process: (the whole model state dict,
+        the optimizer state dict keyed by parameter name). `state`: its `load_state()`, which
+        holds the optimizer's param_groups (kept out of DCP)."""
+        tree = read_dcp(self.path / DCP_DIR)
+        optim = {"state": tree.get("optim", {}).get("state", {}), "param_groups": state["param_groups"]}
+        return tree.get("model", {}), optim
 
     def load_state(self, *, verify: bool = True) -> dict[str, Any]:
         if verify:
@@ -186,6 +200,22 @@ class Checkpoint:
             return codec.decode(spec, tensors)
         except Exception as e:  # noqa: BLE001
             raise CorruptFileError(f"unreadable training state ({e})", path=path) from None
+
+
+def read_dcp(folder: Path) -> dict:
+    """Every tensor of a DCP folder, assembled whole in this process, as its nested tree."""
+    tree, _, closers = dcp_tree(folder)
+    try:
+        return _materialize(tree)
+    finally:
+        for close in closers:
+            close()
+
+
+def _materialize(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _materialize(v) for k, v in node.items()}
+    return node.load()
 
 
 def load_captured(path: Path) -> CapturedState:

@@ -23,9 +23,9 @@ import safetensors.torch
 import torch
 
 from ckptlab.errors import CkptlabError
+from ckptlab.io.base import expand_aliases
 from ckptlab.run.checkpoint import Checkpoint, sha256_file
 from ckptlab.run.layout import MODEL_FILE, fsync_path, write_json_atomic
-from ckptlab.state import expand_aliases
 
 LOAD_HINT = (
     "model.load_state_dict(safetensors.torch.load_file('model.safetensors')); "
@@ -50,9 +50,7 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
     tensors, aliases = ckpt.load_model(verify=False)
     state = ckpt.load_state(verify=False)
     if ckpt.sharded:  # the shards assembled: the whole model and the name-keyed optimizer state
-        from ckptlab.run.sharded import load_full
-
-        tensors, state["optimizer"] = load_full(ckpt.path, state)
+        tensors, state["optimizer"] = ckpt.load_sharded(state)
     # Tied names become copies: a strict load_state_dict then finds every key, and copying
     # the same values into shared storage twice keeps the tie.
     full = {name: t.clone() if name in aliases else t for name, t in expand_aliases(tensors, aliases).items()}

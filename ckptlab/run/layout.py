@@ -4,7 +4,7 @@
       manifest.json                       what recorded this run, and how (format_version 1)
       journal/sNNN-SSSSSSSSS.log          rank 0: per-step health, validation, events
       batches/rank0/sNNN-SSSSSSSSS.log    each rank: exact batches, sample ids, RNG states
-      checkpoints/step-SSSSSSSSS/         model.safetensors, state.safetensors, COMMIT.json
+      checkpoints/step-SSSSSSSSS/         model.safetensors (or dcp/: sharded), state.safetensors, COMMIT.json
       sources/<sha256>.py                 the recorded build_fn/step_fn files, as recorded
       archive/<name>/...                  steps set aside by a rollback (same layout)
 
@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 COMMIT = "COMMIT.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
+DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 
 SEGMENT_RE = re.compile(r"^s(\d{3,})-(\d{9,})\.log$")
 CHECKPOINT_RE = re.compile(r"^step-(\d{9,})$")
@@ -52,12 +53,21 @@ def journal_dir(run: Path) -> Path:
     return run / "journal"
 
 
+def batches_root(run: Path) -> Path:
+    return run / "batches"
+
+
 def batches_dir(run: Path, rank: int = 0) -> Path:
-    return run / "batches" / f"rank{rank}"
+    return batches_root(run) / f"rank{rank}"
 
 
 def checkpoints_dir(run: Path) -> Path:
     return run / "checkpoints"
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    """Where the committed checkpoint at `step` lives."""
+    return checkpoints_dir(run) / checkpoint_name(step)
 
 
 def sources_dir(run: Path) -> Path:
@@ -66,6 +76,37 @@ def sources_dir(run: Path) -> Path:
 
 def archive_dir(run: Path) -> Path:
     return run / "archive"
+
+
+def is_run(path: Path) -> bool:
+    """A folder that holds a ckptlab run (its manifest)."""
+    return (path / MANIFEST).is_file()
+
+
+def is_first_leftover(name: str) -> bool:
+    """What a first session killed before its manifest was written leaves in the folder."""
+    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
+
+
+def parts(run: Path) -> dict[str, Path]:
+    """The run's top-level parts by name (`ckptlab info` reports disk use per part)."""
+    return {
+        "checkpoints": checkpoints_dir(run),
+        "batches": batches_root(run),
+        "journal": journal_dir(run),
+        "sources": sources_dir(run),
+        "archive": archive_dir(run),
+    }
+
+
+def last_written(run: Path) -> float:
+    """When the run was last written to: the newest mtime of its manifest, journal, rank 0's
+    batches and checkpoints (how the CLI picks the latest run under ./runs)."""
+    latest = (run / MANIFEST).stat().st_mtime
+    for d in (journal_dir(run), batches_dir(run, 0), checkpoints_dir(run)):
+        if d.is_dir():
+            latest = max([latest, d.stat().st_mtime, *(p.stat().st_mtime for p in d.iterdir())])
+    return latest
 
 
 def segments(folder: Path) -> list[tuple[int, int, Path]]:

@@ -10,6 +10,7 @@ rollback (null, or the step a rollback rewound the run to).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import socket
@@ -81,3 +82,23 @@ def read_manifest(run_dir: Path) -> dict:
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
     write_json_atomic(run_dir / MANIFEST, manifest)
+
+
+# --- the recorded build_fn / step_fn (recorded and imported by training/userfns.py) ---------------
+
+
+def resolve_file(desc: dict, run_dir: Path) -> Path | None:
+    """Where a recorded function's file is now: its absolute path, else relative to the run
+    directory (a moved project)."""
+    for candidate in (desc.get("file"), desc.get("file_rel") and run_dir / desc["file_rel"]):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).resolve()
+    return None
+
+
+def source_changed(desc: dict, run_dir: Path) -> bool | None:
+    """True/False when the defining file can be compared with its recorded hash, else None."""
+    path = resolve_file(desc, run_dir)
+    if path is None or not desc.get("sha256"):
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest() != desc["sha256"]

@@ -19,7 +19,7 @@ import numpy as np
 from ckptlab.errors import CorruptFileError, ReplayError
 from ckptlab.run import framelog, records
 from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
-from ckptlab.run.layout import archive_dir, batches_dir, journal_dir, segments
+from ckptlab.run.layout import archive_dir, batches_dir, batches_root, journal_dir, segments
 from ckptlab.run.manifest import read_manifest
 
 
@@ -72,7 +72,7 @@ class Run:
     @property
     def ranks(self) -> list[int]:
         """Ranks that recorded batches (0 only, unless the run was distributed)."""
-        found = sorted(int(p.name[4:]) for p in (self.path / "batches").glob("rank*") if p.name[4:].isdigit())
+        found = sorted(int(p.name[4:]) for p in batches_root(self.path).glob("rank*") if p.name[4:].isdigit())
         return found or [0]
 
     @property
@@ -117,7 +117,7 @@ class Run:
     def verify_logs(self) -> list[str]:
         """Check the CRC of every frame of every log segment (reads every recorded byte);
         returns `damaged`. Reading checks only what it reads."""
-        folders = [journal_dir(self.path), *sorted((self.path / "batches").glob("rank*"))]
+        folders = [journal_dir(self.path), *sorted(batches_root(self.path).glob("rank*"))]
         for folder in folders:
             for path, open_end in _segments(folder):
                 self._scan(path, open_end, verify=True)
@@ -136,7 +136,7 @@ class Run:
         ref = self.batch_index(rank).get(step)
         if ref is None:
             where = f" on rank {rank}" if rank else ""
-            raise ReplayError(self._missing_step(step) + where, path=self.path)
+            raise ReplayError(self.missing_step(step) + where, path=self.path)
         payload, _ = ref.read_payload()
         return records.decode_batch(payload, where=f"{ref.path}@{step}")
 
@@ -145,7 +145,8 @@ class Run:
         rec = self.batch_record(step, rank)
         return rec.batch, rec.sample_ids
 
-    def _missing_step(self, step: int) -> str:
+    def missing_step(self, step: int) -> str:
+        """Why `step` has no batch here, in words (pruned by retention, or never recorded)."""
         steps = self.steps
         done = self.metrics().step
         if steps and step < steps[0] and len(done) and step >= done[0]:

@@ -22,6 +22,8 @@ from ckptlab.run import codec
 from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB
 
 META_KEY = "ckptlab"
+# A step record's param_grad_norm for a parameter that got no gradient that step.
+NO_GRAD = -1.0
 
 
 def pack(meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:

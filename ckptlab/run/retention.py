@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptlab.run.checkpoint import list_checkpoints, remove_checkpoint
-from ckptlab.run.layout import segments
+from ckptlab.run.layout import batches_root, segments
 
 
 def apply_retention(
@@ -31,7 +31,7 @@ def apply_retention(
             remove_checkpoint(c.path)
             deleted.append(c.path)
     oldest = recent[0].step
-    batch_root = run_dir / "batches"
+    batch_root = batches_root(run_dir)
     for rank_dir in sorted(batch_root.iterdir()) if batch_root.is_dir() else []:
         segs = segments(rank_dir)
         for i, (_, first, path) in enumerate(segs):

@@ -2,15 +2,15 @@
 batches; attribution is an optional stage; skip lists round-trip into skip_samples."""
 
 import json
-import sys
-import types
 
 import pytest
 import torch
 import torch.utils.data as tud
 
 import ckptlab
-from ckptlab.analysis.dirty import DirtyRules, read_skip_list, scan, skip_ids, skip_samples, write_skip_list
+from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
+from ckptlab.run.skiplist import read as read_skip_list
+from ckptlab.training.sampler import skip_samples
 from ckptlab.analysis.spikes import SpikeRule
 from tests import act_models as am
 from tests import models
@@ -28,12 +28,6 @@ def spike_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("dirty") / "spike"
     models.record_run(path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(80, 50), ckpt_every=20, keep_last=10)
     return ckptlab.open_run(path)
-
-
-@pytest.fixture(autouse=True)
-def no_replay(monkeypatch):
-    """Attribution comes from the lead's replay module; here it is absent unless a test fakes it."""
-    monkeypatch.setitem(sys.modules, "ckptlab.replayer", None)
 
 
 def test_each_planted_row_found_and_nothing_else(lm_run):
@@ -82,7 +76,7 @@ def test_spike_mapped_to_its_batch_and_corroborated(spike_run):
     assert top.evidence["step_flags"] == ["grad_spike", "loss_spike"]
     spikes = [f for f in r.steps if f["kind"] == "loss_spike"]
     assert [f["step"] for f in spikes] == [50] and spikes[0]["batch"] == "retained"
-    assert r.attribution["status"] == "unavailable"
+    assert r.attribution["status"] == "off"  # no attribution passed in
     assert r.skip_ids == [50003]  # the spike has a row to blame: the rest of the batch is kept
 
 
@@ -100,7 +94,7 @@ def test_unexplained_spike_skips_its_whole_batch(spike_run):
     assert skip_ids(r, whole_batches=False) == []
 
 
-def test_attribution_stage_uses_replay_when_present(spike_run, monkeypatch):
+def test_attribution_stage_uses_the_attribution_passed_in(spike_run):
     calls = []
 
     def attribute_rows(run, step):
@@ -109,20 +103,18 @@ def test_attribution_stage_uses_replay_when_present(spike_run, monkeypatch):
         loss = {7: 50.0, 2: 5.0}
         return [{"row": r, "sample_id": 1000 * step + r, "loss": loss.get(r, 1.0), "grad_norm": 1.0} for r in range(16)]
 
-    monkeypatch.setitem(sys.modules, "ckptlab.replayer", types.SimpleNamespace(attribute_rows=attribute_rows))
-    r = scan(spike_run, DirtyRules(extreme_z=1e12))
+    r = scan(spike_run, DirtyRules(extreme_z=1e12), attribute=attribute_rows)
     assert calls == [50] and r.attribution == {"status": "done", "steps": [50]}
     blamed = [f for f in r.flagged if f.reason == "attributed"]
     assert [(f.step, f.row, f.sample_id) for f in blamed] == [(50, 7, 50007)]
     assert blamed[0].evidence["loss_ratio"] == 50.0 and blamed[0].evidence["loss_share"] > 0.9
     assert r.skip_ids == [50007]  # attribution named the row: the batch is not skipped wholesale
-    assert scan(spike_run, attribute=False).attribution == {"status": "off"}
+    assert scan(spike_run).attribution == {"status": "off"}
 
 
-def test_attribution_blames_nobody_when_every_row_rose(spike_run, monkeypatch):
+def test_attribution_blames_nobody_when_every_row_rose(spike_run):
     rows = [(r, 50000 + r, 10.0 + 0.1 * r, 3.0) for r in range(16)]  # e.g. a learning-rate spike
-    monkeypatch.setitem(sys.modules, "ckptlab.replayer", types.SimpleNamespace(attribute_rows=lambda run, step: rows))
-    r = scan(spike_run, DirtyRules(extreme_z=1e12))
+    r = scan(spike_run, DirtyRules(extreme_z=1e12), attribute=lambda run, step: rows)
     assert r.attribution["status"] == "done" and not [f for f in r.flagged if f.reason == "attributed"]
 
 
@@ -158,11 +150,11 @@ def test_nested_batch_with_strings_and_masks(tmp_path):
     assert set(r.scanned["fields"]) == {"text", "inputs.ids", "inputs.attention_mask", "y"}
 
 
-def test_attribution_with_the_real_replay(spike_run, monkeypatch):
+def test_attribution_with_the_real_replay(spike_run):
     """Plumbing only (replay's own attribution tests are replay's): the absurd row is named."""
-    monkeypatch.delitem(sys.modules, "ckptlab.replayer", raising=False)
-    pytest.importorskip("ckptlab.replayer").attribute_rows  # noqa: B018
-    r = scan(spike_run, DirtyRules(extreme_z=1e12))
+    from ckptlab.replayer import attribute_rows
+
+    r = scan(spike_run, DirtyRules(extreme_z=1e12), attribute=attribute_rows)
     assert r.attribution["status"] == "done"
     assert [(f.step, f.row, f.sample_id) for f in r.flagged if f.reason == "attributed"] == [(50, 3, 50003)]
     assert r.skip_ids == [50003]

@@ -142,8 +142,8 @@ def test_plots_data_is_kept_out_of_json(reports):
     from ckptlab.render.jsonout import dumps
 
     doc = dumps(reports["overfit"])
-    assert "_plots" not in doc and "loss_ema" not in doc
-    assert reports["overfit"]._plots.best_val_step == 30
+    assert "plots" not in doc and "loss_ema" not in doc
+    assert reports["overfit"].plots.best_val_step == 30
 
 
 def test_early_stopping_with_patience():

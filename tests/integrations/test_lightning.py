@@ -94,3 +94,11 @@ def test_gradient_accumulation_is_refused(tmp_path):
     train, _ = lm.loaders()
     with pytest.raises(RecordError, match="accumulate_grad_batches=2"):
         lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=2, limit_val_batches=0).fit(lm.LitMLP(), train)
+
+
+def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, config=ckptlab.RecordConfig(keep_last=5), ckpt_every=3)
+    assert (cb.config.keep_last, cb.config.ckpt_every) == (5, 3)
+    assert (cb.config.step_scheduler, cb.config.restore) == (False, False)  # the trainer does both
+    with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
+        ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, ckpt_evry=3)

@@ -93,3 +93,10 @@ def test_a_callback_that_was_not_attached_says_how(tmp_path):
                       eval_dataset=hm.Sequences(8), callbacks=[cb])
     with pytest.raises(RecordError, match="attach"):
         trainer.train()
+
+
+def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
+    cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, health_every=1)
+    assert (cb.config.val_metric, cb.config.health_every, cb.config.step_scheduler) == ("eval_loss", 1, False)
+    with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
+        ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, keep_lst=2)

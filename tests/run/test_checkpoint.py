@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ckptlab
 from ckptlab.errors import IntegrityError
 from ckptlab.run.checkpoint import list_checkpoints
-from ckptlab.state import capture_rng, load_model, load_train_state, restore_rng
+from ckptlab.training.state import capture_rng, load_model, load_train_state, restore_rng
 from tests import models
 from tests.run.bits import assert_same
 

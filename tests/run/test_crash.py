@@ -1,5 +1,5 @@
 """Crash safety, for real: SIGKILL a recording process at many instants, then hold the run to
-DESIGN.md's promise -- every step whose `rec.step()` returned has its batch (bit-exact) and
+the run format's promise (docs/run-format.md) -- every step whose `rec.step()` returned has its batch (bit-exact) and
 metrics, no partial checkpoint is listed, listed checkpoints verify, and a resumed session
 continues the numbering without losing anything.
 

@@ -8,7 +8,7 @@ import torch
 
 import ckptlab
 from ckptlab.run.layout import dir_size
-from ckptlab.state import load_model, load_train_state, restore_rng
+from ckptlab.training.state import load_model, load_train_state, restore_rng
 from tests import models
 
 

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ckptlab.dist import local
+from ckptlab.training.world import local
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -184,7 +184,7 @@ class Tracer:
     """Context manager that traces everything run inside it. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, rows: int | None = None, max_events: int = 200_000):
-        from ckptlab.state import unwrap
+        from ckptlab.training.state import unwrap
 
         self.model = unwrap(model)
         self.optimizer = optimizer

@@ -21,6 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptlab.io.base import expand_aliases, split_tied
+from ckptlab.run import codec
+from ckptlab.run.checkpoint import CapturedState
+from ckptlab.training.sharded import load_sharded, set_full
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside torch.compile / DDP wrappers (their names carry no prefix)."""
     seen = 0
@@ -44,18 +49,9 @@ def capture_model(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     `aliases` maps a tied name to the name it shares storage with (GPT's `lm_head.weight` ->
     `transformer.wte.weight`); safetensors refuses to save the same storage twice.
     """
-    from ckptlab.io.base import split_tied
-
     state = {n: t for n, t in unwrap(model).state_dict().items() if isinstance(t, torch.Tensor)}
     first, aliases = split_tied(state)
     return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in first.items()}, aliases
-
-
-def expand_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    full = dict(tensors)
-    for name, target in aliases.items():
-        full[name] = tensors[target]
-    return full
 
 
 def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
@@ -191,9 +187,7 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
     if env.get("float32_matmul_precision"):
         torch.set_float32_matmul_precision(env["float32_matmul_precision"])
     if env.get("default_dtype"):
-        from ckptlab.run.codec import dtype_from_name
-
-        torch.set_default_dtype(dtype_from_name(env["default_dtype"]))
+        torch.set_default_dtype(codec.dtype_from_name(env["default_dtype"]))
     wanted = env.get("cublas_workspace_config") or (":4096:8" if force_deterministic else None)
     if wanted and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != wanted:
         # cuBLAS reads this when its handle is created: effective only before the first matmul.
@@ -219,9 +213,6 @@ def restore_grads(model, grads: dict[str, torch.Tensor]) -> None:
 def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None):
     """Copy the whole training state off the device: a CapturedState a checkpoint commit can
     write, or replay can keep in memory and load again (bit-exact either way)."""
-    from ckptlab.run import codec
-    from ckptlab.run.checkpoint import CapturedState
-
     tensors, aliases = capture_model(model)
     state = capture_train_state(optimizer, scheduler, scaler)
     grads = capture_grads(model)
@@ -236,8 +227,6 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
     (not the env). A whole-state snapshot of sharded (FSDP) training carries its optimizer
     state keyed by parameter name (`optimizer_fqn`) and goes in through DCP's state-dict API."""
     if "optimizer_fqn" in train_state:
-        from ckptlab.run.sharded import set_full
-
         set_full(model, optimizer, expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
         load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
     else:
@@ -249,8 +238,6 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
 
 def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None, *, rank: int | None = None) -> None:
     """Load a snapshot; `rank` picks that rank's RNG streams from a sharded run's snapshot."""
-    from ckptlab.run import codec
-
     # Clone: optimizer.load_state_dict keeps tensors that already have the right dtype/device,
     # and the next step would update them in place -- inside our snapshot.
     tensors = {k: v.clone() for k, v in captured.state_tensors.items()}
@@ -266,15 +253,11 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, worl
     distributed sharded model, else whole (assembled from the shards) into any model."""
     state = ckpt.load_state(verify=False)
     if ckpt.sharded and world is not None and world.sharded and world.distributed:
-        from ckptlab.run.sharded import load_sharded
-
         load_sharded(ckpt.path, model, optimizer, state)
         load_train_state({k: v for k, v in state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
         restore_rng(state["rng"])
     elif ckpt.sharded:
-        from ckptlab.run.sharded import load_full
-
-        model_sd, optim_sd = load_full(ckpt.path, state)
+        model_sd, optim_sd = ckpt.load_sharded(state)
         restore(model, optimizer, scheduler, scaler, model_sd, {}, {**state, "optimizer_fqn": optim_sd})
     else:
         tensors, aliases = ckpt.load_model(verify=False)

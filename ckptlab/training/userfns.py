@@ -22,6 +22,7 @@ from typing import Callable
 
 from ckptlab.errors import RecordError, ReplayError
 from ckptlab.run.layout import sources_dir, write_bytes_atomic
+from ckptlab.run.manifest import resolve_file
 
 
 def describe(fn: Callable, role: str, run_dir: Path) -> dict:
@@ -80,22 +81,6 @@ def _warn_unguarded(path: Path, source: bytes) -> None:
                 stacklevel=4,
             )
             return
-
-
-def resolve_file(desc: dict, run_dir: Path) -> Path | None:
-    """Where the recorded file is now: its absolute path, else relative to the run directory."""
-    for candidate in (desc.get("file"), desc.get("file_rel") and run_dir / desc["file_rel"]):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate).resolve()
-    return None
-
-
-def source_changed(desc: dict, run_dir: Path) -> bool | None:
-    """True/False when the defining file can be compared with its recorded hash, else None."""
-    path = resolve_file(desc, run_dir)
-    if path is None or not desc.get("sha256"):
-        return None
-    return hashlib.sha256(path.read_bytes()).hexdigest() != desc["sha256"]
 
 
 _loaded_scripts: dict[Path, object] = {}

@@ -1,7 +1,7 @@
 """Blame the root step of a fault: trace it per op, name the rows (with their sample ids) and
 the parameters, find the origin, and prove the blame by counterfactual replay.
 
-    Blame(investigation, root, snapshot, detectors, start).explain(report, trace, counterfactuals)
+    Blame(investigation, window).explain(report, trace, counterfactuals)   # window.root: the root step
 
 Works on the state the root step started in (a snapshot), re-running the step as often as it
 needs: once traced, once plain, once per row, once without the blamed rows, and from an older
@@ -17,14 +17,16 @@ import time
 import numpy as np
 import torch
 
+from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
-from ckptlab.probe import NO_GRAD, StepHealth
-from ckptlab.replay_findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, _same
+from ckptlab.run.records import NO_GRAD
+from ckptlab.training.probe import StepHealth
+from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
 from ckptlab.run.reader import Run
-from ckptlab.state import restore_snapshot
-from ckptlab.trace import OpEvent, Tracer
+from ckptlab.training.state import restore_snapshot
+from ckptlab.replayer.trace import OpEvent, Tracer
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
 # for the same field (median over the retained batches).
@@ -36,20 +38,26 @@ DOMINANT_ROW_RATIO = 10.0
 class Blame:
     """Everything about the root step: trace, rows, parameters, counterfactuals, origin."""
 
-    def __init__(self, inv, root: int, snap, dets, start: int):
-        self.inv, self.root, self.snap, self.dets, self.start = inv, root, snap, dets, start
-        self.r = inv.r
-        self.rec = self.r.batch(root)
+    def __init__(self, inv, window):
+        """`inv`: the Investigation (its run, replayer, record and timing); `window`: the
+        replayed window whose root step is blamed, with the state that step started in."""
+        self.inv, self.root, self.start = inv, window.root, window.start
+        self.snap, self.dets = window.root_state, window.root_detectors
+        self.replayer = inv.replayer
+        self.rec = self.replayer.batch(self.root)
         self.ids = self.rec.sample_ids
-        self.rows = _batch_rows(self.rec.batch, self.ids)
-        self.t = self.r.build()
+        self.rows = batch_rows(self.rec.batch, self.ids)
+        self.trainee = self.replayer.build()
+
+    def close(self) -> None:
+        self.replayer.close(self.trainee)
 
     def fresh(self) -> None:
-        restore_snapshot(self.snap, self.t.model, self.t.optimizer, self.t.scheduler, self.t.scaler, rank=self.r.rank)
+        restore_snapshot(self.snap, self.trainee.model, self.trainee.optimizer, self.trainee.scheduler, self.trainee.scaler, rank=self.replayer.rank)
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()
-        return self.r.run_step(self.t, self.rec, batch, tracer=tracer)
+        return self.replayer.run_step(self.trainee, self.rec, batch, tracer=tracer)
 
     def fault(self, h: StepHealth) -> list[str]:
         return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
@@ -63,9 +71,9 @@ class Blame:
         tracer = None
         if do_trace:
             self.inv.log(f"tracing step {self.root} per op")
-            tracer = Tracer(self.t.model, self.t.optimizer, rows=self.rows)
+            tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows)
             traced = self.step(tracer=tracer)
-            if not _same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
+            if not same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
                 rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
             rep.chain = [_event_json(e) for e in tracer.chain()]
             self.inv.timing["trace_s"] = time.perf_counter() - t0
@@ -76,7 +84,7 @@ class Blame:
         rep.origin, rep.samples = self.origin(tracer, base, data_rows, rows)
         if do_counterfactuals:
             rep.counterfactuals = self.counterfactuals(rep.samples)
-        self.r.close(self.t)
+        self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
 
     # rows ------------------------------------------------------------------------------------------
@@ -91,7 +99,7 @@ class Blame:
         info = self.inv.run.manifest.get("data_info") or {}
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
         typical = _typical_row_absmax(self.inv.run, self.root)
-        for path, leaf in _leaves(self.rec.batch):
+        for path, leaf in python_leaves(self.rec.batch):
             if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != self.rows or leaf.dtype == torch.bool:
                 continue
             flat = leaf.detach().reshape(self.rows, -1)
@@ -121,7 +129,7 @@ class Blame:
         out = {}
         for row in range(self.rows):
             try:
-                out[row] = self.step(_select_rows(self.rec.batch, [row], self.rows))
+                out[row] = self.step(select_rows(self.rec.batch, [row], self.rows))
             except Exception:  # noqa: BLE001 - a model that cannot take one row (BatchNorm...)
                 return {}
         return out
@@ -129,7 +137,7 @@ class Blame:
     # parameters -------------------------------------------------------------------------------------
 
     def parameters(self, h: StepHealth) -> list[ParameterBlame]:
-        m = self.inv.m
+        m = self.inv.metrics
         names = m.param_names
         hist = m.window(max(0, self.root - 128), self.root - 1)
         typical = np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0) if hist.stop > hist.start else np.full(len(names), np.nan)
@@ -203,7 +211,7 @@ class Blame:
             )
         else:
             # Nothing went non-finite in the root step itself: an explosion (finite) that breaks later.
-            lr_jump = _lr_jump(self.inv.m, self.root, h)
+            lr_jump = _lr_jump(self.inv.metrics, self.root, h)
             for r, why in absurd.items():
                 blame(r, why)
             for r, ratio in dominant.items():
@@ -236,7 +244,7 @@ class Blame:
             keep = [r for r in range(self.rows) if r not in {s.row for s in samples}]
             ids = ", ".join(str(s.sample_id) for s in samples[:5])
             if keep:
-                h = self.step(_select_rows(self.rec.batch, keep, self.rows))
+                h = self.step(select_rows(self.rec.batch, keep, self.rows))
                 found = self.fault(h)
                 out.append(
                     Counterfactual(
@@ -247,13 +255,13 @@ class Blame:
                 )
             else:
                 out.append(Counterfactual(f"does step {self.root} still fail without the blamed rows?", None, "every row is blamed; nothing left to run"))
-        lr = _lr_jump(self.inv.m, self.root, self.base) if self.report.origin.kind == "optimizer" else None
+        lr = _lr_jump(self.inv.metrics, self.root, self.base) if self.report.origin.kind == "optimizer" else None
         if lr is not None:
             typical = lr[1] / lr[0]
             self.fresh()
-            for g in self.t.optimizer.param_groups:
+            for g in self.trainee.optimizer.param_groups:
                 g["lr"] = typical
-            h = self.r.run_step(self.t, self.rec)
+            h = self.replayer.run_step(self.trainee, self.rec)
             found = self.fault(h)
             out.append(
                 Counterfactual(
@@ -268,10 +276,10 @@ class Blame:
             c = older[0] if older[-1] == self.root else older[-1]
             if c == self.start and len(older) > 1:
                 c = older[-2]
-            t = self.r.build()
-            self.r.load_checkpoint(t, c)
-            h = self.r.run_step(t, self.rec)
-            self.r.close(t)
+            t = self.replayer.build()
+            self.replayer.load_checkpoint(t, c)
+            h = self.replayer.run_step(t, self.rec)
+            self.replayer.close(t)
             found = self.fault(h)
             out.append(
                 Counterfactual(
@@ -285,43 +293,7 @@ class Blame:
 
 
 
-# --- rows -------------------------------------------------------------------------------------------
-
-def _leaves(obj, path: str = ""):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _leaves(v, f"{path}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        fields = getattr(type(obj), "_fields", None)
-        for i, v in enumerate(obj):
-            yield from _leaves(v, f"{path}.{fields[i]}" if fields else f"{path}[{i}]")
-    else:
-        yield path, obj
-
-
-def _batch_rows(batch, ids) -> int | None:
-    if ids is not None:
-        return len(ids)
-    dims = [leaf.shape[0] for _, leaf in _leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim]
-    return max(set(dims), key=dims.count) if dims else None
-
-
-def _select_rows(obj, rows: list[int], n: int):
-    """The batch restricted to `rows` (every leaf whose first dimension is the batch's)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[rows] if obj.dim() and obj.shape[0] == n else obj
-    if isinstance(obj, np.ndarray):
-        return obj[rows] if obj.ndim and obj.shape[0] == n else obj
-    if isinstance(obj, dict):
-        return {k: _select_rows(v, rows, n) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-        return type(obj)(*[_select_rows(v, rows, n) for v in obj])
-    if isinstance(obj, (list, tuple)):
-        if len(obj) == n and not any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj):
-            return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
-        return type(obj)(_select_rows(v, rows, n) for v in obj)
-    return obj
-
+# --- rows -----------------------------------------------------------------------------------------
 
 def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str, float]:
     """Median per-row max |value| per float field, over retained batches near `step`."""
@@ -333,7 +305,7 @@ def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str,
             batch, _ = run.batch(s)
         except CkptlabError:
             continue
-        for path, leaf in _leaves(batch):
+        for path, leaf in python_leaves(batch):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() and leaf.numel():
                 flat = leaf.detach().reshape(leaf.shape[0], -1).float()
                 finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))

@@ -20,6 +20,7 @@ Two layouts of parameters:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,3 +107,19 @@ class World:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+@contextlib.contextmanager
+def solo_world(needed: bool):
+    """A process group of one, so a build_fn that wraps its model in DDP or fully_shard works
+    in a single-process replay."""
+    import torch.distributed as dist
+
+    if not needed or not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ Where each number is read, and why there:
   since it costs a copy of the parameters).
 - a GradScaler's scale at `begin`: hook gradients are scaled; norms are divided by it.
 
-The Recorder and replay use this same class, so replayed numbers compare bit for bit.
+The Recorder and replay use this same class through training/step.py, so replayed numbers
+compare bit for bit.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ckptlab.dist import World, local
+from ckptlab.training.world import World, local
 from ckptlab.errors import RecordError
-from ckptlab.state import unwrap
+from ckptlab.run.records import NO_GRAD
+from ckptlab.training.state import unwrap
 
-NO_GRAD = -1.0  # param_grad_norm value for a parameter that got no gradient this step
 
 
 @dataclass
@@ -102,7 +103,7 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 
 
 class StepProbe:
-    """Hooks on one model/optimizer; `world` (ckptlab.dist.World) when running distributed."""
+    """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None, world: World | None = None):
         named = named_parameters(model)
@@ -167,6 +168,11 @@ class StepProbe:
         self._scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else None
         self._t0 = time.perf_counter()
         self._active = True
+
+    def abort(self) -> None:
+        """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
+        self._active = False
+        self._before = None
 
     def end(self, loss) -> StepHealth:
         """Finish the step: this rank's measurements, combined with the other ranks' (one

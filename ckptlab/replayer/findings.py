@@ -1,6 +1,6 @@
 """What a replay concludes (plain dataclasses) and how it is said in one sentence (`verdict`).
 
-The replayer fills a ReplayReport; rendering (terminal, JSON) reads it and nothing else.
+The investigation fills a ReplayReport; rendering (terminal, JSON) reads it and nothing else.
 """
 
 from __future__ import annotations
@@ -8,6 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ckptlab.jsonable import plain
+
+# The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
+STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
 
 @dataclass
 class StepCheck:
@@ -86,12 +91,9 @@ class ReplayReport:
     rank: int | None = None  # distributed: the rank whose batch the fault came in with
 
     def to_json(self) -> dict:
-        """The stable `ckptlab replay --json` document (DESIGN.md keys first)."""
-        from ckptlab.render.jsonout import plain
-
+        """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
         d = plain(self)
-        keys = ["requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict"]
-        return {**{k: d[k] for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
+        return {**{k: d[k] for k in STABLE_KEYS}, **{k: v for k, v in d.items() if k not in STABLE_KEYS}}
 
 
 def verdict(r: ReplayReport) -> str:
@@ -130,7 +132,8 @@ def verdict(r: ReplayReport) -> str:
              + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "") + ".")
     elif o.kind == "numeric" and o.op is not None:
         inputs = "finite inputs" if o.inputs_finite else "NaN-free inputs"
-        fact = next((x for x in (r.samples[0].reason.split("; ")[0],) if r.samples and ("is empty" in x or "outside [" in x)), None)
+        first_reason = r.samples[0].reason.split("; ")[0] if r.samples else ""
+        fact = first_reason if ("is empty" in first_reason or "outside [" in first_reason) else None
         if fact:
             s0 = r.samples[0]
             s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[1]}; {o.op}{at} produced {o.produced} from {inputs} on it."
@@ -150,8 +153,7 @@ def verdict(r: ReplayReport) -> str:
     return s
 
 
-
-def _same(a: float | None, b: float | None) -> bool:
+def same(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return False
     if math.isnan(a) and math.isnan(b):
@@ -159,7 +161,7 @@ def _same(a: float | None, b: float | None) -> bool:
     return a == b
 
 
-def _absdiff(a, b) -> float | None:
+def absdiff(a, b) -> float | None:
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
         return None
     return abs(a - b)

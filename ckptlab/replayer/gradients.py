@@ -6,7 +6,7 @@ A checkpoint holds weights, not gradients (they are zeroed between steps), so th
 "at" checkpoint k is the one step k computes from it: replay loads checkpoint k, runs step k
 with its recorded batch through the recorded step_fn, and keeps each parameter's gradient as
 it is when backward finishes accumulating it -- before the user's clipping, the same point
-where the Recorder measures grad norms (probe.py). This imports and runs the run's recorded
+where the Recorder measures grad norms (training/probe.py). This imports and runs the run's recorded
 build_fn/step_fn, like `ckptlab replay`.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ckptlab.probe import named_parameters
-from ckptlab.replayer import Replayer
+from ckptlab.training.probe import named_parameters
+from ckptlab.replayer.driver import Replayer
 from ckptlab.run.reader import Run
-from ckptlab.state import apply_env, capture_env
+from ckptlab.training.state import apply_env, capture_env
 
 
 def checkpoint_gradients(run: Run, step: int, *, replayer: Replayer | None = None) -> dict[str, torch.Tensor]:

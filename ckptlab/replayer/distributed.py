@@ -9,7 +9,6 @@ run here, in a process group of one, on that rank's micro-batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
@@ -18,61 +17,64 @@ import numpy as np
 import torch
 
 from ckptlab.errors import ReplayError
-from ckptlab.replay_findings import ReplayReport, StepCheck
+from ckptlab.replayer.findings import ReplayReport, StepCheck
+from ckptlab.replayer.investigation import Investigation, Window
 from ckptlab.run.checkpoint import commit_checkpoint, load_captured
-from ckptlab.run.layout import checkpoint_name
+from ckptlab.run.layout import checkpoint_dir
 from ckptlab.run.reader import Run, open_run
-
-
-@contextlib.contextmanager
-def solo_world(needed: bool):
-    """A process group of one, so a build_fn that wraps its model in DDP or fully_shard works
-    in a single-process replay."""
-    import torch.distributed as dist
-
-    if not needed or not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from ckptlab.training.world import solo_world
 
 
 def replay_distributed(run: Run, step: int, *, device, from_step, trace, counterfactuals, log, nproc) -> ReplayReport:
     """Replay on the recorded world size (one process per rank, gloo on the CPU, NCCL on GPUs),
     then explain the root step in this process, on the rank whose batch brought the fault."""
-    import json
-    import socket
     import tempfile
-
-    import torch.multiprocessing as mp
-
-    from ckptlab.replayer import Investigation
 
     world = run.world_size
     if nproc is not None and nproc != world:
         raise ReplayError(f"the run was recorded on {world} processes; --nproc {nproc} does not match", path=run.path)
     log = log or (lambda msg: None)
     with solo_world(True):
-        plan = Investigation(run, step, device=device, from_step=from_step, log=log)
-        fault_recorded, episode, k = plan.plan()
+        plan = Investigation(run, step, device=device, from_step=from_step, log=log).plan()
+    k = plan.start
     for r in range(1, world):
         missing = sorted(set(range(k, step + 1)) - set(run.steps_of(r)))
         if missing:
             raise ReplayError(f"rank {r} has no batches for steps {missing[0]}..{missing[-1]} (a rank that died early?)", path=run.path)
-    out = Path(tempfile.mkdtemp(prefix="ckptlab-replay-"))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
+        result, snapshot = _replay_on_ranks(run, step, plan, Path(tmp), device, log)
+    checks = [StepCheck(**c) for c in result["checks"]]
+    root, faulty = result["root"], result["rank"]
+    with solo_world(True):
+        inv = Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0)
+        inv.timing["replay_s"] = time.perf_counter() - t0
+        inv.replayer.notes.extend(result["notes"])
+        window = Window(k, checks, root)
+        if root is not None:
+            window.root_state = snapshot
+            window.root_detectors = inv.detectors(root)
+        return inv.report(plan, window, trace=trace, counterfactuals=counterfactuals, rank=faulty)
+
+
+def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log) -> tuple[dict, object]:
+    """Spawn one process per rank to replay plan.start..step; their result and the state the
+    root step started in (read back into memory before `out` goes away)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    world, k = run.world_size, plan.start
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     backend = "nccl" if (device or str(run.manifest.get("device", "cpu"))).startswith("cuda") else "gloo"
     log(f"replaying steps {k}..{step} on {world} processes ({backend})")
-    t0 = time.perf_counter()
     try:
         mp.start_processes(
             _rank_worker,
-            args=(world, port, backend, str(run.path), step, k, max(k, episode - 2), str(out), device),
+            args=(world, port, backend, str(run.path), step, k, max(k, plan.episode - 2), str(out), device),
             nprocs=world,
             start_method="spawn",
         )
@@ -80,17 +82,9 @@ def replay_distributed(run: Run, step: int, *, device, from_step, trace, counter
         last = str(e).strip().splitlines()[-1]
         raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
     result = json.loads((out / "result.json").read_text())
-    checks = [StepCheck(**c) for c in result["checks"]]
-    root, faulty = result["root"], result["rank"]
-    with solo_world(True):
-        inv = Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0)
-        inv.timing["replay_s"] = time.perf_counter() - t0
-        inv.r.notes.extend(result["notes"])
-        snap = dets = None
-        if root is not None:
-            snap = load_captured(out / "snapshot" / "checkpoints" / checkpoint_name(root))
-            dets = inv.detectors(root)
-        return inv.report(k, fault_recorded, checks, root, snap, dets, trace, counterfactuals, rank=faulty)
+    root = result["root"]
+    snapshot = load_captured(checkpoint_dir(out / "snapshot", root)) if root is not None else None
+    return result, snapshot
 
 
 def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, step: int, k: int, snap_from: int, out: str, device) -> None:
@@ -101,8 +95,6 @@ def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, 
 
     import torch.distributed as dist
 
-    from ckptlab.replayer import Investigation
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if backend == "nccl":
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
@@ -110,16 +102,20 @@ def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, 
     try:
         run = open_run(run_path)
         inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank)
-        checks, root, snap, _ = inv.replay_window(k, snap_from)
+        window = inv.replay_window(k, snap_from)
+        checks, root = window.checks, window.root
+        # Decided on what every rank knows alike (sharded snapshots live on rank 0 only, so
+        # "no snapshot kept" differs by rank): a root before `snap_from` was not kept, and
+        # every rank replays up to it again (collective).
+        if root is not None and root < snap_from:
+            window.root_state = inv.state_before(k, root)
         faulty = _faulty_rank(checks, root)
-        if root is not None and root < snap_from:  # (the same on every rank: sharded snapshots live on rank 0 only)
-            snap = inv.state_before(k, root)  # collective: every rank replays up to the root again
-        writer = 0 if inv.r.world.sharded else faulty  # sharded: whole state on rank 0, all RNGs
+        writer = 0 if inv.replayer.world.sharded else faulty  # sharded: whole state on rank 0, all RNGs
         if root is not None and rank == writer:
             # The state the root step started in, with the faulty rank's RNG streams.
-            commit_checkpoint(Path(out) / "snapshot", snap)
+            commit_checkpoint(Path(out) / "snapshot", window.root_state)
         if rank == 0:
-            doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": inv.r.notes}
+            doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": inv.replayer.notes}
             (Path(out) / "result.json").write_text(json.dumps(doc))
         dist.barrier()
     finally:

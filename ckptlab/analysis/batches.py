@@ -1,0 +1,100 @@
+"""Walking a recorded batch, and reading the model's shape off the manifest: the helpers that
+dirty, report and replay's blame share.
+
+    for path, values in leaves(batch): ...          # "inputs.ids", numpy array
+    n = batch_rows(batch, sample_ids)               # how many rows the batch has
+    sub = select_rows(batch, [3, 5], n)             # the batch restricted to rows 3 and 5
+    vocab = embedding_tables(run.manifest)          # rows of each embedding-like table
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+# Names of embedding tables (updated sparsely: only the rows in the batch move).
+EMBEDDING_HINTS = ("emb", "wte", "wpe", "tok")
+
+
+def is_embedding(name: str) -> bool:
+    return any(h in name.lower() for h in EMBEDDING_HINTS)
+
+
+def embedding_tables(manifest: dict) -> list[int]:
+    """The row counts of the model's 2-D embedding-like parameters, in model order (the first
+    is usually the token table, so its rows are the vocabulary size)."""
+    return [
+        int(p["shape"][0])
+        for p in manifest.get("parameters", [])
+        if len(p.get("shape", ())) == 2 and is_embedding(p["name"])
+    ]
+
+
+# --- walking a batch ---------------------------------------------------------------------------------
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) for every array-like or string-list leaf of a batch's nesting; tensors
+    come back as numpy arrays (bfloat16 and friends as float32)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for k, v in zip(obj._fields, obj):
+            yield from leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(obj, (list, tuple)):
+        if obj and all(isinstance(v, (str, bytes)) for v in obj):
+            yield path or "0", list(obj)
+            return
+        for i, v in enumerate(obj):
+            yield from leaves(v, f"{path}.{i}" if path else str(i))
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "biufc":
+            yield path, obj
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.is_complex():
+            t = t.abs()
+        elif t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+            t = t.float()  # bfloat16, float8: numpy has no such dtype
+        yield path, t.numpy()
+
+
+def python_leaves(obj, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) for every leaf of a batch's nesting, as it is (tensors stay tensors), with
+    the path written the way Python reaches it: `['input_ids']`, `[0]`, `.targets`."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from python_leaves(v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        fields = getattr(type(obj), "_fields", None)
+        for i, v in enumerate(obj):
+            yield from python_leaves(v, f"{path}.{fields[i]}" if fields else f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def batch_rows(batch, ids) -> int | None:
+    """Rows in the batch: one per sample id, else the most common leading dimension."""
+    if ids is not None:
+        return len(ids)
+    dims = [leaf.shape[0] for _, leaf in python_leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim]
+    return max(set(dims), key=dims.count) if dims else None
+
+
+def select_rows(obj, rows: list[int], n: int):
+    """The batch restricted to `rows` (every leaf whose first dimension is the batch's)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[rows] if obj.dim() and obj.shape[0] == n else obj
+    if isinstance(obj, np.ndarray):
+        return obj[rows] if obj.ndim and obj.shape[0] == n else obj
+    if isinstance(obj, dict):
+        return {k: select_rows(v, rows, n) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        return type(obj)(*[select_rows(v, rows, n) for v in obj])
+    if isinstance(obj, (list, tuple)):
+        if len(obj) == n and not any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj):
+            return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
+        return type(obj)(select_rows(v, rows, n) for v in obj)
+    return obj

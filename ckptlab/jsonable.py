@@ -1,0 +1,42 @@
+"""Findings as plain JSON values: the one conversion behind every `--json` and `to_json()`.
+
+    @dataclass
+    class Finding:
+        name: str
+        hist: np.ndarray | None = field(default=None, metadata=NOT_IN_JSON)   # for the plots only
+
+    plain(finding)   # {"name": ...}: dataclasses -> dicts, numpy/torch scalars -> numbers
+
+Non-finite floats become the strings "nan", "inf", "-inf" (standard JSON has no NaN, and null
+would hide which one it was). A field whose metadata is NOT_IN_JSON stays out of the document:
+internal working values (sort keys, histograms for plots) that the terminal renderers read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+NOT_IN_JSON = {"json": False}
+
+
+def plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.metadata.get("json", True)}
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":
+        return plain(obj.tolist())
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "item"):  # torch scalars
+        return plain(obj.item())
+    return str(obj)

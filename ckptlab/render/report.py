@@ -1,0 +1,76 @@
+"""Terminal rendering of `ckptlab report`'s HealthReport: the curves as sparklines, then the
+findings with their evidence and remedies."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.markup import escape
+
+from ckptlab.render.text import sparkline
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def render(r, run, term) -> None:
+    m = run.metrics()
+    st, c = r.steps, r.curve
+    if not st["recorded"]:
+        term.print(f"[bold]{r.run}[/bold]: no steps recorded yet")
+        return
+    term.print(f"[bold]{r.run}[/bold]  steps {st['first']}..{st['last']} ({st['recorded']} recorded)")
+    term.print(f"loss        {sparkline(m.loss)}  {_g(c.first)} -> {_g(c.last)} (best {_g(c.best)} at step {c.best_step})  "
+               f"[bold]{c.kind.replace('_', ' ')}[/bold]" + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else ""))
+    if r.perplexity:
+        p = r.perplexity
+        with np.errstate(over="ignore"):
+            ppl = np.exp(np.minimum(m.loss, 700))
+        term.print(f"perplexity  {sparkline(ppl)}  {_g(p.first)} -> {_g(p.last)} (best {_g(p.best)} at step {p.best_step})"
+                   + (f"; validation best {_g(p.val_best)}" if p.val_best is not None else ""))
+    val = [(pt["step"], pt["metrics"]) for pt in run.validation()]
+    metric = run.manifest.get("config", {}).get("val_metric", "val_loss")
+    values = [mm[metric] for _, mm in val if metric in mm]
+    if values:
+        best = min(values) if run.manifest.get("config", {}).get("val_mode", "min") == "min" else max(values)
+        term.print(f"{metric:<11} {sparkline(values)}  {len(values)} points, best {_g(best)}")
+    g = m.grad_norm
+    if np.isfinite(g).any():
+        term.print(f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {_g(float(np.nanmedian(g)))}, "
+                   f"max {_g(float(np.nanmax(g)))} (log scale, before clipping)")
+    term.print("")
+    if not r.findings:
+        term.print("[green]no findings[/green]")
+    for f in r.findings:
+        style = SEVERITY_STYLE[f.severity]
+        term.print(f"[{style}]{f.severity.upper():<7}[/{style}] [bold]{f.kind}[/bold]: {_esc(f.title)}")
+        if f.severity == "info":
+            continue
+        if f.evidence:
+            term.print(f"        evidence: {_esc(_evidence(f.evidence))}")
+        for remedy in f.remedies:
+            term.print(f"        -> {_esc(remedy)}")
+    term.print("")
+    term.print(f"[bold]verdict:[/bold] {_esc(r.verdict)}")
+
+
+def _evidence(ev: dict, limit: int = 6) -> str:
+    items = list(ev.items())
+    text = ", ".join(f"{k}={_short(v)}" for k, v in items[:limit])
+    return text + (f", ... ({len(items) - limit} more; --json has all)" if len(items) > limit else "")
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return _g(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_short(x)}" for k, x in list(v.items())[:3]) + (", ...}" if len(v) > 3 else "}")
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_short(x) for x in list(v)[:5]) + (", ...]" if len(v) > 5 else "]")
+    return str(v)
+
+
+def _g(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _esc(text: str) -> str:
+    return escape(str(text))

@@ -1,0 +1,124 @@
+"""Replay: rebuild, restore, re-run the recorded steps bit-exactly, and explain the fault.
+
+    report = ckptlab.replay("runs/exp1", 5432)
+    report.root_step, report.origin.module, report.samples[0].sample_id, report.verdict
+
+What happens, in order:
+1. pick the start: the latest checkpoint at or before the first recorded anomaly of the fault's
+   episode (a checkpoint written at or after the fault never starts its replay), in the same
+   session, with every batch up to the requested step still retained (investigation.py);
+2. rebuild with the recorded `build_fn`, restore every state that changes bits (model,
+   optimizer, scheduler, RNGs, thread count, determinism flags, default dtype) (driver.py);
+3. re-run the recorded steps through the recorded `step_fn` with the recorded batches, checking
+   every loss and grad norm against the record bit for bit, and watching for the root step:
+   the first non-finite loss/gradient/weight, loss or grad-norm spike, or exploding update
+   (the rule is analysis/anomalies.py, shared with the Recorder);
+4-6. blame.py: trace the root step per op (trace.py) from an in-memory snapshot of the state it
+   started in; blame batch rows (non-finite or absurd values, the rows the origin op's bad
+   elements map to, per-row loss and gradient norm) and parameters (non-finite or exploding
+   gradients, weights, update ratios against their recorded typical values); prove it by
+   counterfactual replay (the root step without the blamed rows; the same batch from an older
+   model state; the recent learning rate);
+7. say it in one sentence (findings.py's `verdict`), or say honestly that the fault did not
+   reproduce.
+
+A distributed run is replayed on its recorded world size (distributed.py). The gradients of
+the step that starts at a checkpoint (for `ckptlab export`) come from gradients.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+from ckptlab.errors import ReplayError
+from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.distributed import replay_distributed
+from ckptlab.replayer.findings import (
+    Counterfactual,
+    Origin,
+    ParameterBlame,
+    ReplayReport,
+    SampleBlame,
+    StepCheck,
+)
+from ckptlab.replayer.investigation import Investigation
+from ckptlab.run.reader import Run, open_run
+from ckptlab.training.state import apply_env, capture_env
+from ckptlab.training.world import solo_world
+
+__all__ = [
+    "Counterfactual",
+    "Origin",
+    "ParameterBlame",
+    "ReplayReport",
+    "SampleBlame",
+    "StepCheck",
+    "attribute_rows",
+    "replay",
+]
+
+
+def replay(
+    run: Run | str | Path,
+    step: int,
+    *,
+    device: str | None = None,
+    from_step: int | None = None,
+    trace: bool = True,
+    counterfactuals: bool = True,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    rank: int | None = None,
+    nproc: int | None = None,
+) -> ReplayReport:
+    """Replay `step` of `run` and explain it. See the module docstring.
+
+    A distributed run replays on as many processes as it was recorded with (`nproc`, if
+    given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
+    process: a quick look, not bit-exact (the other ranks' gradients are missing).
+    `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps."""
+    run = open_run(run) if not isinstance(run, Run) else run
+    saved_env = capture_env()
+    try:
+        if run.world_size > 1 and rank is None:
+            return replay_distributed(
+                run, step, device=device, from_step=from_step, trace=trace,
+                counterfactuals=counterfactuals, log=log, nproc=nproc,
+            )
+        if rank is not None and not 0 <= rank < run.world_size:
+            raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
+        with solo_world(run.world_size > 1):
+            inv = Investigation(run, step, device=device, from_step=from_step, log=log, rank=rank or 0)
+            if progress is not None:
+                inv.progress = progress
+            if run.world_size > 1:
+                inv.replayer.notes.append(
+                    f"single-process replay of rank {rank}'s micro-batches out of {run.world_size}: "
+                    "an approximation (the other ranks' gradients are missing), not bit-exact"
+                )
+            return inv.investigate(trace=trace, counterfactuals=counterfactuals)
+    finally:
+        apply_env(saved_env)
+
+
+def attribute_rows(run: Run | str | Path, step: int, *, device: str | None = None, rank: int = 0) -> list[SampleBlame]:
+    """Per-row loss and gradient norm of one recorded step, replayed from the state it started
+    in; rows ranked by gradient norm (the row that dominates the update first). For a
+    distributed run, rank `rank`'s micro-batch, replayed in this one process (approximate).
+    This is the attribution `ckptlab dirty` passes to `analysis.dirty.scan`."""
+    run = open_run(run) if not isinstance(run, Run) else run
+    saved = capture_env()
+    try:
+        with solo_world(run.world_size > 1):
+            inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank)
+            blame = Blame(inv, inv.root_at(step))
+            try:
+                rows = blame.per_row()
+            finally:
+                blame.close()
+    finally:
+        apply_env(saved)
+    out = [SampleBlame(r, blame.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
+    return sorted(out, key=lambda s: -(s.grad_norm if math.isfinite(s.grad_norm) else math.inf))

@@ -1,0 +1,147 @@
+"""The replay driver: rebuild the recorded training, restore a checkpoint, re-run recorded steps.
+
+    r = Replayer(run)                        # imports the recorded build_fn / step_fn
+    t = r.build()                            # a Trainee: model, optimizer, scheduler, scaler
+    r.load_checkpoint(t, 500)                # every state that changes bits, env included
+    health = r.run_step(t, r.batch(500))     # the recorded step, measured as the Recorder did
+    r.close(t)
+
+Knows nothing about faults or verdicts (investigation.py and blame.py judge what it replays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable
+
+import torch
+
+from ckptlab.errors import ReplayError
+from ckptlab.run.manifest import source_changed
+from ckptlab.run.reader import Run
+from ckptlab.training import userfns
+from ckptlab.training.probe import StepHealth
+from ckptlab.training.sharded import full_snapshot
+from ckptlab.training.state import apply_env, capture_train_state, restore_checkpoint, restore_rng, snapshot
+from ckptlab.training.step import Trainee
+from ckptlab.training.world import World
+
+
+class Replayer:
+    """Rebuilds and drives the recorded training; knows nothing about verdicts."""
+
+    def __init__(self, run: Run, *, device: str | None = None, log: Callable[[str], None] | None = None, rank: int = 0):
+        self.run = run
+        self.rank = rank  # whose batches (and RNG states) to replay
+        self.world: World | None = None
+        self.log = log or (lambda msg: None)
+        self.notes: list[str] = []
+        manifest = run.manifest
+        recorded_device = str(manifest.get("device", "cpu"))
+        self.device = torch.device(device) if device else torch.device(recorded_device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ReplayError(
+                f"replay on {self.device} asked for, but this machine has no GPU",
+                path=run.path,
+                hint="pass --device cpu (a CPU replay of a GPU run is not bit-exact)",
+            )
+        if self.device.type != torch.device(recorded_device).type:
+            self.notes.append(f"recorded on {recorded_device}, replaying on {self.device}: losses will not match bit for bit")
+        fns = manifest.get("functions", {})
+        if "build_fn" not in fns or "step_fn" not in fns:
+            raise ReplayError("the manifest does not name build_fn/step_fn", path=run.path)
+        for role, desc in fns.items():
+            if source_changed(desc, run.path):
+                self.notes.append(f"{role} source changed since recording ({desc.get('file')}); replay may not match")
+        with user_output():
+            self.build_fn = userfns.load(fns["build_fn"], "build_fn", run.path)
+            self.step_fn = userfns.load(fns["step_fn"], "step_fn", run.path)
+        config = manifest.get("config", {})
+        self.has_scheduler = bool(config.get("has_scheduler"))
+        self.step_scheduler = bool(config.get("step_scheduler", True))
+
+    # --- building and restoring ----------------------------------------------------------------
+
+    def build(self) -> Trainee:
+        if self.device.type == "cuda":
+            apply_env({}, force_deterministic=True)  # before any CUDA work: cuBLAS reads it once
+        with user_output():
+            built = self.build_fn()
+        if not isinstance(built, (tuple, list)) or len(built) < 2:
+            raise ReplayError("build_fn must return (model, optimizer[, scheduler])", path=self.run.path)
+        model, optimizer = built[0], built[1]
+        scheduler = built[2] if len(built) > 2 else None
+        scaler = built[3] if len(built) > 3 else None
+        if self.has_scheduler and scheduler is None:
+            raise ReplayError(
+                "the run was recorded with an LR scheduler, but build_fn returns none",
+                path=self.run.path,
+                hint="return (model, optimizer, scheduler) from build_fn",
+            )
+        model.to(self.device)
+        if self.world is None:  # once: in a distributed replay, detecting creates a group
+            self.world = World.detect(model)
+        return Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.step_scheduler, world=self.world)
+
+    def load_checkpoint(self, t: Trainee, step: int) -> None:
+        ckpt = self.run.checkpoint(step)
+        ckpt.verify()
+        try:
+            state = restore_checkpoint(ckpt, t.model, t.optimizer, t.scheduler, t.scaler, self.world)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ReplayError(
+                f"checkpoint {step} does not fit the model build_fn returns: {e}",
+                path=ckpt.path,
+                hint="replay with the code the run was recorded with",
+            ) from None
+        self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
+
+    def batch(self, step: int):
+        rec = self.run.batch_record(step, self.rank)
+        rec.batch = _to_device(rec.batch, self.device)
+        return rec
+
+    def run_step(self, t: Trainee, rec, batch=None, *, tracer=None, measure_update: bool = True) -> StepHealth:
+        """One recorded step (or `batch` in its place), exactly as the Recorder ran it: its
+        RNG states restored, then the same measured step (training/step.py).
+        `measure_update` costs a copy of the parameters (for update ratios, weight norms)."""
+        if rec.rng is not None:
+            restore_rng(rec.rng)
+        around = contextlib.ExitStack()
+        around.enter_context(user_output())
+        if tracer is not None:
+            around.enter_context(tracer)
+        _, health = t.run_step(self.step_fn, rec.batch if batch is None else batch, measure_update=measure_update, around=around)
+        return health
+
+    def snapshot(self, t: Trainee, step: int):
+        """The state `step` starts in. Sharded training: collective, whole on rank 0 only."""
+        if self.world is not None and self.world.sharded and self.world.distributed:
+            state = capture_train_state(None, t.scheduler, t.scaler)
+            return full_snapshot(self.world, step, t.model, t.optimizer, state)
+        return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
+
+    def close(self, t: Trainee) -> None:
+        t.close()
+
+
+@contextlib.contextmanager
+def user_output():
+    """The user's prints go to stderr: stdout is ours (e.g. `--json`)."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _to_device(obj, device: torch.device):
+    if device.type == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        return type(obj)(*[_to_device(v, device) for v in obj])
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj

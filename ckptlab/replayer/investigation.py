@@ -1,0 +1,250 @@
+"""One investigation of one requested step: plan the window, replay it, judge it, explain it.
+
+    inv = Investigation(run, 5432, device=None, from_step=None, log=print)
+    report = inv.investigate(trace=True, counterfactuals=True)
+
+    plan = inv.plan()                                  # Plan: where the replay starts, and why
+    window = inv.replay_window(plan.start, snap_from)  # Window: every step checked; the root
+    report = inv.report(plan, window, trace=..., counterfactuals=...)   # + blame.py's evidence
+
+The distributed driver (distributed.py) uses the same three pieces, with the window replayed
+by one process per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
+from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
+from ckptlab.errors import ReplayError
+from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.driver import Replayer
+from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
+from ckptlab.run.reader import Run
+from ckptlab.training.probe import StepHealth
+
+
+@dataclass
+class Plan:
+    """Where a replay starts, and what the record says about the requested step."""
+
+    fault_recorded: bool  # the requested step was anomalous when recorded
+    episode: int  # the first recorded anomaly of the episode that ends at the requested step
+    start: int  # the checkpoint the replay starts from
+
+
+@dataclass
+class Window:
+    """What replaying the steps `start`..requested found."""
+
+    start: int  # the checkpoint the window was replayed from
+    checks: list[StepCheck]  # every replayed step against the record
+    root: int | None  # the first step of the replayed anomaly episode; None: no fault
+    root_state: Any = None  # a snapshot of the state the root step started in
+    root_detectors: dict[str, SpikeDetector] | None = None  # spike detectors primed up to the root
+
+
+class Investigation:
+    """One replay of one requested step: plan the window, replay it, judge it, explain it."""
+
+    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0):
+        self.run, self.step, self.from_step = run, step, from_step
+        self.log = log or (lambda msg: None)
+        self.progress: Callable[[int, int], None] = lambda done, total: None
+        self.t0 = time.perf_counter()
+        self.timing: dict[str, float] = {}
+        self.metrics = run.metrics()
+        if self.metrics.index(step) is None and step not in run.steps:
+            raise ReplayError(run.missing_step(step), path=run.path)
+        self.replayer = Replayer(run, device=device, log=self.log, rank=rank)
+        self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
+
+    # 1. where to start -----------------------------------------------------------------------
+
+    def recorded_anomalies(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for e in self.run.events():
+            out.setdefault(int(e["step"]), []).append(e["kind"])
+        i = self.metrics.index(self.step)
+        if i is not None and not math.isfinite(self.metrics.loss[i]):
+            out.setdefault(self.step, []).append("nonfinite_loss")
+        return out
+
+    def choose_start(self, before: int) -> int:
+        run = self.run
+        if self.from_step is not None:
+            if self.from_step not in run.checkpoints:
+                raise ReplayError(f"--from-step {self.from_step} is not a checkpoint (checkpoints: {run.checkpoints})", path=run.path)
+            if self.from_step > self.step:
+                raise ReplayError(f"--from-step {self.from_step} is after step {self.step}", path=run.path)
+            return self.from_step
+        sessions = [s["start_step"] for s in run.manifest.get("sessions", [])]
+        session_start = max([s for s in sessions if s <= self.step], default=0)
+        candidates = [c for c in run.checkpoints if session_start <= c <= min(before, self.step)]
+        if not candidates:
+            first = run.checkpoints[0] if run.checkpoints else None
+            if first is not None and first > self.step:
+                raise ReplayError(
+                    f"step {self.step} is before the first retained checkpoint ({first}); nothing to start from",
+                    path=run.path,
+                )
+            raise ReplayError(f"no checkpoint to replay step {self.step} from (checkpoints: {run.checkpoints})", path=run.path)
+        k = candidates[-1]
+        missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
+        if missing:
+            raise ReplayError(
+                f"the batches of steps {missing[0]}..{missing[-1]} are not in the run (pruned by retention?), "
+                f"so step {self.step} cannot be replayed from checkpoint {k}",
+                path=run.path,
+            )
+        return k
+
+    def plan(self) -> Plan:
+        anomalies = self.recorded_anomalies()
+        episode = episode_start(anomalies, self.step)
+        return Plan(fault_recorded=self.step in anomalies, episode=episode, start=self.choose_start(episode))
+
+    # 2-3. replay the window ---------------------------------------------------------------------
+
+    def detectors(self, k: int) -> dict[str, SpikeDetector]:
+        """Spike detectors primed with the record of the steps before `k`."""
+        dets = detectors()
+        hist = self.metrics.window(max(0, k - LOSS_RULE.window), k - 1)
+        for loss, grad in zip(self.metrics.loss[hist], self.metrics.grad_norm[hist]):
+            dets["loss"].check(float(loss))
+            dets["grad"].check(float(grad))
+        return dets
+
+    @staticmethod
+    def anomalies(h: StepHealth, dets: dict[str, SpikeDetector]) -> list[str]:
+        return [e["kind"] for e in step_anomalies(h, dets)]
+
+    def replay_window(self, k: int, snap_from: int) -> Window:
+        """Replay k..step; the root is the first step of the anomaly episode ending at `step`.
+
+        Keeps the state (and spike detectors) before each anomalous step from `snap_from` on,
+        so the root can be traced without replaying the window twice."""
+        r = self.replayer
+        t = r.build()
+        r.load_checkpoint(t, k)
+        dets = self.detectors(k)
+        checks: list[StepCheck] = []
+        kept: dict[int, tuple] = {}
+        for s in range(k, self.step + 1):
+            self.progress(s - k, self.step - k + 1)
+            rec = r.batch(s)
+            suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
+            snap = r.snapshot(t, s) if suspect else None
+            dets_before = copy.deepcopy(dets)
+            h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
+            found = self.anomalies(h, dets)
+            checks.append(self.compare(s, h, found))
+            if found:
+                kept[s] = (snap, dets_before)
+                for old in [x for x in kept if x < s - 16 * EPISODE_GAP]:
+                    del kept[old]  # bounded memory: only the recent episode matters
+        r.close(t)
+        replayed = {c.step: c.anomalies for c in checks if c.anomalies}
+        root = episode_start(replayed, self.step) if self.step in replayed else None
+        snap, dets_before = kept.get(root, (None, None))
+        return Window(k, checks, root, snap, dets_before)
+
+    def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
+        m = self.metrics
+        i = m.index(s)
+        rec_loss = float(m.loss[i]) if i is not None else None
+        rec_grad = float(m.grad_norm[i]) if i is not None else None
+        match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
+        rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
+        if h.rank_loss is not None:
+            match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
+        return StepCheck(s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm)
+
+    def state_before(self, k: int, root: int):
+        """A snapshot of the state in which `root` starts, by replaying k..root-1 again."""
+        r = self.replayer
+        t = r.build()
+        r.load_checkpoint(t, k)
+        for s in range(k, root):
+            r.run_step(t, r.batch(s), measure_update=False)
+        snap = r.snapshot(t, root)
+        r.close(t)
+        return snap
+
+    def root_at(self, step: int) -> Window:
+        """`step` taken as the root, with the state it starts in (replayed from the checkpoint
+        before it): what per-row attribution of any recorded step starts from."""
+        k = self.choose_start(step)
+        return Window(k, [], step, self.state_before(k, step), self.detectors(step))
+
+    def with_root_state(self, window: Window) -> Window:
+        """The window, with the state its root started in (replayed again when the window did
+        not keep it: a root before `snap_from`)."""
+        if window.root is not None and window.root_state is None:
+            window.root_state = self.state_before(window.start, window.root)
+            window.root_detectors = self.detectors(window.root)
+        return window
+
+    # the whole investigation ---------------------------------------------------------------------
+
+    def investigate(self, *, trace: bool, counterfactuals: bool) -> ReplayReport:
+        plan = self.plan()
+        t0 = time.perf_counter()
+        k = plan.start
+        window = self.replay_window(k, snap_from=max(k, plan.episode - 2))
+        # The root at the very first replayed step may have begun earlier: look from further back.
+        earlier = [c for c in self.run.checkpoints if c < k and set(range(c, k)) <= set(self.run.steps)]
+        if window.root == k and earlier and self.from_step is None:
+            self.log(f"the fault shows at the first replayed step {k}; replaying from checkpoint {earlier[-1]} to look further back")
+            k = earlier[-1]
+            window = self.replay_window(k, snap_from=max(k, plan.episode - 2))
+        self.timing["replay_s"] = time.perf_counter() - t0
+        return self.report(plan, self.with_root_state(window), trace=trace, counterfactuals=counterfactuals)
+
+    def report(self, plan: Plan, window: Window, *, trace: bool, counterfactuals: bool, rank: int | None = None) -> ReplayReport:
+        """Judge the replayed window (determinism, reproduction) and explain the root step."""
+        root, checks = window.root, window.checks
+        pre_fault = [c for c in checks if root is None or c.step < root]
+        if root is None and plan.fault_recorded:
+            pre_fault = [c for c in checks if c.step < self.step]
+        divergence = next((c for c in pre_fault if not c.match), None)
+        first_div = None
+        if divergence is not None:
+            first_div = {
+                "step": divergence.step,
+                "loss": divergence.loss,
+                "recorded_loss": divergence.recorded_loss,
+                "grad_norm": divergence.grad_norm,
+                "recorded_grad_norm": divergence.recorded_grad_norm,
+                "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
+            }
+        report = ReplayReport(
+            run=str(self.run.path),
+            requested_step=self.step,
+            root_step=root,
+            start_checkpoint=window.start,
+            fault_recorded=plan.fault_recorded,
+            reproduced=root is not None,
+            deterministic=divergence is None,
+            first_divergence=first_div,
+            origin=Origin("none", None, None, None, None, None),
+            samples=[],
+            parameters=[],
+            chain=[],
+            counterfactuals=[],
+            steps=checks,
+            verdict="",
+            notes=self.replayer.notes,
+            rank=rank,
+        )
+        if root is not None:
+            Blame(self, window).explain(report, trace, counterfactuals)
+        report.verdict = verdict(report)
+        self.timing["total_s"] = time.perf_counter() - self.t0
+        report.timing = self.timing
+        return report

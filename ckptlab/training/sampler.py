@@ -1,0 +1,101 @@
+"""`skip_samples`: on resume, the sample ids of a skip list never come out of the data again.
+
+    sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")   # from `ckptlab dirty --out`
+    loader = DataLoader(ds, sampler=sampler, batch_size=32)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch.utils.data as tud
+
+from ckptlab.run import skiplist
+
+
+def skip_samples(source, skip, *, key: Callable[[Any], Any] | None = None):
+    """Wrap a sampler, batch sampler, dataset or any iterable so that the sample ids in `skip`
+    never come out of it.
+
+        sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")
+        loader = DataLoader(ds, sampler=sampler, batch_size=32)
+
+    `skip` is a skip-list file (`ckptlab dirty --out skip.json`), a DirtyReport, or ids.
+    - A sampler (yields dataset indices, which is what a DataLoader records as sample ids when
+      you pass the indices): yields every index not in `skip`.
+    - A batch sampler (yields lists of indices): drops those indices from each batch, and a
+      batch left empty.
+    - A map-style dataset (`__getitem__` + `__len__`): a `torch.utils.data.Subset` without the
+      skipped indices (positions shift: prefer wrapping the sampler).
+    - Any other iterable (an IterableDataset, a generator): yields items whose id is not in
+      `skip`; the id is `key(item)`, else the item itself.
+    """
+    ids = _skip_set(skip)
+    if _is_map_dataset(source):
+        keep = [i for i in range(len(source)) if not _member(i, ids)]
+        return tud.Subset(source, keep)
+    return _SkipIterable(source, ids, key)
+
+
+def _skip_set(skip) -> frozenset:
+    if hasattr(skip, "skip_ids"):  # a DirtyReport
+        values = skip.skip_ids
+    elif isinstance(skip, (str, os.PathLike)):
+        values = skiplist.read(skip)
+    else:
+        values = list(skip)
+    return frozenset(_norm_id(v) for v in values)
+
+
+def _norm_id(v):
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+        v = v.item()
+    return v
+
+
+def _member(v, ids: frozenset) -> bool:
+    try:
+        return _norm_id(v) in ids
+    except TypeError:  # unhashable item without a key: never skipped
+        return False
+
+
+def _is_map_dataset(source) -> bool:
+    if isinstance(source, (tud.Sampler, tud.IterableDataset)):
+        return False
+    return hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, (list, tuple, range, str))
+
+
+class _SkipIterable(tud.Sampler):
+    """Filters what the wrapped sampler/iterable yields (see `skip_samples`)."""
+
+    def __init__(self, source: Iterable, ids: frozenset, key: Callable | None):
+        self.source, self.ids, self.key = source, ids, key
+
+    def __iter__(self):
+        for item in self.source:
+            if self.key is not None:
+                if not _member(self.key(item), self.ids):
+                    yield item
+            elif isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
+                kept = [i for i in item if not _member(i, self.ids)]
+                if kept:
+                    yield type(item)(kept) if isinstance(item, tuple) else kept
+            elif not _member(item, self.ids):
+                yield item
+
+    def __len__(self):
+        """For a sampler of indices 0..n-1: n minus the skipped ids in that range (a
+        DataLoader only uses it for len(loader)); batch samplers keep their length."""
+        n = len(self.source)
+        if self.key is not None:
+            return n
+        inner = getattr(self.source, "sampler", None)  # a BatchSampler
+        if inner is not None:
+            return n
+        return n - sum(1 for i in self.ids if isinstance(i, int) and 0 <= i < n)
+
+    def set_epoch(self, epoch: int) -> None:  # DistributedSampler's hook passes through
+        if hasattr(self.source, "set_epoch"):
+            self.source.set_epoch(epoch)

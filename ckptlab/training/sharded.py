@@ -1,0 +1,98 @@
+"""FSDP2 (`fully_shard`) training state in and out of the live, sharded model.
+
+    save_sharded(run_dir, step, world, model, optimizer, train_state, info)   # collective
+    load_sharded(checkpoint, model, optimizer, train_state)                   # collective
+    snap = full_snapshot(world, step, model, optimizer, train_state)           # whole, on rank 0
+    set_full(model, optimizer, model_sd, optim_sd)                             # whole -> any model
+
+Saving runs on the training thread, since DCP's planning is collective (the training stalls
+for the write; DDP and single-process checkpoints are written in the background). The folder
+and its atomic commit are run/sharded.py's.
+
+Reading never unpickles: DCP's `.metadata` goes through ckptlab.io.dcp's allowlist unpickler
+(torch's own reader uses plain pickle), tensors through torch.load(weights_only=True), and
+the non-tensor optimizer state (param_groups) is kept out of DCP, in our own state file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptlab.io.dcp import safe_planner, safe_reader
+from ckptlab.run import codec
+from ckptlab.run import sharded as on_disk
+from ckptlab.run.checkpoint import CapturedState
+from ckptlab.run.layout import DCP_DIR
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as sd
+
+    return dcp, sd
+
+
+def save_sharded(run_dir: Path, step: int, world, model, optimizer, train_state: dict, info: dict) -> None:
+    """Every rank calls this; rank 0 commits. `train_state`: scheduler/scaler/rng/env (rank 0's)."""
+    dcp, sd = _dcp()
+    tmp = on_disk.temp_folder(run_dir, step, info.get("session", 0))
+    if world.is_main:
+        on_disk.prepare(tmp)
+    world.barrier()
+    try:
+        optim = sd.get_optimizer_state_dict(model, optimizer)
+        dcp.save(
+            {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
+            storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
+        )
+        mine = on_disk.rank_files(tmp, world.rank)
+        if world.is_main:
+            mine.update(on_disk.write_main_files(tmp, step, {**train_state, "param_groups": optim["param_groups"]}))
+        files: dict = {}
+        for part in world.gather_objects(mine):
+            files.update(part)
+        if world.is_main:
+            on_disk.commit(tmp, step, files, info, world.size)
+    except BaseException:
+        if world.is_main:
+            on_disk.abandon(tmp)
+        raise
+    world.barrier()
+
+
+def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:
+    """Load a sharded checkpoint into the live (sharded, distributed) model and optimizer."""
+    dcp, sd = _dcp()
+    sd._init_optim_state(optimizer)  # Adam's state exists only after a step: make the slots to load into
+    optim = sd.get_optimizer_state_dict(model, optimizer)
+    state = {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}}
+    dcp.load(state, storage_reader=safe_reader(folder / DCP_DIR), planner=safe_planner())
+    sd.set_model_state_dict(model, state["model"])
+    sd.set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": train_state["param_groups"]})
+
+
+# --- whole-state snapshots of a sharded model (collective) --------------------------------------
+
+
+def full_snapshot(world, step: int, model, optimizer, train_state: dict) -> CapturedState | None:
+    """Every rank calls this; rank 0 gets the whole state (other ranks: None). The RNG states of
+    every rank go in as `rng_by_rank`, so any rank's view can be restored."""
+    _, sd = _dcp()
+    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = sd.get_model_state_dict(model, options=opts)
+    optim_sd = sd.get_optimizer_state_dict(model, optimizer, options=opts)
+    rngs = world.gather_objects(train_state["rng"])
+    if not world.is_main:
+        return None
+    state = {**train_state, "rng_by_rank": rngs, "optimizer_fqn": optim_sd}
+    state.pop("optimizer", None)
+    spec, tensors = codec.encode(state, prefix="state")
+    return CapturedState(step, {k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, {}, spec, tensors)
+
+
+def set_full(model, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Load whole (unsharded) state into a model that may be sharded (e.g. a world of one)."""
+    _, sd = _dcp()
+    opts = sd.StateDictOptions(full_state_dict=True)
+    sd.set_model_state_dict(model, model_sd, options=opts)
+    sd.set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)

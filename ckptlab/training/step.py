@@ -1,0 +1,78 @@
+"""One training step, measured: the sequence the Recorder and replay both run, so that replayed
+numbers compare with recorded ones bit for bit.
+
+    trainee = Trainee(model, optimizer, scheduler, scaler, world=world)
+    health = trainee.run_step(step_fn, batch, measure_update=True)
+
+    # a framework that runs the step itself (Lightning, the HF Trainer):
+    trainee.begin(measure_update=True)
+    ...                                   # the framework's forward, backward, optimizer step
+    health = trainee.end(loss)
+
+In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs; the probe turns
+what its hooks saw into the step's health (loss, pre-clip gradient norms, lr, update); the
+hooks go quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler` is
+False (the framework steps it). RNG states are the caller's business: the Recorder captures
+them before the step, replay restores them before the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ckptlab.training.probe import StepHealth, StepProbe
+from ckptlab.training.world import World
+
+
+@dataclass
+class Trainee:
+    """The live training objects (what `build_fn` returns) and the probe on them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    scaler: Any = None
+    step_scheduler: bool = True  # call scheduler.step() after each step
+    world: World | None = None
+    probe: StepProbe = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.probe = StepProbe(self.model, self.optimizer, self.scaler, self.world)
+
+    def begin(self, *, measure_update: bool) -> None:
+        """Start measuring. `measure_update` costs a copy of the parameters (update ratios,
+        weight norms)."""
+        self.probe.begin(measure_update=measure_update)
+
+    def end(self, loss) -> StepHealth:
+        """Finish the step begun by `begin`: its health; then the scheduler steps."""
+        try:
+            health = self.probe.end(loss)
+        finally:
+            self.probe.abort()
+        if self.scheduler is not None and self.step_scheduler:
+            self.scheduler.step()
+        return health
+
+    def abort(self) -> None:
+        """The step begun by `begin` failed: stop measuring."""
+        self.probe.abort()
+
+    def run_step(self, step_fn: Callable, batch: Any, *, measure_update: bool, around=None) -> tuple[Any, StepHealth]:
+        """(what step_fn returned, the step's health); `around` is a context manager entered
+        for the duration of `step_fn` (replay's tracer, its redirect of the user's prints)."""
+        self.begin(measure_update=measure_update)
+        try:
+            with around if around is not None else contextlib.nullcontext():
+                loss = step_fn(self.model, self.optimizer, batch)
+        except BaseException:
+            self.abort()
+            raise
+        return loss, self.end(loss)
+
+    def close(self) -> None:
+        self.probe.close()
