@@ -26,33 +26,40 @@ from then on cannot lose them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
 import os
 import socket
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ckptlab.training.world import World
 from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import NonFiniteLoss, RecordError
-from ckptlab.training.probe import StepHealth, named_parameters
-from ckptlab.training.step import Trainee
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import clean_stale, list_checkpoints
 from ckptlab.run.layout import MANIFEST, is_first_leftover
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
-from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.run.retention import apply_retention
-from ckptlab.training.sharded import save_sharded
-from ckptlab.training.state import capture_env, capture_rng, capture_train_state, rng_equal, snapshot
-from ckptlab.training.state import restore_checkpoint
+from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.training import userfns
+from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.sharded import save_sharded
+from ckptlab.training.state import (
+    capture_env,
+    capture_rng,
+    capture_train_state,
+    restore_checkpoint,
+    rng_equal,
+    snapshot,
+)
+from ckptlab.training.step import Trainee
+from ckptlab.training.world import World
 
 
 @dataclass(frozen=True)
@@ -158,12 +165,16 @@ class Recorder:
         self.restored_step: int | None = None
 
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
-        # the journal and checkpoints; every rank writes its own batches (see ckptlab/dist.py).
+        # the journal and checkpoints; every rank writes its own batches (see training/world.py).
         # Checks read the same disk on every rank, so every rank raises the same error.
         self.world = World.detect(model)
         exists = (self.run_dir / MANIFEST).exists()
         if exists and not self.config.resume:
-            raise RecordError("already holds a run", path=self.run_dir, hint="pass resume=True to continue it, or choose a new directory")
+            raise RecordError(
+                "already holds a run",
+                path=self.run_dir,
+                hint="pass resume=True to continue it, or choose a new directory",
+            )
         if not exists and self.run_dir.exists() and any(not is_first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
         self.world.barrier()  # nobody writes before every rank has checked
@@ -195,9 +206,13 @@ class Recorder:
         if self.world.is_main:
             self._write_manifest(self.manifest)
         self.session_start = self.next_step
-        self.trainee = Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.config.step_scheduler, world=self.world)
+        self.trainee = Trainee(
+            model, optimizer, scheduler, scaler, step_scheduler=self.config.step_scheduler, world=self.world
+        )
         warn = self.config.on_anomaly == "warn"
-        self.on_anomaly = (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
+        self.on_anomaly = (
+            (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
+        )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
 
     def _write_manifest(self, manifest: dict) -> None:
@@ -229,7 +244,12 @@ class Recorder:
                 "step_fn": userfns.describe(self.step_fn, "step_fn", self.run_dir),
             },
             parameters=[
-                {"name": n, "shape": list(p.shape), "dtype": codec.dtype_name(p.dtype), "requires_grad": p.requires_grad}
+                {
+                    "name": n,
+                    "shape": list(p.shape),
+                    "dtype": codec.dtype_name(p.dtype),
+                    "requires_grad": p.requires_grad,
+                }
                 for n, p in params
             ],
             param_groups=len(self.optimizer.param_groups),
@@ -251,8 +271,11 @@ class Recorder:
         """Next step number for a resumed session; restores the state when asked."""
         pending = unfinished_rollback(self.run_dir)
         if pending is not None:  # half the later steps moved: resuming now would mix timelines
-            raise RecordError(f"a rollback into {pending.name} was interrupted", path=self.run_dir,
-                              hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume")
+            raise RecordError(
+                f"a rollback into {pending.name} was interrupted",
+                path=self.run_dir,
+                hint=f"run `ckptlab rollback --run {self.run_dir}` again to finish it, then resume",
+            )
         found, _ = list_checkpoints(self.run_dir)
         progress = read_progress(self.run_dir)
         # Committed checkpoints are never written again, and retention keeps protecting the
@@ -461,7 +484,7 @@ class Recorder:
         self.trainee.close()
         self.writer.close()
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc) -> None:

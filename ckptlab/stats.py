@@ -107,7 +107,6 @@ class PairStats:
     def absmax_ratio(self) -> float:
         return _ratio(self.b.absmax, self.a.absmax)
 
-
     @property
     def cosine(self) -> float:
         """cos(A, B) from the three norms, written as 1 - (|d|^2 - (|A|-|B|)^2) / (2|A||B|) so
@@ -173,7 +172,9 @@ def _codec(name: str, exact: bool) -> Codec:
 
 
 _EXACT = {torch.bfloat16, torch.float16} | {
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
 }
 
 
@@ -254,7 +255,9 @@ class StatsAccumulator:
                 for i in range(0, block.numel(), CHUNK):
                     chunk = block[i : i + CHUNK]
                     x64 = ws.f64[0][: chunk.numel()].copy_(chunk)
-                    _write_codes(chunk if chunk.dtype == torch.float32 else chunk.float(), self.codec, codes[i : i + CHUNK])
+                    _write_codes(
+                        chunk if chunk.dtype == torch.float32 else chunk.float(), self.codec, codes[i : i + CHUNK]
+                    )
                     self._add_moments(chunk, x64, _float_scalars(x64))
             self._count(block, codes)
 
@@ -271,7 +274,13 @@ class StatsAccumulator:
         if suspect:  # the bfloat16 prefix of zeros (and of denormals): count exact zeros
             self.zeros += block.numel() - int(torch.count_nonzero(block))
 
-    def _add_moments(self, chunk: torch.Tensor, x64: torch.Tensor | None, scalars: list[torch.Tensor], values: list[float] | None = None) -> None:
+    def _add_moments(
+        self,
+        chunk: torch.Tensor,
+        x64: torch.Tensor | None,
+        scalars: list[torch.Tensor],
+        values: list[float] | None = None,
+    ) -> None:
         s1, s2, lo, hi = values if values is not None else torch.stack(scalars).tolist()
         if math.isfinite(s2):
             self.finite += chunk.numel()
@@ -444,7 +453,14 @@ class PairAccumulator:
             if self.b.codec.exact:
                 _write_codes(xb, self.b.codec, codes_b)
             for i in range(0, xa.numel(), CHUNK):
-                self._add_chunk(xa[i : i + CHUNK], xb[i : i + CHUNK], offset + start + i, codes_a[i : i + CHUNK], codes_b[i : i + CHUNK], ws)
+                self._add_chunk(
+                    xa[i : i + CHUNK],
+                    xb[i : i + CHUNK],
+                    offset + start + i,
+                    codes_a[i : i + CHUNK],
+                    codes_b[i : i + CHUNK],
+                    ws,
+                )
             self.a._count(xa, codes_a)
             self.b._count(xb, codes_b)
 
@@ -503,7 +519,12 @@ class PairAccumulator:
         self.unchanged += other.unchanged
         self.dd += other.dd
         if (other.max_abs, -other.max_index) > (self.max_abs, -self.max_index):  # ties: lowest index
-            self.max_abs, self.max_index, self.max_a, self.max_b = other.max_abs, other.max_index, other.max_a, other.max_b
+            self.max_abs, self.max_index, self.max_a, self.max_b = (
+                other.max_abs,
+                other.max_index,
+                other.max_a,
+                other.max_b,
+            )
         return self
 
     def result(self) -> PairStats:

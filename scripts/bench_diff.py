@@ -133,7 +133,9 @@ def bench(scenario: str, gb: float, repeat: int, folder: Path) -> dict:
         results["naive"].append(run_measure("naive", a, b))
         results["ckptlab"].append(run_measure("ckptlab", a, b))
     best_raw = min(r["wall"] for r in results["raw"])
-    print(f"{'':8} {'best s':>7} {'median s':>8} {'GB/s':>6} {'x raw':>6} {'peak RSS':>9} {'CPU':>5} {'GB/cpu-s':>8}  verdict")
+    print(
+        f"{'':8} {'best s':>7} {'median s':>8} {'GB/s':>6} {'x raw':>6} {'peak RSS':>9} {'CPU':>5} {'GB/cpu-s':>8}  verdict"
+    )
     summary = {}
     for kind, rows in results.items():
         walls = [r["wall"] for r in rows]
@@ -142,10 +144,17 @@ def bench(scenario: str, gb: float, repeat: int, folder: Path) -> dict:
         cpu = f"{best['cpu'] / best['wall']:.2f}" if best["cpu"] is not None else ""
         # GB per CPU-second: what one core does, whatever else the machine was running
         per_cpu = f"{nbytes / min(r['cpu'] for r in rows) / 1e9:.2f}" if best["cpu"] is not None else ""
-        print(f"{kind:8} {min(walls):7.2f} {statistics.median(walls):8.2f} {nbytes / min(walls) / 1e9:6.2f} "
-              f"{min(walls) / best_raw:6.1f} {rss:>9} {cpu:>5} {per_cpu:>8}  {best.get('verdict', '')}")
-        summary[kind] = {"best_s": min(walls), "median_s": statistics.median(walls), "gb_per_s": nbytes / min(walls) / 1e9,
-                         "x_raw": min(walls) / best_raw, **{k: v for k, v in best.items() if k != "wall"}}
+        print(
+            f"{kind:8} {min(walls):7.2f} {statistics.median(walls):8.2f} {nbytes / min(walls) / 1e9:6.2f} "
+            f"{min(walls) / best_raw:6.1f} {rss:>9} {cpu:>5} {per_cpu:>8}  {best.get('verdict', '')}"
+        )
+        summary[kind] = {
+            "best_s": min(walls),
+            "median_s": statistics.median(walls),
+            "gb_per_s": nbytes / min(walls) / 1e9,
+            "x_raw": min(walls) / best_raw,
+            **{k: v for k, v in best.items() if k != "wall"},
+        }
     for p in (a, b):
         p.unlink()
     return summary

@@ -86,8 +86,17 @@ def record(path: Path, kind: str, steps: int, batch: int, seq: int) -> float:
     build, step = (build_tokens, step_tokens) if kind == "tokens" else (build_features, step_features)
     model, opt = build()
     t0 = time.perf_counter()
-    with ckptlab.Recorder(path, model, opt, step_fn=step, build_fn=build, ckpt_every=max(1, steps // 5), keep_last=10,
-                          health_every=100, data_info={"pad_id": 0, "vocab_size": VOCAB} if kind == "tokens" else {}) as rec:
+    with ckptlab.Recorder(
+        path,
+        model,
+        opt,
+        step_fn=step,
+        build_fn=build,
+        ckpt_every=max(1, steps // 5),
+        keep_last=10,
+        health_every=100,
+        data_info={"pad_id": 0, "vocab_size": VOCAB} if kind == "tokens" else {},
+    ) as rec:
         for b, ids in batches(kind, steps, batch, seq):
             rec.step(b, sample_ids=ids)
     return time.perf_counter() - t0
@@ -114,12 +123,25 @@ def main() -> None:
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
     n, rows = report.scanned["steps"], report.scanned["rows"]
-    print(json.dumps({
-        "kind": args.kind, "steps": n, "rows": rows, "batch": args.batch, "seq": args.seq if args.kind == "tokens" else None,
-        "scan_s": round(best, 3), "batches_per_s": round(n / best, 1), "rows_per_s": round(rows / best),
-        "flagged": len(report.flagged), "record_s": round(rec_s, 1) if rec_s else None,
-        "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "kind": args.kind,
+                "steps": n,
+                "rows": rows,
+                "batch": args.batch,
+                "seq": args.seq if args.kind == "tokens" else None,
+                "scan_s": round(best, 3),
+                "batches_per_s": round(n / best, 1),
+                "rows_per_s": round(rows / best),
+                "flagged": len(report.flagged),
+                "record_s": round(rec_s, 1) if rec_s else None,
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

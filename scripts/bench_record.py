@@ -24,14 +24,14 @@ from functools import wraps
 from pathlib import Path
 
 import torch
-from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 
 import ckptlab
+from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 from ckptlab import record
-from ckptlab.training.probe import StepProbe
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
+from ckptlab.training.probe import StepProbe
 
 
 def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
@@ -51,7 +51,11 @@ PHASES = {
     "batch encode+write": [(records, "encode_batch"), (RunWriter, "append_batch")],
     "probe hooks (grad norms, lr)": [(StepProbe, "_on_grad"), (StepProbe, "_on_post_step"), (StepProbe, "end")],
     "update-ratio copy + norms": [(StepProbe, "_on_pre_step"), (StepProbe, "_local_updates")],
-    "step record (health, anomalies)": [(records, "encode_step"), (RunWriter, "append_step"), (record.Recorder, "_anomalies")],
+    "step record (health, anomalies)": [
+        (records, "encode_step"),
+        (RunWriter, "append_step"),
+        (record.Recorder, "_anomalies"),
+    ],
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
 }
@@ -102,11 +106,18 @@ def main() -> None:
         recorders = {}
         for mode, health_every in (("recorded, health_every=1", 1), ("recorded, health_every=10 (default)", 10)):
             model, opt = build()
-            recorders[mode] = ckptlab.Recorder(Path(tmp) / f"health{health_every}", model, opt, step_fn=step, build_fn=build,
-                                               ckpt_every=args.ckpt_every, health_every=health_every)
+            recorders[mode] = ckptlab.Recorder(
+                Path(tmp) / f"health{health_every}",
+                model,
+                opt,
+                step_fn=step,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+                health_every=health_every,
+            )
         modes = ["bare", *recorders]
         for i, (batch, ids) in enumerate(batches):
-            for mode in modes[i % 3:] + modes[: i % 3]:  # rotate: no mode always runs first
+            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
                 current["mode"] = mode
                 t0 = time.perf_counter()
                 if mode == "bare":
@@ -116,7 +127,11 @@ def main() -> None:
                 if i:  # the first step warms caches up
                     times[mode].append(time.perf_counter() - t0)
             if (i + 1) % 50 == 0:
-                print(f"step {i + 1}/{args.steps}: " + ", ".join(f"{m} {statistics.median(t) * 1e3:.0f} ms" for m, t in times.items()), flush=True)
+                print(
+                    f"step {i + 1}/{args.steps}: "
+                    + ", ".join(f"{m} {statistics.median(t) * 1e3:.0f} ms" for m, t in times.items()),
+                    flush=True,
+                )
         for rec in recorders.values():
             rec.close()
         run_dir = recorders["recorded, health_every=1"].run_dir
@@ -128,13 +143,17 @@ def main() -> None:
 def report(args, times, stored, n_ckpt) -> None:
     bare = statistics.median(times["bare"])
     n_params = sum(p.numel() for p in build()[0].parameters())
-    print(f"\nmodel: {args.layers} layers x {args.width} wide, vocab {VOCAB}, {n_params / 1e6:.2f}M parameters; "
-          f"batch {args.batch} x {args.seq} tokens; {torch.get_num_threads()} threads; {args.steps} steps per mode; "
-          f"checkpoint every {args.ckpt_every} steps")
+    print(
+        f"\nmodel: {args.layers} layers x {args.width} wide, vocab {VOCAB}, {n_params / 1e6:.2f}M parameters; "
+        f"batch {args.batch} x {args.seq} tokens; {torch.get_num_threads()} threads; {args.steps} steps per mode; "
+        f"checkpoint every {args.ckpt_every} steps"
+    )
     print(f"{'mode':<38}{'median ms':>10}{'mean ms':>10}{'median ratio':>14}{'mean ratio':>12}")
     for mode, t in times.items():
-        print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.mean(t) * 1e3:>10.1f}"
-              f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x")
+        print(
+            f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.mean(t) * 1e3:>10.1f}"
+            f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x"
+        )
     for mode in times:
         if mode == "bare":
             continue
@@ -143,11 +162,15 @@ def report(args, times, stored, n_ckpt) -> None:
         for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
             per = total / args.steps
             print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
-        print(f"  {'sum':<36}{sum(phases.values()) / args.steps * 1e3:>8.2f} ms {sum(phases.values()) / args.steps / bare * 100:>6.2f}%")
+        print(
+            f"  {'sum':<36}{sum(phases.values()) / args.steps * 1e3:>8.2f} ms {sum(phases.values()) / args.steps / bare * 100:>6.2f}%"
+        )
     raw = args.batch * (args.seq + 1) * 8  # int64 token ids
-    print(f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "
-          f"{stored['batches'] / args.steps / raw:.2f}x), journal {stored['journal'] / args.steps:,.0f} B; "
-          f"{n_ckpt} checkpoints kept, {stored['checkpoints'] / 2**20:.1f} MiB")
+    print(
+        f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "
+        f"{stored['batches'] / args.steps / raw:.2f}x), journal {stored['journal'] / args.steps:,.0f} B; "
+        f"{n_ckpt} checkpoints kept, {stored['checkpoints'] / 2**20:.1f} MiB"
+    )
 
 
 if __name__ == "__main__":

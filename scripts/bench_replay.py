@@ -101,8 +101,11 @@ def main() -> int:
     run_dir = tmp / "run"
     g = torch.Generator().manual_seed(1)
     model, opt = build()
-    print(f"model: {args.layers} layers, width {args.width}, batch {args.batch}x{args.seq}; "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
+    print(
+        f"model: {args.layers} layers, width {args.width}, batch {args.batch}x{args.seq}; "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
+        flush=True,
+    )
     with ckptlab.Recorder(run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=args.steps) as rec:
         for _ in range(args.steps + 1):
             rec.step({"ids": torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g)})
@@ -115,12 +118,14 @@ def main() -> int:
     report = ckptlab.replay(run, last, trace=False, counterfactuals=False)
     replay_s = time.perf_counter() - t0
     assert report.deterministic, "replay diverged from the record"
-    print(f"replay {args.steps} steps: {replay_s:.2f} s vs recorded {recorded:.2f} s -> {replay_s / recorded:.2f}x "
-          f"(bit-exact: {sum(c.match for c in report.steps)}/{len(report.steps)})")
+    print(
+        f"replay {args.steps} steps: {replay_s:.2f} s vs recorded {recorded:.2f} s -> {replay_s / recorded:.2f}x "
+        f"(bit-exact: {sum(c.match for c in report.steps)}/{len(report.steps)})"
+    )
 
     from ckptlab.replayer.driver import Replayer
-    from ckptlab.training.state import restore_snapshot, snapshot
     from ckptlab.replayer.trace import Tracer
+    from ckptlab.training.state import restore_snapshot, snapshot
 
     r = Replayer(run)
     t = r.build()
@@ -145,10 +150,14 @@ def main() -> int:
         for k in times:
             times[k].append(timed(k))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"one step: plain {med['plain'] * 1e3:.0f} ms, traced {med['traced'] * 1e3:.0f} ms, "
-          f"detect_anomaly {med['anomaly'] * 1e3:.0f} ms")
-    print(f"traced / plain = {med['traced'] / med['plain']:.2f}x; traced / detect_anomaly = {med['traced'] / med['anomaly']:.2f}x "
-          f"(detect_anomaly / plain = {med['anomaly'] / med['plain']:.2f}x)")
+    print(
+        f"one step: plain {med['plain'] * 1e3:.0f} ms, traced {med['traced'] * 1e3:.0f} ms, "
+        f"detect_anomaly {med['anomaly'] * 1e3:.0f} ms"
+    )
+    print(
+        f"traced / plain = {med['traced'] / med['plain']:.2f}x; traced / detect_anomaly = {med['traced'] / med['anomaly']:.2f}x "
+        f"(detect_anomaly / plain = {med['anomaly'] / med['plain']:.2f}x)"
+    )
     return 0
 
 

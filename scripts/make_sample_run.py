@@ -49,8 +49,15 @@ def main() -> int:
 
     model, optimizer, scheduler = tiny_lm.build()
     rec = ckptlab.Recorder(
-        out, model, optimizer, scheduler=scheduler, step_fn=tiny_lm.step, build_fn=tiny_lm.build,
-        ckpt_every=500, keep_last=2, health_every=25,
+        out,
+        model,
+        optimizer,
+        scheduler=scheduler,
+        step_fn=tiny_lm.step,
+        build_fn=tiny_lm.build,
+        ckpt_every=500,
+        keep_last=2,
+        health_every=25,
         data_info={"pad_id": tiny_lm.PAD, "vocab_size": tiny_lm.VOCAB},
     )
     val_ids = list(range(CORPUS, CORPUS + 64))
@@ -69,7 +76,9 @@ def main() -> int:
                     v = torch.stack([tiny_lm.document(i) for i in val_ids])
                     logits = model(v[:, :-1])
                     tgt = v[:, 1:].masked_fill(v[:, 1:] == tiny_lm.PAD, -100)
-                    val = torch.nn.functional.cross_entropy(logits.reshape(-1, tiny_lm.VOCAB), tgt.reshape(-1), ignore_index=-100)
+                    val = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, tiny_lm.VOCAB), tgt.reshape(-1), ignore_index=-100
+                    )
                     model.train()
                 rec.log_validation(val_loss=float(val))
                 print(f"step {n}: val_loss {float(val):.4f}", file=sys.stderr)

@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import MLP, TinyLM, step_mlp
-
+from tests.models import MLP, TinyLM
 
 # --- regression data: y = 0.5 * x0 + noise ------------------------------------------------------
+
 
 def regression_batches(n: int, batch: int = 16, seed: int = 1, noise: float = 0.1, first: int = 0):
     """(batch, sample_ids) pairs for steps first..first+n-1; ids are 1000 * step + row."""
@@ -27,6 +27,7 @@ def regression_batches(n: int, batch: int = 16, seed: int = 1, noise: float = 0.
 
 # --- healthy: the tiny MLP with a sane AdamW learning rate --------------------------------------
 
+
 def build_healthy():
     torch.manual_seed(0)
     model = MLP()
@@ -36,6 +37,7 @@ def build_healthy():
 # --- oscillation: plain SGD with a learning rate ~40x too high; clipping keeps it bounded, ------
 # so the loss bounces (up, down, up) instead of diverging.
 
+
 def build_high_lr():
     torch.manual_seed(0)
     model = MLP()
@@ -43,6 +45,7 @@ def build_high_lr():
 
 
 # --- overfitting: a wide MLP memorizes 16 noisy samples; validation turns up ----------------------
+
 
 def build_overfit():
     torch.manual_seed(0)
@@ -61,7 +64,7 @@ def overfit_data(seed: int = 3, n: int = 32):
 def overfit_batches(n: int):
     """The whole training set every step: the model memorizes its noise."""
     x, y, _, _ = overfit_data()
-    for i in range(n):
+    for _i in range(n):
         yield (x, y), list(range(len(x)))
 
 
@@ -79,6 +82,7 @@ def overfit_validate(every: int = 5):
 
 # --- plateau: a learning rate stuck near zero for the first 40% of the run, then normal -----------
 
+
 def build_plateau():
     torch.manual_seed(0)
     model = MLP()
@@ -93,6 +97,7 @@ def plateau_factor(step: int) -> float:
 
 # --- frozen layer: fc1 is left out of the optimizer (a classic bug), so it never moves -------------
 
+
 def build_frozen():
     torch.manual_seed(0)
     model = MLP()
@@ -101,6 +106,7 @@ def build_frozen():
 
 # --- imbalanced layer: the middle layer is re-parametrized w = 1e-3 * W, so its gradient is ------
 # 1e-3 of what its neighbours see while the forward pass is unchanged.
+
 
 class ScaledLinear(nn.Module):
     def __init__(self, d_in: int, d_out: int, scale: float):
@@ -210,6 +216,7 @@ def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int
 
 # --- a nested batch: strings, a dict of token ids and an attention mask, a float target ---------
 
+
 def nested_batches(n: int = 12, batch: int = 6, seed: int = 7):
     """Planted: (4, 1) has an empty text, (6, 2) an all-zero attention mask."""
     g = torch.Generator().manual_seed(seed)
@@ -222,7 +229,10 @@ def nested_batches(n: int = 12, batch: int = 6, seed: int = 7):
         if step == 6:
             mask[2] = 0
         y = torch.randn(batch, generator=g)
-        yield {"text": text, "inputs": {"ids": ids, "attention_mask": mask}, "y": y}, [f"n{step}-{r}" for r in range(batch)]
+        yield (
+            {"text": text, "inputs": {"ids": ids, "attention_mask": mask}, "y": y},
+            [f"n{step}-{r}" for r in range(batch)],
+        )
 
 
 def build_nested():

@@ -59,7 +59,9 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
     rank = dist.get_rank()
     build = build_ddp if kind == "ddp" else build_fsdp
     model, opt = build()
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume) as rec:
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume
+    ) as rec:
         for s in range(rec.next_step, STEPS):  # (a resumed run continues its numbering)
             if s == kill_step and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -42,7 +42,9 @@ def _record(run_dir, build, step, batches, **kw) -> list[float]:
     model, opt = built[0], built[1]
     sched = built[2] if len(built) > 2 else None
     losses = []
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=step, build_fn=build, scheduler=sched, ckpt_every=10, **kw) as rec:
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=step, build_fn=build, scheduler=sched, ckpt_every=10, **kw
+    ) as rec:
         for s, batch in enumerate(batches):
             try:
                 losses.append(rec.step(batch, sample_ids=ids(s)).item())
@@ -60,6 +62,7 @@ def _xy(step: int, d: int = 8):
 
 
 # --- 1/2. tiny MLP (tests.models): NaN in an input feature; an input that overflows fc1 ---------
+
 
 def build_mlp():
     torch.manual_seed(0)
@@ -92,6 +95,7 @@ def record_input_overflow(run_dir) -> Expected:
 
 
 # --- 3. embedding-bag classifier with a custom mean pooling: 0/0 on an empty bag ------------------
+
 
 class MeanPool(nn.Module):
     def forward(self, summed, lengths):  # (B, d), (B,)
@@ -133,13 +137,19 @@ def record_empty_bag(run_dir) -> Expected:
                 lengths[3] = 0  # an empty sample
             tokens = torch.randint(0, 50, (int(lengths.sum()),), generator=g)
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
-            yield {"tokens": tokens, "offsets": offsets, "lengths": lengths, "label": torch.randint(0, 3, (B,), generator=g)}
+            yield {
+                "tokens": tokens,
+                "offsets": offsets,
+                "lengths": lengths,
+                "label": torch.randint(0, 3, (B,), generator=g),
+            }
 
     _record(run_dir, build_bag, step_bag, batches())
     return Expected(16, 16, "pool", [3], kind="numeric", op="aten.div.Tensor")
 
 
 # --- 4. log of a negative value in a custom feature module ----------------------------------------
+
 
 class LogFeature(nn.Module):
     def forward(self, x):
@@ -175,6 +185,7 @@ def record_log_negative(run_dir) -> Expected:
 
 
 # --- 5. float16 overflow in a half-precision submodule --------------------------------------------
+
 
 class HalfBlock(nn.Module):
     def __init__(self):
@@ -216,6 +227,7 @@ def record_fp16_overflow(run_dir) -> Expected:
 
 
 # --- 6. a tiny transformer whose attention softmax gets a fully masked row -------------------------
+
 
 class Attention(nn.Module):
     def __init__(self, d: int):
@@ -290,6 +302,7 @@ def record_masked_attention(run_dir) -> Expected:
 
 # --- 7. a huge regression target: gradients explode, weights go NaN one step later ---------------
 
+
 def build_sgd_mlp():
     torch.manual_seed(0)
     m = MLP()
@@ -320,6 +333,7 @@ def record_huge_target(run_dir) -> Expected:
 
 # --- 8. a learning-rate schedule spike: no sample to blame --------------------------------------
 
+
 def _spiky(step: int) -> float:
     return 1e5 if step == 18 else 1.0  # a bug in the schedule at step 18
 
@@ -338,6 +352,7 @@ def record_lr_spike(run_dir) -> Expected:
 
 
 # --- 9. a weight corrupted outside the recorded computation ------------------------------------
+
 
 def record_corrupted_weight(run_dir) -> Expected:
     model, opt = build_mlp()

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import ckptlab
 
-
 # --- a tiny MLP regressor: batch = (x[B, 8], y[B, 1]) -------------------------------------------
+
 
 class MLP(nn.Module):
     def __init__(self, d_in: int = 8, hidden: int = 16):
@@ -53,6 +53,7 @@ def mlp_batches(n: int, batch: int = 4, seed: int = 1):
 
 
 # --- a tiny causal transformer LM: batch = {"ids": int64[B, T]} -----------------------------------
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
@@ -116,6 +117,7 @@ def lm_batches(n: int, batch: int = 4, seq: int = 17, vocab: int = 64, seed: int
 
 # --- recording helper ---------------------------------------------------------------------------
 
+
 def record_run(run_dir, build, step, batches, *, stop_on_nonfinite: bool = True, validate=None, **recorder_kw):
     """Record `batches` with a fresh model from `build`; returns the list of losses.
 
@@ -141,6 +143,7 @@ def record_run(run_dir, build, step, batches, *, stop_on_nonfinite: bool = True,
 
 
 # --- a build_fn that prints and compiles (torch.compile prefixes names with `_orig_mod.`) ------
+
 
 def build_compiled_noisy():
     print("building the model (a chatty build_fn)")

@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def torchrun(run_dir, kind, kill_step=None):  # kill_step: a step number, or "resume"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(ROOT / "tests" / "dist_models.py"), str(run_dir), kind]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests" / "dist_models.py"),
+        str(run_dir),
+        kind,
+    ]
     if kill_step is not None:
         args.append(str(kill_step))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -91,10 +99,17 @@ def test_fsdp_checkpoints_are_committed_dcp_shards(fsdp_run):
     run = ckptlab.open_run(fsdp_run)
     assert run.manifest["layout"] == "sharded" and run.world_size == 2
     ck = run.checkpoint(run.checkpoints[-1])
-    assert ck.sharded and {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "state.safetensors"} <= set(ck.commit["files"])
+    assert ck.sharded and {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "state.safetensors"} <= set(
+        ck.commit["files"]
+    )
     ck.verify()
     tensors, _ = ck.load_model()  # the shards assembled, in one process, no process group
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == {"fc1.weight": (16, 8), "fc1.bias": (16,), "fc2.weight": (1, 16), "fc2.bias": (1,)}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "fc1.weight": (16, 8),
+        "fc1.bias": (16,),
+        "fc2.weight": (1, 16),
+        "fc2.bias": (1,),
+    }
     # exact global gradient norms: the shards' squared norms add up
     m = run.metrics()
     i = m.index(dm.NAN_STEP - 1)
@@ -154,6 +169,8 @@ def test_rollback_exports_a_sharded_checkpoint_loadable_without_ckptlab(fsdp_run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, safetensors.torch.load_file(tmp_path / "out" / "model.safetensors"), options=whole)
-    set_optimizer_state_dict(model, opt, torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True), options=whole)
+    set_optimizer_state_dict(
+        model, opt, torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True), options=whole
+    )
     assert torch.equal(model.fc1.weight, run.checkpoint(run.checkpoints[-1]).load_model()[0]["fc1.weight"])
     assert opt.state_dict()["state"][0]["exp_avg"].shape == (16, 8)

@@ -22,7 +22,9 @@ from tests.run.bits import assert_same
 def resume(run_dir, build=models.build_mlp, step=models.step_mlp, **kw) -> ckptlab.Recorder:
     built = build()
     sched = built[2] if len(built) > 2 else None
-    return ckptlab.Recorder(run_dir, built[0], built[1], step_fn=step, build_fn=build, scheduler=sched, resume=True, **kw)
+    return ckptlab.Recorder(
+        run_dir, built[0], built[1], step_fn=step, build_fn=build, scheduler=sched, resume=True, **kw
+    )
 
 
 def step_ignoring_batch(model, optimizer, batch):
@@ -41,7 +43,9 @@ def test_recorded_batches_read_back_bit_exact(batches, ids):
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         model, opt = models.build_mlp()
-        with ckptlab.Recorder(run_dir, model, opt, step_fn=step_ignoring_batch, build_fn=models.build_mlp, ckpt_every=2) as rec:
+        with ckptlab.Recorder(
+            run_dir, model, opt, step_fn=step_ignoring_batch, build_fn=models.build_mlp, ckpt_every=2
+        ) as rec:
             rec.step(batches, sample_ids=ids)
             rec.step([batches, "again"], sample_ids=ids)
         run = ckptlab.open_run(run_dir)
@@ -84,7 +88,10 @@ def test_resume_continues_numbering_and_loses_nothing(run_dir):
         assert_same(got, batch)
         assert got_ids == ids
     assert run.checkpoints == [0, 5, 10, 12, 15]
-    assert [(s["session"], s["start_step"], s["restored_from"]) for s in run.manifest["sessions"]] == [(0, 0, None), (1, 12, 10)]
+    assert [(s["session"], s["start_step"], s["restored_from"]) for s in run.manifest["sessions"]] == [
+        (0, 0, None),
+        (1, 12, 10),
+    ]
     assert run.problems == []
 
 
@@ -93,7 +100,9 @@ def test_resume_after_a_checkpoint_past_the_last_step_leaves_no_gap(run_dir):
     which the next step starts, so the resumed session starts exactly there."""
     model, opt = models.build_mlp()
     batches = list(models.mlp_batches(8))
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=100) as rec:
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=100
+    ) as rec:
         for batch, ids in batches[:5]:
             rec.step(batch, sample_ids=ids)
         rec.log_validation(val_loss=0.5)  # a new best: checkpoint at step 5
@@ -119,8 +128,14 @@ def test_resume_keeps_protecting_earlier_sessions_checkpoints(run_dir):
         return {"val_loss": val[i]} if i in val else None
 
     models.record_run(
-        run_dir, models.build_mlp, models.step_mlp, [*batches[:7], (bad, [0] * 4), *batches[8:12]],
-        ckpt_every=2, keep_last=2, on_nonfinite="record", validate=validate,
+        run_dir,
+        models.build_mlp,
+        models.step_mlp,
+        [*batches[:7], (bad, [0] * 4), *batches[8:12]],
+        ckpt_every=2,
+        keep_last=2,
+        on_nonfinite="record",
+        validate=validate,
     )
     run = ckptlab.open_run(run_dir)
     assert run.events()[0]["step"] == 7
@@ -154,7 +169,9 @@ def test_nonfinite_loss_is_recorded_then_raised(run_dir):
 def test_on_nonfinite_record_keeps_going(run_dir):
     batches = [b for b, _ in models.mlp_batches(4)]
     batches[1] = (torch.full((4, 8), math.nan), torch.zeros(4, 1))
-    losses = models.record_run(run_dir, models.build_mlp, models.step_mlp, [(b, None) for b in batches], on_nonfinite="record")
+    losses = models.record_run(
+        run_dir, models.build_mlp, models.step_mlp, [(b, None) for b in batches], on_nonfinite="record"
+    )
     assert len(losses) == 4
     kinds = {(e["step"], e["kind"]) for e in ckptlab.open_run(run_dir).events()}
     assert (1, "nonfinite_loss") in kinds and (1, "nonfinite_grad") in kinds
@@ -166,7 +183,9 @@ def test_refuses_a_directory_that_is_not_a_run(run_dir):
     model, opt = models.build_mlp()
     for resume_flag in (False, True):
         with pytest.raises(RecordError, match="exists and is not a ckptlab run; refusing to write into it"):
-            ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, resume=resume_flag)
+            ckptlab.Recorder(
+                run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, resume=resume_flag
+            )
     assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]
 
 
@@ -195,12 +214,16 @@ def test_a_different_model_cannot_resume(run_dir):
 
 
 def test_manifest_describes_the_run(run_dir):
-    models.record_run(run_dir, models.build_lm, models.step_lm, models.lm_batches(2), ckpt_every=7, data_info={"pad_id": 0})
+    models.record_run(
+        run_dir, models.build_lm, models.step_lm, models.lm_batches(2), ckpt_every=7, data_info={"pad_id": 0}
+    )
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["format"] == "ckptlab-run" and manifest["format_version"] == 1
     assert manifest["config"]["ckpt_every"] == 7 and manifest["config"]["has_scheduler"] is True
     assert manifest["functions"]["step_fn"]["qualname"] == "step_lm"
-    assert (run_dir / manifest["functions"]["step_fn"]["source_copy"]).read_bytes() == Path(models.__file__).read_bytes()
+    assert (run_dir / manifest["functions"]["step_fn"]["source_copy"]).read_bytes() == Path(
+        models.__file__
+    ).read_bytes()
     assert manifest["data_info"] == {"pad_id": 0}
     assert [p["name"] for p in manifest["parameters"]][:2] == ["wte.weight", "wpe.weight"]
     assert "lm_head.weight" not in [p["name"] for p in manifest["parameters"]]  # tied: once

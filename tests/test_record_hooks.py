@@ -12,7 +12,9 @@ def test_begin_end_step_records_what_step_records(tmp_path):
     driven = models.record_run(tmp_path / "a", models.build_mlp, models.step_mlp, batches, ckpt_every=4)
     model, opt = models.build_mlp()
     external = []
-    with ckptlab.Recorder(tmp_path / "b", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=4) as rec:
+    with ckptlab.Recorder(
+        tmp_path / "b", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=4
+    ) as rec:
         for batch, ids in batches:  # a framework runs the step; ckptlab only watches
             n = rec.begin_step(batch, sample_ids=ids)
             loss = models.step_mlp(model, opt, batch)
@@ -27,7 +29,7 @@ def test_begin_end_step_records_what_step_records(tmp_path):
 
 def test_misuse_of_begin_end_is_a_clear_error(run_dir):
     model, opt = models.build_mlp()
-    (batch, ids), = list(models.mlp_batches(1))
+    ((batch, ids),) = list(models.mlp_batches(1))
     with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
         with pytest.raises(ckptlab.RecordError, match="end_step called without begin_step"):
             rec.end_step(1.0)
@@ -38,7 +40,13 @@ def test_misuse_of_begin_end_is_a_clear_error(run_dir):
 
 def test_on_anomaly_callback_and_default_warning(tmp_path, capsys):
     seen = []
-    fm._record(tmp_path / "cb", fm.build_mlp, fm.step_mlp, _nan_at(27), on_anomaly=lambda step, events: seen.append((step, [e["kind"] for e in events])))
+    fm._record(
+        tmp_path / "cb",
+        fm.build_mlp,
+        fm.step_mlp,
+        _nan_at(27),
+        on_anomaly=lambda step, events: seen.append((step, [e["kind"] for e in events])),
+    )
     assert seen[0][0] == 27 and "nonfinite_loss" in seen[0][1]
     fm._record(tmp_path / "warn", fm.build_mlp, fm.step_mlp, _nan_at(27))
     err = capsys.readouterr().err

@@ -27,7 +27,9 @@ def test_replay_across_a_resumed_session(run_dir):
     batches = list(models.mlp_batches(30))
     models.record_run(run_dir, models.build_mlp, models.step_mlp, batches[:15], ckpt_every=10)
     model, opt = models.build_mlp()
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=10, resume=True) as rec:
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=10, resume=True
+    ) as rec:
         assert rec.next_step == 15 and rec.restored_step == 10
         resumed = [rec.step(b, sample_ids=i).item() for b, i in batches[15:30]]
     run = ckptlab.open_run(run_dir)
@@ -51,7 +53,8 @@ def test_pruned_step_is_a_clear_error(run_dir):
 
 
 def _user_module(tmp_path, name, hidden=16):
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(f"""
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(f"""
         import torch
         import torch.nn.functional as F
 
@@ -66,7 +69,8 @@ def _user_module(tmp_path, name, hidden=16):
             opt.step()
             opt.zero_grad()
             return loss
-    """))
+    """)
+    )
     sys.path.insert(0, str(tmp_path))
     sys.modules.pop(name, None)
     return importlib.import_module(name)
@@ -137,9 +141,31 @@ def test_verdict_of_an_op_fault_with_no_row_to_blame():
     from ckptlab.replayer.findings import Origin, ReplayReport, verdict
 
     report = ReplayReport(
-        run="r", requested_step=9, root_step=9, start_checkpoint=0, fault_recorded=True, reproduced=True,
-        deterministic=True, first_divergence=None,
-        origin=Origin("numeric", "forward", "blocks.0.attn", "aten._softmax.default", None, "m.py:3", produced="NaN", inputs_finite=True),
-        samples=[], parameters=[], chain=[], counterfactuals=[], steps=[], verdict="",
+        run="r",
+        requested_step=9,
+        root_step=9,
+        start_checkpoint=0,
+        fault_recorded=True,
+        reproduced=True,
+        deterministic=True,
+        first_divergence=None,
+        origin=Origin(
+            "numeric",
+            "forward",
+            "blocks.0.attn",
+            "aten._softmax.default",
+            None,
+            "m.py:3",
+            produced="NaN",
+            inputs_finite=True,
+        ),
+        samples=[],
+        parameters=[],
+        chain=[],
+        counterfactuals=[],
+        steps=[],
+        verdict="",
     )
-    assert verdict(report) == "Step 9: aten._softmax.default in `blocks.0.attn` (m.py:3) produced NaN from finite inputs."
+    assert (
+        verdict(report) == "Step 9: aten._softmax.default in `blocks.0.attn` (m.py:3) produced NaN from finite inputs."
+    )

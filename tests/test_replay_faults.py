@@ -5,7 +5,15 @@ import pytest
 import ckptlab
 from tests import fault_models as fm
 
-SAMPLE_FAULTS = ["input_nan", "input_overflow", "empty_bag", "log_negative", "fp16_overflow", "masked_attention", "huge_target"]
+SAMPLE_FAULTS = [
+    "input_nan",
+    "input_overflow",
+    "empty_bag",
+    "log_negative",
+    "fp16_overflow",
+    "masked_attention",
+    "huge_target",
+]
 
 
 @pytest.mark.parametrize("fault", SAMPLE_FAULTS)
@@ -57,7 +65,15 @@ def test_weight_corrupted_outside_step_fn_does_not_reproduce(run_dir):
 def test_json_has_the_contract_keys(run_dir):
     exp = fm.record_masked_attention(run_dir)
     doc = ckptlab.replay(run_dir, exp.symptom).to_json()
-    assert list(doc)[:7] == ["requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict"]
+    assert list(doc)[:7] == [
+        "requested_step",
+        "root_step",
+        "reproduced",
+        "deterministic",
+        "origin",
+        "samples",
+        "verdict",
+    ]
     assert set(doc["origin"]) >= {"kind", "phase", "module", "op", "parameter", "source"}
     assert doc["origin"]["source"].startswith("fault_models.py:")
     assert doc["samples"][0] == {**doc["samples"][0], "row": 5, "sample_id": 1205}

@@ -29,8 +29,16 @@ def recorded(tmp_path_factory):
     (mid-segment), validation every 5 steps."""
     path = tmp_path_factory.mktemp("rb") / "run"
     batches = list(am.overfit_batches(STEPS))
-    losses = models.record_run(path, am.build_overfit, models.step_mlp, batches, ckpt_every=20, health_every=5,
-                               keep_last=10, validate=am.overfit_validate(5))
+    losses = models.record_run(
+        path,
+        am.build_overfit,
+        models.step_mlp,
+        batches,
+        ckpt_every=20,
+        health_every=5,
+        keep_last=10,
+        validate=am.overfit_validate(5),
+    )
     return path, batches, losses
 
 
@@ -51,7 +59,9 @@ def frames_under(root: Path) -> set:
 
 
 def checkpoints_under(root: Path) -> set:
-    return {(p.name, (p / "model.safetensors").read_bytes()) for p in root.rglob("step-*") if (p / "COMMIT.json").is_file()}
+    return {
+        (p.name, (p / "model.safetensors").read_bytes()) for p in root.rglob("step-*") if (p / "COMMIT.json").is_file()
+    }
 
 
 def main_state(run_dir: Path) -> tuple:
@@ -92,8 +102,17 @@ def test_rewind_then_resume_is_bit_exact_and_archive_stays_readable(run_dir, rec
     assert torch.equal(batch[0], original[45][0][0]) and ids == original[45][1]
 
     model, opt = am.build_overfit()
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=am.build_overfit, resume=True,
-                          ckpt_every=20, health_every=5, keep_last=10) as rec:
+    with ckptlab.Recorder(
+        run_dir,
+        model,
+        opt,
+        step_fn=models.step_mlp,
+        build_fn=am.build_overfit,
+        resume=True,
+        ckpt_every=20,
+        health_every=5,
+        keep_last=10,
+    ) as rec:
         assert (rec.restored_step, rec.next_step) == (30, 30)
         resumed = [rec.step(b, sample_ids=i).item() for b, i in batches[30:]]
     assert resumed == losses[30:]  # bit for bit
@@ -143,6 +162,7 @@ class KillAt:
                 raise Killed()
             self.count += 1
             return fn(*args, **kwargs)
+
         return op
 
     def __exit__(self, *exc):
@@ -196,7 +216,9 @@ def test_export_is_loadable_without_ckptlab(tmp_path):
     info = export_checkpoint(ckpt, tmp_path / "out")
     assert sorted(info["files"]) == ["model.safetensors", "optimizer.pt", "scheduler.pt"]
     model, opt, sched = models.build_lm()
-    model.load_state_dict(safetensors.torch.load_file(tmp_path / "out" / "model.safetensors"))  # strict, tied names included
+    model.load_state_dict(
+        safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    )  # strict, tied names included
     opt.load_state_dict(torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True))
     sched.load_state_dict(torch.load(tmp_path / "out" / "scheduler.pt", weights_only=True))
     assert model.lm_head.weight is model.wte.weight  # the tie survives loading

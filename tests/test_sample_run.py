@@ -11,7 +11,8 @@ SAMPLE = Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan"
 def test_bundled_sample_points_at_the_empty_document():
     out = subprocess.run(
         [sys.executable, "-m", "ckptlab", "replay", "--run", str(SAMPLE), "--step", "5432", "--json"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -25,7 +26,9 @@ def test_bundled_sample_points_at_the_empty_document():
 
 
 def test_bundled_sample_is_intact():
-    out = subprocess.run([sys.executable, "-m", "ckptlab", "info", "--run", str(SAMPLE), "--json"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptlab", "info", "--run", str(SAMPLE), "--json"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert all(c["verified"] for c in doc["checkpoints"])

@@ -18,9 +18,17 @@ def _reference(t: torch.Tensor) -> dict:
     x = t.double().reshape(-1)
     f = x[torch.isfinite(x)]
     return dict(
-        numel=x.numel(), nan=int(x.isnan().sum()), posinf=int(x.isposinf().sum()), neginf=int(x.isneginf().sum()),
-        zeros=int((x == 0).sum()), mean=float(f.mean()), std=float(f.std(unbiased=False)), min=float(f.min()),
-        max=float(f.max()), absmax=float(f.abs().max()), l2=float(f.norm()),
+        numel=x.numel(),
+        nan=int(x.isnan().sum()),
+        posinf=int(x.isposinf().sum()),
+        neginf=int(x.isneginf().sum()),
+        zeros=int((x == 0).sum()),
+        mean=float(f.mean()),
+        std=float(f.std(unbiased=False)),
+        min=float(f.min()),
+        max=float(f.max()),
+        absmax=float(f.abs().max()),
+        l2=float(f.norm()),
     )
 
 
@@ -75,7 +83,9 @@ def test_pair_stats_match_float64():
     a64, b64 = a.double(), b.double()
     assert p.delta.l2 == pytest.approx(float((b64 - a64).norm()), rel=1e-12)
     assert p.delta.unchanged == int((a == b).sum()) and p.delta.unchanged >= 1000
-    assert p.delta.max_index == 123_456 and p.delta.max_b - p.delta.max_a == pytest.approx(float(b64[123_456] - a64[123_456]))
+    assert p.delta.max_index == 123_456 and p.delta.max_b - p.delta.max_a == pytest.approx(
+        float(b64[123_456] - a64[123_456])
+    )
     assert 1 - p.cosine == pytest.approx(1 - float(a64 @ b64 / a64.norm() / b64.norm()), rel=1e-6)
     assert p.rel_change == pytest.approx(float((b64 - a64).norm() / a64.norm()), rel=1e-12)
 
@@ -132,10 +142,21 @@ def test_any_cut_into_pieces_merges_to_the_whole(n, cuts, bad, dtype):
         merged.merge(p)
     r = merged.result()
     assert (r.delta.compared, r.delta.unchanged, r.delta.max_index, r.delta.max_abs) == (
-        whole.delta.compared, whole.delta.unchanged, whole.delta.max_index, whole.delta.max_abs)
+        whole.delta.compared,
+        whole.delta.unchanged,
+        whole.delta.max_index,
+        whole.delta.max_abs,
+    )
     for side in ("a", "b"):
         x, y = getattr(r, side), getattr(whole, side)
-        assert (x.numel, x.nan, x.posinf, x.neginf, x.zeros, x.quantiles) == (y.numel, y.nan, y.posinf, y.neginf, y.zeros, y.quantiles)
+        assert (x.numel, x.nan, x.posinf, x.neginf, x.zeros, x.quantiles) == (
+            y.numel,
+            y.nan,
+            y.posinf,
+            y.neginf,
+            y.zeros,
+            y.quantiles,
+        )
         assert (x.hist == y.hist).all()
         assert x.l2 == pytest.approx(y.l2, rel=1e-12, nan_ok=True)
     single = StatsAccumulator(dtype)

@@ -82,3 +82,21 @@ def test_summaries_and_row_mapping():
     assert rows_of((8, 5), [5, 0], 4) == 2  # (B*2, ...) batch-major
     assert rows_of((7, 4, 3), [0, 3, 1], 4) == 3  # (T, B, ...)
     assert rows_of((3, 3), [0, 0], 4) is None
+
+
+def test_a_replayed_step_charges_no_op_to_ckptlab_itself(run_dir):
+    """Ops that ckptlab runs around the user's step (the probe's copy of the weights for update
+    ratios) are not the user's: no traced op is placed in ckptlab's own files."""
+    import ckptlab
+    from ckptlab.replayer.driver import Replayer
+    from tests import models
+
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(2))
+    replayer = Replayer(ckptlab.open_run(run_dir))
+    trainee = replayer.build()
+    replayer.load_checkpoint(trainee, 0)
+    tracer = Tracer(trainee.model, trainee.optimizer, rows=4)
+    replayer.run_step(trainee, replayer.batch(0), tracer=tracer, measure_update=True)
+    replayer.close(trainee)
+    files = {e.source.split(":")[0] for e in tracer.events if e.source}
+    assert files == {"models.py"}

@@ -9,7 +9,8 @@ dirty, report and replay's blame share.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ def embedding_tables(manifest: dict) -> list[int]:
 
 
 # --- walking a batch ---------------------------------------------------------------------------------
+
 
 def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """(path, value) for every array-like or string-list leaf of a batch's nesting; tensors
@@ -79,7 +81,9 @@ def batch_rows(batch, ids) -> int | None:
     """Rows in the batch: one per sample id, else the most common leading dimension."""
     if ids is not None:
         return len(ids)
-    dims = [leaf.shape[0] for _, leaf in python_leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim]
+    dims = [
+        leaf.shape[0] for _, leaf in python_leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim
+    ]
     return max(set(dims), key=dims.count) if dims else None
 
 

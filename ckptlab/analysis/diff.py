@@ -38,9 +38,9 @@ import torch
 
 from ckptlab import stats
 from ckptlab.errors import CkptlabError
-from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.io import LazyStateDict, open_checkpoint
 from ckptlab.io.stream import Job, default_workers, stream
+from ckptlab.jsonable import NOT_IN_JSON
 
 # Thresholds. Healthy training changes a weight's norm by percents per thousand steps; the
 # explosions this is for are 100x-10000x. Ratios are compared in log10 ("dex").
@@ -86,8 +86,20 @@ class Side:
 
     @classmethod
     def of(cls, s: stats.TensorStats) -> Side:
-        return cls(s.numel, s.nan, s.posinf, s.neginf, s.zeros, s.mean, s.std, s.min, s.max, s.absmax, s.l2,
-                   dict(zip(QUANTILE_KEYS, s.quantiles)))
+        return cls(
+            s.numel,
+            s.nan,
+            s.posinf,
+            s.neginf,
+            s.zeros,
+            s.mean,
+            s.std,
+            s.min,
+            s.max,
+            s.absmax,
+            s.l2,
+            dict(zip(QUANTILE_KEYS, s.quantiles)),
+        )
 
     @property
     def nonfinite(self) -> int:
@@ -196,7 +208,12 @@ def diff(
 def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, progress, sequential) -> DiffFindings:
     started = time.perf_counter()
     plan = align(sd_a, sd_b, pattern) if sd_b is not None else _single_plan(sd_a, pattern)
-    skipped = [{"name": n, "side": side, "reason": r} for side, sd in (("a", sd_a), ("b", sd_b)) if sd for n, r in sd.skipped.items()]
+    skipped = [
+        {"name": n, "side": side, "reason": r}
+        for side, sd in (("a", sd_a), ("b", sd_b))
+        if sd
+        for n, r in sd.skipped.items()
+    ]
     skipped += _drop_unsupported(plan, sd_a, sd_b)
     if not plan.pairs:
         raise CkptlabError(_nothing_to_compare(sd_a, sd_b, plan, pattern))
@@ -241,7 +258,9 @@ def _drop_unsupported(plan: Plan, sd_a, sd_b) -> list[dict]:
     for p in plan.pairs:
         sides = [("a", sd_a.info(p.name_a))] + ([("b", sd_b.info(p.name_b))] if sd_b is not None else [])
         bad = [(side, ref.dtype) for side, ref in sides if not stats.supported(ref.dtype)]
-        skipped += [{"name": p.name, "side": side, "reason": f"dtype {_dt(dtype)} is not supported"} for side, dtype in bad]
+        skipped += [
+            {"name": p.name, "side": side, "reason": f"dtype {_dt(dtype)} is not supported"} for side, dtype in bad
+        ]
         if not bad:
             keep.append(p)
     plan.pairs = keep
@@ -289,8 +308,6 @@ class Plan:
     notes: list[str]
 
 
-
-
 def canonical(name: str) -> str:
     """The name without wrapper components: `module.` in front, `_orig_mod.` anywhere."""
     parts = [p for p in name.split(".") if p != "_orig_mod"]
@@ -305,7 +322,7 @@ def _names(sd: LazyStateDict, strip: str = "") -> dict[str, str]:
     for name in sd:
         c = canonical(name)
         if strip and c.startswith(strip):
-            c = c[len(strip):]
+            c = c[len(strip) :]
         out.setdefault(c, name)
     return out
 
@@ -332,7 +349,12 @@ def align(sd_a: LazyStateDict, sd_b: LazyStateDict, pattern=None) -> Plan:
             ta = _names(sd_a, prefix) if side == "A" else na
             tb = _names(sd_b, prefix) if side == "B" else nb
             if len(ta.keys() & tb.keys()) > best[0]:
-                best = (len(ta.keys() & tb.keys()), ta, tb, f"aligned names: removed the prefix {prefix!r} that all of {side}'s names share")
+                best = (
+                    len(ta.keys() & tb.keys()),
+                    ta,
+                    tb,
+                    f"aligned names: removed the prefix {prefix!r} that all of {side}'s names share",
+                )
     _, na, nb, note = best
     if note:
         notes.append(note)
@@ -398,11 +420,15 @@ def _nothing_to_compare(sd_a, sd_b, plan: Plan, pattern) -> str:
         return f"{sd_a.label}: holds no tensors to check"
     if plan.mismatched:
         m = plan.mismatched[0]
-        return (f"{sd_a.label} and {sd_b.label} share names but no tensor of the same shape "
-                f"(e.g. {m.name}: {m.shape_a} vs {m.shape_b}): different architectures?")
+        return (
+            f"{sd_a.label} and {sd_b.label} share names but no tensor of the same shape "
+            f"(e.g. {m.name}: {m.shape_a} vs {m.shape_b}): different architectures?"
+        )
     ea, eb = next(iter(sd_a), "nothing"), next(iter(sd_b), "nothing")
-    return (f"{sd_a.label} and {sd_b.label} share no tensor names (A has {len(sd_a)} like {ea!r}, "
-            f"B has {len(sd_b)} like {eb!r}): unrelated checkpoints?")
+    return (
+        f"{sd_a.label} and {sd_b.label} share no tensor names (A has {len(sd_a)} like {ea!r}, "
+        f"B has {len(sd_b)} like {eb!r}): unrelated checkpoints?"
+    )
 
 
 # --- one finding per tensor -----------------------------------------------------------------------
@@ -410,8 +436,15 @@ def _nothing_to_compare(sd_a, sd_b, plan: Plan, pattern) -> str:
 
 def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> TensorFinding:
     ra = sd_a.info(p.name_a)
-    common = dict(name=p.name, module=p.name.rpartition(".")[0], flags=[], reason=None, shape=list(ra.shape),
-                  dtype_a=_dt(ra.dtype), tied=p.tied)
+    common = dict(
+        name=p.name,
+        module=p.name.rpartition(".")[0],
+        flags=[],
+        reason=None,
+        shape=list(ra.shape),
+        dtype_a=_dt(ra.dtype),
+        tied=p.tied,
+    )
     if sd_b is None:
         return TensorFinding(**common, dtype_b=None, a=Side.of(r), b=None, delta=None, hist_a=r.hist)
     rb = sd_b.info(p.name_b)
@@ -430,8 +463,15 @@ def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Ten
         w1=r.w1,
     )
     flags = ["dtype_changed"] if ra.dtype != rb.dtype else []
-    return TensorFinding(**{**common, "flags": flags}, dtype_b=_dt(rb.dtype), a=Side.of(r.a), b=Side.of(r.b), delta=delta,
-                         hist_a=r.a.hist, hist_b=r.b.hist)
+    return TensorFinding(
+        **{**common, "flags": flags},
+        dtype_b=_dt(rb.dtype),
+        a=Side.of(r.a),
+        b=Side.of(r.b),
+        delta=delta,
+        hist_a=r.a.hist,
+        hist_b=r.b.hist,
+    )
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -458,19 +498,30 @@ def _rank_pairs(findings: list[TensorFinding]) -> None:
         if b.nonfinite > a.nonfinite or (b.nonfinite and a.nonfinite):
             was = "A had none" if not a.nonfinite else f"A had {a.nonfinite}"
             _flag(f, "nonfinite", b.nonfinite - a.nonfinite + b.nonfinite / (b.numel + 1), f"{_counts(b)} ({was})")
-        growth = max(_finite_or(d.norm_ratio, 0), _finite_or(d.absmax_ratio, 0), math.inf if a.absmax == 0 and b.absmax > 0 else 0)
+        growth = max(
+            _finite_or(d.norm_ratio, 0),
+            _finite_or(d.absmax_ratio, 0),
+            math.inf if a.absmax == 0 and b.absmax > 0 else 0,
+        )
         if growth >= EXPLODE_GROWTH and b.absmax >= EXPLODE_SCALE * typical:
             _flag(f, "exploded", math.log10(b.absmax / max(a.absmax, 1e-30)), _growth_reason(a, b, d))
         if b.numel > 1 and len(f.shape) >= 2 and b.zeros == b.numel and a.zeros < a.numel:
             _flag(f, "dead", b.numel, f"all {b.numel} elements became zero")
         if d.unchanged == 1 and b.numel and changed >= FROZEN_PEERS * max(len(findings) - 1, 1):
-            _flag(f, "frozen", b.numel, f"unchanged: all {b.numel} elements identical while {changed} of {len(findings)} tensors changed")
+            _flag(
+                f,
+                "frozen",
+                b.numel,
+                f"unchanged: all {b.numel} elements identical while {changed} of {len(findings)} tensors changed",
+            )
     _flag_update_outliers(findings)
 
 
 def _flag_update_outliers(findings: list[TensorFinding]) -> None:
     """Robust z-score of log10(update ratio) within each role (same name across layers)."""
-    usable = [f for f in findings if f.b.nonfinite == 0 and math.isfinite(f.delta.rel_change) and f.delta.rel_change > 0]
+    usable = [
+        f for f in findings if f.b.nonfinite == 0 and math.isfinite(f.delta.rel_change) and f.delta.rel_change > 0
+    ]
     groups: dict[str, list[TensorFinding]] = {}
     for f in usable:  # peers are the same parameter in other layers, never other kinds of tensor:
         groups.setdefault(role(f.name), []).append(f)  # embeddings move ~10x less than matrices
@@ -485,11 +536,15 @@ def _flag_update_outliers(findings: list[TensorFinding]) -> None:
             f.delta.update_z, f.delta.peers = round(z, 2), label
             off = abs(x - med)
             if abs(z) >= OUTLIER_Z and off >= math.log10(OUTLIER_RATIO):
-                times = 10 ** off
+                times = 10**off
                 more = "more" if z > 0 else "less"
-                _flag(f, "drifted" if z > 0 else "stalled", off,
-                      f"changed {short_number(times, 2)}x {more} than its {len(members) - 1} peers {label} "
-                      f"(||B-A||/||A|| = {short_number(f.delta.rel_change)} vs median {short_number(10 ** med)})")
+                _flag(
+                    f,
+                    "drifted" if z > 0 else "stalled",
+                    off,
+                    f"changed {short_number(times, 2)}x {more} than its {len(members) - 1} peers {label} "
+                    f"(||B-A||/||A|| = {short_number(f.delta.rel_change)} vs median {short_number(10**med)})",
+                )
 
 
 def _rank_single(findings: list[TensorFinding]) -> None:
@@ -501,13 +556,22 @@ def _rank_single(findings: list[TensorFinding]) -> None:
         if a.nonfinite:
             _flag(f, "nonfinite", a.nonfinite, _counts(a))
         limit = _overflow_limit(f.dtype_a)
-        if math.isfinite(a.absmax) and ((ratio >= EXTREME_SCALE and a.absmax >= EXTREME_FLOOR) or (limit and a.absmax >= OVERFLOW_SHARE * limit)):
+        if math.isfinite(a.absmax) and (
+            (ratio >= EXTREME_SCALE and a.absmax >= EXTREME_FLOOR) or (limit and a.absmax >= OVERFLOW_SHARE * limit)
+        ):
             why = f"max |w| = {short_number(a.absmax)}, {short_number(ratio, 2)}x the model's median max |w| ({short_number(typical)})"
             if limit and a.absmax >= OVERFLOW_SHARE * limit:
                 why += f"; {a.absmax / limit:.0%} of {f.dtype_a}'s largest value"
             _flag(f, "extreme", math.log10(max(ratio, 1e-30)), why)
         if a.numel > 1 and len(f.shape) >= 2 and (a.zeros == a.numel or a.std == 0):
-            _flag(f, "dead", a.numel, f"all {a.numel} elements are zero" if a.zeros == a.numel else f"all {a.numel} elements equal {short_number(a.mean)}")
+            _flag(
+                f,
+                "dead",
+                a.numel,
+                f"all {a.numel} elements are zero"
+                if a.zeros == a.numel
+                else f"all {a.numel} elements equal {short_number(a.mean)}",
+            )
 
 
 def _overflow_limit(dtype: str) -> float | None:
@@ -528,7 +592,9 @@ def _counts(s: Side) -> str:
 
 
 def _growth_reason(a: Side, b: Side, d: Delta) -> str:
-    if _finite_or(d.absmax_ratio, math.inf) >= 0.5 * _finite_or(d.norm_ratio, 0):  # say max |w| unless the norm says much more
+    if _finite_or(d.absmax_ratio, math.inf) >= 0.5 * _finite_or(
+        d.norm_ratio, 0
+    ):  # say max |w| unless the norm says much more
         return f"max |w| grew {short_number(d.absmax_ratio, 2)}x ({short_number(a.absmax)} -> {short_number(b.absmax)})"
     return f"norm grew {short_number(d.norm_ratio, 2)}x ({short_number(a.l2)} -> {short_number(b.l2)})"
 

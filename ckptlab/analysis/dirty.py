@@ -30,8 +30,9 @@ import math
 import os
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -108,6 +109,7 @@ class DirtyReport:
 
 # --- per-field accumulators (one pass over the batches) -------------------------------------------
 
+
 @dataclass
 class _Row:
     step: int
@@ -123,7 +125,11 @@ class _FloatField:
     def __init__(self, name: str, width: int, max_features: int):
         self.name = name
         self.per_feature = width <= max_features
-        self.labels = [f"{name}[{i}]" for i in range(width)] if self.per_feature else [f"{name} max|x|", f"{name} mean", f"{name} std"]
+        self.labels = (
+            [f"{name}[{i}]" for i in range(width)]
+            if self.per_feature
+            else [f"{name} max|x|", f"{name} mean", f"{name} std"]
+        )
         self.values: list[np.ndarray] = []  # (rows, features) float64 chunks
         self.where: list[int] = []  # global row index of each chunk's first row
 
@@ -153,8 +159,17 @@ class _TokenField:
         if T == 0:
             return
         head_n, tail_n = _run_length(flat), _run_length(flat[:, ::-1])
-        self.chunks.append((np.arange(first_row, first_row + B), np.full(B, T), flat[:, 0].astype(np.int64), head_n,
-                            flat[:, -1].astype(np.int64), tail_n, head_n == T))
+        self.chunks.append(
+            (
+                np.arange(first_row, first_row + B),
+                np.full(B, T),
+                flat[:, 0].astype(np.int64),
+                head_n,
+                flat[:, -1].astype(np.int64),
+                tail_n,
+                head_n == T,
+            )
+        )
 
     def arrays(self) -> dict[str, np.ndarray]:
         keys = ("row", "width", "head", "head_n", "tail", "tail_n", "constant")
@@ -173,10 +188,19 @@ def _run_length(flat: np.ndarray) -> np.ndarray:
 
 # --- the scan --------------------------------------------------------------------------------------
 
-def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: Attribute | None = None,
-         data_info: dict | None = None, progress: Callable[[int, int], None] | None = None) -> DirtyReport:
+
+def scan(
+    run: Run,
+    rules: DirtyRules = DirtyRules(),
+    *,
+    attribute: Attribute | None = None,
+    data_info: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> DirtyReport:
     """Static and dynamic scans, and attribution of the flagged steps when `attribute` (a
     per-row replay such as `ckptlab.replayer.attribute_rows`) is given."""
+    if isinstance(attribute, bool):  # the flag of older versions: say what to pass instead
+        raise CkptlabError("scan(attribute=...) takes a function such as ckptlab.replayer.attribute_rows, or None")
     t0 = time.perf_counter()
     info = {**(run.manifest.get("data_info") or {}), **(data_info or {})}
     static = _StaticScan(run, rules, info)
@@ -200,8 +224,12 @@ def scan(run: Run, rules: DirtyRules = DirtyRules(), *, attribute: Attribute | N
     report = DirtyReport(
         run=str(run.path),
         scanned={
-            "steps": len(steps), "first": steps[0] if steps else None, "last": steps[-1] if steps else None,
-            "rows": static.n_rows, "fields": sorted(static.field_names), "seconds": seconds,
+            "steps": len(steps),
+            "first": steps[0] if steps else None,
+            "last": steps[-1] if steps else None,
+            "rows": static.n_rows,
+            "fields": sorted(static.field_names),
+            "seconds": seconds,
             "batches_per_s": len(steps) / seconds if seconds > 0 else None,
         },
         data_info=static.info_used,
@@ -243,7 +271,9 @@ class _StaticScan:
         try:
             batch, ids = self.run.batch(step, rank or 0)
         except CkptlabError as e:
-            self.notes.append(f"step {step}{'' if rank is None else f' (rank {rank})'}: batch unreadable ({e}); skipped")
+            self.notes.append(
+                f"step {step}{'' if rank is None else f' (rank {rank})'}: batch unreadable ({e}); skipped"
+            )
             return
         fields = list(leaves(batch))
         B = _batch_size(fields, ids)
@@ -292,9 +322,19 @@ class _StaticScan:
             counts = bad.sum(1)
             for r in np.flatnonzero(counts):
                 vals = rows[r][bad[r]]
-                self.flags.append((first + int(r), "nonfinite", {
-                    "field": name, "count": int(counts[r]), "nan": int(np.isnan(vals).sum()),
-                    "inf": int(np.isinf(vals).sum()), "first_index": int(np.argmax(bad[r]))}))
+                self.flags.append(
+                    (
+                        first + int(r),
+                        "nonfinite",
+                        {
+                            "field": name,
+                            "count": int(counts[r]),
+                            "nan": int(np.isnan(vals).sum()),
+                            "inf": int(np.isinf(vals).sum()),
+                            "first_index": int(np.argmax(bad[r])),
+                        },
+                    )
+                )
             field_ = self.floats.get(name)
             if field_ is None:
                 field_ = self.floats[name] = _FloatField(name, rows.shape[1], self.rules.max_features)
@@ -315,9 +355,20 @@ class _StaticScan:
         high = rows >= self.vocab if self.vocab is not None and _is_tokens(name, a) else np.zeros_like(neg)
         for r in np.flatnonzero(neg.any(1) | high.any(1)):
             bad = rows[r][neg[r] | high[r]]
-            self.flags.append((first + int(r), "out_of_range", {
-                "field": name, "count": int(len(bad)), "min": int(bad.min()), "max": int(bad.max()),
-                "vocab_size": self.vocab, "vocab_source": self.vocab_source}))
+            self.flags.append(
+                (
+                    first + int(r),
+                    "out_of_range",
+                    {
+                        "field": name,
+                        "count": int(len(bad)),
+                        "min": int(bad.min()),
+                        "max": int(bad.max()),
+                        "vocab_size": self.vocab,
+                        "vocab_source": self.vocab_source,
+                    },
+                )
+            )
         if a.ndim >= 2 and rows.shape[1] >= 2:
             tf = self.tokens.get(name)
             if tf is None:
@@ -334,8 +385,13 @@ class _StaticScan:
     # after the pass
     def finish(self) -> list[DirtyRow]:
         pad, pad_source = self._pad_id()
-        self.info_used = {"pad_id": pad, "pad_source": pad_source, "vocab_size": self.vocab, "vocab_source": self.vocab_source,
-                          "ignore_index": self.ignore_index}
+        self.info_used = {
+            "pad_id": pad,
+            "pad_source": pad_source,
+            "vocab_size": self.vocab,
+            "vocab_source": self.vocab_source,
+            "ignore_index": self.ignore_index,
+        }
         padded = self._padding(pad)
         self._lengths(pad, padded)
         self._extremes()
@@ -357,7 +413,9 @@ class _StaticScan:
         for tf in self.tokens.values():
             a = tf.arrays()
             total += len(a["row"])
-            values.append(np.where(a["tail_n"] >= 2, a["tail"], np.where(a["head_n"] >= 2, a["head"], np.iinfo(np.int64).min)))
+            values.append(
+                np.where(a["tail_n"] >= 2, a["tail"], np.where(a["head_n"] >= 2, a["head"], np.iinfo(np.int64).min))
+            )
         if not values:
             return None, None
         v = np.concatenate(values)
@@ -380,8 +438,13 @@ class _StaticScan:
             for i in np.flatnonzero(hit):
                 g = int(a["row"][i])
                 found.add(g)
-                self.flags.append((g, "all_padding", {"field": tf.name, "value": int(a["head"][i]), "length": int(a["width"][i]),
-                                                      "pad_id": pad}))
+                self.flags.append(
+                    (
+                        g,
+                        "all_padding",
+                        {"field": tf.name, "value": int(a["head"][i]), "length": int(a["width"][i]), "pad_id": pad},
+                    )
+                )
         return found
 
     def _lengths(self, pad: int | None, skip: set[int]) -> None:
@@ -402,9 +465,19 @@ class _StaticScan:
             scale = max(1.4826 * float(np.median(np.abs(lengths[keep] - med))), 0.05 * med, 1.0)
             z = (lengths - med) / scale
             ratio = (lengths + 1) / (med + 1)
-            out = keep & (np.abs(z) >= self.rules.length_z) & ((ratio <= 1 / self.rules.length_ratio) | (ratio >= self.rules.length_ratio))
+            out = (
+                keep
+                & (np.abs(z) >= self.rules.length_z)
+                & ((ratio <= 1 / self.rules.length_ratio) | (ratio >= self.rules.length_ratio))
+            )
             for i in np.flatnonzero(out):
-                self.flags.append((int(rows[i]), "length", {"field": name, "length": int(lengths[i]), "median": med, "z": float(z[i])}))
+                self.flags.append(
+                    (
+                        int(rows[i]),
+                        "length",
+                        {"field": name, "length": int(lengths[i]), "median": med, "z": float(z[i])},
+                    )
+                )
 
     def _extremes(self) -> None:
         for f in self.floats.values():
@@ -421,17 +494,34 @@ class _StaticScan:
             hit = Z >= self.rules.extreme_z
             for i in np.flatnonzero(hit.any(1)):
                 j = int(np.argmax(Z[i]))
-                self.flags.append((int(rows[i]), "extreme", {
-                    "field": f.labels[j], "value": float(X[i, j]), "median": float(med[j]),
-                    "scale": float(scale[j]), "z": float(Z[i, j]), "features": int(hit[i].sum())}))
+                self.flags.append(
+                    (
+                        int(rows[i]),
+                        "extreme",
+                        {
+                            "field": f.labels[j],
+                            "value": float(X[i, j]),
+                            "median": float(med[j]),
+                            "scale": float(scale[j]),
+                            "z": float(Z[i, j]),
+                            "features": int(hit[i].sum()),
+                        },
+                    )
+                )
 
     def _duplicates(self, padded: set[int]) -> None:
         pairs = [(g, first) for g, first in self.dupes if g not in padded and first not in padded]
         # The same sample id again is another epoch, not a duplicate.
-        pairs = [(g, f) for g, f in pairs if self.rows[g].sample_id is None or self.rows[g].sample_id != self.rows[f].sample_id]
+        pairs = [
+            (g, f)
+            for g, f in pairs
+            if self.rows[g].sample_id is None or self.rows[g].sample_id != self.rows[f].sample_id
+        ]
         no_ids = [(g, f) for g, f in pairs if self.rows[g].sample_id is None]
         if no_ids and len(no_ids) > 0.5 * self.n_rows:
-            self.notes.append(f"{len(no_ids)} rows repeat earlier content without sample ids (multi-epoch training?); not flagged")
+            self.notes.append(
+                f"{len(no_ids)} rows repeat earlier content without sample ids (multi-epoch training?); not flagged"
+            )
             pairs = [p for p in pairs if self.rows[p[0]].sample_id is not None]
         for g, f in pairs:
             first = self.rows[f]
@@ -472,6 +562,7 @@ def _merge_same_row(rows: list[DirtyRow]) -> list[DirtyRow]:
 
 # --- dynamic: the step health ----------------------------------------------------------------------
 
+
 def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: dict | None = None) -> list[dict]:
     """Steps whose loss or gradient norm went wrong: {step, kind, value, median, z, batch,
     sample_ids} (`ids_by_step`, from a static scan, saves reading those batches again)."""
@@ -479,14 +570,26 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
     retained = set(run.steps)
     out = []
     for i in np.flatnonzero(~np.isfinite(m.loss)):
-        out.append({"step": int(m.step[i]), "kind": "nonfinite_loss", "value": float(m.loss[i]), "median": None, "z": None})
+        out.append(
+            {"step": int(m.step[i]), "kind": "nonfinite_loss", "value": float(m.loss[i]), "median": None, "z": None}
+        )
     # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
     # the weights go NaN one step later, so the step that got them is the one to look at.
     for i in np.flatnonzero(np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0))):
-        out.append({"step": int(m.step[i]), "kind": "nonfinite_grad", "value": float(m.grad_norm[i]), "median": None, "z": None})
+        out.append(
+            {
+                "step": int(m.step[i]),
+                "kind": "nonfinite_grad",
+                "value": float(m.grad_norm[i]),
+                "median": None,
+                "z": None,
+            }
+        )
     for kind, series, rule in (("loss_spike", m.loss, rules.loss_spike), ("grad_spike", m.grad_norm, rules.grad_spike)):
         for i, s in find_spikes(series, rule):
-            out.append({"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio})
+            out.append(
+                {"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio}
+            )
     for f in out:
         f["batch"] = "retained" if f["step"] in retained else "pruned by retention"
         if f["step"] not in retained:
@@ -521,18 +624,25 @@ def _corroborate(rows: list[DirtyRow]) -> None:
 
 # --- attribution (optional; the caller passes replay in) ------------------------------------------------------
 
-def _attribution(run: Run, fn: Attribute, step_flags: list[dict], rules: DirtyRules, ranks=(None,)) -> tuple[dict, list[DirtyRow]]:
+
+def _attribution(
+    run: Run, fn: Attribute, step_flags: list[dict], rules: DirtyRules, ranks=(None,)
+) -> tuple[dict, list[DirtyRow]]:
     retained = [f for f in step_flags if f["batch"] == "retained"]
     if not retained:
         return {"status": "nothing to attribute", "steps": []}, []
-    worst = sorted({f["step"] for f in retained}, key=lambda s: -max((f.get("z") or math.inf) for f in retained if f["step"] == s))
+    worst = sorted(
+        {f["step"] for f in retained}, key=lambda s: -max((f.get("z") or math.inf) for f in retained if f["step"] == s)
+    )
     out, done, failed = [], [], []
     for step in sorted(worst[: rules.max_attribute]):
         for rank in ranks:  # a distributed run: each rank's micro-batch, replayed alone (approximate)
             try:
                 per_row = [_row_tuple(x) for x in (fn(run, step) if rank is None else fn(run, step, rank=rank))]
             except Exception as e:  # noqa: BLE001 - attribution is optional: the scan's findings stand
-                failed.append({"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)})
+                failed.append(
+                    {"step": step, "error": f"{type(e).__name__}: {e}" if not isinstance(e, CkptlabError) else str(e)}
+                )
                 continue
             blamed = _blame(step, per_row, rules)
             for b in blamed:
@@ -570,24 +680,40 @@ def _blame(step: int, rows: list[tuple[int, Any, float, float]], rules: DirtyRul
     for the loss, or for the squared gradient norm (squares add up like the batch's). An
     infinite loss or gradient is always blamed. A step where every row rose together (an LR
     spike) blames nobody."""
-    loss = np.array([l for _, _, l, _ in rows], dtype=np.float64)
+    loss = np.array([x for _, _, x, _ in rows], dtype=np.float64)
     grad2 = np.array([g for _, _, _, g in rows], dtype=np.float64) ** 2
     share_l, ratio_l = _stand_out(loss)
     share_g, ratio_g = _stand_out(grad2)
     out = []
     # A row whose own loss or gradient is not finite is the culprit; then the others' spread
     # among themselves is noise, not evidence.
-    any_bad = any(not (math.isfinite(l) and math.isfinite(g)) for _, _, l, g in rows)
-    for i, (row, sid, l, g) in enumerate(rows):
-        bad = not (math.isfinite(l) and math.isfinite(g)) if any_bad else math.isinf(l) or math.isinf(g)
-        hit = not any_bad and any(r >= rules.attribution_ratio and sh >= rules.attribution_share
-                                  for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i])))
+    any_bad = any(not (math.isfinite(loss_) and math.isfinite(g)) for _, _, loss_, g in rows)
+    for i, (row, sid, row_loss, g) in enumerate(rows):
+        bad = not (math.isfinite(row_loss) and math.isfinite(g)) if any_bad else math.isinf(row_loss) or math.isinf(g)
+        hit = not any_bad and any(
+            r >= rules.attribution_ratio and sh >= rules.attribution_share
+            for r, sh in ((ratio_l[i], share_l[i]), (ratio_g[i], share_g[i]))
+        )
         if bad or hit:
             worst = max(ratio_l[i], math.sqrt(ratio_g[i]))
             score = SCORES["nonfinite"] if bad else SCORES["attributed"] + min(15.0, 5 * math.log10(max(worst, 1.0)))
-            out.append(DirtyRow(step, row, sid, "attributed", {
-                "loss": l, "grad_norm": g, "loss_ratio": float(ratio_l[i]), "grad_ratio": float(math.sqrt(ratio_g[i])),
-                "loss_share": float(share_l[i]), "grad_share": float(share_g[i])}, score))
+            out.append(
+                DirtyRow(
+                    step,
+                    row,
+                    sid,
+                    "attributed",
+                    {
+                        "loss": row_loss,
+                        "grad_norm": g,
+                        "loss_ratio": float(ratio_l[i]),
+                        "grad_ratio": float(math.sqrt(ratio_g[i])),
+                        "loss_share": float(share_l[i]),
+                        "grad_share": float(share_g[i]),
+                    },
+                    score,
+                )
+            )
     return out
 
 
@@ -616,6 +742,7 @@ def _median(values: list[float]) -> float:
 
 
 # --- skip list ---------------------------------------------------------------------------------------
+
 
 def skip_ids(report: DirtyReport, *, whole_batches: bool = True) -> list:
     """Sample ids to skip: rows flagged for a SKIP_REASONS reason, and (whole_batches) every
@@ -648,7 +775,9 @@ def write_skip_list(report: DirtyReport, path: str | os.PathLike) -> dict:
     for r in report.flagged:
         if r.sample_id is None or r.row is None or r.reason not in SKIP_REASONS:
             continue
-        e = entries.setdefault(repr(r.sample_id), {"sample_id": r.sample_id, "step": r.step, "row": r.row, "reasons": []})
+        e = entries.setdefault(
+            repr(r.sample_id), {"sample_id": r.sample_id, "step": r.step, "row": r.row, "reasons": []}
+        )
         if r.reason not in e["reasons"]:
             e["reasons"].append(r.reason)
     return skiplist.write(path, report.skip_ids, list(entries.values()), run=report.run)
@@ -672,10 +801,13 @@ def _verdict(report: DirtyReport) -> str:
 
 # --- helpers -------------------------------------------------------------------------------------------
 
+
 def _batch_size(fields: list[tuple[str, Any]], ids) -> int:
     if ids is not None:
         return len(ids)
-    sizes = Counter(len(v) if isinstance(v, list) else v.shape[0] for _, v in fields if isinstance(v, list) or v.ndim >= 1)
+    sizes = Counter(
+        len(v) if isinstance(v, list) else v.shape[0] for _, v in fields if isinstance(v, list) or v.ndim >= 1
+    )
     return sizes.most_common(1)[0][0] if sizes else 0
 
 

@@ -62,6 +62,7 @@ class HealthRules:
 
 # --- findings ------------------------------------------------------------------------------------
 
+
 @dataclass
 class Finding:
     kind: str
@@ -141,6 +142,7 @@ class HealthReport:
 
 # --- early stopping (shared with rollback) ------------------------------------------------------
 
+
 @dataclass
 class EarlyStop:
     metric: str
@@ -165,8 +167,13 @@ def validation_series(run: Run, metric: str) -> list[tuple[int, float]]:
     return sorted(out)
 
 
-def early_stopping(points: list[tuple[int, float]], metric: str = "val_loss", mode: str = "min",
-                   patience: int = 3, min_delta: float = 0.0) -> EarlyStop | None:
+def early_stopping(
+    points: list[tuple[int, float]],
+    metric: str = "val_loss",
+    mode: str = "min",
+    patience: int = 3,
+    min_delta: float = 0.0,
+) -> EarlyStop | None:
     """Keras-style early stopping over (step, value) points: the best value seen before
     `patience` evaluations in a row failed to improve on it by more than `min_delta`."""
     if not points:
@@ -186,6 +193,7 @@ def early_stopping(points: list[tuple[int, float]], metric: str = "val_loss", mo
 
 
 # --- the report -------------------------------------------------------------------------------------
+
 
 def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = True, plots: bool = True) -> HealthReport:
     """Every finding for `run`. `weights=False` skips reading checkpoints (faster on big models)."""
@@ -209,7 +217,11 @@ def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = Tr
     ppl = _perplexity(run, m, val if metric == "val_loss" else validation_series(run, "val_loss"))
     report = HealthReport(
         run=str(run.path),
-        steps={"recorded": len(m), "first": int(m.step[0]) if len(m) else None, "last": int(m.step[-1]) if len(m) else None},
+        steps={
+            "recorded": len(m),
+            "first": int(m.step[0]) if len(m) else None,
+            "last": int(m.step[-1]) if len(m) else None,
+        },
         curve=curve,
         perplexity=ppl,
         findings=findings,
@@ -234,6 +246,7 @@ def _verdict(curve: CurveSummary, findings: list[Finding]) -> str:
 
 
 # --- loss curve -------------------------------------------------------------------------------------
+
 
 def smooth(values: np.ndarray, span: int | None = None) -> np.ndarray:
     """Bias-corrected exponential moving average (TensorBoard-style), span max(5, n/50).
@@ -260,7 +273,7 @@ def smooth(values: np.ndarray, span: int | None = None) -> np.ndarray:
 
 def _block_medians(values: np.ndarray, block: int) -> np.ndarray:
     n = len(values) // block
-    return np.array([np.nanmedian(values[i * block:(i + 1) * block]) for i in range(n)])
+    return np.array([np.nanmedian(values[i * block : (i + 1) * block]) for i in range(n)])
 
 
 def curve_shape(loss: np.ndarray) -> str:
@@ -277,7 +290,7 @@ def curve_shape(loss: np.ndarray) -> str:
         return "too_short"
     n = len(finite)
     start = float(np.median(finite[: max(5, n // 20)]))
-    end = float(np.median(finite[-max(5, n // 5):]))
+    end = float(np.median(finite[-max(5, n // 5) :]))
     if end > start * 1.1:
         return "rising"
     if start - end < 0.1 * abs(start):
@@ -309,27 +322,29 @@ def _nonfinite_loss(m: Metrics) -> list[Finding]:
     if len(bad) == 0:
         return []
     i = int(bad[0])
-    before = m.loss[max(0, i - 20):i]
+    before = m.loss[max(0, i - 20) : i]
     before = before[np.isfinite(before)]
     rising = len(before) >= 5 and before[-1] > 2 * np.median(before)
-    return [Finding(
-        kind="explosion",
-        severity="error",
-        title=f"loss became {m.loss[i]} at step {m.step[i]}" + (" after rising sharply" if rising else ""),
-        steps=[int(s) for s in m.step[bad[:20]]],
-        evidence={
-            "first_step": int(m.step[i]),
-            "nonfinite_steps": int(len(bad)),
-            "loss_before": [float(x) for x in before[-5:]],
-            "grad_norm_before": [float(x) for x in m.grad_norm[max(0, i - 5):i]],
-        },
-        remedies=[
-            f"find the cause: ckptlab replay --step {int(m.step[i])}",
-            "check that batch for bad values: ckptlab dirty",
-            "lower the learning rate or lengthen warm-up; clip gradients (clip_grad_norm_ 1.0)",
-            "compute softmax/log/loss in float32; add eps to divisions and norms",
-        ],
-    )]
+    return [
+        Finding(
+            kind="explosion",
+            severity="error",
+            title=f"loss became {m.loss[i]} at step {m.step[i]}" + (" after rising sharply" if rising else ""),
+            steps=[int(s) for s in m.step[bad[:20]]],
+            evidence={
+                "first_step": int(m.step[i]),
+                "nonfinite_steps": int(len(bad)),
+                "loss_before": [float(x) for x in before[-5:]],
+                "grad_norm_before": [float(x) for x in m.grad_norm[max(0, i - 5) : i]],
+            },
+            remedies=[
+                f"find the cause: ckptlab replay --step {int(m.step[i])}",
+                "check that batch for bad values: ckptlab dirty",
+                "lower the learning rate or lengthen warm-up; clip gradients (clip_grad_norm_ 1.0)",
+                "compute softmax/log/loss in float32; add eps to divisions and norms",
+            ],
+        )
+    ]
 
 
 def _loss_spikes(m: Metrics, rules: HealthRules) -> list[Finding]:
@@ -359,32 +374,48 @@ def _loss_spikes(m: Metrics, rules: HealthRules) -> list[Finding]:
             took, speed = None, "none"
         # Small-batch losses are heavy-tailed: an isolated < 10x spike that recovers fast is
         # normal noise more often than not, so it is information, not an alarm.
-        severity = {"fast": "warning" if peak.ratio >= 10 else "info", "slow": "warning", "unknown": "warning", "none": "error"}[speed]
-        text = {"fast": f"recovered in {took} steps", "slow": f"recovered slowly, in {took} steps",
-                "unknown": "too recent to tell whether it recovers", "none": "never recovered"}[speed]
+        severity = {
+            "fast": "warning" if peak.ratio >= 10 else "info",
+            "slow": "warning",
+            "unknown": "warning",
+            "none": "error",
+        }[speed]
+        text = {
+            "fast": f"recovered in {took} steps",
+            "slow": f"recovered slowly, in {took} steps",
+            "unknown": "too recent to tell whether it recovers",
+            "none": "never recovered",
+        }[speed]
         steps = [int(m.step[k]) for k, _ in episode]
-        out.append(Finding(
-            kind="loss_spike",
-            severity=severity,
-            title=f"loss spiked {peak.ratio:.3g}x at step {steps[0]} and {text}",
-            steps=steps,
-            evidence={
-                "peak_step": int(m.step[peak_i]), "peak": peak.value, "level_before": peak.median,
-                "z": peak.z, "recovery": speed, "recovery_steps": took,
-            },
-            remedies=[
-                f"look for the bad samples: ckptlab dirty (spike steps {steps[:5]})",
-                f"replay it: ckptlab replay --step {steps[0]}",
-                "if spikes repeat: lower the learning rate, clip gradients, or skip the batches (ckptlab.skip_samples)",
-            ] + (["roll back to before it: ckptlab rollback --before-anomaly"] if speed == "none" else []),
-        ))
+        out.append(
+            Finding(
+                kind="loss_spike",
+                severity=severity,
+                title=f"loss spiked {peak.ratio:.3g}x at step {steps[0]} and {text}",
+                steps=steps,
+                evidence={
+                    "peak_step": int(m.step[peak_i]),
+                    "peak": peak.value,
+                    "level_before": peak.median,
+                    "z": peak.z,
+                    "recovery": speed,
+                    "recovery_steps": took,
+                },
+                remedies=[
+                    f"look for the bad samples: ckptlab dirty (spike steps {steps[:5]})",
+                    f"replay it: ckptlab replay --step {steps[0]}",
+                    "if spikes repeat: lower the learning rate, clip gradients, or skip the batches (ckptlab.skip_samples)",
+                ]
+                + (["roll back to before it: ckptlab rollback --before-anomaly"] if speed == "none" else []),
+            )
+        )
         i = j
     return out
 
 
 def _recovery(loss: np.ndarray, idx: int, level: float) -> int | None:
     for k in range(idx + 1, len(loss)):
-        window = loss[k:k + 3]
+        window = loss[k : k + 3]
         window = window[np.isfinite(window)]
         if len(window) and np.median(window) <= level:
             return k
@@ -427,21 +458,26 @@ def _oscillation(m: Metrics, rules: HealthRules) -> list[Finding]:
     high_ratio = ratio is not None and ratio > rules.update_ratio_band[1]
     if ac > rules.oscillation_anticorrelation and not high_ratio:
         return []
-    return [Finding(
-        kind="oscillation",
-        severity="warning",
-        title=f"loss oscillates (typical swing {math.exp(spread) - 1:.0%}) without improving since step {int(steps[0])}",
-        steps=[int(steps[0]), int(steps[-1])],
-        evidence={
-            "log_spread": spread, "trend": math.exp(trend), "lag1_autocorrelation": ac,
-            "median_update_ratio": ratio, "level": float(math.exp(np.median(logl))),
-        },
-        remedies=[
-            "lower the learning rate (3-10x) or add warm-up",
-            "use a larger batch (less gradient noise) or gradient accumulation",
-            "clip gradients; for Adam, check beta2 (0.95-0.999) and eps",
-        ],
-    )]
+    return [
+        Finding(
+            kind="oscillation",
+            severity="warning",
+            title=f"loss oscillates (typical swing {math.exp(spread) - 1:.0%}) without improving since step {int(steps[0])}",
+            steps=[int(steps[0]), int(steps[-1])],
+            evidence={
+                "log_spread": spread,
+                "trend": math.exp(trend),
+                "lag1_autocorrelation": ac,
+                "median_update_ratio": ratio,
+                "level": float(math.exp(np.median(logl))),
+            },
+            remedies=[
+                "lower the learning rate (3-10x) or add warm-up",
+                "use a larger batch (less gradient noise) or gradient accumulation",
+                "clip gradients; for Adam, check beta2 (0.95-0.999) and eps",
+            ],
+        )
+    ]
 
 
 def _rolling_median(x: np.ndarray, w: int) -> np.ndarray:
@@ -456,15 +492,21 @@ def _rising(m: Metrics, shape: str) -> list[Finding]:
         return []
     finite = m.loss[np.isfinite(m.loss)]
     n = len(finite)
-    start, end = float(np.median(finite[: max(5, n // 20)])), float(np.median(finite[-max(5, n // 5):]))
-    return [Finding(
-        kind="diverging",
-        severity="warning",
-        title=f"loss rose from {start:.4g} to {end:.4g} over the run",
-        steps=[int(m.step[0]), int(m.step[-1])],
-        evidence={"start": start, "end": end},
-        remedies=["lower the learning rate", "check the loss sign and the labels", "check the data order (a shift in distribution?)"],
-    )]
+    start, end = float(np.median(finite[: max(5, n // 20)])), float(np.median(finite[-max(5, n // 5) :]))
+    return [
+        Finding(
+            kind="diverging",
+            severity="warning",
+            title=f"loss rose from {start:.4g} to {end:.4g} over the run",
+            steps=[int(m.step[0]), int(m.step[-1])],
+            evidence={"start": start, "end": end},
+            remedies=[
+                "lower the learning rate",
+                "check the loss sign and the labels",
+                "check the data order (a shift in distribution?)",
+            ],
+        )
+    ]
 
 
 def _plateau(m: Metrics, rules: HealthRules) -> list[Finding]:
@@ -492,12 +534,12 @@ def _plateau(m: Metrics, rules: HealthRules) -> list[Finding]:
     required = max(rules.plateau_escape, 2 * band, 0.25 * total)
     best, lo = None, 0
     for hi in range(len(blocks)):  # for each end, the longest window within the band
-        while blocks[lo:hi + 1].max() - blocks[lo:hi + 1].min() > band:
+        while blocks[lo : hi + 1].max() - blocks[lo : hi + 1].min() > band:
             lo += 1
         n = hi - lo + 1
         if n < need or (best is not None and n <= best[1] - best[0] + 1):
             continue
-        window, after = blocks[lo:hi + 1], blocks[hi + 1:hi + 1 + n]
+        window, after = blocks[lo : hi + 1], blocks[hi + 1 : hi + 1 + n]
         if len(after) < max(2, n // 3):
             continue
         third = max(1, n // 3)
@@ -510,18 +552,25 @@ def _plateau(m: Metrics, rules: HealthRules) -> list[Finding]:
         return []
     lo, hi, level, fall = best
     first, last = int(m.step[idx[lo * block]]), int(m.step[idx[(hi + 1) * block - 1]])
-    return [Finding(
-        kind="plateau",
-        severity="warning",
-        title=f"loss sat flat at {math.exp(level):.4g} for {last - first + 1} steps ({first}..{last}) before it fell again",
-        steps=[first, last],
-        evidence={"level": math.exp(level), "length": last - first + 1, "fell_after_by": 1 - math.exp(-fall), "band": band},
-        remedies=[
-            "check the learning-rate schedule over those steps (warm-up too long? LR near zero?)",
-            "check initialization and normalization (dead ReLUs, saturated activations)",
-            "a plateau followed by a drop wastes steps: raise the LR there, or start from a better init",
-        ],
-    )]
+    return [
+        Finding(
+            kind="plateau",
+            severity="warning",
+            title=f"loss sat flat at {math.exp(level):.4g} for {last - first + 1} steps ({first}..{last}) before it fell again",
+            steps=[first, last],
+            evidence={
+                "level": math.exp(level),
+                "length": last - first + 1,
+                "fell_after_by": 1 - math.exp(-fall),
+                "band": band,
+            },
+            remedies=[
+                "check the learning-rate schedule over those steps (warm-up too long? LR near zero?)",
+                "check initialization and normalization (dead ReLUs, saturated activations)",
+                "a plateau followed by a drop wastes steps: raise the LR there, or start from a better init",
+            ],
+        )
+    ]
 
 
 def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list[Finding]:
@@ -535,36 +584,54 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list
     train_end = float(np.nanmedian(m.loss[at_end])) if at_end.stop > at_end.start else math.nan
     train_fell = math.isfinite(train_best) and math.isfinite(train_end) and train_end < train_best
     if rise < rules.overfit_rise:
-        return [Finding(
-            kind="validation_plateau",
-            severity="info",
-            title=f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})",
-            steps=[stop.best_step],
-            evidence={"best_step": stop.best_step, "best": stop.best_value, "last": stop.last_value, "patience": stop.patience},
-            remedies=["training longer is unlikely to help; stop, or lower the learning rate"],
-        )]
+        return [
+            Finding(
+                kind="validation_plateau",
+                severity="info",
+                title=f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})",
+                steps=[stop.best_step],
+                evidence={
+                    "best_step": stop.best_step,
+                    "best": stop.best_value,
+                    "last": stop.last_value,
+                    "patience": stop.patience,
+                },
+                remedies=["training longer is unlikely to help; stop, or lower the learning rate"],
+            )
+        ]
     if not train_fell:
         return []
-    return [Finding(
-        kind="overfitting",
-        severity="warning",
-        title=(f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
-               f"{rise:.0%} to {stop.last_value:.4g} while the training loss kept falling"),
-        steps=[stop.best_step, stop.last_step],
-        evidence={
-            "best_step": stop.best_step, "best": stop.best_value, "last_step": stop.last_step, "last": stop.last_value,
-            "rise": rise, "train_loss_at_best": train_best, "train_loss_at_end": train_end, "patience": stop.patience,
-            "stopped_at": stop.stop_step,
-        },
-        remedies=[
-            f"go back to the best checkpoint: ckptlab rollback --metric {stop.metric} --mode {stop.mode}",
-            "stop earlier (early stopping), or add regularization: weight decay, dropout, data augmentation",
-            "more (or more varied) training data, or a smaller model",
-        ],
-    )]
+    return [
+        Finding(
+            kind="overfitting",
+            severity="warning",
+            title=(
+                f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
+                f"{rise:.0%} to {stop.last_value:.4g} while the training loss kept falling"
+            ),
+            steps=[stop.best_step, stop.last_step],
+            evidence={
+                "best_step": stop.best_step,
+                "best": stop.best_value,
+                "last_step": stop.last_step,
+                "last": stop.last_value,
+                "rise": rise,
+                "train_loss_at_best": train_best,
+                "train_loss_at_end": train_end,
+                "patience": stop.patience,
+                "stopped_at": stop.stop_step,
+            },
+            remedies=[
+                f"go back to the best checkpoint: ckptlab rollback --metric {stop.metric} --mode {stop.mode}",
+                "stop earlier (early stopping), or add regularization: weight decay, dropout, data augmentation",
+                "more (or more varied) training data, or a smaller model",
+            ],
+        )
+    ]
 
 
 # --- gradients --------------------------------------------------------------------------------------
+
 
 def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
     out: list[Finding] = []
@@ -577,30 +644,47 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
         worst = int(np.nanargmax(np.where(np.isfinite(g), g, -np.inf)))
         # Healthy runs show the odd 2-4x gradient spike; a 10x one, or a run of them, is not.
         severe = max(s.ratio for _, s in spikes) >= 10 if spikes else False
-        out.append(Finding(
-            kind="gradient_explosion",
-            severity="error" if len(big) else ("warning" if severe or len(spikes) >= 3 else "info"),
-            title=(f"gradient norm exceeded {rules.grad_explosion:g} at {len(big)} step(s), first {int(m.step[big[0]])}" if len(big)
-                   else f"gradient norm spiked at {len(steps)} step(s), first {steps[0]} ({spikes[0][1].ratio:.3g}x the recent level)"),
-            steps=steps[:50],
-            evidence={"max": float(g[worst]), "max_step": int(m.step[worst]), "median": float(np.nanmedian(g)),
-                      "spike_steps": [int(m.step[i]) for i, _ in spikes][:50], "over_threshold": len(big)},
-            remedies=["clip gradients (torch.nn.utils.clip_grad_norm_(params, 1.0))", "lower the learning rate or lengthen warm-up",
-                      "look for bad samples at those steps: ckptlab dirty"],
-        ))
+        out.append(
+            Finding(
+                kind="gradient_explosion",
+                severity="error" if len(big) else ("warning" if severe or len(spikes) >= 3 else "info"),
+                title=(
+                    f"gradient norm exceeded {rules.grad_explosion:g} at {len(big)} step(s), first {int(m.step[big[0]])}"
+                    if len(big)
+                    else f"gradient norm spiked at {len(steps)} step(s), first {steps[0]} ({spikes[0][1].ratio:.3g}x the recent level)"
+                ),
+                steps=steps[:50],
+                evidence={
+                    "max": float(g[worst]),
+                    "max_step": int(m.step[worst]),
+                    "median": float(np.nanmedian(g)),
+                    "spike_steps": [int(m.step[i]) for i, _ in spikes][:50],
+                    "over_threshold": len(big),
+                },
+                remedies=[
+                    "clip gradients (torch.nn.utils.clip_grad_norm_(params, 1.0))",
+                    "lower the learning rate or lengthen warm-up",
+                    "look for bad samples at those steps: ckptlab dirty",
+                ],
+            )
+        )
     bad = np.flatnonzero(m.nonfinite_grads > 0)
     if len(bad):
         cols = np.flatnonzero((m.param_nonfinite[bad] > 0).any(axis=0))
-        out.append(Finding(
-            kind="nonfinite_gradient",
-            severity="error",
-            title=f"non-finite gradients at {len(bad)} step(s), first {int(m.step[bad[0]])}",
-            steps=[int(s) for s in m.step[bad[:50]]],
-            evidence={"first_step": int(m.step[bad[0]]), "elements": int(m.nonfinite_grads[bad[0]])},
-            params=[names[c] for c in cols[:20]],
-            remedies=[f"find the op that produced it: ckptlab replay --step {int(m.step[bad[0]])}",
-                      "with AMP: a GradScaler skips such steps; frequent ones mean a scale or a float16 overflow"],
-        ))
+        out.append(
+            Finding(
+                kind="nonfinite_gradient",
+                severity="error",
+                title=f"non-finite gradients at {len(bad)} step(s), first {int(m.step[bad[0]])}",
+                steps=[int(s) for s in m.step[bad[:50]]],
+                evidence={"first_step": int(m.step[bad[0]]), "elements": int(m.nonfinite_grads[bad[0]])},
+                params=[names[c] for c in cols[:20]],
+                remedies=[
+                    f"find the op that produced it: ckptlab replay --step {int(m.step[bad[0]])}",
+                    "with AMP: a GradScaler skips such steps; frequent ones mean a scale or a float16 overflow",
+                ],
+            )
+        )
     pg = np.where(m.param_grad_norm < 0, np.nan, m.param_grad_norm.astype(np.float64))  # -1: no gradient
     present = np.isfinite(pg)
     shapes = _shapes(run)
@@ -608,31 +692,44 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
     zero_frac = np.where(present.sum(0) > 0, (pg == 0).sum(0) / np.maximum(present.sum(0), 1), 0.0)
     dead = [j for j in range(len(names)) if zero_frac[j] >= rules.dead_fraction]
     if dead:
-        out.append(Finding(
-            kind="dead_gradient",
-            severity="warning",
-            title=f"{len(dead)} parameter(s) get exactly zero gradient in most steps: {_few([names[j] for j in dead])}",
-            steps=[],
-            evidence={names[j]: {"zero_fraction": float(zero_frac[j])} for j in dead[:20]},
-            params=[names[j] for j in dead],
-            remedies=["dead ReLUs: lower the LR, use LeakyReLU/GELU, check the init and the bias",
-                      "a branch cut off by a mask or a detach(): check the forward pass"],
-        ))
-    vanishing = [j for j in range(len(names)) if j not in dead and math.isfinite(med[j]) and 0 < med[j] < rules.grad_vanishing]
-    global_med = float(np.nanmedian(g[len(g) // 2:])) if len(g) else math.nan
+        out.append(
+            Finding(
+                kind="dead_gradient",
+                severity="warning",
+                title=f"{len(dead)} parameter(s) get exactly zero gradient in most steps: {_few([names[j] for j in dead])}",
+                steps=[],
+                evidence={names[j]: {"zero_fraction": float(zero_frac[j])} for j in dead[:20]},
+                params=[names[j] for j in dead],
+                remedies=[
+                    "dead ReLUs: lower the LR, use LeakyReLU/GELU, check the init and the bias",
+                    "a branch cut off by a mask or a detach(): check the forward pass",
+                ],
+            )
+        )
+    vanishing = [
+        j for j in range(len(names)) if j not in dead and math.isfinite(med[j]) and 0 < med[j] < rules.grad_vanishing
+    ]
+    global_med = float(np.nanmedian(g[len(g) // 2 :])) if len(g) else math.nan
     if vanishing or (math.isfinite(global_med) and global_med < rules.grad_vanishing):
-        out.append(Finding(
-            kind="vanishing_gradient",
-            severity="warning",
-            title=(f"gradients vanish (median norm < {rules.grad_vanishing:g}) for {_few([names[j] for j in vanishing])}" if vanishing
-                   else f"the global gradient norm vanished (median {global_med:.3g} over the second half)"),
-            steps=[],
-            evidence={"global_median": global_med, **{names[j]: float(med[j]) for j in vanishing[:20]}},
-            params=[names[j] for j in vanishing],
-            remedies=["check normalization (LayerNorm/BatchNorm) and residual connections",
-                      "use a better initialization (Kaiming/Xavier) and non-saturating activations",
-                      "check for a loss scaled to ~0 or a detached graph"],
-        ))
+        out.append(
+            Finding(
+                kind="vanishing_gradient",
+                severity="warning",
+                title=(
+                    f"gradients vanish (median norm < {rules.grad_vanishing:g}) for {_few([names[j] for j in vanishing])}"
+                    if vanishing
+                    else f"the global gradient norm vanished (median {global_med:.3g} over the second half)"
+                ),
+                steps=[],
+                evidence={"global_median": global_med, **{names[j]: float(med[j]) for j in vanishing[:20]}},
+                params=[names[j] for j in vanishing],
+                remedies=[
+                    "check normalization (LayerNorm/BatchNorm) and residual connections",
+                    "use a better initialization (Kaiming/Xavier) and non-saturating activations",
+                    "check for a loss scaled to ~0 or a detached graph",
+                ],
+            )
+        )
     out += _imbalance(names, shapes, med, rules)
     return out
 
@@ -649,16 +746,20 @@ def _imbalance(names: list[str], shapes: dict, med: np.ndarray, rules: HealthRul
         ratio = rms[j] / ref
         if ratio < rules.imbalance or ratio > 1 / rules.imbalance:
             direction = "below" if ratio < 1 else "above"
-            out.append(Finding(
-                kind="gradient_imbalance",
-                severity="warning",
-                title=f"{names[j]}'s gradient is {_orders(ratio)} orders of magnitude {direction} its neighbours ({names[a]}, {names[b]})",
-                steps=[],
-                evidence={"ratio": ratio, "rms_grad": rms[j], "neighbours_rms_grad": [rms[a], rms[b]]},
-                params=[names[j]],
-                remedies=["check that layer's scale: a multiplier in the forward, a mis-scaled init or a per-layer LR",
-                          "add normalization between layers; check for a residual branch that is cut"],
-            ))
+            out.append(
+                Finding(
+                    kind="gradient_imbalance",
+                    severity="warning",
+                    title=f"{names[j]}'s gradient is {_orders(ratio)} orders of magnitude {direction} its neighbours ({names[a]}, {names[b]})",
+                    steps=[],
+                    evidence={"ratio": ratio, "rms_grad": rms[j], "neighbours_rms_grad": [rms[a], rms[b]]},
+                    params=[names[j]],
+                    remedies=[
+                        "check that layer's scale: a multiplier in the forward, a mis-scaled init or a per-layer LR",
+                        "add normalization between layers; check for a residual branch that is cut",
+                    ],
+                )
+            )
     return out
 
 
@@ -667,6 +768,7 @@ def _orders(ratio: float) -> str:
 
 
 # --- parameters --------------------------------------------------------------------------------------
+
 
 def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[WeightSnapshot]) -> list[Finding]:
     out: list[Finding] = []
@@ -686,27 +788,41 @@ def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[Weight
         if zero_ratio or name in unchanged:
             grads = m.param_grad_norm[:, j]
             grads = grads[np.isfinite(grads) & (grads >= 0)]  # -1: no gradient that step
-            frozen[j] = {"update_ratio_always_0": zero_ratio, "measured_steps": int(len(col)),
-                         "bit_identical_across_checkpoints": name in unchanged,
-                         "median_grad_norm": float(np.median(grads)) if len(grads) else None}
+            frozen[j] = {
+                "update_ratio_always_0": zero_ratio,
+                "measured_steps": int(len(col)),
+                "bit_identical_across_checkpoints": name in unchanged,
+                "median_grad_norm": float(np.median(grads)) if len(grads) else None,
+            }
     if frozen:
         gets_grad = any((ev["median_grad_norm"] or 0) > 0 for ev in frozen.values())
-        out.append(Finding(
-            kind="frozen",
-            severity="warning",
-            title=f"{_few([names[j] for j in frozen])} never change" + (" although they get gradients" if gets_grad else ""),
-            steps=[],
-            evidence={names[j]: ev for j, ev in list(frozen.items())[:20]},
-            params=[names[j] for j in frozen],
-            remedies=["are they in the optimizer? (build the optimizer after the model is complete; check param groups)",
-                      "a param group with lr=0 or a scheduler that reached 0",
-                      "if frozen on purpose, set requires_grad=False (then no gradient is computed either)"],
-        ))
+        out.append(
+            Finding(
+                kind="frozen",
+                severity="warning",
+                title=f"{_few([names[j] for j in frozen])} never change"
+                + (" although they get gradients" if gets_grad else ""),
+                steps=[],
+                evidence={names[j]: ev for j, ev in list(frozen.items())[:20]},
+                params=[names[j] for j in frozen],
+                remedies=[
+                    "are they in the optimizer? (build the optimizer after the model is complete; check param groups)",
+                    "a param group with lr=0 or a scheduler that reached 0",
+                    "if frozen on purpose, set requires_grad=False (then no gradient is computed either)",
+                ],
+            )
+        )
     off = [n for n, t in trainable.items() if not t]
     if off:
-        out.append(Finding(kind="requires_grad_false", severity="info",
-                           title=f"{len(off)} parameter(s) have requires_grad=False (frozen on purpose?): {_few(off)}",
-                           params=off, remedies=["if they should train, set requires_grad=True and add them to the optimizer"]))
+        out.append(
+            Finding(
+                kind="requires_grad_false",
+                severity="info",
+                title=f"{len(off)} parameter(s) have requires_grad=False (frozen on purpose?): {_few(off)}",
+                params=off,
+                remedies=["if they should train, set requires_grad=True and add them to the optimizer"],
+            )
+        )
     out += _update_ratio_band(m, names, shapes, measured, ur, set(frozen), rules)
     out += _weight_health(m, names, shapes, rules, snapshots)
     return out
@@ -740,29 +856,38 @@ def _update_ratio_band(m: Metrics, names, shapes, measured, ur, frozen: set, rul
     out = []
     if high:
         worst = max(high.values())
-        out.append(Finding(
-            kind="update_ratio_high",
-            severity="error" if worst > 1.0 else "warning",
-            title=f"updates change {_few(sorted(high, key=high.get, reverse=True))} by {worst:.2g} of their norm per step (above {hi:g})",
-            steps=[int(m.step[main[0]]), int(m.step[main[-1]])],
-            evidence={"median_update_ratio": high, "band": [lo, hi]},
-            params=sorted(high),
-            remedies=["lower the learning rate (for these layers: a separate param group)", "add warm-up; check weight decay is not huge"],
-        ))
+        out.append(
+            Finding(
+                kind="update_ratio_high",
+                severity="error" if worst > 1.0 else "warning",
+                title=f"updates change {_few(sorted(high, key=high.get, reverse=True))} by {worst:.2g} of their norm per step (above {hi:g})",
+                steps=[int(m.step[main[0]]), int(m.step[main[-1]])],
+                evidence={"median_update_ratio": high, "band": [lo, hi]},
+                params=sorted(high),
+                remedies=[
+                    "lower the learning rate (for these layers: a separate param group)",
+                    "add warm-up; check weight decay is not huge",
+                ],
+            )
+        )
     if low:
         worst = min(low.values())
         severe = any(v < lo / 10 and not is_embedding(n) for n, v in low.items())
-        out.append(Finding(
-            kind="update_ratio_low",
-            severity="warning" if severe else "info",
-            title=f"{_few(sorted(low, key=low.get))} learn slowly: updates are {worst:.2g} of their norm per step (below {lo:g})",
-            steps=[int(m.step[main[0]]), int(m.step[main[-1]])],
-            evidence={"median_update_ratio": low, "band": [lo, hi]},
-            params=sorted(low),
-            remedies=["raise the learning rate (for these layers: a separate param group)",
-                      "check the layer's gradient (vanishing? imbalanced?) and its weight scale",
-                      "embeddings update only the rows in the batch, so their ratio is naturally lower"],
-        ))
+        out.append(
+            Finding(
+                kind="update_ratio_low",
+                severity="warning" if severe else "info",
+                title=f"{_few(sorted(low, key=low.get))} learn slowly: updates are {worst:.2g} of their norm per step (below {lo:g})",
+                steps=[int(m.step[main[0]]), int(m.step[main[-1]])],
+                evidence={"median_update_ratio": low, "band": [lo, hi]},
+                params=sorted(low),
+                remedies=[
+                    "raise the learning rate (for these layers: a separate param group)",
+                    "check the layer's gradient (vanishing? imbalanced?) and its weight scale",
+                    "embeddings update only the rows in the batch, so their ratio is naturally lower",
+                ],
+            )
+        )
     return out
 
 
@@ -778,16 +903,20 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
         first = [int(m.step[measured[np.argmax(~np.isfinite(wn[:, j]))]]) for j in bad_cols]
         steps = sorted(set(first) | {s for s, _ in ckpt_bad})
         params = sorted({names[j] for j in bad_cols} | {n for _, n in ckpt_bad})
-        out.append(Finding(
-            kind="nonfinite_weights",
-            severity="error",
-            title=f"weights became non-finite ({_few(params)}), first seen at step {steps[0]}",
-            steps=steps[:50],
-            evidence={"checkpoints": [{"step": s, "tensor": n} for s, n in ckpt_bad[:20]]},
-            params=params,
-            remedies=["roll back to a healthy checkpoint: ckptlab rollback --before-anomaly",
-                      f"find the cause: ckptlab replay --step {steps[0]}"],
-        ))
+        out.append(
+            Finding(
+                kind="nonfinite_weights",
+                severity="error",
+                title=f"weights became non-finite ({_few(params)}), first seen at step {steps[0]}",
+                steps=steps[:50],
+                evidence={"checkpoints": [{"step": s, "tensor": n} for s, n in ckpt_bad[:20]]},
+                params=params,
+                remedies=[
+                    "roll back to a healthy checkpoint: ckptlab rollback --before-anomaly",
+                    f"find the cause: ckptlab replay --step {steps[0]}",
+                ],
+            )
+        )
     grown = {}
     if len(wn) >= 2:
         for j, name in enumerate(names):
@@ -798,15 +927,17 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
             if len(col) >= 2 and col[0] > 0 and col[-1] / col[0] >= rules.weight_growth:
                 grown[name] = float(col[-1] / col[0])
     if grown:
-        out.append(Finding(
-            kind="exploding_weights",
-            severity="warning",
-            title=f"weight norms grew up to {max(grown.values()):.3g}x: {_few(sorted(grown, key=grown.get, reverse=True))}",
-            steps=[int(m.step[measured[0]]), int(m.step[measured[-1]])],
-            evidence={"growth": grown},
-            params=sorted(grown),
-            remedies=["add or raise weight decay", "lower the learning rate", "check for a missing normalization"],
-        ))
+        out.append(
+            Finding(
+                kind="exploding_weights",
+                severity="warning",
+                title=f"weight norms grew up to {max(grown.values()):.3g}x: {_few(sorted(grown, key=grown.get, reverse=True))}",
+                steps=[int(m.step[measured[0]]), int(m.step[measured[-1]])],
+                evidence={"growth": grown},
+                params=sorted(grown),
+                remedies=["add or raise weight decay", "lower the learning rate", "check for a missing normalization"],
+            )
+        )
     if len(snapshots) >= 2:
         out += _drift(snapshots)
     return out
@@ -826,20 +957,28 @@ def _drift(snapshots: list[WeightSnapshot]) -> list[Finding]:
         tv = 0.5 * float(np.abs(sa.hist / sa.hist.sum() - sb.hist / sb.hist.sum()).sum())
         scale = sb.std / sa.std if sa.std > 0 and math.isfinite(sb.std) else math.nan
         rows[name] = {"tv_distance": tv, "std_ratio": scale, "mean_from": sa.mean, "mean_to": sb.mean}
-    moved = {n: r for n, r in rows.items() if r["tv_distance"] >= 0.5 or (math.isfinite(r["std_ratio"]) and not 1 / 3 <= r["std_ratio"] <= 3)}
+    moved = {
+        n: r
+        for n, r in rows.items()
+        if r["tv_distance"] >= 0.5 or (math.isfinite(r["std_ratio"]) and not 1 / 3 <= r["std_ratio"] <= 3)
+    }
     if not moved:
         return []
     extreme = [n for n, r in moved.items() if math.isfinite(r["std_ratio"]) and not 0.1 <= r["std_ratio"] <= 10]
-    return [Finding(
-        kind="weight_drift",
-        severity="warning" if extreme else "info",
-        title=f"{len(moved)} tensor(s) changed distribution a lot between checkpoints {a.step} and {b.step}: {_few(sorted(moved, key=lambda n: -moved[n]['tv_distance']))}",
-        steps=[a.step, b.step],
-        evidence={n: moved[n] for n in sorted(moved, key=lambda n: -moved[n]["tv_distance"])[:20]},
-        params=sorted(moved),
-        remedies=["expected early in training; late in training it can mean instability or a too-high LR",
-                  "compare them: ckptlab diff RUN@{} RUN@{}".format(a.step, b.step)],
-    )]
+    return [
+        Finding(
+            kind="weight_drift",
+            severity="warning" if extreme else "info",
+            title=f"{len(moved)} tensor(s) changed distribution a lot between checkpoints {a.step} and {b.step}: {_few(sorted(moved, key=lambda n: -moved[n]['tv_distance']))}",
+            steps=[a.step, b.step],
+            evidence={n: moved[n] for n in sorted(moved, key=lambda n: -moved[n]["tv_distance"])[:20]},
+            params=sorted(moved),
+            remedies=[
+                "expected early in training; late in training it can mean instability or a too-high LR",
+                f"compare them: ckptlab diff RUN@{a.step} RUN@{b.step}",
+            ],
+        )
+    ]
 
 
 def _unchanged_between(snapshots: list[WeightSnapshot]) -> set[str]:
@@ -850,6 +989,7 @@ def _unchanged_between(snapshots: list[WeightSnapshot]) -> set[str]:
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
+
 
 def weight_snapshots(run: Run, limit: int = 6) -> list[WeightSnapshot]:
     """Tensor statistics of up to `limit` retained checkpoints (first, last, evenly between),
@@ -887,6 +1027,7 @@ def weight_snapshots(run: Run, limit: int = 6) -> list[WeightSnapshot]:
 
 # --- perplexity --------------------------------------------------------------------------------------
 
+
 def is_language_model(run: Run) -> bool:
     """data_info says so (task "lm" or a vocab_size), else: batches hold 2-D integer token ids
     and the model has an embedding table with more rows than the largest id."""
@@ -903,7 +1044,13 @@ def is_language_model(run: Run) -> bool:
     except Exception:  # noqa: BLE001 - an unreadable batch just means "cannot tell"
         return False
     for _, value in leaves(batch):
-        if getattr(value, "ndim", 0) == 2 and _is_int(value) and value.size and 0 <= int(value.min()) and int(value.max()) < max(tables):
+        if (
+            getattr(value, "ndim", 0) == 2
+            and _is_int(value)
+            and value.size
+            and 0 <= int(value.min())
+            and int(value.max()) < max(tables)
+        ):
             return True
     return False
 
@@ -933,6 +1080,7 @@ def _exp(x: float) -> float:
 
 # --- plots ----------------------------------------------------------------------------------------------
 
+
 def _plot_data(run: Run, m: Metrics, val, metric, findings, snapshots, stop: EarlyStop | None) -> PlotData:
     measured = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1)) if len(m) else np.array([], dtype=int)
     markers = []
@@ -957,6 +1105,7 @@ def _plot_data(run: Run, m: Metrics, val, metric, findings, snapshots, stop: Ear
 
 
 # --- helpers -------------------------------------------------------------------------------------------
+
 
 def _shapes(run: Run) -> dict[str, tuple]:
     return {p["name"]: tuple(p.get("shape", ())) for p in run.manifest.get("parameters", [])}

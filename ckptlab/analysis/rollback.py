@@ -86,8 +86,15 @@ def candidates(run: Run, *, verify: bool = True) -> list[Candidate]:
     return out
 
 
-def choose(run: Run, *, metric: str | None = None, mode: str | None = None, before_anomaly: bool = False,
-           patience: int = 3, verify: bool = True) -> RollbackChoice:
+def choose(
+    run: Run,
+    *,
+    metric: str | None = None,
+    mode: str | None = None,
+    before_anomaly: bool = False,
+    patience: int = 3,
+    verify: bool = True,
+) -> RollbackChoice:
     """Pick the checkpoint; raises CkptlabError when there is nothing to choose from."""
     config = run.manifest.get("config", {})
     explicit = metric is not None
@@ -109,12 +116,18 @@ def choose(run: Run, *, metric: str | None = None, mode: str | None = None, befo
     elif series:
         _by_metric(choice, series)
     elif explicit:
-        raise CkptlabError(f"no validation values of {metric!r} recorded (log them with rec.log_validation({metric}=...))", path=run.path)
+        raise CkptlabError(
+            f"no validation values of {metric!r} recorded (log them with rec.log_validation({metric}=...))",
+            path=run.path,
+        )
     elif anomaly is not None:
         _before_anomaly(choice)
     else:
-        raise CkptlabError("no validation metric and no anomaly recorded: nothing to choose by", path=run.path,
-                           hint="log validation with rec.log_validation(val_loss=...)")
+        raise CkptlabError(
+            "no validation metric and no anomaly recorded: nothing to choose by",
+            path=run.path,
+            hint="log validation with rec.log_validation(val_loss=...)",
+        )
     for c in cands:
         c.chosen = c.step == choice.step
     return choice
@@ -128,18 +141,25 @@ def _before_anomaly(choice: RollbackChoice) -> None:
     choice.by, choice.metric, choice.mode, choice.patience = "before_anomaly", None, None, None
     a = choice.first_anomaly
     if a is None:
-        raise CkptlabError("no anomaly recorded: nothing to roll back before", path=choice.run,
-                           hint="roll back by a validation metric instead (--metric NAME)")
+        raise CkptlabError(
+            "no anomaly recorded: nothing to roll back before",
+            path=choice.run,
+            hint="roll back by a validation metric instead (--metric NAME)",
+        )
     before = [c for c in choice.candidates if c.step < a["step"]]
     usable = [c for c in before if _usable(c)]
     if not usable:
-        raise CkptlabError(f"no intact checkpoint before the first anomaly ({a['kind']} at step {a['step']})", path=choice.run)
+        raise CkptlabError(
+            f"no intact checkpoint before the first anomaly ({a['kind']} at step {a['step']})", path=choice.run
+        )
     pick = usable[-1]
     if pick is not before[-1]:
         choice.notes.append(f"checkpoint {before[-1].step} failed its integrity check; using {pick.step}")
     choice.step = pick.step
-    choice.why = (f"the last intact checkpoint before the first anomaly ({a['kind']} at step {a['step']}); "
-                  f"{a['step'] - pick.step} step(s) before it")
+    choice.why = (
+        f"the last intact checkpoint before the first anomaly ({a['kind']} at step {a['step']}); "
+        f"{a['step'] - pick.step} step(s) before it"
+    )
 
 
 def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
@@ -148,26 +168,46 @@ def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
     sign = 1.0 if choice.mode == "min" else -1.0
     usable = [c for c in choice.candidates if _usable(c)]
     at_best = next((c for c in usable if c.step == es.best_step), None)
-    turned = (f"validation turned up after step {es.best_step} (no improvement in {es.patience} evaluations, by step {es.stop_step})"
-              if es.stop_step is not None else f"validation was still improving (best at step {es.best_step})")
-    if es.stop_step is not None and sign * (es.global_best_value - es.best_value) < 0 and es.global_best_step > es.stop_step:
-        choice.notes.append(f"{choice.metric} later reached {es.global_best_value:.6g} at step {es.global_best_step}; "
-                            f"a larger --patience would pick that instead")
+    turned = (
+        f"validation turned up after step {es.best_step} (no improvement in {es.patience} evaluations, by step {es.stop_step})"
+        if es.stop_step is not None
+        else f"validation was still improving (best at step {es.best_step})"
+    )
+    if (
+        es.stop_step is not None
+        and sign * (es.global_best_value - es.best_value) < 0
+        and es.global_best_step > es.stop_step
+    ):
+        choice.notes.append(
+            f"{choice.metric} later reached {es.global_best_value:.6g} at step {es.global_best_step}; "
+            f"a larger --patience would pick that instead"
+        )
     if at_best is not None:
         choice.step = at_best.step
         choice.why = f"best {choice.metric} = {es.best_value:.6g} at step {es.best_step}: {turned}"
         return
-    scored = [c for c in usable if isinstance(c.validation.get(choice.metric), (int, float)) and math.isfinite(c.validation[choice.metric])
-              and (es.stop_step is None or c.step <= es.stop_step)]
+    scored = [
+        c
+        for c in usable
+        if isinstance(c.validation.get(choice.metric), (int, float))
+        and math.isfinite(c.validation[choice.metric])
+        and (es.stop_step is None or c.step <= es.stop_step)
+    ]
     if scored:
         pick = min(scored, key=lambda c: sign * c.validation[choice.metric])
         choice.step = pick.step
-        choice.why = (f"no checkpoint at the best step {es.best_step}; checkpoint {pick.step} has the best recorded "
-                      f"{choice.metric} = {pick.validation[choice.metric]:.6g} ({turned})")
+        choice.why = (
+            f"no checkpoint at the best step {es.best_step}; checkpoint {pick.step} has the best recorded "
+            f"{choice.metric} = {pick.validation[choice.metric]:.6g} ({turned})"
+        )
         return
     before = [c for c in usable if c.step <= es.best_step]
     if not before:
-        raise CkptlabError(f"no intact checkpoint at or before the best {choice.metric} (step {es.best_step})", path=choice.run)
+        raise CkptlabError(
+            f"no intact checkpoint at or before the best {choice.metric} (step {es.best_step})", path=choice.run
+        )
     choice.step = before[-1].step
-    choice.why = (f"no checkpoint at the best step {es.best_step} (record with keep_best=True to keep one); "
-                  f"checkpoint {choice.step} is the latest before it ({turned})")
+    choice.why = (
+        f"no checkpoint at the best step {es.best_step} (record with keep_best=True to keep one); "
+        f"checkpoint {choice.step} is the latest before it ({turned})"
+    )

@@ -35,7 +35,7 @@ class LazyGroup(click.Group):
         module = COMMANDS[name][0]
         if importlib.util.find_spec(module) is None:
             return None
-        return getattr(importlib.import_module(module), "command")
+        return importlib.import_module(module).command
 
     def format_commands(self, ctx, formatter):
         rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]

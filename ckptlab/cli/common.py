@@ -12,7 +12,9 @@ from ckptlab.errors import NotARunError
 RUN_HELP = "Run directory (default: $CKPTLAB_RUN, else the most recently written run under ./runs/)."
 
 run_option = click.option("--run", "run_dir", type=click.Path(path_type=Path), default=None, help=RUN_HELP)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout (notes go to stderr).")
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON document on stdout (notes go to stderr)."
+)
 
 
 def find_run(run_dir: Path | None, term) -> Path:

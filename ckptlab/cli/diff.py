@@ -22,15 +22,49 @@ def _regex(ctx, param, value):
 @click.command("diff")
 @click.argument("a")
 @click.argument("b", required=False)
-@click.option("--select", metavar="REGEX", callback=_regex, help="Only tensors whose name matches REGEX (searched anywhere in the name).")
-@click.option("--hist", "hist_name", metavar="NAME", help="Show the value histogram of NAME (default: of the offending parameter).")
-@click.option("--plot", "plot_path", metavar="FILE.png", type=click.Path(dir_okay=False), help="Save A-vs-B histograms of the top tensors as an image (needs matplotlib: ckptlab[plot]).")
-@click.option("--all", "show_all", is_flag=True, help="List every tensor in the table (default: flagged layers and the top of the ranking when there are many).")
-@click.option("--sequential", is_flag=True, envvar="CKPTLAB_SEQUENTIAL",
-              help="Read files with plain sequential reads instead of mmap: for network filesystems, where mmap is slow or can crash (SIGBUS) if a file changes. Also CKPTLAB_SEQUENTIAL=1.")
-@click.option("--no-verify", is_flag=True, help="Do not check RUN@STEP checkpoints against their recorded sha256 (faster on big runs).")
-@click.option("--workers", type=click.IntRange(1, 64), envvar="CKPTLAB_WORKERS", default=None,
-              help="Threads to use (default: the available cores, at most 8). Also CKPTLAB_WORKERS.")
+@click.option(
+    "--select",
+    metavar="REGEX",
+    callback=_regex,
+    help="Only tensors whose name matches REGEX (searched anywhere in the name).",
+)
+@click.option(
+    "--hist",
+    "hist_name",
+    metavar="NAME",
+    help="Show the value histogram of NAME (default: of the offending parameter).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    metavar="FILE.png",
+    type=click.Path(dir_okay=False),
+    help="Save A-vs-B histograms of the top tensors as an image (needs matplotlib: ckptlab[plot]).",
+)
+@click.option(
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="List every tensor in the table (default: flagged layers and the top of the ranking when there are many).",
+)
+@click.option(
+    "--sequential",
+    is_flag=True,
+    envvar="CKPTLAB_SEQUENTIAL",
+    help="Read files with plain sequential reads instead of mmap: for network filesystems, where mmap is slow or can crash (SIGBUS) if a file changes. Also CKPTLAB_SEQUENTIAL=1.",
+)
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Do not check RUN@STEP checkpoints against their recorded sha256 (faster on big runs).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    envvar="CKPTLAB_WORKERS",
+    default=None,
+    help="Threads to use (default: the available cores, at most 8). Also CKPTLAB_WORKERS.",
+)
 @run_option
 @json_option
 def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify, workers, run_dir, as_json) -> None:
@@ -73,7 +107,9 @@ def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify,
         if sd_b is not None:
             sd_b.close()
     if hist_name and findings.finding(hist_name) is None:
-        raise click.BadParameter(f"no compared tensor is named {hist_name!r}{_suggest(hist_name, findings)}", param_hint="--hist")
+        raise click.BadParameter(
+            f"no compared tensor is named {hist_name!r}{_suggest(hist_name, findings)}", param_hint="--hist"
+        )
     if as_json:
         for note in findings.notes:  # (also in the JSON; said on stderr as in the terminal view)
             term.note(note)

@@ -12,22 +12,57 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @click.command("dirty")
 @run_option
 @json_option
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the skip list (JSON) here, for ckptlab.skip_samples(...) on resume.")
-@click.option("--attribute/--no-attribute", default=True, show_default=True,
-              help="Replay flagged steps for per-sample loss and gradient norm.")
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the skip list (JSON) here, for ckptlab.skip_samples(...) on resume.",
+)
+@click.option(
+    "--attribute/--no-attribute",
+    default=True,
+    show_default=True,
+    help="Replay flagged steps for per-sample loss and gradient norm.",
+)
 @click.option("--top", type=click.IntRange(1), default=20, show_default=True, help="Rows to show (--json lists all).")
 @click.option("--loss-z", type=float, default=None, help="Loss spike: robust z over the window (default 6, as OLMo).")
 @click.option("--grad-z", type=float, default=None, help="Gradient-norm spike: robust z (default 6).")
 @click.option("--window", type=click.IntRange(2), default=None, help="Spike window in steps (default 128).")
-@click.option("--loss-ratio", type=float, default=None, help="Loss spike: also >= this x the window median (default 1.2).")
-@click.option("--grad-ratio", type=float, default=None, help="Gradient spike: also >= this x the window median (default 5).")
-@click.option("--extreme-z", type=float, default=None, help="A value is extreme beyond this robust z of its field (default 10).")
-@click.option("--pad-id", type=int, default=None, help="Padding token id (default: data_info['pad_id'], else inferred).")
-@click.option("--vocab-size", type=int, default=None, help="Vocabulary size (default: data_info, else the embedding's rows).")
-@click.option("--no-skip-batches", is_flag=True, help="Leave whole spike batches without a row to blame out of the skip list.")
-def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, loss_ratio, grad_ratio, extreme_z,
-            pad_id, vocab_size, no_skip_batches) -> None:
+@click.option(
+    "--loss-ratio", type=float, default=None, help="Loss spike: also >= this x the window median (default 1.2)."
+)
+@click.option(
+    "--grad-ratio", type=float, default=None, help="Gradient spike: also >= this x the window median (default 5)."
+)
+@click.option(
+    "--extreme-z", type=float, default=None, help="A value is extreme beyond this robust z of its field (default 10)."
+)
+@click.option(
+    "--pad-id", type=int, default=None, help="Padding token id (default: data_info['pad_id'], else inferred)."
+)
+@click.option(
+    "--vocab-size", type=int, default=None, help="Vocabulary size (default: data_info, else the embedding's rows)."
+)
+@click.option(
+    "--no-skip-batches", is_flag=True, help="Leave whole spike batches without a row to blame out of the skip list."
+)
+def command(
+    run_dir,
+    as_json,
+    out_path,
+    attribute,
+    top,
+    loss_z,
+    grad_z,
+    window,
+    loss_ratio,
+    grad_ratio,
+    extreme_z,
+    pad_id,
+    vocab_size,
+    no_skip_batches,
+) -> None:
     """Scan every retained batch for dirty data, and the step health for spikes.
 
     \b
@@ -48,14 +83,17 @@ def command(run_dir, as_json, out_path, attribute, top, loss_z, grad_z, window, 
     term = Terminal(json_mode=as_json)
     run = open_run(find_run(run_dir, term))
     rules = DirtyRules()
-    rules = replace(rules, loss_spike=_rule(rules.loss_spike, loss_z, window, loss_ratio),
-                    grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
-                    extreme_z=extreme_z if extreme_z is not None else rules.extreme_z)
+    rules = replace(
+        rules,
+        loss_spike=_rule(rules.loss_spike, loss_z, window, loss_ratio),
+        grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
+        extreme_z=extreme_z if extreme_z is not None else rules.extreme_z,
+    )
     info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
     attribute_rows, unavailable = _attribution() if attribute else (None, None)
     with term.progress("scanning batches", total=len(run.steps)) as update:
         report = scan(run, rules, attribute=attribute_rows, data_info=info, progress=update)
-    if unavailable:
+    if unavailable and any(f["batch"] == "retained" for f in report.steps):  # else nothing to attribute
         report.attribution = {"status": "unavailable", "note": unavailable, "steps": []}
     if no_skip_batches:
         report.skip_ids = skip_ids(report, whole_batches=False)

@@ -11,10 +11,19 @@ from ckptlab.cli.common import find_run, json_option, run_option
 
 @click.command("export")
 @run_option
-@click.option("--tensorboard", "tb_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Write TensorBoard event files into this folder (must hold none yet); view with `tensorboard --logdir`.")
-@click.option("--grads/--no-grads", default=True, show_default=True,
-              help="Histogram each checkpoint's gradients by replaying the step that starts there (runs your recorded build_fn/step_fn).")
+@click.option(
+    "--tensorboard",
+    "tb_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Write TensorBoard event files into this folder (must hold none yet); view with `tensorboard --logdir`.",
+)
+@click.option(
+    "--grads/--no-grads",
+    default=True,
+    show_default=True,
+    help="Histogram each checkpoint's gradients by replaying the step that starts there (runs your recorded build_fn/step_fn).",
+)
 @json_option
 def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
     """Export the run's health as TensorBoard event files.
@@ -34,8 +43,8 @@ def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
     run = open_run(find_run(run_dir, term))
     gradients = None
     if grads:
-        from ckptlab.replayer.gradients import checkpoint_gradients
         from ckptlab.replayer.driver import Replayer
+        from ckptlab.replayer.gradients import checkpoint_gradients
 
         replayer = Replayer(run)
         gradients = lambda step: checkpoint_gradients(run, step, replayer=replayer)  # noqa: E731
@@ -46,7 +55,9 @@ def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
     if as_json:
         term.json(summary)
         return
-    term.print(f"wrote [bold]{summary.logdir}[/bold]: {summary.steps} steps, {summary.scalars} scalar points, "
-               f"{summary.histograms} histograms at checkpoints {summary.checkpoints}"
-               + (f" (gradients at {summary.gradient_checkpoints})" if summary.gradient_checkpoints else ""))
+    term.print(
+        f"wrote [bold]{summary.logdir}[/bold]: {summary.steps} steps, {summary.scalars} scalar points, "
+        f"{summary.histograms} histograms at checkpoints {summary.checkpoints}"
+        + (f" (gradients at {summary.gradient_checkpoints})" if summary.gradient_checkpoints else "")
+    )
     term.print(f"view it with: tensorboard --logdir {summary.logdir}")

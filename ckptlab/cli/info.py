@@ -34,4 +34,6 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
         render(summary, term)
     if summary.damaged:
         more = len(summary.damaged) - 1
-        raise CorruptFileError(summary.damaged[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""))
+        raise CorruptFileError(
+            summary.damaged[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+        )

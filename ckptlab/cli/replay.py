@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from ckptlab.cli.common import find_run, json_option, run_option
@@ -12,14 +11,36 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @run_option
 @click.option("--step", "step", type=int, required=True, help="The step to explain (e.g. where the loss went NaN).")
 @json_option
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="Where to replay (default: where the run was recorded). cuda applies deterministic CUDA settings.")
-@click.option("--from-step", type=int, default=None, help="Start from this checkpoint instead of the one ckptlab picks.")
-@click.option("--nproc", type=int, default=None, help="Distributed runs: the number of processes to replay on (must equal the recorded world size; default: that).")
-@click.option("--rank", type=int, default=None, help="Distributed runs: replay only this rank's micro-batches in one process (a quick look, not bit-exact).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="Where to replay (default: where the run was recorded). cuda applies deterministic CUDA settings.",
+)
+@click.option(
+    "--from-step", type=int, default=None, help="Start from this checkpoint instead of the one ckptlab picks."
+)
+@click.option(
+    "--nproc",
+    type=int,
+    default=None,
+    help="Distributed runs: the number of processes to replay on (must equal the recorded world size; default: that).",
+)
+@click.option(
+    "--rank",
+    type=int,
+    default=None,
+    help="Distributed runs: replay only this rank's micro-batches in one process (a quick look, not bit-exact).",
+)
 @click.option("--no-trace", is_flag=True, help="Skip the per-op trace of the root step.")
-@click.option("--no-counterfactuals", is_flag=True, help="Skip the counterfactual re-runs (without the blamed rows; from an older state).")
-def command(run_dir, step: int, as_json: bool, device, from_step, nproc, rank, no_trace: bool, no_counterfactuals: bool) -> None:
+@click.option(
+    "--no-counterfactuals",
+    is_flag=True,
+    help="Skip the counterfactual re-runs (without the blamed rows; from an older state).",
+)
+def command(
+    run_dir, step: int, as_json: bool, device, from_step, nproc, rank, no_trace: bool, no_counterfactuals: bool
+) -> None:
     """Replay a recorded step and explain what went wrong.
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
@@ -40,10 +61,18 @@ def command(run_dir, step: int, as_json: bool, device, from_step, nproc, rank, n
     term = Terminal(json_mode=as_json)
     run = open_run(find_run(run_dir, term))
     with term.progress(f"replaying up to step {step}") as update:
-        report = replay(run, step, device=device, from_step=from_step, trace=not no_trace,
-                        counterfactuals=not no_counterfactuals, rank=rank, nproc=nproc,
-                        log=lambda msg: update(description=msg),
-                        progress=lambda done, total: update(done, total=total))
+        report = replay(
+            run,
+            step,
+            device=device,
+            from_step=from_step,
+            trace=not no_trace,
+            counterfactuals=not no_counterfactuals,
+            rank=rank,
+            nproc=nproc,
+            log=lambda msg: update(description=msg),
+            progress=lambda done, total: update(done, total=total),
+        )
     for note in report.notes:
         term.warn(note)
     if as_json:

@@ -8,16 +8,34 @@ import click
 
 from ckptlab.cli.common import find_run, json_option, run_option
 
+
 @click.command("report")
 @run_option
 @json_option
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write a self-contained HTML page with plots (no network needed to view it).")
-@click.option("--no-weights", is_flag=True, help="Skip reading checkpoints (weight histograms, drift, bit-identical layers).")
-@click.option("--patience", type=click.IntRange(1), default=3, show_default=True,
-              help="Validation evaluations without improvement before validation counts as turned up.")
-@click.option("--fail-on", type=click.Choice(["never", "warning", "error"]), default="never", show_default=True,
-              help="Exit 1 when a finding is at least this severe (for CI).")
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write a self-contained HTML page with plots (no network needed to view it).",
+)
+@click.option(
+    "--no-weights", is_flag=True, help="Skip reading checkpoints (weight histograms, drift, bit-identical layers)."
+)
+@click.option(
+    "--patience",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Validation evaluations without improvement before validation counts as turned up.",
+)
+@click.option(
+    "--fail-on",
+    type=click.Choice(["never", "warning", "error"]),
+    default="never",
+    show_default=True,
+    help="Exit 1 when a finding is at least this severe (for CI).",
+)
 def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, patience: int, fail_on: str) -> None:
     """Diagnose the training curves of a run.
 
@@ -39,7 +57,9 @@ def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, pa
     term = Terminal(json_mode=as_json)
     run = open_run(find_run(run_dir, term))
     with term.status("reading the run"):
-        report = diagnose(run, replace(HealthRules(), patience=patience), weights=not no_weights, plots=html_path is not None)
+        report = diagnose(
+            run, replace(HealthRules(), patience=patience), weights=not no_weights, plots=html_path is not None
+        )
     if html_path is not None:
         from ckptlab.render.html import report_page
         from ckptlab.run.layout import write_bytes_atomic

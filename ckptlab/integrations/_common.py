@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numbers
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ckptlab.errors import NonFiniteLoss, ReplayError
 
-_REPLAY: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_REPLAY: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def register(optimizer, **objects) -> None:

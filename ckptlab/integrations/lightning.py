@@ -35,13 +35,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ckptlab.record import RecordConfig, Recorder
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
+from ckptlab.record import RecordConfig, Recorder
 
 try:
     import lightning.pytorch as pl
@@ -98,19 +99,29 @@ class CkptlabCallback(pl.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.world_size > 1:
-            warnings.warn("ckptlab: recording a multi-process Lightning run is not supported; recording nothing", stacklevel=2)
+            warnings.warn(
+                "ckptlab: recording a multi-process Lightning run is not supported; recording nothing", stacklevel=2
+            )
             return
         if trainer.accumulate_grad_batches != 1:
             raise RecordError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ckptlab records one optimizer step per "
-                "batch, so gradient accumulation cannot be recorded", hint="train with accumulate_grad_batches=1")
+                "batch, so gradient accumulation cannot be recorded",
+                hint="train with accumulate_grad_batches=1",
+            )
         for problem in _replay_limits(trainer, pl_module):
-            warnings.warn(f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
-                          "replay will not be exact)", stacklevel=2)
+            warnings.warn(
+                f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
+                "replay will not be exact)",
+                stacklevel=2,
+            )
         configs = trainer.lr_scheduler_configs
         self.rec = Recorder(
-            self.run_dir, pl_module, trainer.optimizers[0],
-            step_fn=training_step, build_fn=self.build_fn,
+            self.run_dir,
+            pl_module,
+            trainer.optimizers[0],
+            step_fn=training_step,
+            build_fn=self.build_fn,
             scheduler=configs[0].scheduler if configs else None,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             config=self.config,
@@ -156,8 +167,11 @@ class CkptlabCallback(pl.Callback):
         stepped = count is not None and self._scheduler_count is not None and count != self._scheduler_count
         if stepped != self._predicted_scheduler_step and not self._warned_scheduler:
             self._warned_scheduler = True
-            warnings.warn("ckptlab: the LR scheduler stepped where ckptlab did not predict it; replay will not match "
-                          "the record bit for bit", stacklevel=2)
+            warnings.warn(
+                "ckptlab: the LR scheduler stepped where ckptlab did not predict it; replay will not match "
+                "the record bit for bit",
+                stacklevel=2,
+            )
 
     # --- validation and end ---------------------------------------------------------------
 
@@ -182,6 +196,7 @@ class CkptlabCallback(pl.Callback):
 
 
 # --- build and replay ----------------------------------------------------------------------
+
 
 def build(module, optimizer=None, scheduler=None):
     """`(module, optimizer[, scheduler])` for build_fn, from `module.configure_optimizers()`
@@ -255,7 +270,8 @@ def _trainerless_clipping(model):
     """`LightningModule.clip_gradients` asks the trainer's precision plugin; replay has no
     trainer, so the module's own (or overridden) configure_gradient_clipping reaches `_clip`."""
     model.__dict__["clip_gradients"] = lambda optimizer, gradient_clip_val=None, gradient_clip_algorithm=None: _clip(
-        optimizer, gradient_clip_val, gradient_clip_algorithm or "norm")
+        optimizer, gradient_clip_val, gradient_clip_algorithm or "norm"
+    )
     try:
         yield
     finally:
@@ -278,11 +294,14 @@ def _quiet_log():
 
 
 def _takes_batch_idx(model) -> bool:
-    is_param_in_hook_signature = importlib.import_module(f"{pl.__name__}.utilities.signature_utils").is_param_in_hook_signature
+    is_param_in_hook_signature = importlib.import_module(
+        f"{pl.__name__}.utilities.signature_utils"
+    ).is_param_in_hook_signature
     return is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
 
 
 # --- what the trainer will do after this batch ------------------------------------------------
+
 
 def _scheduler_steps(trainer, batch_idx: int) -> bool:
     """Whether the trainer steps the (first) LR scheduler after this batch: Lightning's
@@ -310,9 +329,13 @@ def _replay_limits(trainer, module) -> list[str]:
     if not module.automatic_optimization:
         problems.append("manual optimization: the training_step drives the optimizers through the trainer")
     if str(trainer.precision) not in EXACT_PRECISIONS:
-        problems.append(f"precision={trainer.precision!s} is not replayed (exact: {', '.join(sorted(EXACT_PRECISIONS))})")
+        problems.append(
+            f"precision={trainer.precision!s} is not replayed (exact: {', '.join(sorted(EXACT_PRECISIONS))})"
+        )
     if len(trainer.lr_scheduler_configs) > 1:
-        problems.append(f"{len(trainer.lr_scheduler_configs)} LR schedulers: only the first is checkpointed and replayed")
+        problems.append(
+            f"{len(trainer.lr_scheduler_configs)} LR schedulers: only the first is checkpointed and replayed"
+        )
     if len(trainer.optimizers) > 1:
         problems.append(f"{len(trainer.optimizers)} optimizers: only the first is checkpointed")
     return problems

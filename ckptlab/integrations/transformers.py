@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 
-from ckptlab.record import RecordConfig, Recorder
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
+from ckptlab.record import RecordConfig, Recorder
 
 try:
     import transformers
@@ -87,15 +87,19 @@ class CkptlabCallback(TrainerCallback):
         **options,
     ):
         self.run_dir, self.build_fn, self.sample_id_key = run_dir, build_fn, sample_id_key
+        # The Trainer reports validation as eval_* metrics: the default metric is its eval_loss.
+        base = config or RecordConfig()
+        if base.val_metric == RecordConfig.val_metric:
+            base = replace(base, val_metric="eval_loss")
         # The framework steps the scheduler, and on resume restores its own checkpoint.
-        self.config = RecordConfig.of(config or RecordConfig(val_metric="eval_loss"), **{**options, "step_scheduler": False, "restore": False})
+        self.config = RecordConfig.of(base, **{**options, "step_scheduler": False, "restore": False})
         self.trainer = None
         self.rec = None
         self._loss = None
 
     # --- set-up ---------------------------------------------------------------------------
 
-    def attach(self, trainer: Trainer) -> "CkptlabCallback":
+    def attach(self, trainer: Trainer) -> CkptlabCallback:
         """Add this callback to `trainer` and wrap its `training_step`, so that each step's
         inputs and loss reach the Recorder."""
         if self.trainer is not None:
@@ -123,24 +127,40 @@ class CkptlabCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.trainer is None:
-            raise RecordError("CkptlabCallback is not attached", hint="call ckptlab.integrations.transformers.record(trainer, ...) "
-                              "or callback.attach(trainer) before trainer.train()")
+            raise RecordError(
+                "CkptlabCallback is not attached",
+                hint="call ckptlab.integrations.transformers.record(trainer, ...) "
+                "or callback.attach(trainer) before trainer.train()",
+            )
         if args.world_size > 1:
-            warnings.warn("ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2)
+            warnings.warn(
+                "ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2
+            )
             return
         if args.gradient_accumulation_steps != 1:
             raise RecordError(
                 f"gradient_accumulation_steps={args.gradient_accumulation_steps}: ckptlab records one optimizer step per "
-                "batch, so gradient accumulation cannot be recorded", hint="train with gradient_accumulation_steps=1")
+                "batch, so gradient accumulation cannot be recorded",
+                hint="train with gradient_accumulation_steps=1",
+            )
         for problem in _replay_limits(args):
-            warnings.warn(f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
-                          "replay will not be exact)", stacklevel=2)
+            warnings.warn(
+                f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
+                "replay will not be exact)",
+                stacklevel=2,
+            )
         if args.max_steps <= 0:
-            warnings.warn(f"ckptlab: training by epochs; for an exact LR schedule in replay, build_fn must pass "
-                          f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build", stacklevel=2)
+            warnings.warn(
+                f"ckptlab: training by epochs; for an exact LR schedule in replay, build_fn must pass "
+                f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build",
+                stacklevel=2,
+            )
         self.rec = Recorder(
-            self.run_dir, model, _inner(optimizer),
-            step_fn=training_step, build_fn=self.build_fn,
+            self.run_dir,
+            model,
+            _inner(optimizer),
+            step_fn=training_step,
+            build_fn=self.build_fn,
             scheduler=_inner(lr_scheduler),
             config=self.config,
         )
@@ -153,11 +173,15 @@ class CkptlabCallback(TrainerCallback):
         ids = None
         if self.sample_id_key is not None:
             if self.sample_id_key not in inputs:
-                raise RecordError(f"sample_id_key={self.sample_id_key!r}: the Trainer's inputs have no such key",
-                                  hint="keep the column in the dataset and the collator")
+                raise RecordError(
+                    f"sample_id_key={self.sample_id_key!r}: the Trainer's inputs have no such key",
+                    hint="keep the column in the dataset and the collator",
+                )
             ids = inputs.pop(self.sample_id_key)  # the model never sees it
-        record = {"inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs,
-                  "transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)}}
+        record = {
+            "inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs,
+            "transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)},
+        }
         if num_items_in_batch is not None:
             record["num_items_in_batch"] = num_items_in_batch
         self.rec.begin_step(record, ids)
@@ -194,6 +218,7 @@ def record(trainer: Trainer, run_dir, *, build_fn: Callable, **kwargs) -> Ckptla
 
 # --- build and replay ----------------------------------------------------------------------
 
+
 def build(model, args, *, num_training_steps: int | None = None, trainer_cls: type = Trainer, **trainer_kwargs):
     """`(model, optimizer, scheduler)` for build_fn: a `trainer_cls(model=model, args=args,
     **trainer_kwargs)` creates them as `train()` does (`create_optimizer_and_scheduler`), and
@@ -217,9 +242,9 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
 def training_step(model, optimizer, batch):
     """One optimizer step of the Trainer's loop (gradient_accumulation_steps=1), as recorded:
 
-        loss = trainer.training_step(model, inputs, num_items_in_batch)   # forward + backward
-        clip to max_grad_norm (or measure with an infinite bound, as the Trainer does at 0)
-        optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau); model.zero_grad()
+    loss = trainer.training_step(model, inputs, num_items_in_batch)   # forward + backward
+    clip to max_grad_norm (or measure with an infinite bound, as the Trainer does at 0)
+    optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau); model.zero_grad()
     """
     trainer = _common.registered(optimizer, "trainer", required=True, hint=BUILD_HINT)
     scheduler = _common.registered(optimizer, "scheduler", required=False, hint=BUILD_HINT)

@@ -8,10 +8,9 @@ multi-GB tensor without holding it. `LazyStateDict` maps names to them like a st
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import math
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import PurePosixPath, PureWindowsPath
 
@@ -72,7 +71,7 @@ class TensorRef(ABC):
         """
         return self.load().reshape(-1)[start : start + count]
 
-    def release(self, start: int, count: int) -> None:
+    def release(self, start: int, count: int) -> None:  # noqa: B027 - a no-op unless a reader maps memory
         """Done with elements [start, start + count): let their memory go (no-op by default)."""
 
     @property
@@ -177,7 +176,9 @@ class LazyStateDict(Mapping):
         self.close()
 
     def __repr__(self) -> str:
-        return f"LazyStateDict({self.label!r}, format={self.format!r}, tensors={len(self.refs)}, tied={len(self.aliases)})"
+        return (
+            f"LazyStateDict({self.label!r}, format={self.format!r}, tensors={len(self.refs)}, tied={len(self.aliases)})"
+        )
 
 
 def split_tied(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -203,7 +204,9 @@ def expand_aliases(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, st
     return full
 
 
-def from_tensors(tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None) -> LazyStateDict:
+def from_tensors(
+    tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None
+) -> LazyStateDict:
     """Wrap an in-memory state dict; names sharing storage become aliases of the first one."""
     plain, skipped = {}, {}
     for name, t in tensors.items():

@@ -58,7 +58,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeFileError(
-            f"refused: it asks for {module}.{name}, which is not DCP checkpoint metadata; nothing in it was run", path=self.path
+            f"refused: it asks for {module}.{name}, which is not DCP checkpoint metadata; nothing in it was run",
+            path=self.path,
         )
 
     def persistent_load(self, pid):
@@ -123,7 +124,11 @@ def dcp_tree(folder: str | Path):
         if math.prod(md.size) != sum(math.prod(c.sizes) for c, _, _ in infos):
             raise CorruptFileError(f"DCP chunks of {fqn!r} do not cover its shape {list(md.size)}", path=folder)
         if fqn not in skipped:
-            _insert(tree, tuple(key_path), LazyTensor(tuple(md.size), md.properties.dtype, _chunk_loader(folder, fqn, md, infos)))
+            _insert(
+                tree,
+                tuple(key_path),
+                LazyTensor(tuple(md.size), md.properties.dtype, _chunk_loader(folder, fqn, md, infos)),
+            )
     return tree, skipped, [f.close for f in files.values()]
 
 
@@ -144,11 +149,17 @@ def _chunk_loader(folder: Path, fqn: str, md, infos):
             try:
                 part = torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
-                raise UnsafeFileError(f"refused a DCP chunk of {fqn!r} ({str(e).splitlines()[-1][:120]})", path=file.path) from None
+                raise UnsafeFileError(
+                    f"refused a DCP chunk of {fqn!r} ({str(e).splitlines()[-1][:120]})", path=file.path
+                ) from None
             except Exception as e:  # noqa: BLE001
-                raise CorruptFileError(f"unreadable DCP chunk of {fqn!r} ({type(e).__name__})", path=file.path) from None
+                raise CorruptFileError(
+                    f"unreadable DCP chunk of {fqn!r} ({type(e).__name__})", path=file.path
+                ) from None
             if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(chunk.sizes):
-                raise CorruptFileError(f"DCP chunk of {fqn!r} is not a tensor of shape {list(chunk.sizes)}", path=file.path)
+                raise CorruptFileError(
+                    f"DCP chunk of {fqn!r} is not a tensor of shape {list(chunk.sizes)}", path=file.path
+                )
             if len(infos) == 1:
                 return part.to(md.properties.dtype)
             if out is None:

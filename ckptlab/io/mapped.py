@@ -49,10 +49,16 @@ class MappedFile:
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
         if offset + nbytes > self.size:
-            raise CorruptFileError(f"truncated: needs bytes up to {offset + nbytes}, the file has {self.size}", path=self.path)
+            raise CorruptFileError(
+                f"truncated: needs bytes up to {offset + nbytes}, the file has {self.size}", path=self.path
+            )
         if not self.sequential:
             return torch.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset)
-        buf = scratch[:nbytes] if scratch is not None and scratch.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+        buf = (
+            scratch[:nbytes]
+            if scratch is not None and scratch.numel() >= nbytes
+            else torch.empty(nbytes, dtype=torch.uint8)
+        )
         view = memoryview(buf.numpy())
         done = 0
         while done < nbytes:  # pread releases the GIL; a short read means the file shrank

@@ -21,9 +21,26 @@ from ckptlab.io.base import TensorRef
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "module", "net", "network", "weights", "params")
 # Never the model: optimizer moments are tensors too and would otherwise win on size.
 NOT_MODEL = {
-    "optimizer", "optimizers", "optim", "opt", "optimizer_state", "optimizer_state_dict", "optimizer_states",
-    "scheduler", "lr_scheduler", "lr_schedulers", "scaler", "grad_scaler", "rng", "rng_state", "rng_states",
-    "dataloader", "train_state", "trainer", "callbacks", "loops",
+    "optimizer",
+    "optimizers",
+    "optim",
+    "opt",
+    "optimizer_state",
+    "optimizer_state_dict",
+    "optimizer_states",
+    "scheduler",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scaler",
+    "grad_scaler",
+    "rng",
+    "rng_state",
+    "rng_states",
+    "dataloader",
+    "train_state",
+    "trainer",
+    "callbacks",
+    "loops",
 }
 
 

@@ -57,14 +57,31 @@ def _open_file(path: Path, label: str, *, sequential: bool, aliases=None, notes=
         head = f.read(16)
     if not head:
         raise CorruptFileError("empty file", path=path)
-    if looks_like_safetensors(head) or (path.suffix == ".safetensors" and head[:4] != b"PK\x03\x04"):  # damaged: say how
+    if looks_like_safetensors(head) or (
+        path.suffix == ".safetensors" and head[:4] != b"PK\x03\x04"
+    ):  # damaged: say how
         refs, metadata, skipped, file = open_safetensors(path, sequential=sequential)
         if aliases is None and ALIASES_KEY in metadata:
             aliases = _aliases(metadata[ALIASES_KEY], path)
-        return LazyStateDict(refs, label=label, format=format or "safetensors", aliases=aliases, notes=notes, skipped=skipped, closers=[file.close])
+        return LazyStateDict(
+            refs,
+            label=label,
+            format=format or "safetensors",
+            aliases=aliases,
+            notes=notes,
+            skipped=skipped,
+            closers=[file.close],
+        )
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # a torch.save zip, or a (legacy) pickle
         refs, tied, torch_notes, closers = open_torch(path, sequential=sequential)
-        return LazyStateDict(refs, label=label, format=format or "torch", aliases=tied, notes=(notes or []) + torch_notes, closers=closers)
+        return LazyStateDict(
+            refs,
+            label=label,
+            format=format or "torch",
+            aliases=tied,
+            notes=(notes or []) + torch_notes,
+            closers=closers,
+        )
     raise UnknownFormatError(f"not a checkpoint format ckptlab reads ({EXPECTED})", path=path)
 
 
@@ -74,7 +91,9 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
     index = find_index(path)
     if index is not None:
         refs, aliases, notes, skipped, closers = open_sharded(index, sequential=sequential)
-        return LazyStateDict(refs, label=label, format="hf-sharded", aliases=aliases, notes=notes, skipped=skipped, closers=closers)
+        return LazyStateDict(
+            refs, label=label, format="hf-sharded", aliases=aliases, notes=notes, skipped=skipped, closers=closers
+        )
     if (path / METADATA).is_file():
         refs, notes, skipped, closers = open_dcp(path)
         return LazyStateDict(refs, label=label, format="dcp", notes=notes, skipped=skipped, closers=closers)
@@ -103,7 +122,9 @@ def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: b
         ck.verify()  # IntegrityError if a file no longer matches its recorded sha256
     if ck.sharded:  # FSDP training: a DCP folder of shards
         refs, notes, skipped, closers = open_dcp(ck.model_path)
-        return LazyStateDict(refs, label=f"{run_dir}@{number}", format="ckptlab-run (dcp)", notes=notes, skipped=skipped, closers=closers)
+        return LazyStateDict(
+            refs, label=f"{run_dir}@{number}", format="ckptlab-run (dcp)", notes=notes, skipped=skipped, closers=closers
+        )
     return _open_file(ck.model_path, f"{run_dir}@{number}", sequential=sequential, format="ckptlab-run")
 
 

@@ -35,10 +35,18 @@ DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
-    **{k: getattr(torch, v) for k, v in {
-        "U16": "uint16", "U32": "uint32", "U64": "uint64",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-    }.items() if hasattr(torch, v)},
+    **{
+        k: getattr(torch, v)
+        for k, v in {
+            "U16": "uint16",
+            "U32": "uint32",
+            "U64": "uint64",
+            "F8_E4M3": "float8_e4m3fn",
+            "F8_E5M2": "float8_e5m2",
+            "F8_E8M0": "float8_e8m0fnu",
+        }.items()
+        if hasattr(torch, v)
+    },
 }
 
 
@@ -60,7 +68,9 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict, int]:
             raise CorruptFileError(f"not a safetensors file: only {size} bytes", path=path)
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER:
-            raise CorruptFileError(f"corrupt safetensors header: claims {n} bytes of JSON (limit {MAX_HEADER})", path=path)
+            raise CorruptFileError(
+                f"corrupt safetensors header: claims {n} bytes of JSON (limit {MAX_HEADER})", path=path
+            )
         if 8 + n > size:
             raise CorruptFileError(f"truncated: the header needs {8 + n} bytes, the file has {size}", path=path)
         raw = f.read(n)
@@ -99,11 +109,15 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
             )
         entries.append((begin, end, name, shape, dtype))
     entries.sort(key=lambda x: (x[0], x[1]))
-    for (b0, e0, n0, *_), (b1, e1, n1, *_) in zip(entries, entries[1:]):
+    for (_b0, e0, n0, *_), (b1, _e1, n1, *_) in zip(entries, entries[1:]):
         if b1 < e0:
             raise CorruptFileError(f"corrupt safetensors header: tensors {n0!r} and {n1!r} overlap", path=path)
     file = MappedFile(path, sequential=sequential)
-    refs = {name: FileTensor(file, data_start + begin, shape, dtype) for begin, _, name, shape, dtype in entries if dtype is not None}
+    refs = {
+        name: FileTensor(file, data_start + begin, shape, dtype)
+        for begin, _, name, shape, dtype in entries
+        if dtype is not None
+    }
     return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
 
 

@@ -69,7 +69,11 @@ def stream(jobs: Sequence[Job], *, workers: int | None = None, progress: Callabl
         if job.b is None:
             acc.add(job.a.segment(unit.start, unit.count, scratch[0]))
         else:
-            acc.add(job.a.segment(unit.start, unit.count, scratch[0]), job.b.segment(unit.start, unit.count, scratch[1]), unit.start)
+            acc.add(
+                job.a.segment(unit.start, unit.count, scratch[0]),
+                job.b.segment(unit.start, unit.count, scratch[1]),
+                unit.start,
+            )
         job.a.release(unit.start, unit.count)
         if job.b is not None:
             job.b.release(unit.start, unit.count)
@@ -127,5 +131,8 @@ def _scratch(local: threading.local) -> tuple[torch.Tensor, torch.Tensor]:
     """This thread's two read buffers (used by sequential reads only; allocated on first use)."""
     bufs = getattr(local, "bufs", None)
     if bufs is None:
-        bufs = local.bufs = (torch.empty(SEGMENT_BYTES, dtype=torch.uint8), torch.empty(SEGMENT_BYTES, dtype=torch.uint8))
+        bufs = local.bufs = (
+            torch.empty(SEGMENT_BYTES, dtype=torch.uint8),
+            torch.empty(SEGMENT_BYTES, dtype=torch.uint8),
+        )
     return bufs

@@ -59,8 +59,16 @@ class Terminal:
         if self.quiet or self.json_mode or not self.err.is_terminal:
             yield lambda done=None, total=None, description=None: None
             return
-        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                   TextColumn, TimeElapsedColumn, TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
 
         counts = (DownloadColumn(), TransferSpeedColumn()) if in_bytes else (MofNCompleteColumn(),)
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *counts, TimeElapsedColumn())

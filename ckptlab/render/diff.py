@@ -1,7 +1,7 @@
 """Terminal and image rendering of `ckptlab diff` findings (the JSON is jsonout's, unchanged).
 
-    render(findings, term, hist="blocks.3.mlp.fc.weight", show_all=False)
-    plot(findings, "diff.png", names=[...])
+render(findings, term, hist="blocks.3.mlp.fc.weight", show_all=False)
+plot(findings, "diff.png", names=[...])
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ def render(f: DiffFindings, term, *, hist: str | None = None, show_all: bool = F
     _unmatched(f, term)
     s = f.summary
     rate = f", {s['gb_per_s']:.2f} GB/s" if s.get("gb_per_s") and s["bytes"] >= 1 << 26 else ""
-    term.print(f"[dim]{s['compared']} tensors ({human_bytes(s['bytes'])}) in {s['seconds']:.2f} s{rate}, "
-               f"{s['workers']} thread(s), {s['read']} reads[/dim]")
+    term.print(
+        f"[dim]{s['compared']} tensors ({human_bytes(s['bytes'])}) in {s['seconds']:.2f} s{rate}, "
+        f"{s['workers']} thread(s), {s['read']} reads[/dim]"
+    )
 
 
 def _header(f: DiffFindings, term) -> None:
@@ -50,8 +52,10 @@ def _header(f: DiffFindings, term) -> None:
 def _verdict(f: DiffFindings, term) -> None:
     if f.verdict:
         v = f.verdict
-        term.print(f"[bold red]offending parameter:[/bold red] [bold]{_esc(v.parameter)}[/bold] "
-                   f"(module {_esc(v.module) or '<root>'}): {_esc(v.reason)}")
+        term.print(
+            f"[bold red]offending parameter:[/bold red] [bold]{_esc(v.parameter)}[/bold] "
+            f"(module {_esc(v.module) or '<root>'}): {_esc(v.reason)}"
+        )
         return
     if f.b is None:
         term.print(f"[bold green]healthy:[/bold green] {len(f.ranked)} tensors, none non-finite, extreme or dead")
@@ -89,8 +93,11 @@ def _table(f: DiffFindings, show_all: bool, width: int):
     else:
         cols += ["dtype", "max|w|"] + (["mean", "std", "zeros"] if wide else []) + ["NaN/Inf"]
     for c in cols:
-        t.add_column(c, justify="left" if c in ("tensor", "flags", "dtype", "largest change") else "right",
-                     no_wrap=c in ("tensor", "max|w| A→B", "largest change"))
+        t.add_column(
+            c,
+            justify="left" if c in ("tensor", "flags", "dtype", "largest change") else "right",
+            no_wrap=c in ("tensor", "max|w| A→B", "largest change"),
+        )
     rows = _rows_to_show(f, show_all)
     current = None
     for x in sorted(rows, key=lambda r: r.order):
@@ -99,7 +106,7 @@ def _table(f: DiffFindings, show_all: bool, width: int):
             current = layer
             if layer:
                 t.add_row(f"[bold]{_esc(layer)}[/bold]")
-        label = x.name[len(layer) + 1:] if layer and x.name.startswith(layer + ".") else x.name
+        label = x.name[len(layer) + 1 :] if layer and x.name.startswith(layer + ".") else x.name
         label = ("  " if layer else "") + _esc(label) + (f" [dim](= {_esc(', '.join(x.tied))})[/dim]" if x.tied else "")
         style = TIER_STYLE.get(x.tier, "")
         flags = ",".join(x.flags)
@@ -174,7 +181,9 @@ def _histogram(x: TensorFinding, term, *, pair: bool) -> None:
         if both[i] == 0:  # a run of empty bins (e.g. between a bulk and an exploded tail): one line
             run = int(np.flatnonzero(both[i:])[0])
             if run >= 3:
-                term.print(f"  [dim]{'⋮':>19} {run} empty bins ({_n(bin_range(i)[0]) or 0}..{_n(bin_range(i + run - 1)[1])})[/dim]")
+                term.print(
+                    f"  [dim]{'⋮':>19} {run} empty bins ({_n(bin_range(i)[0]) or 0}..{_n(bin_range(i + run - 1)[1])})[/dim]"
+                )
                 i += run
                 continue
         near, far = bin_range(i)
@@ -202,7 +211,9 @@ def _unmatched(f: DiffFindings, term) -> None:
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             term.print(f"[yellow]{label}:[/yellow] {_esc(shown)}")
     for m in f.mismatched[:8]:
-        term.print(f"[yellow]shape changed, not compared:[/yellow] {_esc(m.name)} {m.shape_a} {m.dtype_a} -> {m.shape_b} {m.dtype_b}")
+        term.print(
+            f"[yellow]shape changed, not compared:[/yellow] {_esc(m.name)} {m.shape_a} {m.dtype_a} -> {m.shape_b} {m.dtype_b}"
+        )
     if len(f.mismatched) > 8:
         term.print(f"[yellow]... {len(f.mismatched) - 8} more shape changes (--json lists all)[/yellow]")
 
@@ -230,7 +241,11 @@ def plot(f: DiffFindings, path, *, names: list[str]) -> None:
                 ax.step(centers, hist, where="mid", label=label, color=color)
         ax.set_yscale("symlog")
         present = np.flatnonzero((x.hist_a + (x.hist_b if x.hist_b is not None else 0)) > 0)
-        lo, hi = (HIST_EDGES[max(present[0] - 4, 0)], HIST_EDGES[min(present[-1] + 5, len(HIST_EDGES) - 1)]) if len(present) else (-1, 1)
+        lo, hi = (
+            (HIST_EDGES[max(present[0] - 4, 0)], HIST_EDGES[min(present[-1] + 5, len(HIST_EDGES) - 1)])
+            if len(present)
+            else (-1, 1)
+        )
         ax.set_xlim(lo, hi)
         ticks = np.arange(math.ceil(lo), math.floor(hi) + 1, 1 if hi - lo <= 12 else 4)  # x is symlog: 1 = a decade
         ax.set_xticks(ticks, [_tick(t) for t in ticks], fontsize=7)

@@ -11,26 +11,53 @@ from ckptlab.render.text import human_bytes
 
 def render(s, term) -> None:
     st = s.steps
-    term.print(f"[bold]{s.run}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
-               f"torch {s.versions.get('torch')}, {s.device})")
+    term.print(
+        f"[bold]{s.run}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
+        f"torch {s.versions.get('torch')}, {s.device})"
+    )
     if st["recorded"]:
-        term.print(f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
-                   + (f"batches kept for {_spans(st['batch_ranges'])}" if st["batch_ranges"] else "no batches kept"))
+        term.print(
+            f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
+            + (f"batches kept for {_spans(st['batch_ranges'])}" if st["batch_ranges"] else "no batches kept")
+        )
     else:
         term.print("steps      none recorded yet")
     if s.world_size > 1:
-        term.print(f"ranks      {s.world_size} ({s.layout}): " + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items()))
+        term.print(
+            f"ranks      {s.world_size} ({s.layout}): "
+            + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items())
+        )
     if st["incomplete"]:
-        term.print(f"[yellow]incomplete[/yellow] step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)")
-    term.print(f"sessions   {len(s.sessions)}: " + ", ".join(f"#{x['session']} from step {x['start_step']}" + (f" (restored {x['restored_from']})" if x.get("restored_from") is not None else "") for x in s.sessions))
+        term.print(
+            f"[yellow]incomplete[/yellow] step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)"
+        )
+    term.print(
+        f"sessions   {len(s.sessions)}: "
+        + ", ".join(
+            f"#{x['session']} from step {x['start_step']}"
+            + (f" (restored {x['restored_from']})" if x.get("restored_from") is not None else "")
+            for x in s.sessions
+        )
+    )
 
     table = Table(title="checkpoints", title_justify="left", show_edge=False)
     for col in ("step", "reason", "size", "integrity", "health", "validation"):
         table.add_column(col)
     for c in s.checkpoints:
-        integrity = "[green]ok[/green]" if c.verified else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {c.problem}")
+        integrity = (
+            "[green]ok[/green]"
+            if c.verified
+            else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {c.problem}")
+        )
         val = ", ".join(f"{k}={v:.4g}" for k, v in (c.validation or {}).items())
-        table.add_row(str(c.step), c.reason, human_bytes(c.bytes), integrity, "healthy" if c.healthy else "[yellow]after anomaly[/yellow]", val)
+        table.add_row(
+            str(c.step),
+            c.reason,
+            human_bytes(c.bytes),
+            integrity,
+            "healthy" if c.healthy else "[yellow]after anomaly[/yellow]",
+            val,
+        )
     term.print(table)
 
     if s.anomalies:
@@ -45,11 +72,24 @@ def render(s, term) -> None:
     v = s.validation
     if v["count"]:
         best = v["best"]
-        term.print(f"validation {v['count']} points" + (f"; best {v['metric']}={best['value']:.6g} at step {best['step']}" if best else ""))
+        term.print(
+            f"validation {v['count']} points"
+            + (f"; best {v['metric']}={best['value']:.6g} at step {best['step']}" if best else "")
+        )
     d = s.disk
-    term.print("disk       " + ", ".join(f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]) + f"; total {human_bytes(d['total'])}")
+    term.print(
+        "disk       "
+        + ", ".join(
+            f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]
+        )
+        + f"; total {human_bytes(d['total'])}"
+    )
     for role, f in s.functions.items():
-        state = "[yellow]source changed since recording[/yellow]" if f["changed"] else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
+        state = (
+            "[yellow]source changed since recording[/yellow]"
+            if f["changed"]
+            else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
+        )
         term.print(f"{role:<10} {f['name']}  ({f['file']}: {state})")
     for p in s.problems:
         if p not in s.damaged[:1]:  # the first damage is the error line `command` ends with

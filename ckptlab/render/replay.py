@@ -29,23 +29,36 @@ def render(r, term) -> None:
     )
     term.print(f"replayed   steps {r.start_checkpoint}..{r.requested_step} from checkpoint {r.start_checkpoint}; {det}")
     if r.root_step is not None:
-        term.print(f"root step  {r.root_step}" + (f" (symptom at {r.requested_step})" if r.root_step != r.requested_step else "")
-                   + f": {', '.join(next((c.anomalies for c in r.steps if c.step == r.root_step), []))}")
+        term.print(
+            f"root step  {r.root_step}"
+            + (f" (symptom at {r.requested_step})" if r.root_step != r.requested_step else "")
+            + f": {', '.join(next((c.anomalies for c in r.steps if c.step == r.root_step), []))}"
+        )
     o = r.origin
     if o.kind != "none":
         where = " ".join(
-            x for x in (
+            x
+            for x in (
                 f"module [bold]{escape(o.module or '<root>')}[/bold]" if o.module is not None else "",
                 f"op [bold]{escape(o.op)}[/bold]" if o.op else "",
                 f"at {escape(o.source)}" if o.source else "",
                 f"parameter [bold]{escape(o.parameter)}[/bold]" if o.parameter else "",
-            ) if x
+            )
+            if x
         )
         term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}) {where}")
         if o.detail:
             term.print(f"           {escape(o.detail)}")
     if r.chain:
-        term.print("op chain   " + " -> ".join(escape(f"{c['module'] or '<root>' if c['module'] is not None else '<step_fn>'}:{c['op'].removeprefix('aten.')}") for c in r.chain))
+        term.print(
+            "op chain   "
+            + " -> ".join(
+                escape(
+                    f"{c['module'] or '<root>' if c['module'] is not None else '<step_fn>'}:{c['op'].removeprefix('aten.')}"
+                )
+                for c in r.chain
+            )
+        )
     if r.samples:
         t = Table(title="blamed rows", title_justify="left", show_edge=False)
         for col in ("row", "sample_id", "loss", "grad norm", "why"):
@@ -57,15 +70,19 @@ def render(r, term) -> None:
         nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
         if len(nonfinite) > 5 and o.kind in ("data", "numeric") and o.phase == "forward":
             # A NaN from the forward pass poisons every gradient: the list says nothing more.
-            term.print(f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
-                       f"e.g. {escape(', '.join(p.name for p in nonfinite[:3]))}")
+            term.print(
+                f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
+                f"e.g. {escape(', '.join(p.name for p in nonfinite[:3]))}"
+            )
         else:
             t = Table(title="parameters", title_justify="left", show_edge=False)
             t.add_column("parameter", no_wrap=True)
             for col in ("grad norm", "typical", "update ratio", "why"):
                 t.add_column(col)
             for p in r.parameters[:8]:
-                t.add_row(escape(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), escape(p.reason))
+                t.add_row(
+                    escape(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), escape(p.reason)
+                )
             if len(r.parameters) > 8:
                 t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
             term.print(t)

@@ -18,14 +18,19 @@ def render(r, run, term) -> None:
         term.print(f"[bold]{r.run}[/bold]: no steps recorded yet")
         return
     term.print(f"[bold]{r.run}[/bold]  steps {st['first']}..{st['last']} ({st['recorded']} recorded)")
-    term.print(f"loss        {sparkline(m.loss)}  {_g(c.first)} -> {_g(c.last)} (best {_g(c.best)} at step {c.best_step})  "
-               f"[bold]{c.kind.replace('_', ' ')}[/bold]" + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else ""))
+    term.print(
+        f"loss        {sparkline(m.loss)}  {_g(c.first)} -> {_g(c.last)} (best {_g(c.best)} at step {c.best_step})  "
+        f"[bold]{c.kind.replace('_', ' ')}[/bold]"
+        + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else "")
+    )
     if r.perplexity:
         p = r.perplexity
         with np.errstate(over="ignore"):
             ppl = np.exp(np.minimum(m.loss, 700))
-        term.print(f"perplexity  {sparkline(ppl)}  {_g(p.first)} -> {_g(p.last)} (best {_g(p.best)} at step {p.best_step})"
-                   + (f"; validation best {_g(p.val_best)}" if p.val_best is not None else ""))
+        term.print(
+            f"perplexity  {sparkline(ppl)}  {_g(p.first)} -> {_g(p.last)} (best {_g(p.best)} at step {p.best_step})"
+            + (f"; validation best {_g(p.val_best)}" if p.val_best is not None else "")
+        )
     val = [(pt["step"], pt["metrics"]) for pt in run.validation()]
     metric = run.manifest.get("config", {}).get("val_metric", "val_loss")
     values = [mm[metric] for _, mm in val if metric in mm]
@@ -34,8 +39,10 @@ def render(r, run, term) -> None:
         term.print(f"{metric:<11} {sparkline(values)}  {len(values)} points, best {_g(best)}")
     g = m.grad_norm
     if np.isfinite(g).any():
-        term.print(f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {_g(float(np.nanmedian(g)))}, "
-                   f"max {_g(float(np.nanmax(g)))} (log scale, before clipping)")
+        term.print(
+            f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {_g(float(np.nanmedian(g)))}, "
+            f"max {_g(float(np.nanmax(g)))} (log scale, before clipping)"
+        )
     term.print("")
     if not r.findings:
         term.print("[green]no findings[/green]")

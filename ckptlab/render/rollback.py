@@ -12,9 +12,19 @@ def render(choice, action: dict, term) -> None:
         table.add_column(col)
     for c in choice.candidates:
         val = ", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-"
-        integrity = "[green]ok[/green]" if c.integrity == "ok" else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{escape(c.integrity)}[/red]")
-        table.add_row("[bold]>[/bold]" if c.chosen else "", str(c.step), c.reason, val,
-                      "healthy" if c.healthy else "[yellow]after anomaly[/yellow]", integrity)
+        integrity = (
+            "[green]ok[/green]"
+            if c.integrity == "ok"
+            else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{escape(c.integrity)}[/red]")
+        )
+        table.add_row(
+            "[bold]>[/bold]" if c.chosen else "",
+            str(c.step),
+            c.reason,
+            val,
+            "healthy" if c.healthy else "[yellow]after anomaly[/yellow]",
+            integrity,
+        )
     term.print(table)
     if choice.first_anomaly:
         term.print(f"first anomaly: {choice.first_anomaly['kind']} at step {choice.first_anomaly['step']}")
@@ -23,7 +33,9 @@ def render(choice, action: dict, term) -> None:
         term.note(note)
     dry = "[dim](dry run: nothing changed)[/dim] " if action.get("dry_run") else ""
     if action["kind"] == "export":
-        term.print(f"{dry}export to {action['to']}" + ("" if action.get("dry_run") else f": {', '.join(action['files'])}"))
+        term.print(
+            f"{dry}export to {action['to']}" + ("" if action.get("dry_run") else f": {', '.join(action['files'])}")
+        )
         if not action.get("dry_run"):
             term.print(f"load it with: {escape(action['load'])}")
     elif action["kind"] == "none":
@@ -31,8 +43,12 @@ def render(choice, action: dict, term) -> None:
     else:
         arch = action["archived_steps"]
         verb = "would move" if action.get("dry_run") else "moved"
-        term.print(f"{dry}rewind: {verb} steps {arch[0]}..{arch[1] if arch else ''} to {action['archive']} "
-                   f"({len(action['checkpoints_moved'])} checkpoint(s), {len(action['segments_moved'])} segment(s) moved, "
-                   f"{len(action['segments_split'])} split)" if arch else f"{dry}rewind to step {choice.step}")
+        term.print(
+            f"{dry}rewind: {verb} steps {arch[0]}..{arch[1] if arch else ''} to {action['archive']} "
+            f"({len(action['checkpoints_moved'])} checkpoint(s), {len(action['segments_moved'])} segment(s) moved, "
+            f"{len(action['segments_split'])} split)"
+            if arch
+            else f"{dry}rewind to step {choice.step}"
+        )
         if not action.get("dry_run"):
             term.print(escape(action["resume"]))

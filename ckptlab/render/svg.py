@@ -14,9 +14,9 @@ visible rather than silently dropped.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import Sequence
 
 import numpy as np
 
@@ -71,9 +71,18 @@ class Frame:
         return self.height - self.bottom - (v - lo) / span * (self.height - self.top - self.bottom)
 
 
-def line_chart(series: list[Series], *, title: str = "", log_y: bool = False, markers: Sequence[Marker] = (),
-               hlines: Sequence[tuple[float, str]] = (), vlines: Sequence[tuple[float, str]] = (),
-               x_label: str = "step", width: int = 760, height: int = 240) -> str:
+def line_chart(
+    series: list[Series],
+    *,
+    title: str = "",
+    log_y: bool = False,
+    markers: Sequence[Marker] = (),
+    hlines: Sequence[tuple[float, str]] = (),
+    vlines: Sequence[tuple[float, str]] = (),
+    x_label: str = "step",
+    width: int = 760,
+    height: int = 240,
+) -> str:
     xs = np.concatenate([np.asarray(s.x, dtype=np.float64) for s in series]) if series else np.zeros(0)
     ys = np.concatenate([np.asarray(s.y, dtype=np.float64) for s in series]) if series else np.zeros(0)
     good = np.isfinite(ys) & ((ys > 0) if log_y else True)
@@ -88,8 +97,10 @@ def line_chart(series: list[Series], *, title: str = "", log_y: bool = False, ma
     parts = [_open(width, height, title), _axes(f, x_label)]
     for value, label in hlines:
         if y0 <= value <= y1:
-            parts.append(f'<line x1="{f.left}" x2="{width - f.right}" y1="{f.py(value):.1f}" y2="{f.py(value):.1f}" '
-                         f'stroke="#999" stroke-dasharray="4 3"><title>{escape(label)}</title></line>')
+            parts.append(
+                f'<line x1="{f.left}" x2="{width - f.right}" y1="{f.py(value):.1f}" y2="{f.py(value):.1f}" '
+                f'stroke="#999" stroke-dasharray="4 3"><title>{escape(label)}</title></line>'
+            )
     for value, label in vlines:
         parts.append(_vline(f, value, label, "#555"))
     for i, s in enumerate(series):
@@ -122,17 +133,25 @@ def _empty(title: str, width: int, height: int, note: str) -> str:
 
 
 def _axes(f: Frame, x_label: str) -> str:
-    out = [f'<rect x="{f.left}" y="{f.top}" width="{f.width - f.left - f.right}" height="{f.height - f.top - f.bottom}" fill="none" stroke="#ccc"/>']
+    out = [
+        f'<rect x="{f.left}" y="{f.top}" width="{f.width - f.left - f.right}" height="{f.height - f.top - f.bottom}" fill="none" stroke="#ccc"/>'
+    ]
     for x in nice_ticks(f.x0, f.x1, 8):
         px = f.px(x)
-        out.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{f.height - f.bottom}" y2="{f.height - f.bottom + 4}" stroke="#888"/>'
-                   f'<text x="{px:.1f}" y="{f.height - f.bottom + 15}" text-anchor="middle">{_num(x)}</text>')
+        out.append(
+            f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{f.height - f.bottom}" y2="{f.height - f.bottom + 4}" stroke="#888"/>'
+            f'<text x="{px:.1f}" y="{f.height - f.bottom + 15}" text-anchor="middle">{_num(x)}</text>'
+        )
     ticks = log_ticks(f.y0, f.y1) if f.log_y else nice_ticks(f.y0, f.y1, 5)
     for y in ticks:
         py = f.py(y)
-        out.append(f'<line x1="{f.left}" x2="{f.width - f.right}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
-                   f'<text x="{f.left - 4}" y="{py + 4:.1f}" text-anchor="end">{_num(y)}</text>')
-    out.append(f'<text x="{f.width - f.right}" y="{f.height - 4}" text-anchor="end" fill="#555">{escape(x_label)}</text>')
+        out.append(
+            f'<line x1="{f.left}" x2="{f.width - f.right}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
+            f'<text x="{f.left - 4}" y="{py + 4:.1f}" text-anchor="end">{_num(y)}</text>'
+        )
+    out.append(
+        f'<text x="{f.width - f.right}" y="{f.height - 4}" text-anchor="end" fill="#555">{escape(x_label)}</text>'
+    )
     return "\n".join(out)
 
 
@@ -151,19 +170,27 @@ def _series(f: Frame, s: Series, color: str) -> str:
         pen = "L"
     dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
     if path and not s.dots:
-        out.append(f'<path d="{" ".join(path)}" fill="none" stroke="{color}" stroke-width="{s.width}" '
-                   f'stroke-opacity="{s.opacity}"{dash}><title>{escape(s.name)}</title></path>')
+        out.append(
+            f'<path d="{" ".join(path)}" fill="none" stroke="{color}" stroke-width="{s.width}" '
+            f'stroke-opacity="{s.opacity}"{dash}><title>{escape(s.name)}</title></path>'
+        )
     if s.dots:
         for xi, yi, good in zip(x, y, ok):
             if good:
-                out.append(f'<circle cx="{f.px(xi):.1f}" cy="{f.py(yi):.1f}" r="3" fill="{color}">'
-                           f'<title>{escape(s.name)} @ {_num(xi)}: {yi:.6g}</title></circle>')
+                out.append(
+                    f'<circle cx="{f.px(xi):.1f}" cy="{f.py(yi):.1f}" r="3" fill="{color}">'
+                    f"<title>{escape(s.name)} @ {_num(xi)}: {yi:.6g}</title></circle>"
+                )
         if path:
-            out.append(f'<path d="{" ".join(path)}" fill="none" stroke="{color}" stroke-width="1" stroke-opacity="0.6"/>')
+            out.append(
+                f'<path d="{" ".join(path)}" fill="none" stroke="{color}" stroke-width="1" stroke-opacity="0.6"/>'
+            )
     for xi, yi in zip(x[~np.isfinite(y)], y[~np.isfinite(y)]):  # NaN/Inf: a red triangle on top
         px = f.px(xi)
-        out.append(f'<path d="M{px - 4:.1f},{f.top + 1} L{px + 4:.1f},{f.top + 1} L{px:.1f},{f.top + 8}" fill="{BAD}">'
-                   f'<title>{escape(s.name)} @ {_num(xi)}: {yi}</title></path>')
+        out.append(
+            f'<path d="M{px - 4:.1f},{f.top + 1} L{px + 4:.1f},{f.top + 1} L{px:.1f},{f.top + 8}" fill="{BAD}">'
+            f"<title>{escape(s.name)} @ {_num(xi)}: {yi}</title></path>"
+        )
     return "\n".join(out)
 
 
@@ -188,15 +215,19 @@ def _bucket(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _vline(f: Frame, x: float, label: str, color: str) -> str:
     px = f.px(x)
-    return (f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{f.top}" y2="{f.height - f.bottom}" stroke="{color}" stroke-dasharray="3 3">'
-            f'<title>{escape(label)}</title></line><text x="{px + 3:.1f}" y="{f.top + 11}" fill="{color}">{escape(label)}</text>')
+    return (
+        f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{f.top}" y2="{f.height - f.bottom}" stroke="{color}" stroke-dasharray="3 3">'
+        f'<title>{escape(label)}</title></line><text x="{px + 3:.1f}" y="{f.top + 11}" fill="{color}">{escape(label)}</text>'
+    )
 
 
 def _marker(f: Frame, mk: Marker) -> str:
     px = f.px(mk.x)
-    return (f'<g><line x1="{px:.1f}" x2="{px:.1f}" y1="{f.top}" y2="{f.height - f.bottom}" stroke="{mk.color}" stroke-opacity="0.35"/>'
-            f'<circle cx="{px:.1f}" cy="{f.height - f.bottom}" r="4" fill="{mk.color}"/>'
-            f'<title>{escape(mk.label)} at step {_num(mk.x)}</title></g>')
+    return (
+        f'<g><line x1="{px:.1f}" x2="{px:.1f}" y1="{f.top}" y2="{f.height - f.bottom}" stroke="{mk.color}" stroke-opacity="0.35"/>'
+        f'<circle cx="{px:.1f}" cy="{f.height - f.bottom}" r="4" fill="{mk.color}"/>'
+        f"<title>{escape(mk.label)} at step {_num(mk.x)}</title></g>"
+    )
 
 
 def _legend(series: list[Series], width: int) -> str:
@@ -205,15 +236,28 @@ def _legend(series: list[Series], width: int) -> str:
         color = s.color or PALETTE[i % len(PALETTE)]
         label = escape(s.name)
         x -= 14 + 6.5 * len(s.name) + (12 if i < len(series) - 1 else 0)
-        out.append(f'<rect x="{x:.0f}" y="8" width="10" height="10" fill="{color}"/><text x="{x + 13:.0f}" y="17">{label}</text>')
+        out.append(
+            f'<rect x="{x:.0f}" y="8" width="10" height="10" fill="{color}"/><text x="{x + 13:.0f}" y="17">{label}</text>'
+        )
     return "\n".join(out)
 
 
 # --- heat map -----------------------------------------------------------------------------------------
 
-def heatmap(matrix: np.ndarray, *, row_labels: Sequence[str], col_values: Sequence[float], lo: float, hi: float,
-            title: str = "", band: tuple[float, float] | None = None, value_name: str = "value",
-            max_cols: int = 160, width: int = 760) -> str:
+
+def heatmap(
+    matrix: np.ndarray,
+    *,
+    row_labels: Sequence[str],
+    col_values: Sequence[float],
+    lo: float,
+    hi: float,
+    title: str = "",
+    band: tuple[float, float] | None = None,
+    value_name: str = "value",
+    max_cols: int = 160,
+    width: int = 760,
+) -> str:
     """Rows x columns of values coloured by log10 between 10**lo and 10**hi. Exact zeros
     are black (e.g. a frozen layer's update ratio), NaN light grey, non-finite red."""
     m = np.asarray(matrix, dtype=np.float64)
@@ -237,8 +281,10 @@ def heatmap(matrix: np.ndarray, *, row_labels: Sequence[str], col_values: Sequen
         out.append(f'<text x="{label_w - 4:.0f}" y="{y + 11}" text-anchor="end">{escape(label)}</text>')
         for j in range(m.shape[1]):
             v = m[i, j]
-            out.append(f'<rect x="{label_w + j * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" height="{cell_h - 1}" fill="{_heat(v, lo, hi)}">'
-                       f'<title>{escape(label)} @ {_num(cols[j])}: {value_name} {v:.3g}</title></rect>')
+            out.append(
+                f'<rect x="{label_w + j * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" height="{cell_h - 1}" fill="{_heat(v, lo, hi)}">'
+                f"<title>{escape(label)} @ {_num(cols[j])}: {value_name} {v:.3g}</title></rect>"
+            )
     y = top + m.shape[0] * cell_h + 6
     out.append(_color_bar(label_w, y, plot_w, lo, hi, band))
     out.append("</svg>")
@@ -265,8 +311,18 @@ def _heat(v: float, lo: float, hi: float) -> str:
     return viridis(min(1.0, max(0.0, t)))
 
 
-_VIRIDIS = [(68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142), (31, 158, 137),
-            (53, 183, 121), (109, 205, 89), (180, 222, 44), (253, 231, 37)]
+_VIRIDIS = [
+    (68, 1, 84),
+    (72, 40, 120),
+    (62, 74, 137),
+    (49, 104, 142),
+    (38, 130, 142),
+    (31, 158, 137),
+    (53, 183, 121),
+    (109, 205, 89),
+    (180, 222, 44),
+    (253, 231, 37),
+]
 
 
 def viridis(t: float) -> str:
@@ -278,24 +334,32 @@ def viridis(t: float) -> str:
 
 def _color_bar(x: float, y: float, w: float, lo: float, hi: float, band) -> str:
     steps = 40
-    out = [f'<rect x="{x + k * w / steps:.2f}" y="{y}" width="{w / steps + 0.3:.2f}" height="10" fill="{viridis(k / (steps - 1))}"/>'
-           for k in range(steps)]
+    out = [
+        f'<rect x="{x + k * w / steps:.2f}" y="{y}" width="{w / steps + 0.3:.2f}" height="10" fill="{viridis(k / (steps - 1))}"/>'
+        for k in range(steps)
+    ]
     for e in range(math.ceil(lo), math.floor(hi) + 1):
         px = x + (e - lo) / (hi - lo) * w
         out.append(f'<text x="{px:.1f}" y="{y + 22}" text-anchor="middle">1e{e}</text>')
     if band:
         a, b = (x + (math.log10(v) - lo) / (hi - lo) * w for v in band)
-        out.append(f'<rect x="{a:.1f}" y="{y - 2}" width="{b - a:.1f}" height="14" fill="none" stroke="#000" stroke-width="1.5">'
-                   f'<title>healthy band {band[0]:g}..{band[1]:g}</title></rect>'
-                   f'<text x="{(a + b) / 2:.1f}" y="{y + 34}" text-anchor="middle">healthy band</text>')
-    out.append(f'<rect x="{x - 62}" y="{y}" width="10" height="10" fill="#000"/><text x="{x - 48}" y="{y + 9}">0</text>')
+        out.append(
+            f'<rect x="{a:.1f}" y="{y - 2}" width="{b - a:.1f}" height="14" fill="none" stroke="#000" stroke-width="1.5">'
+            f"<title>healthy band {band[0]:g}..{band[1]:g}</title></rect>"
+            f'<text x="{(a + b) / 2:.1f}" y="{y + 34}" text-anchor="middle">healthy band</text>'
+        )
+    out.append(
+        f'<rect x="{x - 62}" y="{y}" width="10" height="10" fill="#000"/><text x="{x - 48}" y="{y + 9}">0</text>'
+    )
     return "\n".join(out)
 
 
 # --- histograms -----------------------------------------------------------------------------------------
 
-def histogram_lines(hists: list[tuple[str, np.ndarray]], edges: np.ndarray, *, title: str = "",
-                    width: int = 370, height: int = 150) -> str:
+
+def histogram_lines(
+    hists: list[tuple[str, np.ndarray]], edges: np.ndarray, *, title: str = "", width: int = 370, height: int = 150
+) -> str:
     """One line per histogram (same bins), light to dark in order: how a distribution moved.
     Bins are trimmed to the range any histogram uses."""
     counts = np.array([h for _, h in hists], dtype=np.float64)
@@ -304,23 +368,40 @@ def histogram_lines(hists: list[tuple[str, np.ndarray]], edges: np.ndarray, *, t
     used = np.flatnonzero(counts.sum(0) > 0)
     a, b = max(0, used[0] - 1), min(counts.shape[1], used[-1] + 2)
     frac = counts[:, a:b] / np.maximum(counts[:, a:b].sum(1, keepdims=True), 1)
-    centers = (edges[a:b] + edges[a + 1:b + 1]) / 2
-    f = Frame(float(centers[0]), float(centers[-1]), 0.0, float(frac.max()) * 1.08 or 1.0, False,
-              left=36, right=8, top=22, bottom=30, width=width, height=height)
+    centers = (edges[a:b] + edges[a + 1 : b + 1]) / 2
+    f = Frame(
+        float(centers[0]),
+        float(centers[-1]),
+        0.0,
+        float(frac.max()) * 1.08 or 1.0,
+        False,
+        left=36,
+        right=8,
+        top=22,
+        bottom=30,
+        width=width,
+        height=height,
+    )
     out = [_open(width, height, title)]
-    out.append(f'<rect x="{f.left}" y="{f.top}" width="{width - f.left - f.right}" height="{height - f.top - f.bottom}" fill="none" stroke="#ccc"/>')
+    out.append(
+        f'<rect x="{f.left}" y="{f.top}" width="{width - f.left - f.right}" height="{height - f.top - f.bottom}" fill="none" stroke="#ccc"/>'
+    )
     every = max(1, math.ceil((centers[-1] - centers[0]) / 7))  # whole decades
     for x in range(math.ceil(centers[0]), math.floor(centers[-1]) + 1):
         if x % every:
             continue
-        out.append(f'<text x="{f.px(x):.1f}" y="{height - f.bottom + 13}" text-anchor="middle">{symlog_label(x)}</text>')
+        out.append(
+            f'<text x="{f.px(x):.1f}" y="{height - f.bottom + 13}" text-anchor="middle">{symlog_label(x)}</text>'
+        )
     shades = len(hists)
     for k, ((label, _), row) in enumerate(zip(hists, frac)):
         shade = 0.25 + 0.75 * (k + 1) / shades
         color = f"rgba(31,119,180,{shade:.2f})" if k < shades - 1 else "#08306b"
         pts = " ".join(f"{f.px(c):.1f},{f.py(v):.1f}" for c, v in zip(centers, row))
-        out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="{1.8 if k == shades - 1 else 1.1}">'
-                   f'<title>{escape(label)}</title></polyline>')
+        out.append(
+            f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="{1.8 if k == shades - 1 else 1.1}">'
+            f"<title>{escape(label)}</title></polyline>"
+        )
     out.append(f'<text x="{width - 8}" y="{height - 4}" text-anchor="end" fill="#555">value (signed log scale)</text>')
     out.append("</svg>")
     return "\n".join(out)
@@ -336,6 +417,7 @@ def symlog_label(v: float) -> str:
 
 # --- ticks and numbers -------------------------------------------------------------------------------
 
+
 def nice_ticks(lo: float, hi: float, n: int) -> list[float]:
     if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
         return [lo] if math.isfinite(lo) else []
@@ -349,7 +431,7 @@ def nice_ticks(lo: float, hi: float, n: int) -> list[float]:
 def log_ticks(lo: float, hi: float) -> list[float]:
     a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     every = max(1, (b - a) // 6)
-    return [10.0 ** e for e in range(a, b + 1, every) if lo <= 10.0 ** e <= hi]
+    return [10.0**e for e in range(a, b + 1, every) if lo <= 10.0**e <= hi]
 
 
 def _num(v: float) -> str:

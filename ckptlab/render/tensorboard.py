@@ -20,17 +20,17 @@ Rendering only: numbers come from the run reader (and `gradients`); nothing is a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ckptlab.errors import CkptlabError
-from ckptlab.run.records import NO_GRAD
-from ckptlab.run.reader import Run
 from ckptlab.io.base import expand_aliases
+from ckptlab.run.reader import Run
+from ckptlab.run.records import NO_GRAD
 
 # Per-parameter scalars multiply the tag count by the parameter count; past this many
 # parameters only the global curves and the histograms are written (TensorBoard's UI lists
@@ -54,12 +54,18 @@ def summary_writer(logdir: str | os.PathLike):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise CkptlabError("exporting to TensorBoard needs the tensorboard package",
-                           hint="pip install 'ckptlab[tensorboard]'") from None
+        raise CkptlabError(
+            "exporting to TensorBoard needs the tensorboard package", hint="pip install 'ckptlab[tensorboard]'"
+        ) from None
     logdir = Path(logdir)
-    if logdir.exists() and (not logdir.is_dir() or any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())):
-        raise CkptlabError("already holds TensorBoard event files; refusing to mix two exports", path=logdir,
-                           hint="choose a new folder, e.g. tb/<run name>")
+    if logdir.exists() and (
+        not logdir.is_dir() or any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())
+    ):
+        raise CkptlabError(
+            "already holds TensorBoard event files; refusing to mix two exports",
+            path=logdir,
+            hint="choose a new folder, e.g. tb/<run name>",
+        )
     return SummaryWriter(log_dir=str(logdir))
 
 
@@ -95,8 +101,10 @@ def _steps(writer, run: Run, out: ExportSummary) -> None:
     groups = m.lr.shape[1] if m.lr.ndim == 2 else 0
     for i, step in enumerate(m.step.tolist()):
         scalars = {
-            "train/loss": m.loss[i], "train/grad_norm": m.grad_norm[i],
-            "train/step_time": m.step_time[i], "train/nonfinite_grads": m.nonfinite_grads[i],
+            "train/loss": m.loss[i],
+            "train/grad_norm": m.grad_norm[i],
+            "train/step_time": m.step_time[i],
+            "train/nonfinite_grads": m.nonfinite_grads[i],
         }
         for g in range(groups):
             scalars["train/lr" if groups == 1 else f"train/lr/group{g}"] = m.lr[i, g]
@@ -128,7 +136,9 @@ def _events(writer, run: Run) -> None:
     for e in run.events():
         by_step.setdefault(int(e["step"]), []).append(str(e["kind"]))
     for step, kinds in by_step.items():
-        writer.add_text("anomalies", f"step {step}: " + ", ".join(kinds) + f" -- `ckptlab replay --step {step}`", global_step=step)
+        writer.add_text(
+            "anomalies", f"step {step}: " + ", ".join(kinds) + f" -- `ckptlab replay --step {step}`", global_step=step
+        )
 
 
 def _checkpoint(writer, run: Run, step: int, gradients, out: ExportSummary) -> None:

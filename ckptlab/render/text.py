@@ -22,8 +22,17 @@ def sparkline(values, width: int = 40) -> str:
         return ""
     if len(vals) > width:  # bucket by max, so spikes stay visible
         step = len(vals) / width
-        vals = [max(vals[int(i * step): max(int((i + 1) * step), int(i * step) + 1)], key=lambda v: v if math.isfinite(v) else math.inf) for i in range(width)]
+        vals = [
+            max(
+                vals[int(i * step) : max(int((i + 1) * step), int(i * step) + 1)],
+                key=lambda v: v if math.isfinite(v) else math.inf,
+            )
+            for i in range(width)
+        ]
     finite = [v for v in vals if math.isfinite(v)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     span = hi - lo or 1.0
-    return "".join("!" if not math.isfinite(v) else _BARS[min(len(_BARS) - 1, int((v - lo) / span * (len(_BARS) - 1) + 0.5))] for v in vals)
+    return "".join(
+        "!" if not math.isfinite(v) else _BARS[min(len(_BARS) - 1, int((v - lo) / span * (len(_BARS) - 1) + 0.5))]
+        for v in vals
+    )

@@ -29,8 +29,8 @@ the step that starts at a checkpoint (for `ckptlab export`) come from gradients.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
@@ -84,8 +84,14 @@ def replay(
     try:
         if run.world_size > 1 and rank is None:
             return replay_distributed(
-                run, step, device=device, from_step=from_step, trace=trace,
-                counterfactuals=counterfactuals, log=log, nproc=nproc,
+                run,
+                step,
+                device=device,
+                from_step=from_step,
+                trace=trace,
+                counterfactuals=counterfactuals,
+                log=log,
+                nproc=nproc,
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)

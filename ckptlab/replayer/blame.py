@@ -17,16 +17,16 @@ import time
 import numpy as np
 import torch
 
-from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
+from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
+from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.replayer.trace import OpEvent, Tracer
+from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.probe import StepHealth
-from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
-from ckptlab.run.reader import Run
 from ckptlab.training.state import restore_snapshot
-from ckptlab.replayer.trace import OpEvent, Tracer
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
 # for the same field (median over the retained batches).
@@ -53,7 +53,14 @@ class Blame:
         self.replayer.close(self.trainee)
 
     def fresh(self) -> None:
-        restore_snapshot(self.snap, self.trainee.model, self.trainee.optimizer, self.trainee.scheduler, self.trainee.scaler, rank=self.replayer.rank)
+        restore_snapshot(
+            self.snap,
+            self.trainee.model,
+            self.trainee.optimizer,
+            self.trainee.scheduler,
+            self.trainee.scaler,
+            rank=self.replayer.rank,
+        )
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()
@@ -74,7 +81,9 @@ class Blame:
             tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows)
             traced = self.step(tracer=tracer)
             if not same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
-                rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
+                rep.notes.append(
+                    "the traced step's loss differs from the plain replay (tracing changed the kernels used)"
+                )
             rep.chain = [_event_json(e) for e in tracer.chain()]
             self.inv.timing["trace_s"] = time.perf_counter() - t0
         base = self.base = self.step()  # the root step as replayed, for parameter blame
@@ -100,14 +109,23 @@ class Blame:
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
         typical = _typical_row_absmax(self.inv.run, self.root)
         for path, leaf in python_leaves(self.rec.batch):
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != self.rows or leaf.dtype == torch.bool:
+            if (
+                not isinstance(leaf, torch.Tensor)
+                or leaf.dim() == 0
+                or leaf.shape[0] != self.rows
+                or leaf.dtype == torch.bool
+            ):
                 continue
             flat = leaf.detach().reshape(self.rows, -1)
             if not flat.is_floating_point():
                 for row in range(self.rows):
                     if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
-                    if vocab is not None and flat.shape[1] and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0):
+                    if (
+                        vocab is not None
+                        and flat.shape[1]
+                        and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0)
+                    ):
                         found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
                 continue
             flat = flat.float()
@@ -140,7 +158,11 @@ class Blame:
         m = self.inv.metrics
         names = m.param_names
         hist = m.window(max(0, self.root - 128), self.root - 1)
-        typical = np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0) if hist.stop > hist.start else np.full(len(names), np.nan)
+        typical = (
+            np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0)
+            if hist.stop > hist.start
+            else np.full(len(names), np.nan)
+        )
         out = []
         for i, name in enumerate(names):
             g = float(h.param_grad_norm[i])
@@ -161,12 +183,24 @@ class Blame:
                 pass  # a zero-initialized tensor's first move: not an explosion
             if reasons:
                 out.append(ParameterBlame(name, "; ".join(reasons), g if g != NO_GRAD else None, typ, nf, ratio, w))
-        out.sort(key=lambda p: (-p.nonfinite_grad, -(p.grad_norm / p.typical_grad_norm if p.grad_norm and p.typical_grad_norm and math.isfinite(p.grad_norm) else (math.inf if p.grad_norm is not None and not math.isfinite(p.grad_norm) else 0)), -(p.update_ratio or 0)))
+        out.sort(
+            key=lambda p: (
+                -p.nonfinite_grad,
+                -(
+                    p.grad_norm / p.typical_grad_norm
+                    if p.grad_norm and p.typical_grad_norm and math.isfinite(p.grad_norm)
+                    else (math.inf if p.grad_norm is not None and not math.isfinite(p.grad_norm) else 0)
+                ),
+                -(p.update_ratio or 0),
+            )
+        )
         return out
 
     # the origin ----------------------------------------------------------------------------------------
 
-    def origin(self, tracer: Tracer | None, h: StepHealth, data_rows: dict[str, dict[int, str]], rows: dict[int, StepHealth]):
+    def origin(
+        self, tracer: Tracer | None, h: StepHealth, data_rows: dict[str, dict[int, str]], rows: dict[int, StepHealth]
+    ):
         samples: dict[int, SampleBlame] = {}
 
         def blame(row: int, reason: str) -> None:
@@ -183,8 +217,19 @@ class Blame:
         if nonfinite_in_batch:
             for r, why in nonfinite_in_batch.items():
                 blame(r, why)
-            enters = next((e for e in (tracer.events if tracer else []) if e.phase == "forward" and any(not s.finite for s in e.inputs)), None)
-            where = f"; it enters the model at `{enters.module or '<root>'}` ({enters.op})" if enters is not None and enters.module is not None else ""
+            enters = next(
+                (
+                    e
+                    for e in (tracer.events if tracer else [])
+                    if e.phase == "forward" and any(not s.finite for s in e.inputs)
+                ),
+                None,
+            )
+            where = (
+                f"; it enters the model at `{enters.module or '<root>'}` ({enters.op})"
+                if enters is not None and enters.module is not None
+                else ""
+            )
             o = Origin("data", "forward", None, None, None, None, detail="the batch carries non-finite values" + where)
         elif ev is not None:
             for r, n in sorted((ev.bad_rows or {}).items(), key=lambda kv: -kv[1]):
@@ -217,13 +262,34 @@ class Blame:
             for r, ratio in dominant.items():
                 blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
             if absurd or dominant:
-                o = Origin("data", "backward", None, None, param, None,
-                           detail="an absurd value in the batch makes the gradients explode" if absurd else "one row dominates the update")
+                o = Origin(
+                    "data",
+                    "backward",
+                    None,
+                    None,
+                    param,
+                    None,
+                    detail="an absurd value in the batch makes the gradients explode"
+                    if absurd
+                    else "one row dominates the update",
+                )
             elif lr_jump is not None or "update_explosion" in self.fault(h):
-                detail = f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value" if lr_jump else "the update exploded without a gradient explosion"
+                detail = (
+                    f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value"
+                    if lr_jump
+                    else "the update exploded without a gradient explosion"
+                )
                 o = Origin("optimizer", "optimizer", None, None, param, None, detail=detail)
             elif self.report.parameters:
-                o = Origin("numeric", "backward", None, None, param, None, detail="gradients exploded with no single row to blame")
+                o = Origin(
+                    "numeric",
+                    "backward",
+                    None,
+                    None,
+                    param,
+                    None,
+                    detail="gradients exploded with no single row to blame",
+                )
             else:
                 o = Origin("none", None, None, None, None, None)
         for category in ("empty", "out_of_range"):
@@ -233,7 +299,18 @@ class Blame:
         for r, row_h in rows.items():
             if r in samples:
                 samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
-        ranked = sorted(samples.values(), key=lambda s: (-(s.grad_norm if s.grad_norm is not None and math.isfinite(s.grad_norm) else math.inf if s.grad_norm is not None else 0)))
+        ranked = sorted(
+            samples.values(),
+            key=lambda s: (
+                -(
+                    s.grad_norm
+                    if s.grad_norm is not None and math.isfinite(s.grad_norm)
+                    else math.inf
+                    if s.grad_norm is not None
+                    else 0
+                )
+            ),
+        )
         return o, ranked
 
     # counterfactuals ------------------------------------------------------------------------------------
@@ -250,11 +327,18 @@ class Blame:
                     Counterfactual(
                         f"does step {self.root} still fail without the blamed rows ({ids})?",
                         bool(found),
-                        f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}" + (f" -> still {', '.join(found)}" if found else " -> the fault vanishes"),
+                        f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                        + (f" -> still {', '.join(found)}" if found else " -> the fault vanishes"),
                     )
                 )
             else:
-                out.append(Counterfactual(f"does step {self.root} still fail without the blamed rows?", None, "every row is blamed; nothing left to run"))
+                out.append(
+                    Counterfactual(
+                        f"does step {self.root} still fail without the blamed rows?",
+                        None,
+                        "every row is blamed; nothing left to run",
+                    )
+                )
         lr = _lr_jump(self.inv.metrics, self.root, self.base) if self.report.origin.kind == "optimizer" else None
         if lr is not None:
             typical = lr[1] / lr[0]
@@ -286,14 +370,18 @@ class Blame:
                     f"does the same batch fail from the older model state at step {c}?",
                     bool(found),
                     f"from checkpoint {c}: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
-                    + (" -> fails too: the data alone triggers it" if found else " -> no fault: it needs this model state as well as this data"),
+                    + (
+                        " -> fails too: the data alone triggers it"
+                        if found
+                        else " -> no fault: it needs this model state as well as this data"
+                    ),
                 )
             )
         return out
 
 
-
 # --- rows -----------------------------------------------------------------------------------------
+
 
 def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str, float]:
     """Median per-row max |value| per float field, over retained batches near `step`."""

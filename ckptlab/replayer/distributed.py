@@ -40,7 +40,10 @@ def replay_distributed(run: Run, step: int, *, device, from_step, trace, counter
     for r in range(1, world):
         missing = sorted(set(range(k, step + 1)) - set(run.steps_of(r)))
         if missing:
-            raise ReplayError(f"rank {r} has no batches for steps {missing[0]}..{missing[-1]} (a rank that died early?)", path=run.path)
+            raise ReplayError(
+                f"rank {r} has no batches for steps {missing[0]}..{missing[-1]} (a rank that died early?)",
+                path=run.path,
+            )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
         result, snapshot = _replay_on_ranks(run, step, plan, Path(tmp), device, log)
@@ -87,7 +90,9 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log) -> tuple
     return result, snapshot
 
 
-def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, step: int, k: int, snap_from: int, out: str, device) -> None:
+def _rank_worker(
+    rank: int, world: int, port: int, backend: str, run_path: str, step: int, k: int, snap_from: int, out: str, device
+) -> None:
     """One rank of a distributed replay (a spawned process)."""
     import dataclasses
     import json
@@ -95,7 +100,9 @@ def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, 
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     if backend == "nccl":
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -115,7 +122,12 @@ def _rank_worker(rank: int, world: int, port: int, backend: str, run_path: str, 
             # The state the root step started in, with the faulty rank's RNG streams.
             commit_checkpoint(Path(out) / "snapshot", window.root_state)
         if rank == 0:
-            doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": inv.replayer.notes}
+            doc = {
+                "checks": [dataclasses.asdict(c) for c in checks],
+                "root": root,
+                "rank": faulty,
+                "notes": inv.replayer.notes,
+            }
             (Path(out) / "result.json").write_text(json.dumps(doc))
         dist.barrier()
     finally:

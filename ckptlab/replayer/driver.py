@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -47,7 +47,9 @@ class Replayer:
                 hint="pass --device cpu (a CPU replay of a GPU run is not bit-exact)",
             )
         if self.device.type != torch.device(recorded_device).type:
-            self.notes.append(f"recorded on {recorded_device}, replaying on {self.device}: losses will not match bit for bit")
+            self.notes.append(
+                f"recorded on {recorded_device}, replaying on {self.device}: losses will not match bit for bit"
+            )
         fns = manifest.get("functions", {})
         if "build_fn" not in fns or "step_fn" not in fns:
             raise ReplayError("the manifest does not name build_fn/step_fn", path=run.path)
@@ -108,11 +110,8 @@ class Replayer:
         `measure_update` costs a copy of the parameters (for update ratios, weight norms)."""
         if rec.rng is not None:
             restore_rng(rec.rng)
-        around = contextlib.ExitStack()
-        around.enter_context(user_output())
-        if tracer is not None:
-            around.enter_context(tracer)
-        _, health = t.run_step(self.step_fn, rec.batch if batch is None else batch, measure_update=measure_update, around=around)
+        batch = rec.batch if batch is None else batch
+        _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
         return health
 
     def snapshot(self, t: Trainee, step: int):
@@ -124,6 +123,14 @@ class Replayer:
 
     def close(self, t: Trainee) -> None:
         t.close()
+
+
+@contextlib.contextmanager
+def _around_step(tracer):
+    """What surrounds `step_fn` in a replayed step: the user's prints to stderr, and the tracer,
+    entered only once the probe has begun the step (none of the probe's own ops is traced)."""
+    with user_output(), tracer if tracer is not None else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager

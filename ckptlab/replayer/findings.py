@@ -14,6 +14,7 @@ from ckptlab.jsonable import plain
 # The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
 STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
 
+
 @dataclass
 class StepCheck:
     step: int
@@ -114,7 +115,11 @@ def verdict(r: ReplayReport) -> str:
         )
     o = r.origin
     root = r.root_step
-    lead = f"Step {root}" + (f" on rank {r.rank}" if r.rank is not None else "") + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
+    lead = (
+        f"Step {root}"
+        + (f" on rank {r.rank}" if r.rank is not None else "")
+        + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
+    )
     who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
     more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
     at = ""
@@ -127,9 +132,12 @@ def verdict(r: ReplayReport) -> str:
     elif o.kind == "data":
         why = r.samples[0].reason if r.samples else ""
         what = "carries an absurd value" if "typical" in why else "dominates the update"
-        s = (f"{lead}: {who}{more} {what} ({why.split(';')[0]}), so the gradients explode"
-             + (f" (worst: `{o.parameter}`)" if o.parameter else "")
-             + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "") + ".")
+        s = (
+            f"{lead}: {who}{more} {what} ({why.split(';')[0]}), so the gradients explode"
+            + (f" (worst: `{o.parameter}`)" if o.parameter else "")
+            + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "")
+            + "."
+        )
     elif o.kind == "numeric" and o.op is not None:
         inputs = "finite inputs" if o.inputs_finite else "NaN-free inputs"
         first_reason = r.samples[0].reason.split("; ")[0] if r.samples else ""
@@ -141,9 +149,17 @@ def verdict(r: ReplayReport) -> str:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {o.produced} from {inputs}{rows}."
     elif o.kind == "optimizer":
-        s = f"{lead}: the optimizer update blew the weights up ({o.detail})" + (f", worst in `{o.parameter}`" if o.parameter else "") + "; no sample is to blame."
+        s = (
+            f"{lead}: the optimizer update blew the weights up ({o.detail})"
+            + (f", worst in `{o.parameter}`" if o.parameter else "")
+            + "; no sample is to blame."
+        )
     elif o.kind == "numeric":
-        s = f"{lead}: gradients exploded" + (f" (worst: `{o.parameter}`)" if o.parameter else "") + " with no single sample to blame."
+        s = (
+            f"{lead}: gradients exploded"
+            + (f" (worst: `{o.parameter}`)" if o.parameter else "")
+            + " with no single sample to blame."
+        )
     else:
         s = f"{lead}: the fault reproduced but no cause was found."
     if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:

@@ -12,11 +12,13 @@ build_fn/step_fn, like `ckptlab replay`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ckptlab.training.probe import named_parameters
 from ckptlab.replayer.driver import Replayer
 from ckptlab.run.reader import Run
+from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import apply_env, capture_env
 
 
@@ -31,7 +33,7 @@ def checkpoint_gradients(run: Run, step: int, *, replayer: Replayer | None = Non
         r.load_checkpoint(t, step)
         for name, p in named_parameters(t.model):
             if p.requires_grad:
-                keep = (lambda name: lambda p: grads.__setitem__(name, p.grad.detach().to("cpu", copy=True)))(name)
+                keep = functools.partial(_keep_grad, grads, name)
                 handles.append(p.register_post_accumulate_grad_hook(keep))
         r.run_step(t, r.batch(step), measure_update=False)
     finally:
@@ -40,3 +42,7 @@ def checkpoint_gradients(run: Run, step: int, *, replayer: Replayer | None = Non
         r.close(t)
         apply_env(saved)
     return grads
+
+
+def _keep_grad(grads: dict[str, torch.Tensor], name: str, p: torch.Tensor) -> None:
+    grads[name] = p.grad.detach().to("cpu", copy=True)

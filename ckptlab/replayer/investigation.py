@@ -16,8 +16,9 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
@@ -79,7 +80,9 @@ class Investigation:
         run = self.run
         if self.from_step is not None:
             if self.from_step not in run.checkpoints:
-                raise ReplayError(f"--from-step {self.from_step} is not a checkpoint (checkpoints: {run.checkpoints})", path=run.path)
+                raise ReplayError(
+                    f"--from-step {self.from_step} is not a checkpoint (checkpoints: {run.checkpoints})", path=run.path
+                )
             if self.from_step > self.step:
                 raise ReplayError(f"--from-step {self.from_step} is after step {self.step}", path=run.path)
             return self.from_step
@@ -93,7 +96,9 @@ class Investigation:
                     f"step {self.step} is before the first retained checkpoint ({first}); nothing to start from",
                     path=run.path,
                 )
-            raise ReplayError(f"no checkpoint to replay step {self.step} from (checkpoints: {run.checkpoints})", path=run.path)
+            raise ReplayError(
+                f"no checkpoint to replay step {self.step} from (checkpoints: {run.checkpoints})", path=run.path
+            )
         k = candidates[-1]
         missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
         if missing:
@@ -163,7 +168,9 @@ class Investigation:
         rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
         if h.rank_loss is not None:
             match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
-        return StepCheck(s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm)
+        return StepCheck(
+            s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm
+        )
 
     def state_before(self, k: int, root: int):
         """A snapshot of the state in which `root` starts, by replaying k..root-1 again."""
@@ -200,13 +207,17 @@ class Investigation:
         # The root at the very first replayed step may have begun earlier: look from further back.
         earlier = [c for c in self.run.checkpoints if c < k and set(range(c, k)) <= set(self.run.steps)]
         if window.root == k and earlier and self.from_step is None:
-            self.log(f"the fault shows at the first replayed step {k}; replaying from checkpoint {earlier[-1]} to look further back")
+            self.log(
+                f"the fault shows at the first replayed step {k}; replaying from checkpoint {earlier[-1]} to look further back"
+            )
             k = earlier[-1]
             window = self.replay_window(k, snap_from=max(k, plan.episode - 2))
         self.timing["replay_s"] = time.perf_counter() - t0
         return self.report(plan, self.with_root_state(window), trace=trace, counterfactuals=counterfactuals)
 
-    def report(self, plan: Plan, window: Window, *, trace: bool, counterfactuals: bool, rank: int | None = None) -> ReplayReport:
+    def report(
+        self, plan: Plan, window: Window, *, trace: bool, counterfactuals: bool, rank: int | None = None
+    ) -> ReplayReport:
         """Judge the replayed window (determinism, reproduction) and explain the root step."""
         root, checks = window.root, window.checks
         pre_fault = [c for c in checks if root is None or c.step < root]

@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ckptlab.training.world import local
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_CKPTLAB_DIR = os.path.dirname(os.path.abspath(__file__))
+_CKPTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: ours
 _EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though it ships with us
 _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
@@ -143,7 +143,7 @@ def rows_of(shape: tuple[int, ...], index: list[int], rows: int | None) -> int |
 
 
 class _FunctionMode(TorchFunctionMode):
-    def __init__(self, tracer: "Tracer"):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
@@ -163,7 +163,7 @@ class _FunctionMode(TorchFunctionMode):
 
 
 class _DispatchMode(TorchDispatchMode):
-    def __init__(self, tracer: "Tracer"):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
@@ -218,7 +218,7 @@ class Tracer:
 
     # --- context ------------------------------------------------------------------------
 
-    def __enter__(self) -> "Tracer":
+    def __enter__(self) -> Tracer:
         nn = torch.nn.modules.module
         self._handles = [
             nn.register_module_forward_pre_hook(self._push),

@@ -49,13 +49,13 @@ from ckptlab.run import framelog
 from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import (
     MANIFEST,
-    batches_root,
     archive_dir,
+    batches_root,
     checkpoint_name,
-    parse_segment,
     checkpoints_dir,
     fsync_path,
     journal_dir,
+    parse_segment,
     segments,
     sources_dir,
     write_bytes_atomic,
@@ -166,14 +166,20 @@ def _new_archive_name(run_dir: Path, step: int) -> str:
 
 # --- doing it --------------------------------------------------------------------------------------
 
-def rewind(run_dir: str | os.PathLike, step: int, *, info: dict | None = None, archive: str | None = None) -> RewindPlan:
+
+def rewind(
+    run_dir: str | os.PathLike, step: int, *, info: dict | None = None, archive: str | None = None
+) -> RewindPlan:
     """Rewind the run to checkpoint `step` (see the module docstring). The caller verifies
     the checkpoint's integrity first. Returns the plan it carried out."""
     run_dir = Path(run_dir)
     pending = unfinished_rollback(run_dir)
     if pending is not None:
-        raise CkptlabError(f"a rollback into {pending} was interrupted; finish it first", path=run_dir,
-                           hint="run `ckptlab rollback` again")
+        raise CkptlabError(
+            f"a rollback into {pending} was interrupted; finish it first",
+            path=run_dir,
+            hint="run `ckptlab rollback` again",
+        )
     plan = plan_rewind(run_dir, step, archive=archive)
     manifest = read_manifest(run_dir)
     intent = {
@@ -280,7 +286,7 @@ def _split(path: Path, archived: Path, k: int) -> None:
     out = bytearray(framelog.FILE_MAGIC)
     for ref in scan.frames:
         if keeps(ref.kind, ref.step, k):
-            out += data[ref.offset - framelog.FRAME.size: ref.offset + ref.length]
+            out += data[ref.offset - framelog.FRAME.size : ref.offset + ref.length]
     write_bytes_atomic(path, bytes(out))  # a new inode: the archived link keeps the original
 
 

@@ -29,9 +29,9 @@ import safetensors.torch
 import torch
 
 from ckptlab.errors import CorruptFileError, IntegrityError
-from ckptlab.run import codec
 from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
+from ckptlab.run import codec
 from ckptlab.run.layout import (
     COMMIT,
     DCP_DIR,
@@ -86,7 +86,9 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
 
 
 def write_state_file(folder: Path, captured: CapturedState) -> None:
-    safetensors.torch.save_file(captured.state_tensors, folder / STATE_FILE, metadata={META_KEY: json.dumps(captured.state_spec)})
+    safetensors.torch.save_file(
+        captured.state_tensors, folder / STATE_FILE, metadata={META_KEY: json.dumps(captured.state_spec)}
+    )
 
 
 def file_record(path: Path) -> dict:
@@ -165,7 +167,9 @@ class Checkpoint:
                     path=path,
                 )
             if sha256_file(path) != expected["sha256"]:
-                raise IntegrityError("sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path)
+                raise IntegrityError(
+                    "sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path
+                )
 
     def load_model(self, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The full model state dict (a sharded checkpoint's shards assembled) and aliases."""

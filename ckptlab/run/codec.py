@@ -155,7 +155,9 @@ class _Encoder:
                 node["stored"] = dtype_name(stored)
         ref = self.ref(path)
         # clone: the caller (training) goes on to mutate its tensors; we keep a snapshot.
-        self.tensors[ref] = data.clone(memory_format=torch.contiguous_format) if data.data_ptr() == t.data_ptr() else data.contiguous()
+        self.tensors[ref] = (
+            data.clone(memory_format=torch.contiguous_format) if data.data_ptr() == t.data_ptr() else data.contiguous()
+        )
         node["ref"] = ref
         return node
 

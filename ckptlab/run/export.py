@@ -60,7 +60,11 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
     tmp.mkdir()
     try:
         safetensors.torch.save_file(full, tmp / MODEL_FILE, metadata={"format": "pt", "ckptlab.step": str(ckpt.step)})
-        parts = {"optimizer.pt": state.get("optimizer"), "scheduler.pt": state.get("scheduler"), "scaler.pt": state.get("scaler")}
+        parts = {
+            "optimizer.pt": state.get("optimizer"),
+            "scheduler.pt": state.get("scheduler"),
+            "scaler.pt": state.get("scaler"),
+        }
         for name, obj in parts.items():
             if obj is not None:
                 torch.save(obj, tmp / name)

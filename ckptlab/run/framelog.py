@@ -25,9 +25,9 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ckptlab.errors import CorruptFileError
 

@@ -123,6 +123,7 @@ def segments(folder: Path) -> list[tuple[int, int, Path]]:
 
 # --- atomic writes: temp file -> fsync -> rename -> fsync parent ---------------------------------
 
+
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

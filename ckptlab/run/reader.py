@@ -1,10 +1,10 @@
 """Read a run directory. Readers never write: a torn tail is skipped and reported, not repaired.
 
-    run = open_run("runs/exp1")
-    run.steps                    # recorded step numbers, ascending
-    run.checkpoints              # steps with a complete checkpoint (sizes checked; hashes on use)
-    batch, ids = run.batch(5432) # exactly as recorded
-    m = run.metrics()            # per-step health as numpy arrays (m.loss, m.param_grad_norm...)
+run = open_run("runs/exp1")
+run.steps                    # recorded step numbers, ascending
+run.checkpoints              # steps with a complete checkpoint (sizes checked; hashes on use)
+batch, ids = run.batch(5432) # exactly as recorded
+m = run.metrics()            # per-step health as numpy arrays (m.loss, m.param_grad_norm...)
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ class Run:
         try:
             return self._checkpoints[step]
         except KeyError:
-            raise ReplayError(f"no checkpoint at step {step} (checkpoints: {self.checkpoints})", path=self.path) from None
+            raise ReplayError(
+                f"no checkpoint at step {step} (checkpoints: {self.checkpoints})", path=self.path
+            ) from None
 
     # --- journal: health, validation, events --------------------------------------------------
 
@@ -297,4 +299,3 @@ def _f(x) -> float:
 def open_run(path: str | Path) -> Run:
     """Open a run directory for reading (raises NotARunError / FormatVersionError / ...)."""
     return Run(path)
-

@@ -67,6 +67,7 @@ class Compressor:
 
 # --- batch records -------------------------------------------------------------------------
 
+
 @dataclass
 class BatchRecord:
     step: int
@@ -95,7 +96,6 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
 
 
 # --- step health records -------------------------------------------------------------------
-
 
 
 def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:

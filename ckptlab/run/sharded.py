@@ -50,7 +50,9 @@ def write_main_files(tmp: Path, step: int, state: dict) -> dict[str, dict]:
 
 def commit(tmp: Path, step: int, files: dict[str, dict], info: dict, world_size: int) -> dict:
     """Rank 0, once every rank's files are recorded: COMMIT.json, then the rename into place."""
-    return finish_commit(tmp, step, dict(sorted(files.items())), {**info, "layout": "sharded", "world_size": world_size})
+    return finish_commit(
+        tmp, step, dict(sorted(files.items())), {**info, "layout": "sharded", "world_size": world_size}
+    )
 
 
 def abandon(tmp: Path) -> None:

@@ -43,8 +43,10 @@ def read(path: str | os.PathLike) -> list:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
         raise CkptlabError("no such skip list", path=p) from None
-    except (ValueError, RecursionError) as e:
-        raise CkptlabError(f"not a JSON skip list ({type(e).__name__})", path=p) from None
+    except ValueError as e:
+        raise CkptlabError(f"not a JSON skip list ({e})", path=p) from None
+    except RecursionError:
+        raise CkptlabError("not a JSON skip list (nested too deeply)", path=p) from None
     if isinstance(doc, list):
         return doc
     if not isinstance(doc, dict) or doc.get("format") != SKIP_FORMAT:

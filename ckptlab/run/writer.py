@@ -14,9 +14,9 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ckptlab.errors import RecordError
 from ckptlab.run import framelog, records

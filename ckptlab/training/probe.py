@@ -30,11 +30,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from ckptlab.training.world import World, local
 from ckptlab.errors import RecordError
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.state import unwrap
-
+from ckptlab.training.world import World, local
 
 
 @dataclass
@@ -105,7 +104,9 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 class StepProbe:
     """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None, world: World | None = None):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None, world: World | None = None
+    ):
         named = named_parameters(model)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -251,7 +252,9 @@ class StepProbe:
             after = [local(p.detach()) for p in self.params]
             w = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in after])
             if self._stepped:
-                d = torch.stack([torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, self._before)])
+                d = torch.stack(
+                    [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, self._before)]
+                )
             else:
                 d = torch.zeros_like(w)
             b = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in self._before])

@@ -1,13 +1,14 @@
 """`skip_samples`: on resume, the sample ids of a skip list never come out of the data again.
 
-    sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")   # from `ckptlab dirty --out`
-    loader = DataLoader(ds, sampler=sampler, batch_size=32)
+sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")   # from `ckptlab dirty --out`
+loader = DataLoader(ds, sampler=sampler, batch_size=32)
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.utils.data as tud
 
@@ -64,7 +65,11 @@ def _member(v, ids: frozenset) -> bool:
 def _is_map_dataset(source) -> bool:
     if isinstance(source, (tud.Sampler, tud.IterableDataset)):
         return False
-    return hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, (list, tuple, range, str))
+    return (
+        hasattr(source, "__getitem__")
+        and hasattr(source, "__len__")
+        and not isinstance(source, (list, tuple, range, str))
+    )
 
 
 class _SkipIterable(tud.Sampler):

@@ -68,7 +68,9 @@ def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:
     state = {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}}
     dcp.load(state, storage_reader=safe_reader(folder / DCP_DIR), planner=safe_planner())
     sd.set_model_state_dict(model, state["model"])
-    sd.set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": train_state["param_groups"]})
+    sd.set_optimizer_state_dict(
+        model, optimizer, {"state": state["optim"]["state"], "param_groups": train_state["param_groups"]}
+    )
 
 
 # --- whole-state snapshots of a sharded model (collective) --------------------------------------

@@ -26,6 +26,7 @@ from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.training.sharded import load_sharded, set_full
 
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside torch.compile / DDP wrappers (their names carry no prefix)."""
     seen = 0
@@ -42,6 +43,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # --- model ---------------------------------------------------------------------------------
+
 
 def capture_model(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, aliases): CPU copies of the state dict, each shared tensor stored once.
@@ -85,6 +87,7 @@ def _few(items: list[str], n: int = 3) -> str:
 
 # --- optimizer, scheduler, scaler ----------------------------------------------------------
 
+
 def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any]:
     """Plain nested state (tensors still live: encode it with the codec, which copies)."""
     state: dict[str, Any] = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
@@ -108,6 +111,7 @@ def load_train_state(state: dict[str, Any], optimizer, scheduler=None, scaler=No
 
 
 # --- RNG -----------------------------------------------------------------------------------
+
 
 def capture_rng() -> dict[str, Any]:
     rng: dict[str, Any] = {
@@ -149,6 +153,7 @@ def rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 # --- execution settings ----------------------------------------------------------------------
 
+
 def capture_env() -> dict[str, Any]:
     env = {
         "num_threads": torch.get_num_threads(),
@@ -175,10 +180,14 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         try:
             torch.set_num_interop_threads(int(env["num_interop_threads"]))
         except RuntimeError:  # only settable before the first parallel work; rarely changes bits
-            notes.append(f"inter-op threads stay {torch.get_num_interop_threads()} (recorded {env['num_interop_threads']})")
+            notes.append(
+                f"inter-op threads stay {torch.get_num_interop_threads()} (recorded {env['num_interop_threads']})"
+            )
     deterministic = bool(env.get("deterministic_algorithms")) or force_deterministic
     # Forced (not recorded): warn, don't fail, on ops that have no deterministic kernel.
-    warn_only = bool(env.get("deterministic_warn_only")) or (force_deterministic and not env.get("deterministic_algorithms"))
+    warn_only = bool(env.get("deterministic_warn_only")) or (
+        force_deterministic and not env.get("deterministic_algorithms")
+    )
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.backends.cudnn.deterministic = bool(env.get("cudnn_deterministic")) or force_deterministic
     torch.backends.cudnn.benchmark = bool(env.get("cudnn_benchmark")) and not force_deterministic
@@ -196,6 +205,7 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
 
 
 # --- whole-state snapshots (checkpoints and replay share these) ------------------------------
+
 
 def capture_grads(model) -> dict[str, torch.Tensor]:
     """Gradients that exist between steps: usually none (zero_grad(set_to_none=True)), but

@@ -19,8 +19,9 @@ them before the step, replay restores them before the step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -63,8 +64,9 @@ class Trainee:
         self.probe.abort()
 
     def run_step(self, step_fn: Callable, batch: Any, *, measure_update: bool, around=None) -> tuple[Any, StepHealth]:
-        """(what step_fn returned, the step's health); `around` is a context manager entered
-        for the duration of `step_fn` (replay's tracer, its redirect of the user's prints)."""
+        """(what step_fn returned, the step's health); `around`, a context manager not yet
+        entered, is entered for the duration of `step_fn` only (replay's tracer, its redirect
+        of the user's prints)."""
         self.begin(measure_update=measure_update)
         try:
             with around if around is not None else contextlib.nullcontext():

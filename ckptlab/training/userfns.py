@@ -17,8 +17,8 @@ import inspect
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ckptlab.errors import RecordError, ReplayError
 from ckptlab.run.layout import sources_dir, write_bytes_atomic
@@ -77,7 +77,7 @@ def _warn_unguarded(path: Path, source: bytes) -> None:
         if isinstance(node, (ast.For, ast.While, ast.With, ast.AsyncFor, ast.AsyncWith)):
             warnings.warn(
                 f"{path.name}:{node.lineno}: top-level loop; replay imports this script, so put the "
-                "training loop under `if __name__ == \"__main__\":`",
+                'training loop under `if __name__ == "__main__":`',
                 stacklevel=4,
             )
             return
@@ -112,7 +112,9 @@ def load(desc: dict, role: str, run_dir: Path) -> Callable:
             ) from None
     fn = _resolve(mod, qualname)
     if not callable(fn):
-        raise ReplayError(f"{role} {module}.{qualname} no longer exists", path=run_dir, hint="restore the recorded code")
+        raise ReplayError(
+            f"{role} {module}.{qualname} no longer exists", path=run_dir, hint="restore the recorded code"
+        )
     return fn
 
 

@@ -55,7 +55,7 @@ class World:
         return self.size > 1
 
     @staticmethod
-    def detect(model: torch.nn.Module | None = None) -> "World":
+    def detect(model: torch.nn.Module | None = None) -> World:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

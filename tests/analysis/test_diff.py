@@ -23,7 +23,7 @@ def _check_planted(findings) -> None:
     for f in top:
         flag, words = FAULTS[f.name]
         assert f.flags[0] == flag and words in f.reason, (f.name, f.reason)
-    assert all(not f.flags or f.flags == ["dtype_changed"] for f in findings.ranked[len(FAULTS):])
+    assert all(not f.flags or f.flags == ["dtype_changed"] for f in findings.ranked[len(FAULTS) :])
     assert findings.verdict.parameter == "blocks.2.attn.weight"
     assert findings.verdict.module == "blocks.2.attn"
     assert findings.verdict.reason.startswith("1 NaN of 256 elements")
@@ -41,7 +41,9 @@ def test_planted_faults_in_every_format(tmp_path, fmt_a, fmt_b):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_planted_faults_in_16_bit(tmp_path, dtype):
     a = toy_state(dtype=dtype)
-    _check_planted(ckptlab.diff(write(tmp_path / "a", a, "safetensors"), write(tmp_path / "b", planted_faults(a), "pt"), workers=1))
+    _check_planted(
+        ckptlab.diff(write(tmp_path / "a", a, "safetensors"), write(tmp_path / "b", planted_faults(a), "pt"), workers=1)
+    )
 
 
 def test_dtype_change_is_flagged_and_still_compared(tmp_path):
@@ -49,7 +51,9 @@ def test_dtype_change_is_flagged_and_still_compared(tmp_path):
     b = {k: v.to(torch.bfloat16) for k, v in planted_faults(a, step=1e-2).items()}
     findings = ckptlab.diff(a, b)
     # (nothing is frozen any more: rounding to bfloat16 moved every weight)
-    assert [(f.name, f.flags[0]) for f in findings.ranked[:3]] == [(n, flag) for n, (flag, _) in FAULTS.items() if flag != "frozen"]
+    assert [(f.name, f.flags[0]) for f in findings.ranked[:3]] == [
+        (n, flag) for n, (flag, _) in FAULTS.items() if flag != "frozen"
+    ]
     assert all("dtype_changed" in f.flags and f.dtype_b == "bfloat16" for f in findings.ranked)
 
 
@@ -63,10 +67,18 @@ def test_stats_of_one_pair_match_a_float64_reference():
     d = f.delta
     assert d.l2 == pytest.approx(float((b64 - a64).norm()), rel=1e-12)
     assert d.rel_change == pytest.approx(float((b64 - a64).norm() / a64.norm()), rel=1e-12)
-    assert d.cosine == pytest.approx(float(torch.nn.functional.cosine_similarity(a64.flatten(), b64.flatten(), dim=0)), abs=1e-12)
+    assert d.cosine == pytest.approx(
+        float(torch.nn.functional.cosine_similarity(a64.flatten(), b64.flatten(), dim=0)), abs=1e-12
+    )
     assert d.unchanged == pytest.approx(200 / 2000)
-    assert d.max_index == [17, 33] and d.max_change == pytest.approx(3, rel=1e-6) and d.max_b - d.max_a == pytest.approx(3, rel=1e-6)
-    assert f.b.mean == pytest.approx(float(b64.mean()), rel=1e-12) and f.b.std == pytest.approx(float(b64.std(unbiased=False)), rel=1e-12)
+    assert (
+        d.max_index == [17, 33]
+        and d.max_change == pytest.approx(3, rel=1e-6)
+        and d.max_b - d.max_a == pytest.approx(3, rel=1e-6)
+    )
+    assert f.b.mean == pytest.approx(float(b64.mean()), rel=1e-12) and f.b.std == pytest.approx(
+        float(b64.std(unbiased=False)), rel=1e-12
+    )
     assert f.b.quantiles["p50"] == pytest.approx(float(b64.median()), rel=1e-2)  # bfloat16 resolution for float32
 
 
@@ -193,7 +205,12 @@ def test_alignment_plan_directly():
 
 
 def test_empty_and_integer_tensors_do_not_break_anything():
-    a = {"w": torch.randn(4, 4), "empty": torch.zeros(0, 3), "count": torch.tensor(5), "mask": torch.tensor([True, False])}
+    a = {
+        "w": torch.randn(4, 4),
+        "empty": torch.zeros(0, 3),
+        "count": torch.tensor(5),
+        "mask": torch.tensor([True, False]),
+    }
     b = {"w": a["w"] * 2, "empty": torch.zeros(0, 3), "count": torch.tensor(6), "mask": torch.tensor([True, True])}
     findings = ckptlab.diff(a, b)
     count = findings.finding("count")
@@ -205,5 +222,7 @@ def test_complex_tensors_are_skipped_not_fatal():
     a = {"w": torch.randn(4, 4), "freqs_cis": torch.randn(8, dtype=torch.complex64)}
     findings = ckptlab.diff(a, {k: v.clone() for k, v in a.items()})
     assert [f.name for f in findings.ranked] == ["w"]
-    assert findings.skipped == [{"name": "freqs_cis", "side": "a", "reason": "dtype complex64 is not supported"},
-                                {"name": "freqs_cis", "side": "b", "reason": "dtype complex64 is not supported"}]
+    assert findings.skipped == [
+        {"name": "freqs_cis", "side": "a", "reason": "dtype complex64 is not supported"},
+        {"name": "freqs_cis", "side": "b", "reason": "dtype complex64 is not supported"},
+    ]

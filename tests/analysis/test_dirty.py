@@ -9,9 +9,9 @@ import torch.utils.data as tud
 
 import ckptlab
 from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
+from ckptlab.analysis.spikes import SpikeRule
 from ckptlab.run.skiplist import read as read_skip_list
 from ckptlab.training.sampler import skip_samples
-from ckptlab.analysis.spikes import SpikeRule
 from tests import act_models as am
 from tests import models
 
@@ -26,7 +26,9 @@ def lm_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("dirty") / "spike"
-    models.record_run(path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(80, 50), ckpt_every=20, keep_last=10)
+    models.record_run(
+        path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(80, 50), ckpt_every=20, keep_last=10
+    )
     return ckptlab.open_run(path)
 
 
@@ -61,10 +63,19 @@ def test_data_info_overrides_inference(lm_run):
 
 
 def test_clean_data_gets_no_flags(tmp_path):
-    models.record_run(tmp_path / "lm", am.build_dirty_lm, am.step_dirty_lm, am.dirty_lm_batches(24, plant=False), ckpt_every=50)
+    models.record_run(
+        tmp_path / "lm", am.build_dirty_lm, am.step_dirty_lm, am.dirty_lm_batches(24, plant=False), ckpt_every=50
+    )
     r = scan(ckptlab.open_run(tmp_path / "lm"))
     assert r.flagged == [] and r.skip_ids == []
-    models.record_run(tmp_path / "mlp", am.build_healthy, models.step_mlp, am.regression_batches(200, batch=4), ckpt_every=50, keep_last=10)
+    models.record_run(
+        tmp_path / "mlp",
+        am.build_healthy,
+        models.step_mlp,
+        am.regression_batches(200, batch=4),
+        ckpt_every=50,
+        keep_last=10,
+    )
     r = scan(ckptlab.open_run(tmp_path / "mlp"))
     assert r.flagged == [], r.flagged[:3]
 
@@ -110,6 +121,8 @@ def test_attribution_stage_uses_the_attribution_passed_in(spike_run):
     assert blamed[0].evidence["loss_ratio"] == 50.0 and blamed[0].evidence["loss_share"] > 0.9
     assert r.skip_ids == [50007]  # attribution named the row: the batch is not skipped wholesale
     assert scan(spike_run).attribution == {"status": "off"}
+    with pytest.raises(ckptlab.CkptlabError, match="takes a function"):
+        scan(spike_run, attribute=True)
 
 
 def test_attribution_blames_nobody_when_every_row_rose(spike_run):
@@ -129,9 +142,13 @@ def test_skip_samples_wraps_samplers_datasets_and_iterables(tmp_path):
     assert [int(sub[i][0]) for i in range(len(sub))] == [0, 20, 40, 60, 70]
     items = [{"id": f"doc-{i}", "x": i} for i in range(4)]
     assert [it["x"] for it in skip_samples(items, ["doc-2"], key=lambda it: it["id"])] == [0, 1, 3]
-    loader = tud.DataLoader(ds, sampler=skip_samples(tud.RandomSampler(ds, generator=torch.Generator().manual_seed(0)), skip), batch_size=8)
+    loader = tud.DataLoader(
+        ds, sampler=skip_samples(tud.RandomSampler(ds, generator=torch.Generator().manual_seed(0)), skip), batch_size=8
+    )
     assert sorted(next(iter(loader))[0].tolist()) == [0, 20, 40, 60, 70]
-    (tmp_path / "skip.json").write_text(json.dumps({"format": "ckptlab-skip", "version": 1, "sample_ids": [torch.tensor(2).item()]}))
+    (tmp_path / "skip.json").write_text(
+        json.dumps({"format": "ckptlab-skip", "version": 1, "sample_ids": [torch.tensor(2).item()]})
+    )
     assert list(skip_samples(range(4), tmp_path / "skip.json")) == [0, 1, 3]
     assert ckptlab.skip_samples is skip_samples
 
@@ -146,7 +163,9 @@ def test_nested_batch_with_strings_and_masks(tmp_path):
     models.record_run(tmp_path / "r", am.build_nested, am.step_nested, am.nested_batches(), ckpt_every=50)
     r = scan(ckptlab.open_run(tmp_path / "r"))
     assert {(f.step, f.row): (f.reason, f.evidence["field"]) for f in r.flagged} == {
-        (4, 1): ("empty", "text"), (6, 2): ("empty", "inputs.attention_mask")}
+        (4, 1): ("empty", "text"),
+        (6, 2): ("empty", "inputs.attention_mask"),
+    }
     assert set(r.scanned["fields"]) == {"text", "inputs.ids", "inputs.attention_mask", "y"}
 
 

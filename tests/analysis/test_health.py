@@ -23,8 +23,9 @@ def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("health")
     return {
         "healthy": _record(root, "healthy", am.build_healthy, models.step_mlp, am.regression_batches(300)),
-        "overfit": _record(root, "overfit", am.build_overfit, models.step_mlp, am.overfit_batches(150),
-                           validate=am.overfit_validate(5)),
+        "overfit": _record(
+            root, "overfit", am.build_overfit, models.step_mlp, am.overfit_batches(150), validate=am.overfit_validate(5)
+        ),
         "high_lr": _record(root, "high_lr", am.build_high_lr, models.step_mlp, am.regression_batches(300)),
         "plateau": _record(root, "plateau", am.build_plateau, models.step_mlp, am.regression_batches(300)),
         "frozen": _record(root, "frozen", am.build_frozen, models.step_mlp, am.regression_batches(150)),
@@ -79,7 +80,10 @@ def test_frozen_layer(reports):
     f = next(f for f in r.findings if f.kind == "frozen")
     assert set(f.params) == {"fc1.weight", "fc1.bias"}
     assert "get gradients" in f.title  # it is not requires_grad=False: it is missing from the optimizer
-    assert f.evidence["fc1.weight"]["bit_identical_across_checkpoints"] and f.evidence["fc1.weight"]["update_ratio_always_0"]
+    assert (
+        f.evidence["fc1.weight"]["bit_identical_across_checkpoints"]
+        and f.evidence["fc1.weight"]["update_ratio_always_0"]
+    )
     assert f.evidence["fc1.weight"]["median_grad_norm"] > 0
 
 

@@ -31,7 +31,10 @@ def test_terminal_report_names_the_offending_parameter(capsys, pair, monkeypatch
     lines = out.splitlines()
     assert lines[0].startswith("A  ") and lines[0].endswith("a.pt  (torch)")
     assert lines[1].startswith("B  ") and lines[1].endswith("b.safetensors  (safetensors)")
-    assert lines[2] == "offending parameter: blocks.2.attn.weight (module blocks.2.attn): 1 NaN of 256 elements (A had none)"
+    assert (
+        lines[2]
+        == "offending parameter: blocks.2.attn.weight (module blocks.2.attn): 1 NaN of 256 elements (A had none)"
+    )
     assert lines[3].split() == ["tensor", "shape", "flags", "|B-A|/|A|", "max|w|", "A→B", "NaN/Inf"]
     table = "\n".join(lines)
     assert "  weight (= lm_head.weight)" in table  # tied names shown on the stored one
@@ -47,15 +50,36 @@ def test_wide_terminal_adds_columns(capsys, pair, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")
     code, out, _ = run(capsys, *pair)
     header = next(line for line in out.splitlines() if line.startswith("tensor"))
-    assert header.split() == ["tensor", "shape", "flags", "|B-A|/|A|", "max|w|", "A→B", "cos", "same", "largest", "change", "NaN/Inf"]
+    assert header.split() == [
+        "tensor",
+        "shape",
+        "flags",
+        "|B-A|/|A|",
+        "max|w|",
+        "A→B",
+        "cos",
+        "same",
+        "largest",
+        "change",
+        "NaN/Inf",
+    ]
 
 
 def test_json_is_alone_on_stdout(capsys, pair):
     code, out, err = run(capsys, *pair, "--json")
     assert code == 0
     doc = json.loads(out)
-    assert doc["verdict"] == {"parameter": "blocks.2.attn.weight", "module": "blocks.2.attn", "reason": "1 NaN of 256 elements (A had none)"}
-    assert [r["name"] for r in doc["ranked"][:4]] == ["blocks.2.attn.weight", "blocks.1.mlp.fc.weight", "blocks.0.mlp.proj.weight", "blocks.3.ln.weight"]
+    assert doc["verdict"] == {
+        "parameter": "blocks.2.attn.weight",
+        "module": "blocks.2.attn",
+        "reason": "1 NaN of 256 elements (A had none)",
+    }
+    assert [r["name"] for r in doc["ranked"][:4]] == [
+        "blocks.2.attn.weight",
+        "blocks.1.mlp.fc.weight",
+        "blocks.0.mlp.proj.weight",
+        "blocks.3.ln.weight",
+    ]
     assert doc["a"].endswith("a.pt") and doc["missing"] == [] and doc["unexpected"] == [] and doc["mismatched"] == []
     assert "taken from checkpoint['model']" in err
 

@@ -12,7 +12,9 @@ from tests import models
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("dirtycli") / "run"
-    models.record_run(path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(80, 50), ckpt_every=20, keep_last=10)
+    models.record_run(
+        path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(80, 50), ckpt_every=20, keep_last=10
+    )
     return path
 
 
@@ -42,6 +44,8 @@ def test_json(cli, spike_run):
 
 
 def test_thresholds_are_options(cli, spike_run):
-    doc = cli("dirty", "--run", spike_run, "--json", "--loss-z", "1e12", "--grad-z", "1e12", "--extreme-z", "1e12").json()
+    doc = cli(
+        "dirty", "--run", spike_run, "--json", "--loss-z", "1e12", "--grad-z", "1e12", "--extreme-z", "1e12"
+    ).json()
     assert doc["flagged"] == [] and doc["skip_ids"] == []
     assert doc["rules"]["loss_spike"]["z"] == 1e12

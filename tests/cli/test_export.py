@@ -15,8 +15,14 @@ from tests.models import build_lm, lm_batches, record_run, step_lm  # noqa: E402
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    record_run(run_dir, build_lm, step_lm, lm_batches(25), ckpt_every=10,
-               validate=lambda i, m: {"val_loss": 1.0 / (i + 1)} if i % 8 == 7 else None)
+    record_run(
+        run_dir,
+        build_lm,
+        step_lm,
+        lm_batches(25),
+        ckpt_every=10,
+        validate=lambda i, m: {"val_loss": 1.0 / (i + 1)} if i % 8 == 7 else None,
+    )
     return ckptlab.open_run(run_dir)
 
 
@@ -38,7 +44,11 @@ def test_health_curves_validation_and_histograms_read_back(cli, run, tmp_path):
     assert np.allclose([e.value for e in acc.Scalars("train/grad_norm")], m.grad_norm, rtol=1e-6)
     assert np.allclose([e.value for e in acc.Scalars("train/lr")], m.lr[:, 0], rtol=1e-6)
     assert [e.step for e in acc.Scalars("train/update_ratio")] == [s for s in m.step.tolist() if s % 10 == 0]
-    assert [(e.step, e.value) for e in acc.Scalars("val/val_loss")] == [(8, 0.125), (16, pytest.approx(1 / 16)), (24, pytest.approx(1 / 24))]
+    assert [(e.step, e.value) for e in acc.Scalars("val/val_loss")] == [
+        (8, 0.125),
+        (16, pytest.approx(1 / 16)),
+        (24, pytest.approx(1 / 24)),
+    ]
     name = m.param_names[0]
     assert len(acc.Scalars(f"grad_norm/{name}")) == len(m.step)
     tags = acc.Tags()["histograms"]

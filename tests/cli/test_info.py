@@ -17,18 +17,36 @@ from ckptlab.cli import main
 from tests import models
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"run", "format_version", "created", "versions", "device", "world_size", "layout", "sessions", "steps", "checkpoints",
-        "anomalies", "validation", "disk", "functions", "problems", "damaged"}
+KEYS = {
+    "run",
+    "format_version",
+    "created",
+    "versions",
+    "device",
+    "world_size",
+    "layout",
+    "sessions",
+    "steps",
+    "checkpoints",
+    "anomalies",
+    "validation",
+    "disk",
+    "functions",
+    "problems",
+    "damaged",
+}
 
 
 @pytest.fixture
 def info(capsys):
     """Run `ckptlab info ARGS` in-process: (exit code, stdout, stderr)."""
+
     def run(*args):
         with pytest.raises(SystemExit) as e:
             main(["info", *map(str, args)])
         out, err = capsys.readouterr()
         return e.value.code, out, err
+
     return run
 
 
@@ -40,8 +58,16 @@ def recorded(tmp_path_factory):
     x, y = batches[20][0]
     batches[20] = ((x, y + 1e4), batches[20][1])
     batches[25] = ((torch.full_like(x, math.nan), y), batches[25][1])
-    models.record_run(run_dir, models.build_mlp, models.step_mlp, batches, ckpt_every=10, keep_last=5,
-                      on_nonfinite="record", validate=lambda i, m: {"val_loss": 1.0 / (i + 1)} if i in (4, 9) else None)
+    models.record_run(
+        run_dir,
+        models.build_mlp,
+        models.step_mlp,
+        batches,
+        ckpt_every=10,
+        keep_last=5,
+        on_nonfinite="record",
+        validate=lambda i, m: {"val_loss": 1.0 / (i + 1)} if i in (4, 9) else None,
+    )
     return run_dir
 
 
@@ -56,7 +82,14 @@ def test_json_has_the_documented_keys_and_verifies(recorded, info):
     s = json.loads(out)
     assert set(s) == KEYS
     assert s["format_version"] == 1 and s["run"] == str(recorded)
-    assert s["steps"] == {"recorded": 30, "first": 0, "last": 29, "batches_retained": [0, 29], "batch_ranges": [[0, 29]], "incomplete": []}
+    assert s["steps"] == {
+        "recorded": 30,
+        "first": 0,
+        "last": 29,
+        "batches_retained": [0, 29],
+        "batch_ranges": [[0, 29]],
+        "incomplete": [],
+    }
     assert [c["step"] for c in s["checkpoints"]] == [0, 5, 10, 20]
     assert all(c["verified"] is True and c["problem"] is None for c in s["checkpoints"])
     assert [c["reason"] for c in s["checkpoints"]] == ["start", "best", "best", "periodic"]
@@ -116,7 +149,10 @@ def test_truncated_and_corrupt_files_exit_1(recorded, tmp_path, info):
     state = run_dir / "checkpoints" / "step-000000005" / "state.safetensors"
     state.write_bytes(state.read_bytes()[:100])
     code, _, err = info("--run", run_dir)
-    assert (code, err) == (1, f"ckptlab: error: {state.parent}: corrupt checkpoint (state.safetensors has the wrong size)\n")
+    assert (code, err) == (
+        1,
+        f"ckptlab: error: {state.parent}: corrupt checkpoint (state.safetensors has the wrong size)\n",
+    )
 
     run_dir = copy_run(recorded, tmp_path / "b")
     seg = sorted((run_dir / "batches" / "rank0").iterdir())[0]
@@ -146,8 +182,10 @@ def test_a_crash_torn_tail_is_a_warning_not_a_failure(tmp_path, info):
     [
         (lambda d: None, "no such directory"),
         (lambda d: d.mkdir(), "not a ckptlab run (no manifest.json)"),
-        (lambda d: (d.mkdir(), (d / "manifest.json").write_text('{"format": "ckptlab-run", "format_version": 9}')),
-         "written by a newer ckptlab (run format 9; this ckptlab reads up to 1) (upgrade ckptlab)"),
+        (
+            lambda d: (d.mkdir(), (d / "manifest.json").write_text('{"format": "ckptlab-run", "format_version": 9}')),
+            "written by a newer ckptlab (run format 9; this ckptlab reads up to 1) (upgrade ckptlab)",
+        ),
     ],
 )
 def test_bad_runs_are_one_line_errors(tmp_path, info, setup, message):
@@ -193,7 +231,12 @@ def test_changed_source_is_detected(tmp_path, monkeypatch, info):
         sys.modules.pop("usercode_info", None)
 
     functions = json.loads(info("--run", run_dir, "--json")[1])["functions"]
-    assert functions["step_fn"] == {"name": "usercode_info.step", "file": str(src / "usercode_info.py"), "found": True, "changed": False}
+    assert functions["step_fn"] == {
+        "name": "usercode_info.step",
+        "file": str(src / "usercode_info.py"),
+        "found": True,
+        "changed": False,
+    }
 
     (src / "usercode_info.py").write_text(SOURCE.replace("lr=0.1", "lr=0.2"))
     code, out, _ = info("--run", run_dir, "--json")
@@ -225,11 +268,23 @@ def test_run_discovery(recorded, tmp_path, monkeypatch, info):
 
 
 def test_as_a_process_stdout_is_only_json(recorded):
-    done = subprocess.run([sys.executable, "-m", "ckptlab", "info", "--run", str(recorded), "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptlab", "info", "--run", str(recorded), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     assert set(json.loads(done.stdout)) == KEYS
-    done = subprocess.run([sys.executable, "-m", "ckptlab", "info", "--run", str(recorded / "nope")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptlab", "info", "--run", str(recorded / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == f"ckptlab: error: {recorded / 'nope'}: no such directory\n"

@@ -15,8 +15,16 @@ from tests import models
 @pytest.fixture(scope="module")
 def overfit_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("report") / "run"
-    models.record_run(path, am.build_overfit, models.step_mlp, am.overfit_batches(120), ckpt_every=40, health_every=5,
-                      keep_last=5, validate=am.overfit_validate(5))
+    models.record_run(
+        path,
+        am.build_overfit,
+        models.step_mlp,
+        am.overfit_batches(120),
+        ckpt_every=40,
+        health_every=5,
+        keep_last=5,
+        validate=am.overfit_validate(5),
+    )
     return path
 
 
@@ -72,16 +80,32 @@ def test_html_is_self_contained(cli, overfit_run, tmp_path):
     assert "best val_loss" in html and "update ratio" in html and "Weight histograms" in html
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package (apt-get install chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium package (apt-get install chromium)"
+)
 def test_html_renders_in_headless_chromium(cli, overfit_run, tmp_path):
     page = tmp_path / "report.html"
     assert cli("report", "--run", overfit_run, "--html", page).code == 0
-    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-           f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0", "--dump-dom", page.as_uri()]
+    cmd = [
+        "chromium",
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--dump-dom",
+        page.as_uri(),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     assert dom.count("<svg") >= 4 and "Training report" in dom
-    problems = [line for line in done.stderr.splitlines()
-                if re.search(r"CONSOLE|Uncaught|net::ERR|Refused to|Failed to load", line)]
+    problems = [
+        line
+        for line in done.stderr.splitlines()
+        if re.search(r"CONSOLE|Uncaught|net::ERR|Refused to|Failed to load", line)
+    ]
     assert problems == [], problems

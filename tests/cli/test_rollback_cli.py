@@ -15,8 +15,16 @@ from tests import models
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     path = tmp_path_factory.mktemp("rbcli") / "run"
-    models.record_run(path, am.build_overfit, models.step_mlp, am.overfit_batches(60), ckpt_every=20, health_every=5,
-                      keep_last=10, validate=am.overfit_validate(5))
+    models.record_run(
+        path,
+        am.build_overfit,
+        models.step_mlp,
+        am.overfit_batches(60),
+        ckpt_every=20,
+        health_every=5,
+        keep_last=10,
+        validate=am.overfit_validate(5),
+    )
     return path
 
 

@@ -30,17 +30,31 @@ FAULT_SAMPLE = 37  # row 1 of the batch at step 9 (no shuffling: the sampler is 
 
 ARGS = TrainingArguments(
     output_dir=os.path.join(tempfile.gettempdir(), "ckptlab-hf-test"),  # nothing is saved there
-    max_steps=MAX_STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-    learning_rate=3e-3, warmup_steps=3, max_grad_norm=1.0, lr_scheduler_type="linear",
-    eval_strategy="steps", eval_steps=4, logging_strategy="no", save_strategy="no",
-    report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    max_steps=MAX_STEPS,
+    per_device_train_batch_size=BATCH,
+    per_device_eval_batch_size=BATCH,
+    learning_rate=3e-3,
+    warmup_steps=3,
+    max_grad_norm=1.0,
+    lr_scheduler_type="linear",
+    eval_strategy="steps",
+    eval_steps=4,
+    logging_strategy="no",
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    seed=0,
     train_sampling_strategy="sequential",
 )
 
 
 def config() -> GPT2Config:
     # dropout stays on (0.1): replay must restore the RNG of every step bit for bit
-    return GPT2Config(n_layer=1, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(
+        n_layer=1, n_embd=EMBD, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+    )
 
 
 def build():

@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 import warnings
 
+import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
 
 from ckptlab.integrations import lightning as ckl
 
@@ -73,9 +72,18 @@ def trainer(root, **kw) -> pl.Trainer:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
     opts = dict(
-        accelerator="cpu", devices=1, max_steps=12, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(root), val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=12,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        val_check_interval=4,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
     )
     opts.update(kw)
     return pl.Trainer(**opts)

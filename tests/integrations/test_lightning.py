@@ -13,8 +13,10 @@ from ckptlab.integrations import lightning as ckl  # noqa: E402
 from tests.integrations import lit_models as lm  # noqa: E402
 
 # Lightning's own deprecation noise (torch pytree API), and the refusal test's missing val loader.
-pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec"),
-              pytest.mark.filterwarnings("ignore:.*no `val_dataloader`.*")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec"),
+    pytest.mark.filterwarnings("ignore:.*no `val_dataloader`.*"),
+]
 
 FAULT_STEP = lm.FAULT_SAMPLE // lm.BATCH  # 9
 FAULT_ROW = lm.FAULT_SAMPLE % lm.BATCH  # 1
@@ -46,8 +48,13 @@ def test_records_batches_ids_health_validation_and_checkpoints(nan_run):
     batch, ids = run.batch(FAULT_STEP)
     assert ids == [36, 37, 38, 39]
     assert batch["batch_idx"] == FAULT_STEP and batch["batch"]["x"].shape == (4, 8)
-    assert batch["lightning"] == {"epoch": 0, "gradient_clip_val": 1.0, "gradient_clip_algorithm": None,
-                                  "scheduler_step": True, "precision": "32-true"}
+    assert batch["lightning"] == {
+        "epoch": 0,
+        "gradient_clip_val": 1.0,
+        "gradient_clip_algorithm": None,
+        "scheduler_step": True,
+        "precision": "32-true",
+    }
     assert [v["step"] for v in run.validation()] == [4, 8]  # after 4 and 8 steps
     assert set(run.validation()[0]["metrics"]) == {"val_loss"}
     assert {4, 5} <= set(run.checkpoints)  # the first validation is the best so far; 5 is periodic
@@ -97,7 +104,9 @@ def test_gradient_accumulation_is_refused(tmp_path):
 
 
 def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
-    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, config=ckptlab.RecordConfig(keep_last=5), ckpt_every=3)
+    cb = ckl.CkptlabCallback(
+        tmp_path / "run", build_fn=lm.build, config=ckptlab.RecordConfig(keep_last=5), ckpt_every=3
+    )
     assert (cb.config.keep_last, cb.config.ckpt_every) == (5, 3)
     assert (cb.config.step_scheduler, cb.config.restore) == (False, False)  # the trainer does both
     with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):

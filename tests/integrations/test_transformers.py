@@ -7,13 +7,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer  # noqa: E402
 
 import ckptlab  # noqa: E402
 from ckptlab.errors import RecordError  # noqa: E402
-from tests.integrations import hf_models as hm  # noqa: E402
-from transformers import GPT2LMHeadModel, Trainer  # noqa: E402
-
 from ckptlab.integrations import transformers as ckt  # noqa: E402
+from tests.integrations import hf_models as hm  # noqa: E402
 
 FAULT_STEP = hm.FAULT_SAMPLE // hm.BATCH  # 9
 FAULT_ROW = hm.FAULT_SAMPLE % hm.BATCH  # 1
@@ -22,8 +21,12 @@ FAULT_ROW = hm.FAULT_SAMPLE % hm.BATCH  # 1
 def train(tmp_path, fault, args=hm.ARGS, **callback_kw):
     run_dir = tmp_path / "run"
     torch.manual_seed(0)  # the same initial weights every time
-    trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=args, train_dataset=hm.Sequences(fault=fault),
-                      eval_dataset=hm.Sequences(8, seed=4))
+    trainer = Trainer(
+        model=GPT2LMHeadModel(hm.config()),
+        args=args,
+        train_dataset=hm.Sequences(fault=fault),
+        eval_dataset=hm.Sequences(8, seed=4),
+    )
     ckt.record(trainer, run_dir, build_fn=hm.build, sample_id_key="idx", ckpt_every=5, **callback_kw)
     if fault is None:
         trainer.train()
@@ -89,8 +92,13 @@ def test_gradient_accumulation_is_refused(tmp_path):
 
 def test_a_callback_that_was_not_attached_says_how(tmp_path):
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build)
-    trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=hm.ARGS, train_dataset=hm.Sequences(),
-                      eval_dataset=hm.Sequences(8), callbacks=[cb])
+    trainer = Trainer(
+        model=GPT2LMHeadModel(hm.config()),
+        args=hm.ARGS,
+        train_dataset=hm.Sequences(),
+        eval_dataset=hm.Sequences(8),
+        callbacks=[cb],
+    )
     with pytest.raises(RecordError, match="attach"):
         trainer.train()
 
@@ -98,5 +106,7 @@ def test_a_callback_that_was_not_attached_says_how(tmp_path):
 def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, health_every=1)
     assert (cb.config.val_metric, cb.config.health_every, cb.config.step_scheduler) == ("eval_loss", 1, False)
+    given = ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, config=ckptlab.RecordConfig(ckpt_every=50))
+    assert given.config.val_metric == "eval_loss"  # the Trainer never reports a "val_loss"
     with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
         ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, keep_lst=2)

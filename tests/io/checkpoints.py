@@ -28,7 +28,9 @@ FAULTS = {
 }
 
 
-def toy_state(blocks: int = 4, d: int = 16, vocab: int = 32, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def toy_state(
+    blocks: int = 4, d: int = 16, vocab: int = 32, seed: int = 0, dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.1):
@@ -66,7 +68,9 @@ def planted_faults(a: dict[str, torch.Tensor], seed: int = 1, step: float | None
     b["blocks.2.attn.weight"][3, 5] = float("nan")
     b["blocks.3.ln.weight"] = a["blocks.3.ln.weight"].clone()
     proj = a["blocks.0.mlp.proj.weight"].float()
-    b["blocks.0.mlp.proj.weight"] = (proj + 100 * step * proj.abs().mean() * torch.randn(proj.shape, generator=g)).to(a["blocks.0.mlp.proj.weight"].dtype)
+    b["blocks.0.mlp.proj.weight"] = (proj + 100 * step * proj.abs().mean() * torch.randn(proj.shape, generator=g)).to(
+        a["blocks.0.mlp.proj.weight"].dtype
+    )
     b["lm_head.weight"] = b["wte.weight"]
     return b
 
@@ -76,7 +80,9 @@ def write(path: Path, sd: dict[str, torch.Tensor], fmt: str) -> Path:
     path = Path(path)
     if fmt == "pt":  # a training checkpoint: model + optimizer + step, tied weights kept tied
         out = path.with_suffix(".pt")
-        torch.save({"model": sd, "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": []}, "step": 7}, out)
+        torch.save(
+            {"model": sd, "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": []}, "step": 7}, out
+        )
         return out
     if fmt == "safetensors":
         out = path.with_suffix(".safetensors")
@@ -106,7 +112,11 @@ def write_sharded(folder: Path, sd: dict[str, torch.Tensor], *, kind: str = "saf
     tensors = untied(sd)
     names = list(tensors)
     per = math.ceil(len(names) / shards)
-    stem, index_name = ("model", "model.safetensors.index.json") if kind == "safetensors" else ("pytorch_model", "pytorch_model.bin.index.json")
+    stem, index_name = (
+        ("model", "model.safetensors.index.json")
+        if kind == "safetensors"
+        else ("pytorch_model", "pytorch_model.bin.index.json")
+    )
     suffix = "safetensors" if kind == "safetensors" else "bin"
     weight_map = {}
     for i in range(shards):
@@ -118,7 +128,9 @@ def write_sharded(folder: Path, sd: dict[str, torch.Tensor], *, kind: str = "saf
             torch.save(part, folder / shard)
         weight_map.update({n: shard for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (folder / index_name).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     return folder
 
 

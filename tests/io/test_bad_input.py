@@ -9,7 +9,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from ckptlab.errors import CkptlabError, CorruptFileError, IntegrityError, ReplayError, UnknownFormatError, UnsafeFileError
+from ckptlab.errors import (
+    CkptlabError,
+    CorruptFileError,
+    IntegrityError,
+    ReplayError,
+    UnknownFormatError,
+    UnsafeFileError,
+)
 from ckptlab.io import open_checkpoint
 from ckptlab.io.dcp import _MetadataUnpickler
 from tests import models
@@ -50,7 +57,10 @@ def test_pickle_with_non_tensor_objects_is_refused(tmp_path):
     import collections
 
     path = tmp_path / "obj.pt"
-    torch.save({"w": torch.zeros(2), "counter": collections.Counter("ab"), "shape": __import__("fractions").Fraction(1, 3)}, path)
+    torch.save(
+        {"w": torch.zeros(2), "counter": collections.Counter("ab"), "shape": __import__("fractions").Fraction(1, 3)},
+        path,
+    )
     with pytest.raises(UnsafeFileError) as e:
         open_checkpoint(path)
     assert "fractions.Fraction" in _one_line(e.value, path) or "Counter" in str(e.value)
@@ -89,10 +99,26 @@ def _rewrite(path, header, body):
         (lambda p: p.write_bytes(p.read_bytes()[:20]), "truncated: the header needs"),
         (lambda p: p.write_bytes(struct.pack("<Q", 10**12) + b"{" + b"\0" * 30), "claims"),
         (lambda p: p.write_bytes(struct.pack("<Q", 6) + b"{oops}" + b"\0" * 8), "not JSON"),
-        (lambda p: _rewrite(p, {**_header(p)[0], "b": {**_header(p)[0]["b"], "data_offsets": [360, 400]}}, _header(p)[1]), "overlap"),
-        (lambda p: _rewrite(p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "shape": [99]}}, _header(p)[1]), "should take"),
-        (lambda p: _rewrite(p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "shape": [-1]}}, _header(p)[1]), "invalid shape"),
-        (lambda p: _rewrite(p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "data_offsets": [8, 4]}}, _header(p)[1]), "invalid data_offsets"),
+        (
+            lambda p: _rewrite(
+                p, {**_header(p)[0], "b": {**_header(p)[0]["b"], "data_offsets": [360, 400]}}, _header(p)[1]
+            ),
+            "overlap",
+        ),
+        (
+            lambda p: _rewrite(p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "shape": [99]}}, _header(p)[1]),
+            "should take",
+        ),
+        (
+            lambda p: _rewrite(p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "shape": [-1]}}, _header(p)[1]),
+            "invalid shape",
+        ),
+        (
+            lambda p: _rewrite(
+                p, {**_header(p)[0], "a": {**_header(p)[0]["a"], "data_offsets": [8, 4]}}, _header(p)[1]
+            ),
+            "invalid data_offsets",
+        ),
     ],
     ids=["data cut", "header cut", "huge header", "bad json", "overlap", "wrong size", "bad shape", "bad offsets"],
 )
@@ -127,7 +153,9 @@ def test_unknown_formats(tmp_path):
         open_checkpoint(tmp_path / "nope.pt")
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "C:\\Windows\\x"])
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "C:\\Windows\\x"]
+)
 def test_shard_names_cannot_leave_the_folder(tmp_path, shard):
     folder = write_sharded(tmp_path / "hf", toy_state(blocks=1))
     index = folder / "model.safetensors.index.json"

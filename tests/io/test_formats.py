@@ -72,7 +72,10 @@ def test_pt_tensors_are_located_in_the_zip_and_strided_views_still_read(tmp_path
 def test_nested_checkpoints_yield_the_model(tmp_path):
     w = torch.ones(2)
     cases = {
-        "lightning.pt": ({"state_dict": {"fc.weight": w}, "optimizer_states": [{"state": {0: {"m": torch.zeros(9)}}}], "epoch": 3}, "['state_dict']"),
+        "lightning.pt": (
+            {"state_dict": {"fc.weight": w}, "optimizer_states": [{"state": {0: {"m": torch.zeros(9)}}}], "epoch": 3},
+            "['state_dict']",
+        ),
         "nested.pt": ({"model": {"fc": {"weight": w}}, "optimizer": {"state": {}}}, "['model']"),
         "ema.pt": ({"ema": {"fc.weight": w}, "opt": {"big": torch.zeros(100)}}, "['ema']"),
     }
@@ -119,4 +122,3 @@ def test_run_references(tmp_path):
     at5 = open_checkpoint(f"{run}@5")
     assert at5.aliases == {"lm_head.weight": "wte.weight"}
     assert torch.equal(at5["lm_head.weight"], at5["wte.weight"])
-

@@ -10,7 +10,8 @@ import safetensors.torch
 import torch
 
 from ckptlab import stats
-from ckptlab.io import open_checkpoint, stream as streaming
+from ckptlab.io import open_checkpoint
+from ckptlab.io import stream as streaming
 from ckptlab.io.stream import Job, stream
 
 
@@ -105,7 +106,12 @@ def test_results_do_not_depend_on_threads_segments_or_reads(tmp_path, monkeypatc
     b[700_000] = a[700_000] + 7
     safetensors.torch.save_file({"w": b}, tmp_path / "b.safetensors")
     results = []
-    for workers, segment, sequential in [(1, 64 << 20, False), (2, 1 << 20, False), (2, 1 << 20, True), (1, 3 << 20, True)]:
+    for workers, segment, sequential in [
+        (1, 64 << 20, False),
+        (2, 1 << 20, False),
+        (2, 1 << 20, True),
+        (1, 3 << 20, True),
+    ]:
         monkeypatch.setattr(streaming, "SEGMENT_BYTES", segment)
         sd_a = open_checkpoint(tmp_path / "a.safetensors", sequential=sequential)
         sd_b = open_checkpoint(tmp_path / "b.safetensors", sequential=sequential)
@@ -115,7 +121,12 @@ def test_results_do_not_depend_on_threads_segments_or_reads(tmp_path, monkeypatc
     assert _same(results[2], results[1])  # same segments, other reads: bit for bit
     for r in results[1:]:
         assert (r.delta.compared, r.delta.unchanged, r.delta.max_index, r.delta.max_abs, r.w1) == (
-            first.delta.compared, first.delta.unchanged, first.delta.max_index, first.delta.max_abs, first.w1)
+            first.delta.compared,
+            first.delta.unchanged,
+            first.delta.max_index,
+            first.delta.max_abs,
+            first.w1,
+        )
         assert r.delta.l2 == pytest.approx(first.delta.l2, rel=1e-12)
         for side in ("a", "b"):
             x, y = getattr(r, side), getattr(first, side)
@@ -125,8 +136,15 @@ def test_results_do_not_depend_on_threads_segments_or_reads(tmp_path, monkeypatc
 
 
 def _same(x, y) -> bool:
-    return x.delta == y.delta and x.w1 == y.w1 and all(
-        (getattr(x, s).l2, getattr(x, s).mean, getattr(x, s).std) == (getattr(y, s).l2, getattr(y, s).mean, getattr(y, s).std) for s in "ab")
+    return (
+        x.delta == y.delta
+        and x.w1 == y.w1
+        and all(
+            (getattr(x, s).l2, getattr(x, s).mean, getattr(x, s).std)
+            == (getattr(y, s).l2, getattr(y, s).mean, getattr(y, s).std)
+            for s in "ab"
+        )
+    )
 
 
 def test_a_failing_read_stops_the_stream_with_its_error(tmp_path):

@@ -39,7 +39,9 @@ def assert_same(got, want, path: str = "batch") -> None:
     elif isinstance(want, np.generic):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{path}: {got!r} != {want!r}"
     elif isinstance(want, float):
-        assert struct.pack("<d", got) == struct.pack("<d", want) or (math.isnan(got) and math.isnan(want)), f"{path}: {got} != {want}"
+        assert struct.pack("<d", got) == struct.pack("<d", want) or (math.isnan(got) and math.isnan(want)), (
+            f"{path}: {got} != {want}"
+        )
     elif isinstance(want, dict):
         assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
         for k in want:
@@ -72,6 +74,8 @@ def _dense(t: torch.Tensor) -> bool:
 def _same_namedtuple(a, b) -> bool:
     """A namedtuple whose class is not importable comes back as a look-alike of the same name."""
     return (
-        hasattr(a, "_fields") and hasattr(b, "_fields")
-        and type(a).__name__ == type(b).__name__ and a._fields == b._fields
+        hasattr(a, "_fields")
+        and hasattr(b, "_fields")
+        and type(a).__name__ == type(b).__name__
+        and a._fields == b._fields
     )

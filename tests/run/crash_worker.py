@@ -46,6 +46,7 @@ SITES = ("timer", "batch-frame", "journal-frame", "ckpt-file", "ckpt-fsync", "ck
 
 # --- what is recorded: deterministic in the step number, so the test can regenerate it ---------
 
+
 def make_batch(step: int):
     """(batch, sample_ids) of step `step`: a nested batch of many dtypes, derived from `step` only."""
     g = torch.Generator().manual_seed(step)
@@ -78,6 +79,7 @@ def step(model, optimizer, batch):
 
 
 # --- the child -----------------------------------------------------------------------------
+
 
 def _say(line: str) -> None:
     os.write(1, (line + "\n").encode())
@@ -151,6 +153,7 @@ def _arm(site: str, rng: random.Random) -> None:
 
         os.rename = dying_rename
     elif site == "retention":  # half-way through deleting a checkpoint folder
+
         def dying_remove(path):
             if due():
                 doomed = path.with_name(f".deleting-{path.name}-0")
@@ -168,7 +171,9 @@ def _arm(site: str, rng: random.Random) -> None:
 def _child(run_dir: str, seed: int, site: str) -> None:
     _arm(site, random.Random(seed))
     model, opt = build()
-    rec = Recorder(run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=CKPT_EVERY, keep_last=KEEP_LAST, resume=True)
+    rec = Recorder(
+        run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=CKPT_EVERY, keep_last=KEEP_LAST, resume=True
+    )
     _say(f"ready {rec.next_step}")
     for _ in range(STEPS):
         n = rec.next_step

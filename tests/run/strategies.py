@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 
 Pair = namedtuple("Pair", "first second")  # importable: it must come back as this very class
 
-TORCH_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64, torch.int32, torch.uint8]
+TORCH_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.bool,
+    torch.float64,
+    torch.int32,
+    torch.uint8,
+]
 NUMPY_DTYPES = ["<f4", "<f8", "<f2", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "|b1", ">i4", ">f8"]
 
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3)

@@ -48,6 +48,7 @@ def segment(run_dir, folder="batches/rank0", i=0) -> Path:
 
 # --- not a run, newer format ---------------------------------------------------------------------
 
+
 def test_not_a_run(tmp_path):
     with pytest.raises(NotARunError, match="no such directory"):
         ckptlab.open_run(tmp_path / "nope")
@@ -67,7 +68,9 @@ def test_a_run_from_a_newer_format_is_refused_untouched(run_dir):
     manifest["format_version"] = 2
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-    with pytest.raises(FormatVersionError, match=r"newer ckptlab \(run format 2; this ckptlab reads up to 1\).*upgrade"):
+    with pytest.raises(
+        FormatVersionError, match=r"newer ckptlab \(run format 2; this ckptlab reads up to 1\).*upgrade"
+    ):
         ckptlab.open_run(run_dir)
     model, opt = models.build_mlp()
     with pytest.raises(FormatVersionError):
@@ -76,6 +79,7 @@ def test_a_run_from_a_newer_format_is_refused_untouched(run_dir):
 
 
 # --- corrupt and truncated files -----------------------------------------------------------------
+
 
 def test_a_corrupt_batch_frame_fails_only_its_own_step(run_dir):
     batches = record(run_dir, 6, ckpt_every=100)
@@ -90,7 +94,9 @@ def test_a_corrupt_batch_frame_fails_only_its_own_step(run_dir):
     with pytest.raises(CorruptFileError, match=rf"{path}: frame for step 2 at byte \d+ fails its CRC"):
         run.batch(2)
     assert_intact(run_dir, batches, [0, 1, 3, 4, 5])
-    assert run.verify_logs() == [f"{path}: frame for step 2 at byte {ref.offset - 24} fails its CRC, with intact frames after it (corrupt file)"]
+    assert run.verify_logs() == [
+        f"{path}: frame for step 2 at byte {ref.offset - 24} fails its CRC, with intact frames after it (corrupt file)"
+    ]
 
 
 def test_a_truncated_closed_segment_is_damage_not_a_torn_tail(run_dir):
@@ -159,6 +165,7 @@ def test_resuming_from_a_tampered_checkpoint_is_refused(run_dir):
 
 # --- a full disk ---------------------------------------------------------------------------------
 
+
 class DiskFills:
     """os.write into `folder` writes part of its data, then fails with ENOSPC (as a full disk does)."""
 
@@ -181,7 +188,9 @@ class DiskFills:
 def test_full_disk_stops_the_recording_with_a_clear_error(run_dir, monkeypatch, folder):
     batches = list(models.mlp_batches(10))
     model, opt = models.build_mlp()
-    rec = ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=3, keep_last=0)
+    rec = ckptlab.Recorder(
+        run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=3, keep_last=0
+    )
     for batch, ids in batches[:4]:
         rec.step(batch, sample_ids=ids)
     with monkeypatch.context() as m:
@@ -210,7 +219,17 @@ def test_full_disk_stops_the_recording_with_a_clear_error(run_dir, monkeypatch, 
 
 def resume_mlp(run_dir, **kw):
     model, opt = models.build_mlp()
-    return ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, resume=True, ckpt_every=3, keep_last=0, **kw)
+    return ckptlab.Recorder(
+        run_dir,
+        model,
+        opt,
+        step_fn=models.step_mlp,
+        build_fn=models.build_mlp,
+        resume=True,
+        ckpt_every=3,
+        keep_last=0,
+        **kw,
+    )
 
 
 def test_full_disk_while_writing_the_manifest(run_dir, monkeypatch):
@@ -273,8 +292,14 @@ def big_batches(n: int):
 @pytest.mark.parametrize("wide, what", [(False, "writing step"), (True, "writing checkpoint 0")])
 def test_a_real_file_size_limit_during_recording(run_dir, wide, what):
     code = f"from tests.run.test_bad_input import *; record_under_a_file_size_limit({str(run_dir)!r}, 400_000, {wide})"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert f"file too large (a file size limit was hit) while {what}" in out["error"]
@@ -291,7 +316,9 @@ def test_a_real_file_size_limit_during_recording(run_dir, wide, what):
     with contextlib.ExitStack() as stack:
         if wide:  # no checkpoint survived: the resumed session says its model is the new start
             stack.enter_context(pytest.warns(UserWarning, match="resuming a run that has no checkpoint"))
-        rec = stack.enter_context(ckptlab.Recorder(run_dir, model, opt, step_fn=step, build_fn=build, resume=True, ckpt_every=1000))
+        rec = stack.enter_context(
+            ckptlab.Recorder(run_dir, model, opt, step_fn=step, build_fn=build, resume=True, ckpt_every=1000)
+        )
         first = rec.next_step
         assert first == len(returned)  # the failed step left no complete record
         for batch, ids in batches[first : first + 3]:

@@ -61,8 +61,9 @@ def test_training_state_round_trips_exactly(run_dir, with_scaler):
     step_fn = step_scaled if with_scaler else step_noisy
     random.seed(1)
     np.random.seed(1)
-    with ckptlab.Recorder(run_dir, model, opt, step_fn=step_fn, build_fn=build_noisy, scheduler=sched,
-                          scaler=SCALER[0], ckpt_every=5) as rec:
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=step_fn, build_fn=build_noisy, scheduler=sched, scaler=SCALER[0], ckpt_every=5
+    ) as rec:
         losses = [rec.step(b).item() for b, _ in batches]
     final = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": capture_rng()}
     if with_scaler:

@@ -38,7 +38,11 @@ def test_batch_record_round_trips_bit_exact(batch, ids):
 
 
 def test_nan_payloads_and_signed_zeros_survive():
-    f32 = torch.tensor([0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 1], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f32 = (
+        torch.tensor([0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 1], dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     bf16 = torch.tensor([0x7FC1, -1, 0x0001, -32768], dtype=torch.int16).view(torch.bfloat16)
     f16 = torch.tensor([0x7E01, 0xFC00 - 65536, 0x8000 - 65536], dtype=torch.int16).view(torch.float16)
     arr = np.array([0x7FF8000000000001, -1], dtype=np.int64).view(np.float64)

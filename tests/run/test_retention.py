@@ -22,8 +22,16 @@ def test_storage_is_bounded_by_keep_last(run_dir):
     batches = list(models.lm_batches(80))
     built = models.build_lm()
     sizes = {}
-    with ckptlab.Recorder(run_dir, built[0], built[1], step_fn=models.step_lm, build_fn=models.build_lm,
-                          scheduler=built[2], ckpt_every=5, keep_last=2) as rec:
+    with ckptlab.Recorder(
+        run_dir,
+        built[0],
+        built[1],
+        step_fn=models.step_lm,
+        build_fn=models.build_lm,
+        scheduler=built[2],
+        ckpt_every=5,
+        keep_last=2,
+    ) as rec:
         for n, (batch, ids) in enumerate(batches):
             rec.step(batch, sample_ids=ids)
             if n in (39, 79):
@@ -54,8 +62,16 @@ def test_best_and_last_healthy_survive_and_the_anomaly_stays_replayable(run_dir)
     def validate(i, model):
         return {"val_loss": val[i]} if i in val else None
 
-    losses = models.record_run(run_dir, models.build_mlp, models.step_mlp, batches, ckpt_every=5, keep_last=2,
-                               on_nonfinite="record", validate=validate)
+    losses = models.record_run(
+        run_dir,
+        models.build_mlp,
+        models.step_mlp,
+        batches,
+        ckpt_every=5,
+        keep_last=2,
+        on_nonfinite="record",
+        validate=validate,
+    )
     run = ckptlab.open_run(run_dir)
     assert run.checkpoints == [10, 20, 50, 55]  # best, last healthy before step 23, the last two
     assert run.checkpoint(10).reason == "best" and run.checkpoint(10).commit["validation"] == {"val_loss": 0.5}
