@@ -24,6 +24,7 @@ from ckptlab.errors import (  # noqa: E402 - light, no torch
     RecordError,
     ReplayError,
     UnsafeFileError,
+    UntrustedCodeError,
 )
 
 _LAZY = {
@@ -46,6 +47,7 @@ __all__ = [
     "RecordError",
     "ReplayError",
     "UnsafeFileError",
+    "UntrustedCodeError",
     *_LAZY,
 ]
 

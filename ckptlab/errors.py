@@ -60,6 +60,10 @@ class ReplayError(CkptlabError):
     """A replay cannot start or continue (missing step, pruned batches, changed model...)."""
 
 
+class UntrustedCodeError(ReplayError):
+    """A run names code that is not the user's own, unchanged: it is not run without opt-in."""
+
+
 class NonFiniteLoss(ArithmeticError):
     """Raised by `Recorder.step` after it recorded a step whose loss is NaN or infinite."""
 

@@ -81,8 +81,10 @@ def test_missing_build_module_says_what_to_do(tmp_path, run_dir):
     models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
     (tmp_path / "ckl_user_gone.py").unlink()
     sys.modules.pop("ckl_user_gone")
-    with pytest.raises(ckptlab.ReplayError, match="cannot import ckl_user_gone"):
+    with pytest.raises(ckptlab.UntrustedCodeError, match="ckl_user_gone.py, is not on this machine.*--trust-run-code"):
         ckptlab.replay(run_dir, 5)
+    with pytest.raises(ckptlab.ReplayError, match="cannot import ckl_user_gone"):
+        ckptlab.replay(run_dir, 5, trust_code=True)  # trusted, but nothing to import it from
 
 
 def test_model_that_no_longer_matches_the_checkpoint(tmp_path, run_dir):
@@ -90,7 +92,7 @@ def test_model_that_no_longer_matches_the_checkpoint(tmp_path, run_dir):
     models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
     _user_module(tmp_path, "ckl_user_changed", hidden=32)  # the code moved on
     with pytest.raises(ckptlab.ReplayError, match="does not fit the model.*shape"):
-        ckptlab.replay(run_dir, 5)
+        ckptlab.replay(run_dir, 5, trust_code=True)
 
 
 def test_changed_source_is_reported(tmp_path, run_dir):
@@ -98,7 +100,9 @@ def test_changed_source_is_reported(tmp_path, run_dir):
     models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
     path = tmp_path / "ckl_user_edited.py"
     path.write_text(path.read_text() + "\n# an edit\n")
-    report = ckptlab.replay(run_dir, 5)
+    with pytest.raises(ckptlab.UntrustedCodeError, match="changed since recording"):
+        ckptlab.replay(run_dir, 5)  # edited code is not the code that was recorded: opt in to run it
+    report = ckptlab.replay(run_dir, 5, trust_code=True)
     assert any("source changed" in n for n in report.notes)
     assert report.deterministic  # the edit was harmless
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import click
@@ -12,6 +13,19 @@ from ckptlab.errors import NotARunError
 RUN_HELP = "Run directory (default: $CKPTLAB_RUN, else the most recently written run under ./runs/)."
 
 run_option = click.option("--run", "run_dir", type=click.Path(path_type=Path), default=None, help=RUN_HELP)
+# The opt-in of training/userfns.py's trust rule (the flag and variable are named there too).
+trust_option = click.option(
+    "--trust-run-code",
+    "trust_code",
+    is_flag=True,
+    envvar="CKPTLAB_TRUST_RUN_CODE",
+    help="Run the run's recorded build_fn/step_fn even when they are not your own unchanged files "
+    "(missing here, edited since recording, or only inside the run). Also: CKPTLAB_TRUST_RUN_CODE=1.",
+)
+# A run written more than this far in the future (a downloaded run's clock) is never picked
+# as the latest one under ./runs.
+FUTURE_SLACK_S = 60.0
+
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON document on stdout (notes go to stderr)."
 )
@@ -28,6 +42,11 @@ def find_run(run_dir: Path | None, term) -> Path:
 
     root = Path("runs")
     candidates = [d for d in root.iterdir() if is_run(d)] if root.is_dir() else []
+    now = time.time()
+    future = [d for d in candidates if last_written(d) > now + FUTURE_SLACK_S]
+    for d in future:
+        term.warn(f"ignoring {d}: written in the future (its files' times are after now); pass --run to use it")
+    candidates = [d for d in candidates if d not in future]
     if not candidates:
         raise NotARunError("no run given and none found under ./runs", hint="pass --run DIR or set CKPTLAB_RUN")
     newest = max(candidates, key=last_written)

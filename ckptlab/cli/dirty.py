@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import find_run, json_option, run_option, trust_option
 
 
 @click.command("dirty")
@@ -47,6 +47,7 @@ from ckptlab.cli.common import find_run, json_option, run_option
 @click.option(
     "--no-skip-batches", is_flag=True, help="Leave whole spike batches without a row to blame out of the skip list."
 )
+@trust_option
 def command(
     run_dir,
     as_json,
@@ -62,6 +63,7 @@ def command(
     pad_id,
     vocab_size,
     no_skip_batches,
+    trust_code,
 ) -> None:
     """Scan every retained batch for dirty data, and the step health for spikes.
 
@@ -90,11 +92,12 @@ def command(
         extreme_z=extreme_z if extreme_z is not None else rules.extreme_z,
     )
     info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
-    attribute_rows, unavailable = _attribution() if attribute else (None, None)
+    attribute_rows, unavailable = _attribution(run, trust_code) if attribute else (None, None)
     with term.progress("scanning batches", total=len(run.steps)) as update:
         report = scan(run, rules, attribute=attribute_rows, data_info=info, progress=update)
     if unavailable and any(f["batch"] == "retained" for f in report.steps):  # else nothing to attribute
         report.attribution = {"status": "unavailable", "note": unavailable, "steps": []}
+        term.warn(f"attribution skipped: {unavailable}")
     if no_skip_batches:
         report.skip_ids = skip_ids(report, whole_batches=False)
     if out_path is not None:
@@ -108,13 +111,24 @@ def command(
         term.warn(p)
 
 
-def _attribution():
-    """(replay's per-row attribution, None), or (None, why it cannot be had here)."""
+def _attribution(run, trust_code: bool):
+    """(replay's per-row attribution, None), or (None, why it cannot be had here): replay is
+    missing, or the run's build_fn/step_fn are not code it may run (training/userfns.py)."""
+    import functools
+
+    from ckptlab.errors import UntrustedCodeError
+
     try:
         from ckptlab.replayer import attribute_rows
+        from ckptlab.training.userfns import trusted_file
     except ImportError as e:
         return None, f"replay attribution is not available ({e})"
-    return attribute_rows, None
+    try:
+        for role, desc in run.manifest.get("functions", {}).items():
+            trusted_file(desc, role, run.path, trust=trust_code)
+    except UntrustedCodeError as e:
+        return None, str(e)
+    return functools.partial(attribute_rows, trust_code=trust_code), None
 
 
 def _rule(rule, z, window, ratio):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import find_run, json_option, run_option, trust_option
 
 
 @click.command("export")
@@ -24,8 +24,9 @@ from ckptlab.cli.common import find_run, json_option, run_option
     show_default=True,
     help="Histogram each checkpoint's gradients by replaying the step that starts there (runs your recorded build_fn/step_fn).",
 )
+@trust_option
 @json_option
-def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
+def command(run_dir, tb_dir: Path, grads: bool, trust_code: bool, as_json: bool) -> None:
     """Export the run's health as TensorBoard event files.
 
     \b
@@ -36,17 +37,18 @@ def command(run_dir, tb_dir: Path, grads: bool, as_json: bool) -> None:
     Needs the tensorboard package: pip install 'ckptlab[tensorboard]'.
     """
     from ckptlab.render.console import Terminal
-    from ckptlab.render.tensorboard import write_tensorboard
+    from ckptlab.render.tensorboard import require_tensorboard, write_tensorboard
     from ckptlab.run.reader import open_run
 
     term = Terminal(json_mode=as_json)
+    require_tensorboard()  # before anything runs: a missing extra is one line, not a late failure
     run = open_run(find_run(run_dir, term))
     gradients = None
     if grads:
         from ckptlab.replayer.driver import Replayer
         from ckptlab.replayer.gradients import checkpoint_gradients
 
-        replayer = Replayer(run)
+        replayer = Replayer(run, trust_code=trust_code)
         gradients = lambda step: checkpoint_gradients(run, step, replayer=replayer)  # noqa: E731
     with term.progress("exporting checkpoints", total=len(run.checkpoints)) as advance:
         summary = write_tensorboard(run, tb_dir, gradients=gradients, progress=advance)

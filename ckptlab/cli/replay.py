@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import find_run, json_option, run_option, trust_option
 
 
 @click.command("replay")
@@ -32,6 +32,7 @@ from ckptlab.cli.common import find_run, json_option, run_option
     default=None,
     help="Distributed runs: replay only this rank's micro-batches in one process (a quick look, not bit-exact).",
 )
+@trust_option
 @click.option("--no-trace", is_flag=True, help="Skip the per-op trace of the root step.")
 @click.option(
     "--no-counterfactuals",
@@ -39,7 +40,16 @@ from ckptlab.cli.common import find_run, json_option, run_option
     help="Skip the counterfactual re-runs (without the blamed rows; from an older state).",
 )
 def command(
-    run_dir, step: int, as_json: bool, device, from_step, nproc, rank, no_trace: bool, no_counterfactuals: bool
+    run_dir,
+    step: int,
+    as_json: bool,
+    device,
+    from_step,
+    nproc,
+    rank,
+    trust_code: bool,
+    no_trace: bool,
+    no_counterfactuals: bool,
 ) -> None:
     """Replay a recorded step and explain what went wrong.
 
@@ -51,7 +61,9 @@ def command(
     A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
     the CPU, NCCL on GPUs) and names the rank the fault came in on.
 
-    This imports and runs the run's recorded build_fn/step_fn (your code), nothing else.
+    This imports and runs the run's recorded build_fn/step_fn, and nothing else, only when
+    they are your own files, unchanged since recording (it says which file runs); anything
+    else needs --trust-run-code.
     """
     from ckptlab.render.console import Terminal
     from ckptlab.render.replay import render
@@ -70,6 +82,7 @@ def command(
             counterfactuals=not no_counterfactuals,
             rank=rank,
             nproc=nproc,
+            trust_code=trust_code,
             log=lambda msg: update(description=msg),
             progress=lambda done, total: update(done, total=total),
         )

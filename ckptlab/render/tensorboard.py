@@ -49,14 +49,20 @@ class ExportSummary:
     notes: list[str] = field(default_factory=list)
 
 
-def summary_writer(logdir: str | os.PathLike):
-    """A SummaryWriter on a folder that holds no event files yet (TensorBoard would merge them)."""
+def require_tensorboard():
+    """torch's SummaryWriter; CkptlabError naming the extra to install when it is missing."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise CkptlabError(
             "exporting to TensorBoard needs the tensorboard package", hint="pip install 'ckptlab[tensorboard]'"
         ) from None
+    return SummaryWriter
+
+
+def summary_writer(logdir: str | os.PathLike):
+    """A SummaryWriter on a folder that holds no event files yet (TensorBoard would merge them)."""
+    SummaryWriter = require_tensorboard()  # noqa: N806 - a class
     logdir = Path(logdir)
     if logdir.exists() and (
         not logdir.is_dir() or any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())

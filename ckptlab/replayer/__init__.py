@@ -72,13 +72,16 @@ def replay(
     progress: Callable[[int, int], None] | None = None,
     rank: int | None = None,
     nproc: int | None = None,
+    trust_code: bool = False,
 ) -> ReplayReport:
     """Replay `step` of `run` and explain it. See the module docstring.
 
     A distributed run replays on as many processes as it was recorded with (`nproc`, if
     given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
     process: a quick look, not bit-exact (the other ranks' gradients are missing).
-    `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps."""
+    `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps.
+    The recorded build_fn/step_fn run only when they are your own code, unchanged since
+    recording; `trust_code=True` (or CKPTLAB_TRUST_RUN_CODE=1) runs them anyway."""
     run = open_run(run) if not isinstance(run, Run) else run
     saved_env = capture_env()
     try:
@@ -92,11 +95,14 @@ def replay(
                 counterfactuals=counterfactuals,
                 log=log,
                 nproc=nproc,
+                trust_code=trust_code,
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
         with solo_world(run.world_size > 1):
-            inv = Investigation(run, step, device=device, from_step=from_step, log=log, rank=rank or 0)
+            inv = Investigation(
+                run, step, device=device, from_step=from_step, log=log, rank=rank or 0, trust_code=trust_code
+            )
             if progress is not None:
                 inv.progress = progress
             if run.world_size > 1:
@@ -109,7 +115,9 @@ def replay(
         apply_env(saved_env)
 
 
-def attribute_rows(run: Run | str | Path, step: int, *, device: str | None = None, rank: int = 0) -> list[SampleBlame]:
+def attribute_rows(
+    run: Run | str | Path, step: int, *, device: str | None = None, rank: int = 0, trust_code: bool = False
+) -> list[SampleBlame]:
     """Per-row loss and gradient norm of one recorded step, replayed from the state it started
     in; rows ranked by gradient norm (the row that dominates the update first). For a
     distributed run, rank `rank`'s micro-batch, replayed in this one process (approximate).
@@ -118,7 +126,7 @@ def attribute_rows(run: Run | str | Path, step: int, *, device: str | None = Non
     saved = capture_env()
     try:
         with solo_world(run.world_size > 1):
-            inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank)
+            inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code)
             blame = Blame(inv, inv.root_at(step))
             try:
                 rows = blame.per_row()

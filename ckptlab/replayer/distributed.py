@@ -25,7 +25,9 @@ from ckptlab.run.reader import Run, open_run
 from ckptlab.training.world import solo_world
 
 
-def replay_distributed(run: Run, step: int, *, device, from_step, trace, counterfactuals, log, nproc) -> ReplayReport:
+def replay_distributed(
+    run: Run, step: int, *, device, from_step, trace, counterfactuals, log, nproc, trust_code: bool = False
+) -> ReplayReport:
     """Replay on the recorded world size (one process per rank, gloo on the CPU, NCCL on GPUs),
     then explain the root step in this process, on the rank whose batch brought the fault."""
     import tempfile
@@ -35,7 +37,7 @@ def replay_distributed(run: Run, step: int, *, device, from_step, trace, counter
         raise ReplayError(f"the run was recorded on {world} processes; --nproc {nproc} does not match", path=run.path)
     log = log or (lambda msg: None)
     with solo_world(True):
-        plan = Investigation(run, step, device=device, from_step=from_step, log=log).plan()
+        plan = Investigation(run, step, device=device, from_step=from_step, log=log, trust_code=trust_code).plan()
     k = plan.start
     for r in range(1, world):
         missing = sorted(set(range(k, step + 1)) - set(run.steps_of(r)))
@@ -46,11 +48,11 @@ def replay_distributed(run: Run, step: int, *, device, from_step, trace, counter
             )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
-        result, snapshot = _replay_on_ranks(run, step, plan, Path(tmp), device, log)
+        result, snapshot = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code)
     checks = [StepCheck(**c) for c in result["checks"]]
     root, faulty = result["root"], result["rank"]
     with solo_world(True):
-        inv = Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0)
+        inv = Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0, trust_code=trust_code)
         inv.timing["replay_s"] = time.perf_counter() - t0
         inv.replayer.notes.extend(result["notes"])
         window = Window(k, checks, root)
@@ -60,7 +62,7 @@ def replay_distributed(run: Run, step: int, *, device, from_step, trace, counter
         return inv.report(plan, window, trace=trace, counterfactuals=counterfactuals, rank=faulty)
 
 
-def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log) -> tuple[dict, object]:
+def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool) -> tuple[dict, object]:
     """Spawn one process per rank to replay plan.start..step; their result and the state the
     root step started in (read back into memory before `out` goes away)."""
     import json
@@ -77,7 +79,7 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log) -> tuple
     try:
         mp.start_processes(
             _rank_worker,
-            args=(world, port, backend, str(run.path), step, k, max(k, plan.episode - 2), str(out), device),
+            args=(world, port, backend, str(run.path), step, k, max(k, plan.episode - 2), str(out), device, trust_code),
             nprocs=world,
             start_method="spawn",
         )
@@ -91,7 +93,17 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log) -> tuple
 
 
 def _rank_worker(
-    rank: int, world: int, port: int, backend: str, run_path: str, step: int, k: int, snap_from: int, out: str, device
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    run_path: str,
+    step: int,
+    k: int,
+    snap_from: int,
+    out: str,
+    device,
+    trust_code: bool,
 ) -> None:
     """One rank of a distributed replay (a spawned process)."""
     import dataclasses
@@ -108,7 +120,7 @@ def _rank_worker(
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         run = open_run(run_path)
-        inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank)
+        inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
         window = inv.replay_window(k, snap_from)
         checks, root = window.checks, window.root
         # Decided on what every rank knows alike (sharded snapshots live on rank 0 only, so

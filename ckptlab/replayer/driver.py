@@ -29,9 +29,20 @@ from ckptlab.training.world import World
 
 
 class Replayer:
-    """Rebuilds and drives the recorded training; knows nothing about verdicts."""
+    """Rebuilds and drives the recorded training; knows nothing about verdicts.
 
-    def __init__(self, run: Run, *, device: str | None = None, log: Callable[[str], None] | None = None, rank: int = 0):
+    Imports the recorded build_fn/step_fn only when they are the user's own code, unchanged
+    since recording, or with `trust_code=True` (training/userfns.py: `trusted_file`)."""
+
+    def __init__(
+        self,
+        run: Run,
+        *,
+        device: str | None = None,
+        log: Callable[[str], None] | None = None,
+        rank: int = 0,
+        trust_code: bool = False,
+    ):
         self.run = run
         self.rank = rank  # whose batches (and RNG states) to replay
         self.world: World | None = None
@@ -57,8 +68,8 @@ class Replayer:
             if source_changed(desc, run.path):
                 self.notes.append(f"{role} source changed since recording ({desc.get('file')}); replay may not match")
         with user_output():
-            self.build_fn = userfns.load(fns["build_fn"], "build_fn", run.path)
-            self.step_fn = userfns.load(fns["step_fn"], "step_fn", run.path)
+            self.build_fn = userfns.load(fns["build_fn"], "build_fn", run.path, trust=trust_code)
+            self.step_fn = userfns.load(fns["step_fn"], "step_fn", run.path, trust=trust_code)
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))

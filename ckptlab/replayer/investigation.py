@@ -53,7 +53,7 @@ class Window:
 class Investigation:
     """One replay of one requested step: plan the window, replay it, judge it, explain it."""
 
-    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0):
+    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0, trust_code: bool = False):
         self.run, self.step, self.from_step = run, step, from_step
         self.log = log or (lambda msg: None)
         self.progress: Callable[[int, int], None] = lambda done, total: None
@@ -62,7 +62,7 @@ class Investigation:
         self.metrics = run.metrics()
         if self.metrics.index(step) is None and step not in run.steps:
             raise ReplayError(run.missing_step(step), path=run.path)
-        self.replayer = Replayer(run, device=device, log=self.log, rank=rank)
+        self.replayer = Replayer(run, device=device, log=self.log, rank=rank, trust_code=trust_code)
         self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
 
     # 1. where to start -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import socket
 import sys
@@ -87,12 +88,34 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
 # --- the recorded build_fn / step_fn (recorded and imported by training/userfns.py) ---------------
 
 
+def file_candidates(desc: dict, run_dir: Path) -> list[Path]:
+    """Where a recorded function's file may be now, most likely first: its recorded absolute
+    path; the same place under the current directory as under the recorded working directory
+    (a moved project, run from its root); the recorded path relative to the run directory
+    (project and runs moved together). Never a file inside the run directory: a run is data,
+    and code that came inside one is not the user's own (see training/userfns.py)."""
+    out = []
+    if desc.get("file"):
+        out.append(Path(desc["file"]))
+        if desc.get("cwd"):
+            rel = os.path.relpath(desc["file"], desc["cwd"])
+            if not rel.startswith(os.pardir):
+                out.append(Path.cwd() / rel)
+    if desc.get("file_rel"):
+        out.append(run_dir / desc["file_rel"])
+    return [p for p in out if not inside(p, run_dir)]
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or within it, once links and `..` are resolved."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
 def resolve_file(desc: dict, run_dir: Path) -> Path | None:
-    """Where a recorded function's file is now: its absolute path, else relative to the run
-    directory (a moved project)."""
-    for candidate in (desc.get("file"), desc.get("file_rel") and run_dir / desc["file_rel"]):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate).resolve()
+    """Where a recorded function's file is now (the first of `file_candidates` that exists)."""
+    for candidate in file_candidates(desc, run_dir):
+        if candidate.is_file():
+            return candidate.resolve()
     return None
 
 
@@ -101,4 +124,13 @@ def source_changed(desc: dict, run_dir: Path) -> bool | None:
     path = resolve_file(desc, run_dir)
     if path is None or not desc.get("sha256"):
         return None
-    return hashlib.sha256(path.read_bytes()).hexdigest() != desc["sha256"]
+    return sha256_file(path) != desc["sha256"]
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """A file's sha256, read in chunks (a file named by a manifest may be of any size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -4,7 +4,9 @@ Recording stores module, qualname, the defining file (absolute, and relative to 
 directory so a moved project still resolves), the file's sha256 and a copy of it under
 `sources/`. Replay imports the module by name, or, for a script run as `__main__`, loads the
 script file under another module name (so its `if __name__ == "__main__":` block does not
-run). Nothing else from a run directory is ever executed; see docs/run-format.md.
+run) -- only when that file is the user's own, unchanged since recording, or with an explicit
+opt-in (`trusted_file`). Nothing else from a run directory is ever executed, and the `sources/`
+copy is for reading, never imported without the opt-in; see README's Safety section.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptlab.errors import RecordError, ReplayError
+from ckptlab.errors import RecordError, ReplayError, UntrustedCodeError
 from ckptlab.run.layout import sources_dir, write_bytes_atomic
-from ckptlab.run.manifest import resolve_file
+from ckptlab.run.manifest import resolve_file, sha256_file
 
 
 def describe(fn: Callable, role: str, run_dir: Path) -> dict:
@@ -84,15 +86,78 @@ def _warn_unguarded(path: Path, source: bytes) -> None:
 
 
 _loaded_scripts: dict[Path, object] = {}
+_announced: set[tuple[str, Path]] = set()
+
+# The opt-in for running code that is not the user's own, unchanged (see `trusted_file`).
+TRUST_FLAG = "--trust-run-code"
+TRUST_ENV = "CKPTLAB_TRUST_RUN_CODE"
 
 
-def load(desc: dict, role: str, run_dir: Path) -> Callable:
-    """Import the recorded function. ReplayError says what to do when it cannot."""
+def trust_from_env() -> bool:
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[Path | None, bool]:
+    """(the file whose code `load` runs for `role`, whether it is unchanged since recording).
+
+    The trust rule: code runs when it is the user's own and unchanged -- the recorded file,
+    found outside the run directory (at its recorded path, or at the same place in the
+    current project) with the recorded sha256. Anything else (the file is missing here, was
+    edited, or exists only inside the run, like its `sources/` copy) runs only with the
+    opt-in: `trust=True` (the CLI's --trust-run-code) or CKPTLAB_TRUST_RUN_CODE=1; then the
+    file is the one found, else the run's copy of it (None for a module importable by name).
+    A run directory someone sent you is data; this keeps it from being code.
+    """
+    path, sha = resolve_file(desc, run_dir), desc.get("sha256")
+    if path is not None and sha and sha256_file(path) == sha:
+        return path, True
+    own = _ckptlab_module_file(desc.get("module"))
+    if own is not None:  # ckptlab's own step functions (integrations): the installed version
+        return own, True
+    if trust or trust_from_env():
+        return path or _copy_in_run(desc, run_dir), False
+    name = f"{role} ({desc.get('module')}.{desc.get('qualname')})"
+    if path is None:
+        why = f"the file that defined {name}, {desc.get('file')}, is not on this machine"
+    elif not sha:
+        why = f"{name} was recorded without a file hash, so {path} cannot be checked"
+    else:
+        why = f"{path}, which defines {name}, changed since recording (its sha256 differs)"
+    raise UntrustedCodeError(
+        f"{why}; ckptlab runs only your own code, unchanged since recording",
+        path=run_dir,
+        hint=f"if you trust this run's code, pass {TRUST_FLAG} or set {TRUST_ENV}=1",
+    )
+
+
+def _ckptlab_module_file(module) -> Path | None:
+    """The installed file of a ckptlab module (e.g. an integration's `training_step`), which
+    a ckptlab upgrade changes without making it anyone else's code."""
+    if not isinstance(module, str) or not module.startswith("ckptlab."):
+        return None
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    package = Path(__file__).resolve().parents[1]
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    return origin if origin is not None and origin.is_relative_to(package) else None
+
+
+def _copy_in_run(desc: dict, run_dir: Path) -> Path | None:
+    """The recorded file as the run holds it (file_rel or its `sources/` copy), if present."""
+    for rel in (desc.get("file_rel"), desc.get("source_copy")):
+        if rel and (run_dir / rel).is_file():
+            return (run_dir / rel).resolve()
+    return None
+
+
+def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> Callable:
+    """Import the recorded function (see `trusted_file` for which code may run), saying on
+    stderr which file's code it is. ReplayError says what to do when it cannot."""
     module, qualname = desc.get("module"), desc.get("qualname")
-    path = resolve_file(desc, run_dir)
-    for p in {desc.get("cwd"), str(path.parent) if path else None} - {None}:
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
+    _announce(role, path or module, unchanged)
     if module == "__main__":
         if path is None:
             raise ReplayError(
@@ -102,20 +167,64 @@ def load(desc: dict, role: str, run_dir: Path) -> Callable:
             )
         mod = _load_script(path)
     else:
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
-            raise ReplayError(
-                f"cannot import {module} for {role} ({type(e).__name__}: {e})",
-                path=run_dir,
-                hint="run replay where that module is importable (same environment and working directory)",
-            ) from None
+        mod = _import(module, path, role, run_dir, verified=unchanged, recorded_cwd=desc.get("cwd"))
     fn = _resolve(mod, qualname)
     if not callable(fn):
         raise ReplayError(
             f"{role} {module}.{qualname} no longer exists", path=run_dir, hint="restore the recorded code"
         )
     return fn
+
+
+def _announce(role: str, path, unchanged: bool) -> None:
+    if (role, path) in _announced:
+        return
+    _announced.add((role, path))
+    how = "unchanged since recording" if unchanged else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
+    print(f"ckptlab: running {role} from {path} ({how})", file=sys.stderr)
+
+
+def _import(module: str, path: Path | None, role: str, run_dir: Path, *, verified: bool, recorded_cwd: str | None):
+    """Import `module` by name so that it is the file `path`: its package root goes on
+    sys.path, never a folder the manifest names (its recorded working directory only with the
+    opt-in, when the file is not `verified`)."""
+    root = _import_root(module, path) if path is not None else None
+    extra = [] if verified or not recorded_cwd else [recorded_cwd]
+    for folder in [*extra, *([str(root)] if root is not None else [])]:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    importlib.invalidate_caches()
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise ReplayError(
+            f"cannot import {module} for {role} ({type(e).__name__}: {e})",
+            path=run_dir,
+            hint="run replay where that module is importable (same environment and working directory)",
+        ) from None
+    found = getattr(mod, "__file__", None)
+    if verified and (found is None or Path(found).resolve() != path):
+        raise UntrustedCodeError(
+            f"{module} imports from {found}, not from the recorded, unchanged {path}",
+            path=run_dir,
+            hint=f"run replay where {module} is that file, or pass {TRUST_FLAG}",
+        )
+    return mod
+
+
+def _import_root(module: str, path: Path) -> Path | None:
+    """The folder from which `module` imports as `path` (/p/pkg/mod.py for pkg.mod -> /p)."""
+    parts = module.split(".")
+    depth = len(parts) if path.name == "__init__.py" else len(parts) - 1
+    if depth >= len(path.parents):
+        return None
+    root = path.parents[depth]
+    expected = (
+        root.joinpath(*parts[:-1], parts[-1] + ".py")
+        if path.name != "__init__.py"
+        else root.joinpath(*parts, "__init__.py")
+    )
+    return root if expected == path else None
 
 
 def _load_script(path: Path):

@@ -1,0 +1,160 @@
+"""The trust rule: a run directory someone sent you is data. Its manifest names the code that
+recorded it; ckptlab runs only your own files, unchanged since recording, unless you opt in
+(--trust-run-code / CKPTLAB_TRUST_RUN_CODE=1). Never code shipped inside the run, never from
+a folder the manifest names."""
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+
+from tests import act_models as am
+from tests import models
+from tests.cli.conftest import cli  # noqa: F401 - the fixture
+
+# What a hostile run ships: importing it leaves a mark (a real exploit would do worse).
+EVIL = """
+import os, pathlib
+pathlib.Path(os.environ["CKL_TRUST_MARKER"]).write_text("ran")
+
+def build():
+    return None
+
+def step(model, optimizer, batch):
+    return None
+"""
+
+
+@pytest.fixture(scope="module")
+def spiky_run(tmp_path_factory):
+    """A real recorded run with a loss spike (so `dirty` wants to attribute a step)."""
+    path = tmp_path_factory.mktemp("trust") / "run"
+    models.record_run(path, am.build_healthy, models.step_mlp, am.spiky_regression_batches(60, 40), ckpt_every=20)
+    return path
+
+
+@pytest.fixture
+def received(spiky_run, tmp_path, monkeypatch):
+    """The run as received: its manifest points build_fn/step_fn at a module whose file is not
+    on this machine, with the evil code shipped inside the run (`sources/`) and in the folder
+    its `cwd` names."""
+    run = tmp_path / "received"
+    shutil.copytree(spiky_run, run)
+    sha = hashlib.sha256(EVIL.encode()).hexdigest()
+    (run / "sources" / f"{sha}.py").write_text(EVIL)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "ckl_evil.py").write_text(EVIL)
+    manifest = json.loads((run / "manifest.json").read_text())
+    for role, qualname in (("build_fn", "build"), ("step_fn", "step")):
+        manifest["functions"][role] = {
+            "module": "ckl_evil",
+            "qualname": qualname,
+            "file": "/nonexistent/project/ckl_evil.py",
+            "file_rel": f"sources/{sha}.py",
+            "sha256": sha,
+            "cwd": str(elsewhere),
+            "source_copy": f"sources/{sha}.py",
+        }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("CKL_TRUST_MARKER", str(marker))
+    monkeypatch.delenv("CKPTLAB_TRUST_RUN_CODE", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield run, marker, elsewhere
+    sys.modules.pop("ckl_evil", None)
+
+
+def _nothing_ran(marker, elsewhere):
+    assert not marker.exists(), "code from the run was executed"
+    assert "ckl_evil" not in sys.modules and str(elsewhere) not in sys.path
+
+
+def test_replay_refuses_code_that_came_with_the_run(cli, received):  # noqa: F811
+    run, marker, elsewhere = received
+    r = cli("replay", "--run", run, "--step", "40")
+    assert r.code == 1 and "Traceback" not in r.err
+    assert "is not on this machine" in r.err and "--trust-run-code" in r.err and "CKPTLAB_TRUST_RUN_CODE=1" in r.err
+    _nothing_ran(marker, elsewhere)
+
+
+def test_dirty_scans_but_does_not_attribute_with_code_from_the_run(cli, received):  # noqa: F811
+    run, marker, elsewhere = received
+    r = cli("dirty", "--run", run, "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["attribution"]["status"] == "unavailable" and "--trust-run-code" in doc["attribution"]["note"]
+    assert any(f["step"] == 40 for f in doc["flagged"])  # the data scans still ran
+    assert "attribution skipped" in r.err
+    _nothing_ran(marker, elsewhere)
+
+
+def test_export_with_gradients_refuses_before_running_anything(cli, received, tmp_path):  # noqa: F811
+    run, marker, elsewhere = received
+    r = cli("export", "--run", run, "--tensorboard", tmp_path / "tb")
+    assert r.code == 1 and "--trust-run-code" in r.err and "Traceback" not in r.err
+    _nothing_ran(marker, elsewhere)
+
+
+def test_info_does_not_call_a_file_inside_the_run_unchanged(cli, received):  # noqa: F811
+    run, marker, elsewhere = received
+    functions = cli("info", "--run", run, "--json", "--no-verify").json()["functions"]
+    assert functions["build_fn"]["found"] is False and functions["build_fn"]["changed"] is None
+    _nothing_ran(marker, elsewhere)
+
+
+def test_the_opt_in_runs_it_and_says_so(cli, received):  # noqa: F811
+    run, marker, _ = received
+    r = cli("replay", "--run", run, "--step", "40", "--trust-run-code")
+    assert marker.read_text() == "ran"  # the user asked for it
+    assert "NOT verified" in r.err and "build_fn must return" in r.err
+
+
+def test_your_own_unchanged_code_runs_and_is_named(cli, spiky_run, monkeypatch):  # noqa: F811
+    from ckptlab.training import userfns
+
+    monkeypatch.setattr(userfns, "_announced", set())  # said once per process: this test's turn
+    r = cli("replay", "--run", spiky_run, "--step", "3", "--json", "--no-trace", "--no-counterfactuals")
+    assert r.code == 0, r.err
+    assert f"running step_fn from {models.__file__} (unchanged since recording)" in r.err
+
+
+def test_auto_discovery_ignores_a_run_from_the_future(cli, spiky_run, tmp_path, monkeypatch):  # noqa: F811
+    runs = tmp_path / "runs"
+    shutil.copytree(spiky_run, runs / "mine")
+    shutil.copytree(spiky_run, runs / "downloaded")
+    future = time.time() + 365 * 86400
+    for root, dirs, files in os.walk(runs / "downloaded"):
+        for name in dirs + files:
+            os.utime(os.path.join(root, name), (future, future))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTLAB_RUN", raising=False)
+    r = cli("info", "--json", "--no-verify")
+    assert r.code == 0, r.err
+    assert r.json()["run"].endswith("mine") and "ignoring runs/downloaded: written in the future" in r.err
+
+
+def test_export_checks_its_optional_dependency_before_running_any_code(cli, received, tmp_path, monkeypatch):  # noqa: F811
+    run, marker, elsewhere = received
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # tensorboard not installed
+    r = cli("export", "--run", run, "--tensorboard", tmp_path / "tb", "--trust-run-code")
+    assert r.code == 1 and "needs the tensorboard package" in r.err
+    _nothing_ran(marker, elsewhere)
+
+
+def test_ckptlabs_own_step_functions_survive_an_upgrade(tmp_path):
+    """An integration's training_step lives in ckptlab: a newer ckptlab is still ckptlab's code."""
+    from ckptlab.training.userfns import trusted_file
+
+    desc = {
+        "module": "ckptlab.integrations._common",
+        "qualname": "end_step",
+        "file": "/old/site-packages/x.py",
+        "sha256": "0" * 64,
+    }
+    path, unchanged = trusted_file(desc, "step_fn", tmp_path)
+    assert unchanged and path.name == "_common.py" and path.parent.name == "integrations"
