@@ -158,3 +158,17 @@ def test_ckptlabs_own_step_functions_survive_an_upgrade(tmp_path):
     }
     path, unchanged = trusted_file(desc, "step_fn", tmp_path)
     assert unchanged and path.name == "_common.py" and path.parent.name == "integrations"
+
+
+def test_strings_from_a_run_reach_the_terminal_inert(cli, spiky_run, tmp_path):  # noqa: F811
+    """A checkpoint's reason is run data: escape sequences and rich markup are shown, not obeyed."""
+    run = tmp_path / "run"
+    shutil.copytree(spiky_run, run)
+    commit = next(run.glob("checkpoints/step-*/COMMIT.json"))
+    doc = json.loads(commit.read_text())
+    doc["reason"] = "\x1b[2J\x1b]0;owned\x07[bold red]pwned[/]"
+    commit.write_text(json.dumps(doc))
+    for args in (("info", "--no-verify"), ("rollback", "--dry-run", "--no-verify", "--before-anomaly")):
+        r = cli(*args, "--run", run)
+        assert "\x1b" not in r.out + r.err and "\x07" not in r.out + r.err
+        assert "\\x1b[2J" in r.out and "pwned[/]" in r.out  # shown as typed (the table may wrap it)

@@ -89,9 +89,9 @@ class Terminal:
 
 
 def _escape(text: str) -> str:
-    from rich.markup import escape
+    from ckptlab.render.text import safe
 
-    return escape(str(text))
+    return safe(text)
 
 
 __all__ = ["Terminal", "json"]

@@ -13,7 +13,7 @@ import numpy as np
 
 from ckptlab.analysis.diff import UNFLAGGED, DiffFindings, TensorFinding, short_number
 from ckptlab.errors import CkptlabError
-from ckptlab.render.text import human_bytes
+from ckptlab.render.text import human_bytes, safe
 from ckptlab.stats import DECADES, HIST_EDGES
 
 TIER_STYLE = {0: "bold red", 1: "red", 2: "yellow", 3: "magenta", 4: "cyan"}
@@ -267,6 +267,5 @@ def _n(x: float | None) -> str:
 
 
 def _esc(text) -> str:
-    from rich.markup import escape
 
-    return escape(str(text))
+    return safe(str(text))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
 from rich.table import Table
+
+from ckptlab.render.text import safe
 
 
 def render(r, term, top: int) -> None:
@@ -14,7 +15,7 @@ def render(r, term, top: int) -> None:
         f"at {s['batches_per_s'] or 0:.0f} batches/s"
     )
     term.print(
-        f"data       fields {', '.join(s['fields']) or '-'}; pad id {_src(info['pad_id'], info['pad_source'])}; "
+        f"data       fields {safe(', '.join(s['fields'])) or '-'}; pad id {_src(info['pad_id'], info['pad_source'])}; "
         f"vocab size {_src(info['vocab_size'], info['vocab_source'])}"
     )
     a = r.attribution
@@ -37,14 +38,14 @@ def render(r, term, top: int) -> None:
                 str(row.step),
                 *rank,
                 "-" if row.row is None else str(row.row),
-                "-" if row.sample_id is None else escape(repr(row.sample_id)),
+                "-" if row.sample_id is None else safe(repr(row.sample_id)),
                 row.reason,
-                escape(_evidence(row.evidence)),
+                safe(_evidence(row.evidence)),
             )
         term.print(table)
     for note in r.notes:
         term.note(note)
-    term.print(f"[bold]verdict:[/bold] {escape(r.verdict)}")
+    term.print(f"[bold]verdict:[/bold] {safe(r.verdict)}")
 
 
 def _src(value, source) -> str:

@@ -6,14 +6,14 @@ import time
 
 from rich.table import Table
 
-from ckptlab.render.text import human_bytes
+from ckptlab.render.text import human_bytes, safe
 
 
 def render(s, term) -> None:
     st = s.steps
     term.print(
-        f"[bold]{s.run}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
-        f"torch {s.versions.get('torch')}, {s.device})"
+        f"[bold]{safe(s.run)}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
+        f"torch {safe(s.versions.get('torch'))}, {safe(s.device)})"
     )
     if st["recorded"]:
         term.print(
@@ -47,12 +47,12 @@ def render(s, term) -> None:
         integrity = (
             "[green]ok[/green]"
             if c.verified
-            else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {c.problem}")
+            else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {safe(c.problem)}")
         )
-        val = ", ".join(f"{k}={v:.4g}" for k, v in (c.validation or {}).items())
+        val = safe(", ".join(f"{k}={v:.4g}" for k, v in (c.validation or {}).items()))
         table.add_row(
             str(c.step),
-            c.reason,
+            safe(c.reason),
             human_bytes(c.bytes),
             integrity,
             "healthy" if c.healthy else "[yellow]after anomaly[/yellow]",
@@ -62,9 +62,9 @@ def render(s, term) -> None:
 
     if s.anomalies:
         first = s.anomalies[0]
-        term.print(f"[red]anomalies[/red]  {len(s.anomalies)}, first at step {first['step']} ({first['kind']})")
+        term.print(f"[red]anomalies[/red]  {len(s.anomalies)}, first at step {first['step']} ({safe(first['kind'])})")
         for e in s.anomalies[:10]:
-            term.print(f"  step {e['step']:>8}  {e['kind']:<18} {_fmt_value(e.get('value'))}")
+            term.print(f"  step {e['step']:>8}  {safe(e['kind']):<18} {safe(_fmt_value(e.get('value')))}")
         if len(s.anomalies) > 10:
             term.print(f"  ... {len(s.anomalies) - 10} more (--json lists all)")
     else:
@@ -74,7 +74,7 @@ def render(s, term) -> None:
         best = v["best"]
         term.print(
             f"validation {v['count']} points"
-            + (f"; best {v['metric']}={best['value']:.6g} at step {best['step']}" if best else "")
+            + (f"; best {safe(v['metric'])}={best['value']:.6g} at step {best['step']}" if best else "")
         )
     d = s.disk
     term.print(
@@ -90,7 +90,7 @@ def render(s, term) -> None:
             if f["changed"]
             else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
         )
-        term.print(f"{role:<10} {f['name']}  ({f['file']}: {state})")
+        term.print(f"{safe(role):<10} {safe(f['name'])}  ({safe(f['file'])}: {state})")
     for p in s.problems:
         if p not in s.damaged[:1]:  # the first damage is the error line `command` ends with
             term.warn(p)

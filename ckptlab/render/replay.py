@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from rich.markup import escape
 from rich.table import Table
+
+from ckptlab.render.text import safe
 
 
 def _num(x) -> str:
@@ -18,7 +19,7 @@ def _num(x) -> str:
 
 def render(r, term) -> None:
     colour = "red" if r.reproduced else ("yellow" if r.fault_recorded else "green")
-    term.print(f"[bold {colour}]{escape(r.verdict)}[/]")
+    term.print(f"[bold {colour}]{safe(r.verdict)}[/]")
     term.print()
     matched = sum(1 for c in r.steps if c.match)
     det = (
@@ -39,21 +40,21 @@ def render(r, term) -> None:
         where = " ".join(
             x
             for x in (
-                f"module [bold]{escape(o.module or '<root>')}[/bold]" if o.module is not None else "",
-                f"op [bold]{escape(o.op)}[/bold]" if o.op else "",
-                f"at {escape(o.source)}" if o.source else "",
-                f"parameter [bold]{escape(o.parameter)}[/bold]" if o.parameter else "",
+                f"module [bold]{safe(o.module or '<root>')}[/bold]" if o.module is not None else "",
+                f"op [bold]{safe(o.op)}[/bold]" if o.op else "",
+                f"at {safe(o.source)}" if o.source else "",
+                f"parameter [bold]{safe(o.parameter)}[/bold]" if o.parameter else "",
             )
             if x
         )
         term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}) {where}")
         if o.detail:
-            term.print(f"           {escape(o.detail)}")
+            term.print(f"           {safe(o.detail)}")
     if r.chain:
         term.print(
             "op chain   "
             + " -> ".join(
-                escape(
+                safe(
                     f"{c['module'] or '<root>' if c['module'] is not None else '<step_fn>'}:{c['op'].removeprefix('aten.')}"
                 )
                 for c in r.chain
@@ -64,7 +65,7 @@ def render(r, term) -> None:
         for col in ("row", "sample_id", "loss", "grad norm", "why"):
             t.add_column(col)
         for s in r.samples[:16]:
-            t.add_row(str(s.row), escape(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), escape(s.reason))
+            t.add_row(str(s.row), safe(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), safe(s.reason))
         term.print(t)
     if r.parameters:
         nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
@@ -72,7 +73,7 @@ def render(r, term) -> None:
             # A NaN from the forward pass poisons every gradient: the list says nothing more.
             term.print(
                 f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
-                f"e.g. {escape(', '.join(p.name for p in nonfinite[:3]))}"
+                f"e.g. {safe(', '.join(p.name for p in nonfinite[:3]))}"
             )
         else:
             t = Table(title="parameters", title_justify="left", show_edge=False)
@@ -81,11 +82,11 @@ def render(r, term) -> None:
                 t.add_column(col)
             for p in r.parameters[:8]:
                 t.add_row(
-                    escape(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), escape(p.reason)
+                    safe(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), safe(p.reason)
                 )
             if len(r.parameters) > 8:
                 t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
             term.print(t)
     for c in r.counterfactuals:
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
-        term.print(f"evidence   {escape(c.question)} {mark}: {escape(c.detail)}")
+        term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")

@@ -4,9 +4,8 @@ findings with their evidence and remedies."""
 from __future__ import annotations
 
 import numpy as np
-from rich.markup import escape
 
-from ckptlab.render.text import sparkline
+from ckptlab.render.text import safe, sparkline
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
@@ -36,7 +35,7 @@ def render(r, run, term) -> None:
     values = [mm[metric] for _, mm in val if metric in mm]
     if values:
         best = min(values) if run.manifest.get("config", {}).get("val_mode", "min") == "min" else max(values)
-        term.print(f"{metric:<11} {sparkline(values)}  {len(values)} points, best {_g(best)}")
+        term.print(f"{safe(metric):<11} {sparkline(values)}  {len(values)} points, best {_g(best)}")
     g = m.grad_norm
     if np.isfinite(g).any():
         term.print(
@@ -48,15 +47,15 @@ def render(r, run, term) -> None:
         term.print("[green]no findings[/green]")
     for f in r.findings:
         style = SEVERITY_STYLE[f.severity]
-        term.print(f"[{style}]{f.severity.upper():<7}[/{style}] [bold]{f.kind}[/bold]: {_esc(f.title)}")
+        term.print(f"[{style}]{f.severity.upper():<7}[/{style}] [bold]{f.kind}[/bold]: {safe(f.title)}")
         if f.severity == "info":
             continue
         if f.evidence:
-            term.print(f"        evidence: {_esc(_evidence(f.evidence))}")
+            term.print(f"        evidence: {safe(_evidence(f.evidence))}")
         for remedy in f.remedies:
-            term.print(f"        -> {_esc(remedy)}")
+            term.print(f"        -> {safe(remedy)}")
     term.print("")
-    term.print(f"[bold]verdict:[/bold] {_esc(r.verdict)}")
+    term.print(f"[bold]verdict:[/bold] {safe(r.verdict)}")
 
 
 def _evidence(ev: dict, limit: int = 6) -> str:
@@ -77,7 +76,3 @@ def _short(v) -> str:
 
 def _g(x) -> str:
     return "-" if x is None else f"{x:.4g}"
-
-
-def _esc(text: str) -> str:
-    return escape(str(text))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
 from rich.table import Table
+
+from ckptlab.render.text import safe
 
 
 def render(choice, action: dict, term) -> None:
@@ -11,16 +12,16 @@ def render(choice, action: dict, term) -> None:
     for col in ("", "step", "reason", "validation", "health", "integrity"):
         table.add_column(col)
     for c in choice.candidates:
-        val = ", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-"
+        val = safe(", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-")
         integrity = (
             "[green]ok[/green]"
             if c.integrity == "ok"
-            else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{escape(c.integrity)}[/red]")
+            else ("[dim]not checked[/dim]" if c.integrity == "not checked" else f"[red]{safe(c.integrity)}[/red]")
         )
         table.add_row(
             "[bold]>[/bold]" if c.chosen else "",
             str(c.step),
-            c.reason,
+            safe(c.reason),
             val,
             "healthy" if c.healthy else "[yellow]after anomaly[/yellow]",
             integrity,
@@ -28,7 +29,7 @@ def render(choice, action: dict, term) -> None:
     term.print(table)
     if choice.first_anomaly:
         term.print(f"first anomaly: {choice.first_anomaly['kind']} at step {choice.first_anomaly['step']}")
-    term.print(f"[bold]chosen: step {choice.step}[/bold]: {escape(choice.why)}")
+    term.print(f"[bold]chosen: step {choice.step}[/bold]: {safe(choice.why)}")
     for note in choice.notes:
         term.note(note)
     dry = "[dim](dry run: nothing changed)[/dim] " if action.get("dry_run") else ""
@@ -37,9 +38,9 @@ def render(choice, action: dict, term) -> None:
             f"{dry}export to {action['to']}" + ("" if action.get("dry_run") else f": {', '.join(action['files'])}")
         )
         if not action.get("dry_run"):
-            term.print(f"load it with: {escape(action['load'])}")
+            term.print(f"load it with: {safe(action['load'])}")
     elif action["kind"] == "none":
-        term.print(f"{dry}{escape(action['note'])}")
+        term.print(f"{dry}{safe(action['note'])}")
     else:
         arch = action["archived_steps"]
         verb = "would move" if action.get("dry_run") else "moved"
@@ -51,4 +52,4 @@ def render(choice, action: dict, term) -> None:
             else f"{dry}rewind to step {choice.step}"
         )
         if not action.get("dry_run"):
-            term.print(escape(action["resume"]))
+            term.print(safe(action["resume"]))
