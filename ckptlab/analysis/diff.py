@@ -474,6 +474,12 @@ def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Ten
     )
 
 
+def _trainable(dtype: str) -> bool:
+    """A floating-point (or complex) dtype, by its name as findings carry it."""
+    dt = getattr(torch, dtype, None)
+    return isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex)
+
+
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -490,9 +496,12 @@ def _flag(f: TensorFinding, flag: str, score: float, reason: str) -> None:
 
 
 def _rank_pairs(findings: list[TensorFinding]) -> None:
-    typical = _median([f.a.absmax for f in findings if f.a.numel and math.isfinite(f.a.absmax)])
-    changed = sum(1 for f in findings if f.delta.unchanged < 1)
-    for f in findings:
+    # Integer and bool tensors (position ids, masks, step counters) do not train: they are
+    # compared for equality only, and count neither as frozen nor as peers that changed.
+    trained = [f for f in findings if _trainable(f.dtype_a)]
+    typical = _median([f.a.absmax for f in trained if f.a.numel and math.isfinite(f.a.absmax)])
+    changed = sum(1 for f in trained if f.delta.unchanged < 1)
+    for f in trained:
         a, b, d = f.a, f.b, f.delta
         f.score = d.rel_change if math.isfinite(d.rel_change) else 0.0
         if b.nonfinite > a.nonfinite or (b.nonfinite and a.nonfinite):
@@ -507,14 +516,14 @@ def _rank_pairs(findings: list[TensorFinding]) -> None:
             _flag(f, "exploded", math.log10(b.absmax / max(a.absmax, 1e-30)), _growth_reason(a, b, d))
         if b.numel > 1 and len(f.shape) >= 2 and b.zeros == b.numel and a.zeros < a.numel:
             _flag(f, "dead", b.numel, f"all {b.numel} elements became zero")
-        if d.unchanged == 1 and b.numel and changed >= FROZEN_PEERS * max(len(findings) - 1, 1):
+        if d.unchanged == 1 and b.numel and changed >= FROZEN_PEERS * max(len(trained) - 1, 1):
             _flag(
                 f,
                 "frozen",
                 b.numel,
-                f"unchanged: all {b.numel} elements identical while {changed} of {len(findings)} tensors changed",
+                f"unchanged: all {b.numel} elements identical while {changed} of {len(trained)} tensors changed",
             )
-    _flag_update_outliers(findings)
+    _flag_update_outliers(trained)
 
 
 def _flag_update_outliers(findings: list[TensorFinding]) -> None:

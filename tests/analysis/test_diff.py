@@ -226,3 +226,17 @@ def test_complex_tensors_are_skipped_not_fatal():
         {"name": "freqs_cis", "side": "a", "reason": "dtype complex64 is not supported"},
         {"name": "freqs_cis", "side": "b", "reason": "dtype complex64 is not supported"},
     ]
+
+
+def test_integer_buffers_are_compared_never_called_frozen():
+    """A pretrained encoder after a small healthy update of every float tensor: its int64
+    position_ids buffer is equal in both, and that is not a finding (integers do not train)."""
+    g = torch.Generator().manual_seed(0)
+    a = {f"encoder.layer.{i}.{n}.weight": torch.randn(32, 32, generator=g) for i in range(4) for n in ("q", "k")}
+    a["embeddings.word_embeddings.weight"] = torch.randn(100, 32, generator=g)
+    a["embeddings.position_ids"] = torch.arange(512).unsqueeze(0)
+    b = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone() for k, v in a.items()}
+    findings = ckptlab.diff(a, b)
+    assert findings.verdict is None
+    ids = next(f for f in findings.ranked if f.name == "embeddings.position_ids")
+    assert ids.flags == [] and ids.delta.unchanged == 1.0
