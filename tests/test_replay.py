@@ -173,3 +173,19 @@ def test_verdict_of_an_op_fault_with_no_row_to_blame():
     assert (
         verdict(report) == "Step 9: aten._softmax.default in `blocks.0.attn` (m.py:3) produced NaN from finite inputs."
     )
+
+
+def test_a_damaged_start_checkpoint_is_named(run_dir):
+    """A truncated checkpoint is passed over, and replay says so; one whose bytes were flipped
+    in place is refused with the --from-step that works."""
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(25), ckpt_every=10)
+    model_file = run_dir / "checkpoints" / "step-000000020" / "model.safetensors"
+    data = bytearray(model_file.read_bytes())
+    data[-1] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(ckptlab.IntegrityError, match="checkpoint 20 is damaged.*--from-step 10"):
+        ckptlab.replay(run_dir, 24)
+    model_file.write_bytes(bytes(data[:-100]))
+    report = ckptlab.replay(run_dir, 24)
+    assert report.start_checkpoint == 10 and report.deterministic
+    assert any("checkpoint 20 is damaged" in n for n in report.notes)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ckptlab.errors import ReplayError
+from ckptlab.errors import IntegrityError, ReplayError
 from ckptlab.run.manifest import source_changed
 from ckptlab.run.reader import Run
 from ckptlab.training import userfns
@@ -99,7 +99,14 @@ class Replayer:
 
     def load_checkpoint(self, t: Trainee, step: int) -> None:
         ckpt = self.run.checkpoint(step)
-        ckpt.verify()
+        try:
+            ckpt.verify()
+        except IntegrityError as e:
+            older = [c for c in self.run.checkpoints if c < step]
+            hint = (
+                f"replay from an older one: --from-step {older[-1]}" if older else "no older checkpoint to start from"
+            )
+            raise IntegrityError(f"checkpoint {step} is damaged: {e.problem}", path=e.path, hint=hint) from None
         try:
             state = restore_checkpoint(ckpt, t.model, t.optimizer, t.scheduler, t.scaler, self.world)
         except (ValueError, KeyError, RuntimeError) as e:

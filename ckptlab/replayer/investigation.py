@@ -100,6 +100,11 @@ class Investigation:
                 f"no checkpoint to replay step {self.step} from (checkpoints: {run.checkpoints})", path=run.path
             )
         k = candidates[-1]
+        for bad in [d for d in run.damaged_checkpoints if k < d <= min(before, self.step)]:
+            self.replayer.notes.append(
+                f"checkpoint {bad} is damaged (`ckptlab info` says how); replaying from checkpoint {k}, "
+                "the latest intact one before the fault"
+            )
         missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
         if missing:
             raise ReplayError(

@@ -19,7 +19,15 @@ import numpy as np
 from ckptlab.errors import CorruptFileError, ReplayError
 from ckptlab.run import framelog, records
 from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
-from ckptlab.run.layout import archive_dir, batches_dir, batches_root, journal_dir, segments
+from ckptlab.run.layout import (
+    archive_dir,
+    batches_dir,
+    batches_root,
+    checkpoints_dir,
+    journal_dir,
+    parse_checkpoint,
+    segments,
+)
 from ckptlab.run.manifest import read_manifest
 
 
@@ -168,6 +176,14 @@ class Run:
     @property
     def checkpoints(self) -> list[int]:
         return list(self._checkpoints)
+
+    @property
+    def damaged_checkpoints(self) -> list[int]:
+        """Steps whose checkpoint folder is there but incomplete or corrupt (`problems` says
+        why); never in `checkpoints`."""
+        root = checkpoints_dir(self.path)
+        named = {parse_checkpoint(p.name) for p in root.iterdir()} if root.is_dir() else set()
+        return sorted(s for s in named - {None} if s not in self._checkpoints)
 
     def checkpoint(self, step: int) -> Checkpoint:
         try:
