@@ -483,6 +483,9 @@ class Recorder:
         self._closed = True
         self.trainee.close()
         self.writer.close()
+        if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
+            self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
+            self._write_manifest(self.manifest)
 
     def __enter__(self) -> Recorder:
         return self

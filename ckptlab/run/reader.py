@@ -91,15 +91,24 @@ class Run:
         cache = self.__dict__.setdefault("_batch_indexes", {})
         if rank not in cache:
             index: dict[int, framelog.FrameRef] = {}
-            for path, open_end in _segments(batches_dir(self.path, rank)):
-                for ref in self._scan(path, open_end).frames:
+            for path, tail in _segments(batches_dir(self.path, rank), self._closed_sessions(rank)):
+                for ref in self._scan(path, tail).frames:
                     if ref.kind == framelog.BATCH:
                         index[ref.step] = ref
             cache[rank] = dict(sorted(index.items()))
         return cache[rank]
 
-    def _scan(self, path: Path, open_end: bool, *, verify: bool = False) -> framelog.ScanResult:
-        """Scan one segment, noting a torn tail (a crash's) or damage (not a crash's)."""
+    def _closed_sessions(self, rank: int) -> set[int]:
+        """Sessions whose Recorder closed cleanly (rank 0 marks them in the manifest after its
+        own logs are complete): their last segments cannot have a torn tail."""
+        if rank != 0:
+            return set()
+        return {int(s["session"]) for s in self.manifest.get("sessions", []) if s.get("closed")}
+
+    def _scan(self, path: Path, tail: str, *, verify: bool = False) -> framelog.ScanResult:
+        """Scan one segment, noting a torn tail (a crash's) or damage (not a crash's). `tail`:
+        "open" (the last segment of a session that may have been killed), else why the
+        segment must be whole ("went on to later segments", "was closed cleanly")."""
         try:
             scan = framelog.scan(path, verify=verify)
         except CorruptFileError as e:
@@ -107,8 +116,8 @@ class Run:
             return framelog.ScanResult([], 0)
         if scan.corrupt:
             self._damage(f"{path}: {scan.corrupt}")
-        elif scan.torn_bytes and not open_end:
-            self._damage(f"{path}: truncated in a frame, though its session went on to later segments (corrupt file)")
+        elif scan.torn_bytes and tail != "open":
+            self._damage(f"{path}: truncated or damaged in its last frame, though its session {tail} (corrupt file)")
         elif scan.torn_bytes:
             self._note(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
         return scan
@@ -127,8 +136,9 @@ class Run:
         returns `damaged`. Reading checks only what it reads."""
         folders = [journal_dir(self.path), *sorted(batches_root(self.path).glob("rank*"))]
         for folder in folders:
-            for path, open_end in _segments(folder):
-                self._scan(path, open_end, verify=True)
+            rank = int(folder.name[4:]) if folder.name.startswith("rank") else 0  # the journal: rank 0's
+            for path, tail in _segments(folder, self._closed_sessions(rank)):
+                self._scan(path, tail, verify=True)
         return self.damaged
 
     @property
@@ -198,7 +208,7 @@ class Run:
     @cached_property
     def _journal(self) -> dict[int, list[tuple[int, int, Any]]]:
         by_kind: dict[int, list] = {framelog.STEP: [], framelog.VALIDATION: [], framelog.EVENT: []}
-        for path, open_end in _segments(journal_dir(self.path)):
+        for path, tail in _segments(journal_dir(self.path), self._closed_sessions(0)):
             try:
                 for ref, payload in framelog.iter_payloads(path):
                     where = f"{path}@{ref.step}"
@@ -209,7 +219,7 @@ class Run:
             except CorruptFileError as e:  # a corrupt segment: report it, keep the others readable
                 self._damage(str(e))
                 continue
-            self._scan(path, open_end)
+            self._scan(path, tail)
         return by_kind
 
     def metrics(self) -> Metrics:
@@ -269,11 +279,18 @@ class Run:
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def _segments(folder: Path) -> list[tuple[Path, bool]]:
-    """Segments in recording order, each with whether it was its session's last: the only one
-    a crash can tear, since the writer moves on to a new segment only after whole frames."""
+def _segments(folder: Path, closed: set[int]) -> list[tuple[Path, str]]:
+    """Segments in recording order, each with its `tail` (see Run._scan): only the last segment
+    of a session that did not close cleanly can be torn by a crash, since the writer moves on
+    to a new segment only after whole frames."""
     segs = segments(folder)
-    return [(path, i + 1 == len(segs) or segs[i + 1][0] != session) for i, (session, _, path) in enumerate(segs)]
+    out = []
+    for i, (session, _, path) in enumerate(segs):
+        if i + 1 < len(segs) and segs[i + 1][0] == session:
+            out.append((path, "went on to later segments"))
+        else:
+            out.append((path, "was closed cleanly" if session in closed else "open"))
+    return out
 
 
 @dataclass

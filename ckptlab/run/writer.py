@@ -21,7 +21,7 @@ from pathlib import Path
 from ckptlab.errors import RecordError
 from ckptlab.run import framelog, records
 from ckptlab.run.checkpoint import CapturedState, commit_checkpoint
-from ckptlab.run.layout import batches_dir, journal_dir, segment_name
+from ckptlab.run.layout import batches_dir, fsync_path, journal_dir, segment_name
 from ckptlab.run.retention import apply_retention
 
 
@@ -80,15 +80,16 @@ class RunWriter:
     def roll(self, first_step: int) -> None:
         """Start new segment files at `first_step` (a checkpoint or session start)."""
         old = [w for w in (self._batches, self._journal) if w is not None]
-        bdir = batches_dir(self.run_dir, self.rank)
-        bdir.mkdir(parents=True, exist_ok=True)
-        self._batches = self._open(bdir / segment_name(self.session, first_step))
+        folders = [batches_dir(self.run_dir, self.rank)] + ([journal_dir(self.run_dir)] if self._write_journal else [])
+        created = [new for folder in folders for new in _make_dirs(folder)]
+        self._batches = self._open(folders[0] / segment_name(self.session, first_step))
         if self._write_journal:
-            jdir = journal_dir(self.run_dir)
-            jdir.mkdir(parents=True, exist_ok=True)
-            self._journal = self._open(jdir / segment_name(self.session, first_step))
+            self._journal = self._open(folders[1] / segment_name(self.session, first_step))
         for w in old:  # their fsync is durability for power loss; a kill cannot lose them
             self._submit(("close", w))
+        # The new files' and folders' names are durable only once their parent folder is synced.
+        for folder in dict.fromkeys([*folders, *(new.parent for new in created)]):
+            self._submit(("sync_dir", folder))
 
     def _open(self, path: Path) -> framelog.FrameWriter:
         try:
@@ -157,6 +158,8 @@ class RunWriter:
                     return
                 if job[0] == "close":
                     job[1].close(fsync=True)
+                elif job[0] == "sync_dir":
+                    fsync_path(job[1])
                 elif job[0] == "checkpoint":
                     _, captured, retention = job
                     try:
@@ -166,7 +169,7 @@ class RunWriter:
                     if retention is not None:
                         apply_retention(self.run_dir, retention.keep_last, *retention.protect())
             except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
-                what = f"writing checkpoint {job[1].step}" if job[0] == "checkpoint" else f"closing {job[1].path.name}"
+                what = _describe(job)
                 self._error = io_error(e, what, self.run_dir) or e
             finally:
                 self._jobs.task_done()
@@ -190,3 +193,24 @@ class RunWriter:
         self._jobs.put(None)
         self._thread.join()
         self.raise_pending()
+
+
+def _describe(job: tuple) -> str:
+    """What a background job was doing, for its error message."""
+    kind, target = job[0], job[1]
+    if kind == "checkpoint":
+        return f"writing checkpoint {target.step}"
+    if kind == "sync_dir":
+        return f"syncing folder {target.name}"
+    return f"closing {target.path.name}"
+
+
+def _make_dirs(folder: Path) -> list[Path]:
+    """mkdir -p; returns the folders it created, outermost first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        new.mkdir(exist_ok=True)
+    return list(reversed(missing))

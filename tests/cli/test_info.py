@@ -15,6 +15,7 @@ import torch
 
 from ckptlab.cli import main
 from tests import models
+from tests.run.test_bad_input import unclose
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
@@ -167,6 +168,7 @@ def test_truncated_and_corrupt_files_exit_1(recorded, tmp_path, info):
 def test_a_crash_torn_tail_is_a_warning_not_a_failure(tmp_path, info):
     run_dir = tmp_path / "run"
     models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(30))
+    unclose(run_dir)  # killed: the Recorder never closed
     seg = sorted((run_dir / "journal").iterdir())[-1]
     seg.write_bytes(seg.read_bytes()[:-5])
     code, out, err = info("--run", run_dir)

@@ -105,17 +105,43 @@ def test_a_truncated_closed_segment_is_damage_not_a_torn_tail(run_dir):
     path.write_bytes(path.read_bytes()[:-100])
     run = ckptlab.open_run(run_dir)
     assert run.steps == [0, 1, 3, 4, 5]
-    assert run.damaged == [f"{path}: truncated in a frame, though its session went on to later segments (corrupt file)"]
+    assert run.damaged == [
+        f"{path}: truncated or damaged in its last frame, though its session went on to later segments (corrupt file)"
+    ]
     assert_intact(run_dir, batches, [0, 1, 3, 4, 5])
 
 
 def test_a_torn_tail_of_a_sessions_last_segment_is_only_a_note(run_dir):
     batches = record(run_dir, 4, ckpt_every=100)
+    unclose(run_dir)  # killed: the Recorder never closed
     path = segment(run_dir, "journal")
     path.write_bytes(path.read_bytes()[:-7])  # what a kill during the last write leaves
     run = assert_intact(run_dir, batches, [0, 1, 2])
     assert run.metrics().step.tolist() == [0, 1, 2] and run.steps == [0, 1, 2, 3]
     assert run.damaged == [] and "torn at the tail" in run.problems[0]
+
+
+def test_damage_after_a_clean_close_is_an_error_not_a_torn_tail(run_dir):
+    """A closed session wrote its last frame whole: a short or flipped tail is damage."""
+    record(run_dir, 4, ckpt_every=100)
+    assert json.loads((run_dir / "manifest.json").read_text())["sessions"][-1]["closed"] > 0
+    path = segment(run_dir, "journal")
+    intact = path.read_bytes()
+    for damaged in (intact[:-7], intact[:-2] + bytes([intact[-2] ^ 0xFF]) + intact[-1:]):
+        path.write_bytes(damaged)
+        run = ckptlab.open_run(run_dir)
+        run.metrics()
+        assert run.damaged == [
+            f"{path}: truncated or damaged in its last frame, though its session was closed cleanly (corrupt file)"
+        ]
+
+
+def unclose(run_dir):
+    """The manifest as a killed session leaves it: no clean-close mark."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for session in manifest["sessions"]:
+        session.pop("closed", None)
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_a_segment_that_is_not_a_log(run_dir):
