@@ -31,6 +31,8 @@ an order where each file's data is always reachable under RUN or RUN/archive/NAM
   6. ROLLBACK.json "status": "done".
 A kill anywhere leaves a state from which re-running the same rewind finishes the job
 (each step above checks what is already done), and nothing is ever deleted.
+A rewind (and finishing one) holds the run's lock (run/lock.py): it is refused while a
+Recorder records the run, and no Recorder starts while it moves files.
 See docs/rollback.md.
 """
 
@@ -61,6 +63,7 @@ from ckptlab.run.layout import (
     write_bytes_atomic,
     write_json_atomic,
 )
+from ckptlab.run.lock import acquire
 from ckptlab.run.manifest import read_manifest, write_manifest
 
 INTENT = "ROLLBACK.json"
@@ -171,8 +174,14 @@ def rewind(
     run_dir: str | os.PathLike, step: int, *, info: dict | None = None, archive: str | None = None
 ) -> RewindPlan:
     """Rewind the run to checkpoint `step` (see the module docstring). The caller verifies
-    the checkpoint's integrity first. Returns the plan it carried out."""
+    the checkpoint's integrity first. Holds the run's lock throughout: RunLockedError while a
+    Recorder (or another rollback) holds it. Returns the plan it carried out."""
     run_dir = Path(run_dir)
+    with acquire(run_dir, "rollback"):
+        return _rewind(run_dir, step, info, archive)
+
+
+def _rewind(run_dir: Path, step: int, info: dict | None, archive: str | None) -> RewindPlan:
     pending = unfinished_rollback(run_dir)
     if pending is not None:
         raise CkptlabError(
@@ -202,8 +211,14 @@ def rewind(
 
 
 def finish_interrupted(run_dir: str | os.PathLike) -> RewindPlan | None:
-    """Complete a rewind that a crash interrupted (None if there is none)."""
+    """Complete a rewind that a crash interrupted (None if there is none), holding the run's
+    lock like `rewind`."""
     run_dir = Path(run_dir)
+    with acquire(run_dir, "rollback"):
+        return _finish_interrupted(run_dir)
+
+
+def _finish_interrupted(run_dir: Path) -> RewindPlan | None:
     dest = unfinished_rollback(run_dir)
     if dest is None:
         return None

@@ -26,6 +26,7 @@ COMMIT = "COMMIT.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
+LOCK = ".lock"  # held (flock) by the process writing the run: see run/lock.py
 
 SEGMENT_RE = re.compile(r"^s(\d{3,})-(\d{9,})\.log$")
 CHECKPOINT_RE = re.compile(r"^step-(\d{9,})$")
@@ -83,9 +84,13 @@ def is_run(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def lock_file(run: Path) -> Path:
+    return run / LOCK
+
+
 def is_first_leftover(name: str) -> bool:
     """What a first session killed before its manifest was written leaves in the folder."""
-    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
+    return name in ("sources", LOCK) or name.startswith(f".{MANIFEST}.tmp-")
 
 
 def parts(run: Path) -> dict[str, Path]:
