@@ -28,8 +28,12 @@ STATE_FILE = "state.safetensors"
 DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 LOCK = ".lock"  # held (flock) by the process writing the run: see run/lock.py
 
-SEGMENT_RE = re.compile(r"^s(\d{3,})-(\d{9,})\.log$")
-CHECKPOINT_RE = re.compile(r"^step-(\d{9,})$")
+# Names are matched whole (fullmatch: `$` would accept a trailing newline) with ASCII digits
+# only (`\d` accepts any Unicode digit), and must be the canonical spelling of their numbers
+# (no extra leading zeros): one step, one name, so a folder found by its name is the folder
+# that name builds, and no two folders claim the same checkpoint or segment.
+SEGMENT_RE = re.compile(r"s([0-9]{3,})-([0-9]{9,})\.log")
+CHECKPOINT_RE = re.compile(r"step-([0-9]{9,})")
 
 
 def segment_name(session: int, first_step: int) -> str:
@@ -37,8 +41,11 @@ def segment_name(session: int, first_step: int) -> str:
 
 
 def parse_segment(name: str) -> tuple[int, int] | None:
-    m = SEGMENT_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    m = SEGMENT_RE.fullmatch(name)
+    if not m:
+        return None
+    session, first = int(m.group(1)), int(m.group(2))
+    return (session, first) if segment_name(session, first) == name else None
 
 
 def checkpoint_name(step: int) -> str:
@@ -46,8 +53,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def parse_checkpoint(name: str) -> int | None:
-    m = CHECKPOINT_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = CHECKPOINT_RE.fullmatch(name)
+    if not m:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
 
 
 def journal_dir(run: Path) -> Path:
