@@ -35,6 +35,7 @@ _LAZY = {
     "diff": ("ckptlab.analysis.diff", "diff"),
     "skip_samples": ("ckptlab.training.sampler", "skip_samples"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
+    "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
 }
 
 __all__ = [

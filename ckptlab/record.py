@@ -21,6 +21,10 @@ One `rec.step(batch)` for step n:
   5. on a non-finite loss, raise NonFiniteLoss (after recording), unless on_nonfinite="record".
 When `rec.step()` returns, the step's batch and health are in the kernel's hands: a SIGKILL
 from then on cannot lose them.
+
+From its start until `close()` the Recorder holds the run's lock (RUN/.lock, run/lock.py; in a
+distributed run, rank 0's Recorder): a second Recorder on the run, or a rollback, is refused
+with RunLockedError naming this process.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ from typing import Any
 import torch
 
 from ckptlab.analysis.anomalies import detectors, step_anomalies
-from ckptlab.errors import NonFiniteLoss, RecordError
+from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import clean_stale, list_checkpoints
 from ckptlab.run.layout import MANIFEST, is_first_leftover
+from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.retention import apply_retention
@@ -178,8 +183,40 @@ class Recorder:
         if not exists and self.run_dir.exists() and any(not is_first_leftover(p.name) for p in self.run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=self.run_dir)
         self.world.barrier()  # nobody writes before every rank has checked
+        # One process records a run at a time: rank 0 holds RUN/.lock (run/lock.py) until
+        # close(), taken before anything is written; every rank raises if it was refused.
+        self._lock: RunLock | None = None
+        self._lock_run()
+        try:
+            self._start(exists)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _lock_run(self) -> None:
+        refused = None
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self._lock = acquire(self.run_dir, "recorder")
+            except RunLockedError as e:
+                refused = ("locked", e.holder)
+            except CkptlabError as e:
+                refused = ("error", e.problem)
+        refused = self.world.broadcast(refused)
+        if refused is not None:
+            self._release_lock()
+            kind, detail = refused
+            if kind == "locked":
+                raise RunLockedError(self.run_dir, detail)
+            raise RecordError(detail, path=self.run_dir)
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def _start(self, exists: bool) -> None:
+        if self.world.is_main:
             if exists:
                 clean_stale(self.run_dir)
             else:
@@ -207,11 +244,16 @@ class Recorder:
             self._write_manifest(self.manifest)
         self.session_start = self.next_step
         self.trainee = Trainee(
-            model, optimizer, scheduler, scaler, step_scheduler=self.config.step_scheduler, world=self.world
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            step_scheduler=self.config.step_scheduler,
+            world=self.world,
         )
         warn = self.config.on_anomaly == "warn"
         self.on_anomaly = (
-            (_warn_anomaly(str(run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
+            (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
 
@@ -481,11 +523,14 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        self.trainee.close()
-        self.writer.close()
-        if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
-            self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
-            self._write_manifest(self.manifest)
+        try:
+            self.trainee.close()
+            self.writer.close()
+            if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
+                self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
+                self._write_manifest(self.manifest)
+        finally:
+            self._release_lock()
 
     def __enter__(self) -> Recorder:
         return self

@@ -15,10 +15,11 @@ import ckptlab
 from ckptlab.analysis.rollback import choose
 from ckptlab.run import archive, framelog
 from ckptlab.run.export import export_checkpoint
-from ckptlab.run.layout import SEGMENT_RE
+from ckptlab.run.layout import parse_checkpoint, parse_segment
 from ckptlab.training.state import load_model, load_train_state, restore_rng
 from tests import act_models as am
 from tests import models
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture
 
 STEPS = 60
 
@@ -53,7 +54,7 @@ def frames_under(root: Path) -> set:
     """Every (kind, step, crc) frame in every segment under root (run and archives)."""
     out = set()
     for p in root.rglob("*.log"):
-        if SEGMENT_RE.match(p.name):
+        if parse_segment(p.name):
             out |= {(f.kind, f.step, f.crc) for f in framelog.scan(p).frames}
     return out
 
@@ -226,3 +227,124 @@ def test_export_is_loadable_without_ckptlab(tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in tensors.items())
     with pytest.raises(ckptlab.CkptlabError, match="refusing to overwrite"):
         export_checkpoint(ckpt, tmp_path / "out")
+
+
+# --- names and links: nothing a run directory holds can leave a rewind stuck or reach outside ----
+
+
+@pytest.mark.parametrize(
+    "name, keep_original",
+    [
+        ("step-000000040\n", False),  # `$` accepted a trailing newline
+        ("step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0664\u0660", False),  # `\d`: Arabic-Indic digits
+        ("step-0000000040", True),  # a second spelling of step 40 next to the real one
+    ],
+)
+def test_odd_checkpoint_names_are_not_checkpoints_and_rewinding_finishes(run_dir, name, keep_original, cli):
+    real = run_dir / "checkpoints" / "step-000000040"
+    odd = real.with_name(name)
+    (shutil.copytree if keep_original else os.rename)(real, odd)
+    assert 40 not in ckptlab.open_run(run_dir).checkpoints or keep_original
+    r = cli("rollback", "--run", run_dir)
+    assert r.code == 0, r.err
+    assert archive.unfinished_rollback(run_dir) is None
+    assert odd.is_dir() and (odd / "model.safetensors").is_file()  # ignored, left where it was
+    run = ckptlab.open_run(run_dir)
+    assert run.manifest["rollback"]["step"] == 30 and run.checkpoints[-1] == 30
+    model, opt = am.build_overfit()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=am.build_overfit, resume=True) as rec:
+        assert (rec.restored_step, rec.next_step) == (30, 30)
+
+
+def test_names_are_matched_whole_in_ascii_digits_and_canonical():
+    assert parse_checkpoint("step-000000040") == 40 and parse_checkpoint("step-1000000000") == 10**9
+    assert parse_segment("s000-000000020.log") == (0, 20) and parse_segment("s1000-000000020.log") == (1000, 20)
+    for bad in ("step-000000040\n", "step-0000000040", "step-00000004O", "step-\u0661" * 1, "xstep-000000040"):
+        assert parse_checkpoint(bad) is None, bad
+    for bad in ("s000-000000020.log\n", "s0000-000000020.log", "s000-0000000020.log", "s000-00000002\u0660.log"):
+        assert parse_segment(bad) is None, bad
+
+
+def _outside(tmp_path: Path) -> Path:
+    out = tmp_path / "outside"
+    out.mkdir()
+    (out / "secret.py").write_text("# not part of the run\n")
+    return out
+
+
+def _link_sources(run_dir: Path, out: Path) -> Path:
+    shutil.rmtree(run_dir / "sources")
+    (run_dir / "sources").symlink_to(out, target_is_directory=True)
+    return run_dir / "sources"
+
+
+def _link_archive(run_dir: Path, out: Path) -> Path:
+    (run_dir / "archive").symlink_to(out, target_is_directory=True)
+    return run_dir / "archive"
+
+
+def _link_in_checkpoint(run_dir: Path, out: Path) -> Path:
+    link = run_dir / "checkpoints" / "step-000000030" / "notes.py"
+    link.symlink_to(out / "secret.py")
+    return link
+
+
+def _link_segment(run_dir: Path, out: Path) -> Path:
+    seg = run_dir / "journal" / "s000-000000040.log"
+    shutil.move(seg, out / seg.name)
+    seg.symlink_to(out / seg.name)
+    return seg
+
+
+@pytest.mark.parametrize("plant", [_link_sources, _link_archive, _link_in_checkpoint, _link_segment])
+def test_a_symlink_in_the_run_is_refused_before_anything_moves(run_dir, tmp_path, plant, cli):
+    out = _outside(tmp_path)
+    link = plant(run_dir, out)
+    before, outside = listing(run_dir), listing(out)
+    r = cli("rollback", "--run", run_dir)
+    assert r.code == 1 and f"{link}: is a symbolic link" in r.err and "moved nothing" in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
+    assert listing(run_dir) == before and listing(out) == outside  # nothing moved, nothing written outside
+    assert os.stat(out / "secret.py").st_nlink == 1  # not hard-linked into the run
+    assert cli("rollback", "--run", run_dir, "--dry-run").code == 1  # a dry run says so too
+
+
+def test_a_symlink_planted_in_an_interrupted_rewind_is_refused_then_it_finishes(run_dir, tmp_path, cli):
+    with KillAt(8):
+        archive.rewind(run_dir, 30)
+    pending = archive.unfinished_rollback(run_dir)
+    out = _outside(tmp_path)
+    shutil.rmtree(pending / "sources")
+    (pending / "sources").symlink_to(out, target_is_directory=True)  # where the source links go
+    r = cli("rollback", "--run", run_dir)
+    assert r.code == 1 and "is a symbolic link" in r.err
+    assert listing(out) == ["secret.py"] and archive.unfinished_rollback(run_dir) == pending
+    (pending / "sources").unlink()
+    r = cli("rollback", "--run", run_dir)
+    assert r.code == 0 and "finished the interrupted rollback to step 30" in r.out
+    assert ckptlab.open_run(run_dir).manifest["rollback"]["step"] == 30
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_rewind_moves_each_checkpoint_folder_as_listed(run_dir, monkeypatch):
+    """The plan carries the folders it listed; nothing is rebuilt from a step number."""
+    from ckptlab.run import checkpoint
+
+    moved = run_dir / "checkpoints" / "step-000000040"
+    elsewhere = run_dir / "checkpoints" / "listed-40"
+    os.rename(moved, elsewhere)
+
+    def listed(path):
+        found, problems = checkpoint.list_checkpoints(path)
+        if Path(path) == run_dir and (elsewhere / "COMMIT.json").exists():
+            found = sorted([*found, checkpoint.Checkpoint(40, elsewhere, {"files": {}})], key=lambda c: c.step)
+        return found, problems
+
+    monkeypatch.setattr(archive, "list_checkpoints", listed)
+    plan = archive.rewind(run_dir, 30)
+    assert plan.checkpoints == [40] and plan.moved == [elsewhere]
+    assert (plan.archive_path / "checkpoints" / "listed-40" / "model.safetensors").is_file()
+    assert not elsewhere.exists()

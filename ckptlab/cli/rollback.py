@@ -57,13 +57,15 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
     from ckptlab.jsonable import plain
     from ckptlab.render.console import Terminal
     from ckptlab.render.rollback import render
-    from ckptlab.run import archive
+    from ckptlab.run import archive, lock
     from ckptlab.run.reader import open_run
 
     if before_anomaly and (metric or mode):
         raise click.UsageError("--before-anomaly chooses by health; do not combine it with --metric/--mode")
     term = Terminal(json_mode=as_json)
     path = find_run(run_dir, term)
+    if not dry_run and to_dir is None:  # refuse at once, not after hashing every candidate
+        lock.check_unlocked(path)  # (rewinding takes the lock itself: run/archive.py)
     pending = archive.unfinished_rollback(path)
     if pending is not None:
         if dry_run:

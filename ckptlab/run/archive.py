@@ -31,6 +31,12 @@ an order where each file's data is always reachable under RUN or RUN/archive/NAM
   6. ROLLBACK.json "status": "done".
 A kill anywhere leaves a state from which re-running the same rewind finishes the job
 (each step above checks what is already done), and nothing is ever deleted.
+A rewind (and finishing one) holds the run's lock (run/lock.py): it is refused while a
+Recorder records the run, and no Recorder starts while it moves files.
+Before anything moves, `refuse_links` refuses a run holding a symlink (or a special file)
+anywhere: nothing is followed, so nothing outside the run is linked in or written to. Each
+checkpoint is moved or linked from the folder it was listed in (folders inside it, such as a
+sharded checkpoint's dcp/, are linked file by file).
 See docs/rollback.md.
 """
 
@@ -40,6 +46,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +58,6 @@ from ckptlab.run.layout import (
     MANIFEST,
     archive_dir,
     batches_root,
-    checkpoint_name,
-    checkpoints_dir,
     fsync_path,
     journal_dir,
     parse_segment,
@@ -61,6 +66,7 @@ from ckptlab.run.layout import (
     write_bytes_atomic,
     write_json_atomic,
 )
+from ckptlab.run.lock import acquire
 from ckptlab.run.manifest import read_manifest, write_manifest
 
 INTENT = "ROLLBACK.json"
@@ -85,6 +91,10 @@ class RewindPlan:
     segments: list[SegmentAction]
     last_step: int | None  # the last step recorded before the rewind
     notes: list[str] = field(default_factory=list)
+    # The folders as listed (never rebuilt from a step number): checkpoint k's, and those of
+    # `checkpoints`, in the same order.
+    target: Path | None = None
+    moved: list[Path] = field(default_factory=list)
 
     @property
     def archive_path(self) -> Path:
@@ -122,10 +132,13 @@ def _segment_folders(run_dir: Path) -> list[Path]:
 
 
 def plan_rewind(run_dir: str | os.PathLike, step: int, *, archive: str | None = None) -> RewindPlan:
-    """What rewinding to checkpoint `step` would move; changes nothing."""
+    """What rewinding to checkpoint `step` would move; changes nothing. Refuses (before
+    anything moves) a run with a symlink or a special file anywhere in it."""
     run_dir = Path(run_dir)
+    refuse_links(run_dir)
     found, _ = list_checkpoints(run_dir)
-    if step not in {c.step for c in found}:
+    target = next((c.path for c in found if c.step == step), None)
+    if target is None:
         raise CkptlabError(f"no complete checkpoint at step {step} to roll back to", path=run_dir)
     actions, last = [], None
     for folder in _segment_folders(run_dir):
@@ -145,13 +158,60 @@ def plan_rewind(run_dir: str | os.PathLike, step: int, *, archive: str | None = 
             ran = [f.step for f in gone if f.kind in (framelog.BATCH, framelog.STEP)]
             span = (min(ran), max(ran)) if ran else None
             actions.append(SegmentAction(path, str(path.relative_to(run_dir)), action, len(kept), len(gone), span))
-    later = sorted((c.step for c in found if c.step > step), reverse=True)  # newest first
-    return RewindPlan(run_dir, step, archive or _new_archive_name(run_dir, step), later, actions, last)
+    later = sorted((c for c in found if c.step > step), key=lambda c: c.step, reverse=True)  # newest first
+    name = archive or _new_archive_name(run_dir, step)
+    return RewindPlan(
+        run_dir, step, name, [c.step for c in later], actions, last, target=target, moved=[c.path for c in later]
+    )
+
+
+def refuse_links(run_dir: Path) -> None:
+    """Rollback follows no symlink inside a run (it would hard-link files from outside into the
+    run, or write outside it) and moves only folders and regular files: anything else anywhere
+    under `run_dir` is refused, naming it, before anything moves. (`run_dir` itself may be a
+    link to the run.)"""
+    for root, dirs, files in os.walk(run_dir, followlinks=False):
+        for name in sorted(dirs) + sorted(files):
+            path = Path(root) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(mode):
+                raise CkptlabError(
+                    f"is a symbolic link (to {os.readlink(path)}); rollback follows no link inside a run, "
+                    "and moved nothing",
+                    path=path,
+                    hint="replace the link by what it points to (cp -a), or move it out of the run",
+                )
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise CkptlabError(
+                    "is neither a folder nor a regular file; rollback moved nothing",
+                    path=path,
+                    hint="move it out of the run",
+                )
 
 
 def _first_step(path: Path) -> int:
     parsed = parse_segment(path.name)
     return parsed[1] if parsed else -1
+
+
+def _clear_abandoned(run_dir: Path) -> None:
+    """Remove what a rewind killed before its intent was written leaves: an archive folder with
+    no ROLLBACK.json, empty but for the intent's temp file (nothing had moved yet). We hold the
+    lock, so no rewind is writing it now; a retried rewind then reuses the name."""
+    root = archive_dir(run_dir)
+    if not root.is_dir() or root.is_symlink():
+        return
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith("rollback-") or p.is_symlink() or not p.is_dir() or (p / INTENT).exists():
+            continue
+        leftovers = list(p.iterdir())
+        if all(f.name.startswith(f".{INTENT}.tmp-") and not f.is_symlink() and f.is_file() for f in leftovers):
+            for f in leftovers:
+                f.unlink()
+            p.rmdir()
 
 
 def _new_archive_name(run_dir: Path, step: int) -> str:
@@ -171,8 +231,14 @@ def rewind(
     run_dir: str | os.PathLike, step: int, *, info: dict | None = None, archive: str | None = None
 ) -> RewindPlan:
     """Rewind the run to checkpoint `step` (see the module docstring). The caller verifies
-    the checkpoint's integrity first. Returns the plan it carried out."""
+    the checkpoint's integrity first. Holds the run's lock throughout: RunLockedError while a
+    Recorder (or another rollback) holds it. Returns the plan it carried out."""
     run_dir = Path(run_dir)
+    with acquire(run_dir, "rollback"):
+        return _rewind(run_dir, step, info, archive)
+
+
+def _rewind(run_dir: Path, step: int, info: dict | None, archive: str | None) -> RewindPlan:
     pending = unfinished_rollback(run_dir)
     if pending is not None:
         raise CkptlabError(
@@ -180,6 +246,7 @@ def rewind(
             path=run_dir,
             hint="run `ckptlab rollback` again",
         )
+    _clear_abandoned(run_dir)
     plan = plan_rewind(run_dir, step, archive=archive)
     manifest = read_manifest(run_dir)
     intent = {
@@ -202,17 +269,26 @@ def rewind(
 
 
 def finish_interrupted(run_dir: str | os.PathLike) -> RewindPlan | None:
-    """Complete a rewind that a crash interrupted (None if there is none)."""
+    """Complete a rewind that a crash interrupted (None if there is none), holding the run's
+    lock like `rewind`."""
     run_dir = Path(run_dir)
+    with acquire(run_dir, "rollback"):
+        return _finish_interrupted(run_dir)
+
+
+def _finish_interrupted(run_dir: Path) -> RewindPlan | None:
     dest = unfinished_rollback(run_dir)
     if dest is None:
         return None
     intent = _read_intent(dest)
-    step = int(intent["step"])
+    try:
+        step = int(intent["step"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptFileError("the rollback record names no step", path=dest / INTENT) from None
+    plan = plan_rewind(run_dir, step, archive=dest.name)  # checks the run before anything is written
     manifest = read_manifest(run_dir)
     if not (dest / MANIFEST).exists():
         write_json_atomic(dest / MANIFEST, dict(manifest, rollback=None))
-    plan = plan_rewind(run_dir, step, archive=dest.name)
     _carry_out(run_dir, dest, plan, intent, manifest)
     return plan
 
@@ -242,11 +318,12 @@ def _read_intent(dest: Path) -> dict:
 def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manifest: dict) -> None:
     k = plan.step
     _link_tree(sources_dir(run_dir), dest / "sources")
-    _link_checkpoint(checkpoints_dir(run_dir) / checkpoint_name(k), dest / "checkpoints" / checkpoint_name(k))
-    for s in plan.checkpoints:
-        src = checkpoints_dir(run_dir) / checkpoint_name(s)
-        target = dest / "checkpoints" / checkpoint_name(s)
+    _link_checkpoint(plan.target, dest / "checkpoints" / plan.target.name)
+    for src in plan.moved:  # each folder as listed, under its own name
+        target = dest / "checkpoints" / src.name
         target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            _refuse(target)
         os.rename(src, target)
         fsync_path(target.parent)
         fsync_path(src.parent)
@@ -254,7 +331,7 @@ def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manife
         target = dest / seg.rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if seg.action == "move":
-            if target.exists():
+            if os.path.lexists(target):
                 _refuse(target)
             os.rename(seg.path, target)
         else:
@@ -276,7 +353,7 @@ def _refuse(target: Path) -> None:
 def _split(path: Path, archived: Path, k: int) -> None:
     """Keep the frames < k in the run (a new, trimmed segment under the same name) and the
     original, intact, in the archive. Frames are copied byte for byte."""
-    if archived.exists():
+    if os.path.lexists(archived):
         if not os.path.samefile(path, archived):
             _refuse(archived)
     else:
@@ -291,38 +368,58 @@ def _split(path: Path, archived: Path, k: int) -> None:
 
 
 def _link_checkpoint(src: Path, target: Path) -> None:
-    """Checkpoint k appears in the archive complete or not at all (temp folder + rename)."""
-    if target.exists():
+    """Checkpoint k appears in the archive complete or not at all (temp folder + rename),
+    folders inside it (a sharded checkpoint's `dcp/`) included."""
+    if os.path.lexists(target):
         return
     target.parent.mkdir(parents=True, exist_ok=True)
+    for old in target.parent.glob(f".tmp-{target.name}-*"):  # a killed attempt's (we hold the lock)
+        shutil.rmtree(old)
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for f in sorted(src.iterdir()):
-        _link_or_copy(f, tmp / f.name)
-    fsync_path(tmp)
+    os.mkdir(tmp)
+    _link_folder(src, tmp)
     os.rename(tmp, target)
     fsync_path(target.parent)
 
 
+def _link_folder(src: Path, target: Path) -> None:
+    """Every file under `src` hard-linked (or copied) to the same relative path under the
+    existing, empty `target`; sub-folders created. Follows no symlink (refuse_links refused
+    them before anything moved; one that appeared since is refused here too)."""
+    for name in sorted(os.listdir(src)):
+        mode = os.lstat(src / name).st_mode
+        if stat.S_ISDIR(mode):
+            os.mkdir(target / name)
+            _link_folder(src / name, target / name)
+        elif stat.S_ISREG(mode):
+            _link_or_copy(src / name, target / name)
+        else:
+            raise CkptlabError("is neither a folder nor a regular file; not archiving it", path=src / name)
+    fsync_path(target)
+
+
 def _link_tree(src: Path, target: Path) -> None:
-    if not src.is_dir():
+    """The regular files directly in `src` (the recorded sources), linked into `target`."""
+    if not os.path.isdir(src) or os.path.islink(src):
         return
     target.mkdir(parents=True, exist_ok=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file() and not (target / f.name).exists():
-            _link_or_copy(f, target / f.name)
+    for name in sorted(os.listdir(src)):
+        if stat.S_ISREG(os.lstat(src / name).st_mode) and not os.path.lexists(target / name):
+            _link_or_copy(src / name, target / name)
     fsync_path(target)
 
 
 def _link_or_copy(src: Path, target: Path) -> None:
-    """A hard link (instant, no extra space); a copy where links are not supported."""
+    """A hard link (instant, no extra space); a copy where links are not supported. Neither
+    follows a symlink: `src` is linked or copied itself, never what it points to."""
     try:
-        os.link(src, target)
+        os.link(src, target, follow_symlinks=False)
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            raise CkptlabError("is not a regular file; not archiving it", path=src) from None
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.copyfile(src, tmp)
+        shutil.copyfile(src, tmp, follow_symlinks=False)
         fsync_path(tmp)
         os.rename(tmp, target)

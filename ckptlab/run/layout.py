@@ -26,9 +26,14 @@ COMMIT = "COMMIT.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
+LOCK = ".lock"  # held (flock) by the process writing the run: see run/lock.py
 
-SEGMENT_RE = re.compile(r"^s(\d{3,})-(\d{9,})\.log$")
-CHECKPOINT_RE = re.compile(r"^step-(\d{9,})$")
+# Names are matched whole (fullmatch: `$` would accept a trailing newline) with ASCII digits
+# only (`\d` accepts any Unicode digit), and must be the canonical spelling of their numbers
+# (no extra leading zeros): one step, one name, so a folder found by its name is the folder
+# that name builds, and no two folders claim the same checkpoint or segment.
+SEGMENT_RE = re.compile(r"s([0-9]{3,})-([0-9]{9,})\.log")
+CHECKPOINT_RE = re.compile(r"step-([0-9]{9,})")
 
 
 def segment_name(session: int, first_step: int) -> str:
@@ -36,8 +41,11 @@ def segment_name(session: int, first_step: int) -> str:
 
 
 def parse_segment(name: str) -> tuple[int, int] | None:
-    m = SEGMENT_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    m = SEGMENT_RE.fullmatch(name)
+    if not m:
+        return None
+    session, first = int(m.group(1)), int(m.group(2))
+    return (session, first) if segment_name(session, first) == name else None
 
 
 def checkpoint_name(step: int) -> str:
@@ -45,8 +53,11 @@ def checkpoint_name(step: int) -> str:
 
 
 def parse_checkpoint(name: str) -> int | None:
-    m = CHECKPOINT_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = CHECKPOINT_RE.fullmatch(name)
+    if not m:
+        return None
+    step = int(m.group(1))
+    return step if checkpoint_name(step) == name else None
 
 
 def journal_dir(run: Path) -> Path:
@@ -83,9 +94,13 @@ def is_run(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def lock_file(run: Path) -> Path:
+    return run / LOCK
+
+
 def is_first_leftover(name: str) -> bool:
     """What a first session killed before its manifest was written leaves in the folder."""
-    return name == "sources" or name.startswith(f".{MANIFEST}.tmp-")
+    return name in ("sources", LOCK) or name.startswith(f".{MANIFEST}.tmp-")
 
 
 def parts(run: Path) -> dict[str, Path]:
