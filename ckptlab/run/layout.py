@@ -72,6 +72,12 @@ def batches_dir(run: Path, rank: int = 0) -> Path:
     return batches_root(run) / f"rank{rank}"
 
 
+def parse_rank(name: str) -> int | None:
+    """The rank of a `batches/rankN` folder name (the canonical spelling only, as above)."""
+    m = re.fullmatch(r"rank([0-9]+)", name)
+    return int(m.group(1)) if m and f"rank{int(m.group(1))}" == name else None
+
+
 def checkpoints_dir(run: Path) -> Path:
     return run / "checkpoints"
 

@@ -26,6 +26,7 @@ from ckptlab.run.layout import (
     checkpoints_dir,
     journal_dir,
     parse_checkpoint,
+    parse_rank,
     segments,
 )
 from ckptlab.run.manifest import read_manifest
@@ -80,7 +81,10 @@ class Run:
     @property
     def ranks(self) -> list[int]:
         """Ranks that recorded batches (0 only, unless the run was distributed)."""
-        found = sorted(int(p.name[4:]) for p in batches_root(self.path).glob("rank*") if p.name[4:].isdigit())
+        root = batches_root(self.path)
+        found = (
+            sorted(r for r in (parse_rank(p.name) for p in root.iterdir()) if r is not None) if root.is_dir() else []
+        )
         return found or [0]
 
     @property
@@ -134,9 +138,8 @@ class Run:
     def verify_logs(self) -> list[str]:
         """Check the CRC of every frame of every log segment (reads every recorded byte);
         returns `damaged`. Reading checks only what it reads."""
-        folders = [journal_dir(self.path), *sorted(batches_root(self.path).glob("rank*"))]
-        for folder in folders:
-            rank = int(folder.name[4:]) if folder.name.startswith("rank") else 0  # the journal: rank 0's
+        folders = [(journal_dir(self.path), 0), *((batches_dir(self.path, r), r) for r in self.ranks)]
+        for folder, rank in folders:  # (the journal is rank 0's)
             for path, tail in _segments(folder, self._closed_sessions(rank)):
                 self._scan(path, tail, verify=True)
         return self.damaged
