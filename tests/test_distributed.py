@@ -55,7 +55,12 @@ def test_each_rank_records_its_own_batches(ddp_run):
 
 
 def test_replay_on_two_processes_names_the_rank_and_sample(ddp_run):
+    import glob
+    import tempfile
+
+    leftovers = set(glob.glob(f"{tempfile.gettempdir()}/ckptlab-replay-*"))
     report = ckptlab.replay(ddp_run, dm.NAN_STEP)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/ckptlab-replay-*")) == leftovers  # its workers' folder is gone
     assert report.deterministic and all(c.match for c in report.steps)
     assert all(c.rank_loss == c.recorded_rank_loss or math.isnan(c.rank_loss[1]) for c in report.steps)
     assert report.root_step == dm.NAN_STEP and report.rank == dm.NAN_RANK
