@@ -19,7 +19,7 @@ import torch
 
 from ckptlab.errors import CorruptFileError
 from ckptlab.run import codec
-from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB
+from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
 META_KEY = "ckptlab"
 # A step record's param_grad_norm for a parameter that got no gradient that step.
@@ -46,7 +46,8 @@ def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 class Compressor:
     """Decides per stream whether zlib pays off: it re-tests every `every` frames and keeps
-    compressing only while it saves >= 10% (token ids often do; float activations do not)."""
+    compressing only while it saves >= 10% (token ids often do; float activations do not).
+    A payload larger than framelog.MAX_INFLATED is stored as is: readers refuse to inflate more."""
 
     def __init__(self, every: int = 64, level: int = 1):
         self.every, self.level = every, level
@@ -56,7 +57,7 @@ class Compressor:
     def __call__(self, payload: bytes) -> tuple[bytes, int]:
         test = self._n % self.every == 0
         self._n += 1
-        if test or self._on:
+        if (test or self._on) and len(payload) <= MAX_INFLATED:
             packed = zlib.compress(payload, self.level)
             if test:
                 self._on = len(packed) <= 0.9 * len(payload)
