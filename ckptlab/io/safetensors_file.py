@@ -78,6 +78,8 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict, int]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptFileError(f"corrupt safetensors header: not JSON ({e})", path=path) from None
+    except RecursionError:
+        raise CorruptFileError("corrupt safetensors header: JSON nested too deeply", path=path) from None
     if not isinstance(header, dict):
         raise CorruptFileError("corrupt safetensors header: not a JSON object", path=path)
     return 8 + n, header, size

@@ -10,7 +10,6 @@ rollback (null, or the step a rollback rewound the run to).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import socket
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
+from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
 
 FORMAT = "ckptlab-run"
@@ -66,6 +66,8 @@ def read_manifest(run_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptFileError(f"unreadable manifest ({e})", path=path) from None
+    except RecursionError:
+        raise CorruptFileError("unreadable manifest (JSON nested too deeply)", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise NotARunError("manifest.json is not a ckptlab run manifest", path=path)
     version = manifest.get("format_version")
@@ -101,4 +103,4 @@ def source_changed(desc: dict, run_dir: Path) -> bool | None:
     path = resolve_file(desc, run_dir)
     if path is None or not desc.get("sha256"):
         return None
-    return hashlib.sha256(path.read_bytes()).hexdigest() != desc["sha256"]
+    return sha256_file(path) != desc["sha256"]

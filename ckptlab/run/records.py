@@ -91,9 +91,12 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
     try:
         batch = codec.decode(meta["batch"], tensors)
         rng = codec.decode(meta["rng"], tensors) if meta.get("rng") is not None else None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptFileError(f"malformed batch record for step {meta.get('step')}: {e}", path=where) from None
-    return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+    try:
+        return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"malformed batch record ({type(e).__name__}: {e})", path=where) from None
 
 
 # --- step health records -------------------------------------------------------------------
@@ -106,7 +109,12 @@ def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
 
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
     meta, tensors = unpack(payload, where=where)
-    return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+    if not isinstance(meta, dict):
+        raise CorruptFileError("unreadable record (not a JSON object)", path=where)
+    try:
+        return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+    except (RecursionError, TypeError) as e:
+        raise CorruptFileError(f"unreadable record ({type(e).__name__})", path=where) from None
 
 
 def _json_safe(d: Any) -> Any:
@@ -139,6 +147,11 @@ def encode_json(meta: dict) -> bytes:
 
 def decode_json(payload: bytes, *, where: str) -> dict:
     try:
-        return _json_restore(json.loads(payload))
+        record = _json_restore(json.loads(payload))
     except ValueError as e:
         raise CorruptFileError(f"unreadable record ({e})", path=where) from None
+    except RecursionError:
+        raise CorruptFileError("unreadable record (JSON nested too deeply)", path=where) from None
+    if not isinstance(record, dict):
+        raise CorruptFileError("unreadable record (not a JSON object)", path=where)
+    return record
