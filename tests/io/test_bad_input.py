@@ -231,3 +231,11 @@ def test_run_references_are_verified(tmp_path):
     with pytest.raises(IntegrityError, match="sha256"):
         open_checkpoint(f"{run}@10")
     assert open_checkpoint(f"{run}@10", verify=False).label == f"{run}@10"
+
+
+def test_small_expanded_buffers_still_open(tmp_path):
+    """A stride-0 buffer (e.g. HF's position_ids, an `expand`ed arange) within MAX_EXPANDED reads."""
+    path = tmp_path / "buf.pt"
+    torch.save({"position_ids": torch.arange(8).expand((1, -1)), "bias": torch.zeros(1).expand(100)}, path)
+    sd = open_checkpoint(path)
+    assert torch.equal(sd["bias"], torch.zeros(100)) and sd["position_ids"].shape == (1, 8)
