@@ -270,10 +270,13 @@ def read_commit(folder: Path) -> dict:
 
 
 def check_commit(commit: Any) -> None:
-    """ValueError unless `commit` is a COMMIT record: a JSON object whose `files` maps plain
+    """ValueError unless `commit` is a COMMIT record: a JSON object with a `step`, whose `files` maps plain
     relative names inside the checkpoint folder (no `..`, not absolute) to {bytes, sha256}."""
     if not isinstance(commit, dict):
         raise ValueError(f"{COMMIT} is not a JSON object")
+    step = commit.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{COMMIT} has no step")
     files = commit.get("files")
     if not isinstance(files, dict):
         raise ValueError(f"{COMMIT} has no files")
