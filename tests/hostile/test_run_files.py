@@ -55,7 +55,7 @@ def test_deep_safetensors_header(tmp_path):
 
 def test_commit_json_that_is_not_an_object(sample_run):
     ckpt = checkpoint_dirs(sample_run)[0]
-    (ckpt / "COMMIT.json").write_text('{"files": ["model.safetensors"]}')
+    (ckpt / "COMMIT.json").write_text('{"step": 1000, "files": ["model.safetensors"]}')
     refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says="has no files")
 
 
