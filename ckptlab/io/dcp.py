@@ -97,10 +97,24 @@ def dcp_tree(folder: str | Path):
     require_safe_torch()
     folder = Path(folder)
     meta = read_metadata(folder)
+    files: dict[str, MappedFile] = {}
+    try:
+        tree, skipped = _build_tree(folder, meta, files)
+    except BaseException as e:
+        for f in files.values():
+            f.close()
+        if isinstance(e, (TypeError, AttributeError, KeyError, ValueError, IndexError, OverflowError)):
+            raise CorruptFileError(
+                f"malformed DCP metadata ({type(e).__name__}: {str(e)[:120]})", path=folder / METADATA
+            ) from None
+        raise
+    return tree, skipped, [f.close for f in files.values()]
+
+
+def _build_tree(folder: Path, meta, files: dict[str, MappedFile]) -> tuple[dict, dict[str, str]]:
     storage = {}
     for index, info in (meta.storage_data or {}).items():
         storage[(index.fqn, tuple(index.offset or ()))] = info
-    files: dict[str, MappedFile] = {}
     tree: dict = {}
     skipped: dict[str, str] = {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
@@ -131,7 +145,7 @@ def dcp_tree(folder: str | Path):
                 tuple(key_path),
                 LazyTensor(size, dtype, _chunk_loader(folder, fqn, size, dtype, infos)),
             )
-    return tree, skipped, [f.close for f in files.values()]
+    return tree, skipped
 
 
 def _dims(value) -> tuple[int, ...] | None:
