@@ -16,9 +16,13 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
 
-from ckptlab.errors import CkptlabError, UnsafeFileError
+from ckptlab.errors import CkptlabError, CorruptFileError, UnsafeFileError
 
 MIN_TORCH = "2.10"  # older weights_only unpicklers have published CVEs (e.g. CVE-2025-32434)
+# How far a stride-0 view (`expand`) may claim more bytes than its storage holds. Reading such a
+# tensor costs its logical size, so a 1 KB file could otherwise ask for terabytes. Small
+# expanded buffers stay readable; beyond this a view must be backed by its own bytes.
+MAX_EXPANDED = 16 << 20
 
 
 def require_safe_torch() -> None:
@@ -42,6 +46,33 @@ def safe_member(folder: os.PathLike | str, name: str, *, what: str) -> str:
         if p.is_absolute() or p.drive or ".." in p.parts:
             raise UnsafeFileError(f"{what} points outside its folder ({name!r})", path=folder)
     return name
+
+
+def check_extent(t: torch.Tensor, *, name: str, path: os.PathLike | str) -> None:
+    """CorruptFileError unless a loaded tensor is backed by its storage: every element it
+    addresses lies inside the storage, and its logical size exceeds the storage's bytes (a
+    stride-0 expansion) by at most MAX_EXPANDED. So reading it costs what the file holds."""
+    if t.layout != torch.strided or t.device.type == "meta":
+        return
+    numel = t.numel()
+    if numel == 0:
+        return
+    itemsize = t.element_size()
+    storage = t.untyped_storage().nbytes()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    if any(s < 0 for s in t.stride()) or (last + 1) * itemsize > storage:
+        raise CorruptFileError(
+            f"tensor {name!r} ({list(t.shape)}, strides {list(t.stride())}) addresses bytes past its "
+            f"storage of {storage} bytes",
+            path=path,
+        )
+    logical = numel * itemsize
+    if logical > storage and logical > MAX_EXPANDED:
+        raise CorruptFileError(
+            f"tensor {name!r} is a {logical}-byte expansion (stride 0) of {storage} stored bytes "
+            f"(limit {MAX_EXPANDED}); refused: re-save it with .contiguous()",
+            path=path,
+        )
 
 
 class TensorRef(ABC):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ckptlab.errors import CorruptFileError, UnknownFormatError, UnsafeFileError
-from ckptlab.io.base import LazyTensor, require_safe_torch, safe_member
+from ckptlab.io.base import LazyTensor, check_extent, require_safe_torch, safe_member
 from ckptlab.io.mapped import MappedFile
 from ckptlab.io.nested import describe, find_state_dict
 
@@ -97,10 +97,24 @@ def dcp_tree(folder: str | Path):
     require_safe_torch()
     folder = Path(folder)
     meta = read_metadata(folder)
+    files: dict[str, MappedFile] = {}
+    try:
+        tree, skipped = _build_tree(folder, meta, files)
+    except BaseException as e:
+        for f in files.values():
+            f.close()
+        if isinstance(e, (TypeError, AttributeError, KeyError, ValueError, IndexError, OverflowError)):
+            raise CorruptFileError(
+                f"malformed DCP metadata ({type(e).__name__}: {str(e)[:120]})", path=folder / METADATA
+            ) from None
+        raise
+    return tree, skipped, [f.close for f in files.values()]
+
+
+def _build_tree(folder: Path, meta, files: dict[str, MappedFile]) -> tuple[dict, dict[str, str]]:
     storage = {}
     for index, info in (meta.storage_data or {}).items():
         storage[(index.fqn, tuple(index.offset or ()))] = info
-    files: dict[str, MappedFile] = {}
     tree: dict = {}
     skipped: dict[str, str] = {}
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
@@ -108,6 +122,7 @@ def dcp_tree(folder: str | Path):
         if type(md).__name__ != "TensorStorageMetadata":
             continue  # bytes entries: step counters, param_groups, ...
         key_path = paths.get(fqn) or (fqn,)
+        size, dtype = _tensor_meta(folder, fqn, md)
         infos = []
         for chunk in md.chunks:
             info = storage.get((fqn, tuple(chunk.offsets)))
@@ -120,16 +135,62 @@ def dcp_tree(folder: str | Path):
                 if not (folder / name).is_file():
                     raise CorruptFileError(f"DCP data file {name} is missing", path=folder)
                 files[name] = MappedFile(folder / name, sequential=True)
+            _check_chunk(folder, fqn, size, dtype, chunk, info, files[name])
             infos.append((chunk, files[name], info))
-        if math.prod(md.size) != sum(math.prod(c.sizes) for c, _, _ in infos):
-            raise CorruptFileError(f"DCP chunks of {fqn!r} do not cover its shape {list(md.size)}", path=folder)
+        if math.prod(size) != sum(math.prod(c.sizes) for c, _, _ in infos):
+            raise CorruptFileError(f"DCP chunks of {fqn!r} do not cover its shape {list(size)}", path=folder)
         if fqn not in skipped:
             _insert(
                 tree,
                 tuple(key_path),
-                LazyTensor(tuple(md.size), md.properties.dtype, _chunk_loader(folder, fqn, md, infos)),
+                LazyTensor(size, dtype, _chunk_loader(folder, fqn, size, dtype, infos)),
             )
-    return tree, skipped, [f.close for f in files.values()]
+    return tree, skipped
+
+
+def _dims(value) -> tuple[int, ...] | None:
+    try:
+        dims = tuple(value)
+    except TypeError:
+        return None
+    return dims if all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims) else None
+
+
+def _tensor_meta(folder: Path, fqn: str, md) -> tuple[tuple[int, ...], torch.dtype]:
+    size = _dims(getattr(md, "size", None))
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if size is None or not isinstance(dtype, torch.dtype) or not isinstance(getattr(md, "chunks", None), list):
+        raise CorruptFileError(f"DCP metadata of {fqn!r} is malformed (size, dtype or chunks)", path=folder)
+    return size, dtype
+
+
+def _check_chunk(folder: Path, fqn: str, size, dtype, chunk, info, file: MappedFile) -> None:
+    """A chunk lies inside its tensor, and its stored bytes lie inside its file and can hold its
+    elements: so a tensor never claims more memory than the files hold (a stride-0 chunk of a
+    few bytes cannot stand for gigabytes)."""
+    offsets, sizes = _dims(getattr(chunk, "offsets", None)), _dims(getattr(chunk, "sizes", None))
+    if (
+        offsets is None
+        or sizes is None
+        or len(offsets) != len(size)
+        or len(sizes) != len(size)
+        or any(o + s > n for o, s, n in zip(offsets, sizes, size))
+    ):
+        raise CorruptFileError(f"DCP chunk of {fqn!r} lies outside its shape {list(size)}", path=folder)
+    start, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, length)):
+        raise CorruptFileError(f"DCP storage of a chunk of {fqn!r} is malformed", path=folder)
+    if start + length > file.size:
+        raise CorruptFileError(
+            f"truncated: a chunk of {fqn!r} needs bytes up to {start + length}, the file has {file.size}",
+            path=file.path,
+        )
+    need = math.prod(sizes) * dtype.itemsize
+    if need > length:
+        raise CorruptFileError(
+            f"DCP chunk of {fqn!r} ({list(sizes)} {dtype}) needs {need} bytes, its stored record holds {length}",
+            path=file.path,
+        )
 
 
 def _insert(tree: dict, key_path: tuple, leaf) -> None:
@@ -141,7 +202,7 @@ def _insert(tree: dict, key_path: tuple, leaf) -> None:
     node[key_path[-1]] = leaf
 
 
-def _chunk_loader(folder: Path, fqn: str, md, infos):
+def _chunk_loader(folder: Path, fqn: str, size: tuple[int, ...], dtype: torch.dtype, infos):
     def load() -> torch.Tensor:
         out = None
         for chunk, file, info in infos:
@@ -160,10 +221,13 @@ def _chunk_loader(folder: Path, fqn: str, md, infos):
                 raise CorruptFileError(
                     f"DCP chunk of {fqn!r} is not a tensor of shape {list(chunk.sizes)}", path=file.path
                 )
+            check_extent(part, name=fqn, path=file.path)
+            if part.numel() and part.untyped_storage().nbytes() < part.numel() * part.element_size():
+                raise CorruptFileError(f"DCP chunk of {fqn!r} is an expanded view, not stored data", path=file.path)
             if len(infos) == 1:
-                return part.to(md.properties.dtype)
+                return part.to(dtype)
             if out is None:
-                out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                out = torch.empty(size, dtype=dtype)
             out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = part
         return out
 

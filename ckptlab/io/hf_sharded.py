@@ -37,6 +37,8 @@ def open_sharded(index_path: Path, *, sequential: bool = False):
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptFileError(f"unreadable shard index ({e})", path=index_path) from None
+    except RecursionError:
+        raise CorruptFileError("unreadable shard index (JSON nested too deeply)", path=index_path) from None
     shards = sorted({safe_member(folder, f, what="the shard index") for f in weight_map.values()})
     refs: dict[str, TensorRef] = {}
     aliases: dict[str, str] = {}

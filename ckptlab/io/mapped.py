@@ -46,6 +46,8 @@ class MappedFile:
     def read(self, offset: int, nbytes: int, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> torch.Tensor:
         """Bytes [offset, offset + nbytes) as a 1-D tensor of `dtype`."""
         count = nbytes // dtype.itemsize
+        if offset < 0 or nbytes < 0:
+            raise CorruptFileError(f"invalid byte range {offset}+{nbytes}", path=self.path)
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
         if offset + nbytes > self.size:

@@ -131,7 +131,7 @@ def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: b
 def _aliases(text: str, path: Path) -> dict[str, str]:
     try:
         aliases = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptFileError(f"metadata {ALIASES_KEY} is not JSON", path=path) from None
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise CorruptFileError(f"metadata {ALIASES_KEY} is not a name -> name map", path=path)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ckptlab.errors import CorruptFileError
+from ckptlab.errors import CorruptFileError, UnknownFormatError
 from ckptlab.io.mapped import FileTensor, MappedFile
 
 MAX_HEADER = 100_000_000  # the safetensors format's own limit
@@ -50,6 +50,11 @@ DTYPES = {
 }
 
 
+# dtypes of the safetensors format that this torch (or ckptlab) cannot hold: a file with one is
+# refused, not read without it (a diff would call that tensor "only in B", or "identical").
+SPEC_DTYPES = {"C64", "F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "U16", "U32", "U64"}
+
+
 def looks_like_safetensors(head: bytes) -> bool:
     """The first bytes of a file: a plausible header length, then '{'."""
     if len(head) < 9:
@@ -78,6 +83,8 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict, int]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptFileError(f"corrupt safetensors header: not JSON ({e})", path=path) from None
+    except RecursionError:
+        raise CorruptFileError("corrupt safetensors header: JSON nested too deeply", path=path) from None
     if not isinstance(header, dict):
         raise CorruptFileError("corrupt safetensors header: not a JSON object", path=path)
     return 8 + n, header, size
@@ -99,9 +106,15 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
                 f"truncated: tensor {name!r} needs data bytes up to {end}, the file holds {data_size}", path=path
             )
         dtype = DTYPES.get(dtype_name)
+        if dtype is None and dtype_name in SPEC_DTYPES:
+            raise UnknownFormatError(
+                f"tensor {name!r} has dtype {dtype_name}, which ckptlab cannot read with this torch", path=path
+            )
         if dtype is None:
-            skipped[name] = f"dtype {dtype_name} is not supported"
-        elif (end - begin) != math.prod(shape) * dtype.itemsize:
+            raise CorruptFileError(
+                f"corrupt safetensors header: tensor {name!r} has unknown dtype {dtype_name[:40]!r}", path=path
+            )
+        if (end - begin) != math.prod(shape) * dtype.itemsize:
             raise CorruptFileError(
                 f"corrupt safetensors header: tensor {name!r} ({dtype_name}{list(shape)}) "
                 f"should take {math.prod(shape) * dtype.itemsize} bytes, its offsets span {end - begin}",

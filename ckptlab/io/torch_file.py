@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ckptlab.errors import CorruptFileError, UnsafeFileError
-from ckptlab.io.base import MemoryTensor, TensorRef, require_safe_torch, split_tied
+from ckptlab.io.base import MemoryTensor, TensorRef, check_extent, require_safe_torch, split_tied
 from ckptlab.io.mapped import FileTensor, MappedFile
 from ckptlab.io.nested import describe, find_state_dict
 
@@ -72,7 +72,11 @@ def _first_line(e: BaseException) -> str:
 def open_torch(path: str | Path, *, sequential: bool = False):
     """(refs, aliases, notes, closers) for the model weights inside a torch.save file."""
     path = Path(path)
+    if zipfile.is_zipfile(path):
+        _refuse_compressed(path)
     obj, notes = load_pickled(path)
+    for name, t in _named_tensors(obj, ""):
+        check_extent(t, name=name, path=path)
     flat, where = find_state_dict(obj)
     note = describe(obj, where)
     if note:
@@ -87,6 +91,37 @@ def open_torch(path: str | Path, *, sequential: bool = False):
         offset = locate(t) if locate and t.is_contiguous() and t.numel() else None
         refs[name] = FileTensor(file, offset, t.shape, t.dtype) if offset is not None else MemoryTensor(t)
     return refs, aliases, notes, ([file.close] if file else [])
+
+
+def _refuse_compressed(path: Path) -> None:
+    """torch.save stores every tensor's bytes uncompressed, and torch's loader maps them as they
+    lie: a compressed (e.g. DEFLATE) data record would be read as garbage, a wrong answer."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if len(parts) >= 3 and parts[-2] == "data" and info.compress_type != zipfile.ZIP_STORED:
+                    raise CorruptFileError(
+                        f"tensor data record {info.filename} is compressed (zip method {info.compress_type}); "
+                        "torch.save never compresses, and reading it as stored would give wrong values",
+                        path=path,
+                    )
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error):
+        return  # torch.load says what is wrong with the zip itself
+
+
+def _named_tensors(obj, prefix: str, depth: int = 0):
+    """(dotted name, tensor) of every tensor inside a loaded object."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix or "<tensor>", obj
+    elif depth > 100:
+        return
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _named_tensors(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _named_tensors(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
 
 
 def _all_tensors(obj) -> list[torch.Tensor]:

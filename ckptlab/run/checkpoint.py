@@ -15,13 +15,12 @@ parses": an interrupted safetensors write can leave a full-length file of zeros 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import safetensors
@@ -32,6 +31,7 @@ from ckptlab.errors import CorruptFileError, IntegrityError
 from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run import codec
+from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import (
     COMMIT,
     DCP_DIR,
@@ -43,16 +43,6 @@ from ckptlab.run.layout import (
     parse_checkpoint,
 )
 from ckptlab.run.records import META_KEY
-
-_HASH_CHUNK = 8 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -157,6 +147,10 @@ class Checkpoint:
 
     def verify(self) -> None:
         """Check every file against the sha256 recorded at commit; IntegrityError otherwise."""
+        try:
+            check_commit(self.commit)
+        except ValueError as e:
+            raise CorruptFileError(f"corrupt checkpoint ({e})", path=self.path / COMMIT) from None
         for name, expected in self.commit["files"].items():
             path = self.path / name
             if not path.is_file():
@@ -224,7 +218,10 @@ def _materialize(node: Any) -> Any:
 
 def load_captured(path: Path) -> CapturedState:
     """A committed checkpoint folder back as the in-memory state it was written from."""
-    commit = json.loads((path / COMMIT).read_text())
+    try:
+        commit = read_commit(path)
+    except ValueError as e:
+        raise CorruptFileError(f"corrupt checkpoint ({e})", path=path / COMMIT) from None
     ckpt = Checkpoint(int(commit["step"]), path, commit)
     ckpt.verify()
     tensors, aliases = ckpt.load_model(verify=False)
@@ -247,16 +244,60 @@ def list_checkpoints(run_dir: Path) -> tuple[list[Checkpoint], list[str]]:
         if step is None:
             continue
         try:
-            commit = json.loads((p / COMMIT).read_text())
-            files = commit["files"]
-            for name, meta in files.items():
-                if (p / name).stat().st_size != int(meta["bytes"]):
+            commit = read_commit(p)  # every file name checked before any is looked at
+            for name, meta in commit["files"].items():
+                if (p / name).stat().st_size != meta["bytes"]:
                     raise ValueError(f"{name} has the wrong size")
         except FileNotFoundError as e:
             problems.append(f"{p}: incomplete checkpoint ({Path(e.filename or '').name or COMMIT} missing)")
             continue
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, OSError) as e:
             problems.append(f"{p}: corrupt checkpoint ({e})")
             continue
         found.append(Checkpoint(step, p, commit))
     return found, problems
+
+
+def read_commit(folder: Path) -> dict:
+    """A checkpoint folder's COMMIT.json, parsed and checked (`check_commit`); ValueError saying
+    what is wrong when it is malformed, FileNotFoundError when it is missing."""
+    try:
+        commit = json.loads((folder / COMMIT).read_bytes())
+    except RecursionError:
+        raise ValueError(f"{COMMIT} is nested too deeply") from None
+    check_commit(commit)
+    return commit
+
+
+def check_commit(commit: Any) -> None:
+    """ValueError unless `commit` is a COMMIT record: a JSON object with a `step`, whose `files` maps plain
+    relative names inside the checkpoint folder (no `..`, not absolute) to {bytes, sha256}."""
+    if not isinstance(commit, dict):
+        raise ValueError(f"{COMMIT} is not a JSON object")
+    step = commit.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"{COMMIT} has no step")
+    files = commit.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{COMMIT} has no files")
+    for name, meta in files.items():
+        if not _plain_member(name):
+            raise ValueError(f"{COMMIT} names {name!r}, not a file inside the checkpoint folder")
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("bytes"), int)
+            or isinstance(meta["bytes"], bool)
+            or meta["bytes"] < 0
+            or not isinstance(meta.get("sha256"), str)
+        ):
+            raise ValueError(f"{COMMIT} has a malformed entry for {name!r}")
+
+
+def _plain_member(name: str) -> bool:
+    if not name or "\x00" in name or name in (".", COMMIT):
+        return False
+    for flavour in (PurePosixPath, PureWindowsPath):
+        p = flavour(name)
+        if p.is_absolute() or p.drive or ".." in p.parts or not p.parts or p.parts == (".",):
+            return False
+    return True

@@ -66,7 +66,14 @@ def encode(obj: Any, *, prefix: str, compact_ints: bool = False) -> tuple[Any, d
 
 def decode(spec: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of `encode`. Raises ValueError on a malformed spec (callers name the file)."""
-    return _decode(spec, tensors)
+    try:
+        return _decode(spec, tensors)
+    except ValueError:
+        raise
+    # what a crafted spec can make the decoding of a node raise: wrong types, missing keys,
+    # bad permutations or devices (torch's RuntimeError), nesting deeper than the stack
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError, RuntimeError) as e:
+        raise ValueError(f"malformed spec ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 class _Encoder:

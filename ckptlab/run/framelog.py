@@ -42,6 +42,12 @@ FLAG_ZLIB = 1
 FLAG_SAFETENSORS = 2
 
 MAX_FRAME = 1 << 32  # u32 length
+# The most bytes a compressed payload may inflate to (256 MiB). The frame format declares no
+# uncompressed size, so this global limit bounds what reading one frame can allocate (zlib
+# inflates up to ~1000x: an 8 MB frame could otherwise claim 8 GiB). One rank's batch record
+# is typically a few MB; the writer stores a payload larger than this uncompressed
+# (records.Compressor), so every frame it writes stays readable.
+MAX_INFLATED = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,27 @@ def check_payload(ref: FrameRef, data: bytes) -> bytes:
             f"frame for step {ref.step} at byte {ref.offset} fails its CRC (corrupt file)",
             path=ref.path,
         )
-    return zlib.decompress(data) if ref.flags & FLAG_ZLIB else data
+    return inflate(data, path=ref.path, step=ref.step) if ref.flags & FLAG_ZLIB else data
+
+
+def inflate(data, *, path, step: int, limit: int | None = None) -> bytes:
+    """A zlib payload decompressed, refusing (CorruptFileError) to inflate past `limit`
+    (default MAX_INFLATED) bytes: memory stays bounded whatever a crafted frame claims."""
+    limit = MAX_INFLATED if limit is None else limit
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, limit + 1)  # max_length: zlib stops there, nothing more is allocated
+    except zlib.error as e:
+        raise CorruptFileError(f"frame for step {step}: payload is not valid zlib data ({e})", path=path) from None
+    if len(out) > limit:
+        raise CorruptFileError(
+            f"frame for step {step}: compressed payload inflates to more than {limit} bytes "
+            "(the limit for one frame; a decompression bomb or a corrupt file)",
+            path=path,
+        )
+    if not d.eof:
+        raise CorruptFileError(f"frame for step {step}: compressed payload is cut short", path=path)
+    return out
 
 
 class FrameWriter:
@@ -174,12 +200,70 @@ def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
 
 
 def _intact_frame_after(data, start: int) -> bool:
-    """Whether a whole frame with a good CRC starts somewhere at or after `start`."""
+    """Whether a whole frame with a good CRC starts somewhere at or after `start`.
+
+    Linear in the bytes after `start`, however many frame-like headers a crafted file holds
+    (checking each candidate's CRC over its own payload would be quadratic: every header can
+    claim a payload running to the end of the file). CRC-32 of any byte range follows from the
+    CRCs of the file's prefixes: crc(data[a:b]) = P(b) ^ Z_{b-a}(P(a)), with P(x) the CRC of
+    data[:x] and Z_n the (linear) effect of n zero bytes on a CRC. So one pass computes P at
+    every candidate's start and end, and Z_n is applied to all candidates at once.
+    """
+    size = len(data)
+    starts, ends, crcs = [], [], []
     i = data.find(FRAME_MAGIC, start)
-    while i != -1 and i + FRAME.size <= len(data):
+    while i != -1 and i + FRAME.size <= size:
         _, kind, _, _, _, length, crc = FRAME.unpack_from(data, i)
         end = i + FRAME.size + length
-        if kind in KIND_NAMES and end <= len(data) and zlib.crc32(data[i + FRAME.size : end]) == crc:
-            return True
+        if kind in KIND_NAMES and end <= size:
+            starts.append(i + FRAME.size)
+            ends.append(end)
+            crcs.append(crc)
         i = data.find(FRAME_MAGIC, i + 1)
-    return False
+    if not starts:
+        return False
+    if len(starts) == 1:
+        return zlib.crc32(data[starts[0] : ends[0]]) == crcs[0]
+    import numpy as np
+
+    prefix = {}
+    crc, prev = 0, 0
+    with memoryview(data) as view:
+        for pos in sorted({*starts, *ends}):
+            crc = zlib.crc32(view[prev:pos], crc)
+            prefix[pos] = crc
+            prev = pos
+    at_start = np.array([prefix[a] for a in starts], dtype=np.uint32)
+    at_end = np.array([prefix[b] for b in ends], dtype=np.uint32)
+    lengths = np.array(ends, dtype=np.int64) - np.array(starts, dtype=np.int64)
+    got = at_end ^ _zeros_shift(at_start, lengths)
+    return bool((got == np.array(crcs, dtype=np.uint32)).any())
+
+
+def _zeros_shift(values, lengths):
+    """Z_n(v) for each value and its length n: what n zero bytes do to a CRC-32 register (the
+    CRC of n zero bytes started from v, xor the one started from 0), in O(log n) table look-ups
+    per value instead of O(n)."""
+    import numpy as np
+
+    values = values.copy()
+    byte = np.arange(256, dtype=np.uint32)
+    # columns of Z_1: the image of each single bit
+    cols = np.array([zlib.crc32(b"\0", 1 << j) ^ zlib.crc32(b"\0") for j in range(32)], dtype=np.uint32)
+    k = 0
+    while (lengths >> k).any():
+        tables = []
+        for b in range(4):  # Z_{2^k} as four byte-indexed tables
+            t = np.zeros(256, dtype=np.uint32)
+            for bit in range(8):
+                t ^= np.where((byte >> bit) & 1, cols[8 * b + bit], 0).astype(np.uint32)
+            tables.append(t)
+
+        def apply(v, tables=tables):
+            return tables[0][v & 0xFF] ^ tables[1][(v >> 8) & 0xFF] ^ tables[2][(v >> 16) & 0xFF] ^ tables[3][v >> 24]
+
+        pick = ((lengths >> k) & 1).astype(bool)
+        values[pick] = apply(values[pick])
+        cols = apply(cols)  # Z_{2^(k+1)} = Z_{2^k} twice
+        k += 1
+    return values

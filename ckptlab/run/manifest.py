@@ -10,7 +10,6 @@ rollback (null, or the step a rollback rewound the run to).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
+from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
 
 FORMAT = "ckptlab-run"
@@ -67,6 +67,8 @@ def read_manifest(run_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptFileError(f"unreadable manifest ({e})", path=path) from None
+    except RecursionError:
+        raise CorruptFileError("unreadable manifest (JSON nested too deeply)", path=path) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise NotARunError("manifest.json is not a ckptlab run manifest", path=path)
     version = manifest.get("format_version")
@@ -125,12 +127,3 @@ def source_changed(desc: dict, run_dir: Path) -> bool | None:
     if path is None or not desc.get("sha256"):
         return None
     return sha256_file(path) != desc["sha256"]
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """A file's sha256, read in chunks (a file named by a manifest may be of any size)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

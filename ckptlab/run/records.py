@@ -19,7 +19,7 @@ import torch
 
 from ckptlab.errors import CorruptFileError
 from ckptlab.run import codec
-from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB
+from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
 META_KEY = "ckptlab"
 # A step record's param_grad_norm for a parameter that got no gradient that step.
@@ -46,7 +46,8 @@ def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 class Compressor:
     """Decides per stream whether zlib pays off: it re-tests every `every` frames and keeps
-    compressing only while it saves >= 10% (token ids often do; float activations do not)."""
+    compressing only while it saves >= 10% (token ids often do; float activations do not).
+    A payload larger than framelog.MAX_INFLATED is stored as is: readers refuse to inflate more."""
 
     def __init__(self, every: int = 64, level: int = 1):
         self.every, self.level = every, level
@@ -56,7 +57,7 @@ class Compressor:
     def __call__(self, payload: bytes) -> tuple[bytes, int]:
         test = self._n % self.every == 0
         self._n += 1
-        if test or self._on:
+        if (test or self._on) and len(payload) <= MAX_INFLATED:
             packed = zlib.compress(payload, self.level)
             if test:
                 self._on = len(packed) <= 0.9 * len(payload)
@@ -90,9 +91,12 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
     try:
         batch = codec.decode(meta["batch"], tensors)
         rng = codec.decode(meta["rng"], tensors) if meta.get("rng") is not None else None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptFileError(f"malformed batch record for step {meta.get('step')}: {e}", path=where) from None
-    return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+    try:
+        return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptFileError(f"malformed batch record ({type(e).__name__}: {e})", path=where) from None
 
 
 # --- step health records -------------------------------------------------------------------
@@ -105,7 +109,12 @@ def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
 
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
     meta, tensors = unpack(payload, where=where)
-    return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+    if not isinstance(meta, dict):
+        raise CorruptFileError("unreadable record (not a JSON object)", path=where)
+    try:
+        return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+    except (RecursionError, TypeError) as e:
+        raise CorruptFileError(f"unreadable record ({type(e).__name__})", path=where) from None
 
 
 def _json_safe(d: Any) -> Any:
@@ -138,6 +147,11 @@ def encode_json(meta: dict) -> bytes:
 
 def decode_json(payload: bytes, *, where: str) -> dict:
     try:
-        return _json_restore(json.loads(payload))
+        record = _json_restore(json.loads(payload))
     except ValueError as e:
         raise CorruptFileError(f"unreadable record ({e})", path=where) from None
+    except RecursionError:
+        raise CorruptFileError("unreadable record (JSON nested too deeply)", path=where) from None
+    if not isinstance(record, dict):
+        raise CorruptFileError("unreadable record (not a JSON object)", path=where)
+    return record

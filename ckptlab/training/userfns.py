@@ -23,8 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckptlab.errors import RecordError, ReplayError, UntrustedCodeError
+from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import sources_dir, write_bytes_atomic
-from ckptlab.run.manifest import resolve_file, sha256_file
+from ckptlab.run.manifest import resolve_file
 
 
 def describe(fn: Callable, role: str, run_dir: Path) -> dict:

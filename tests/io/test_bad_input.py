@@ -129,12 +129,21 @@ def test_corrupt_safetensors(st_file, damage, words):
     assert words in _one_line(e.value, st_file)
 
 
-def test_unsupported_safetensors_dtype_is_skipped_not_fatal(st_file):
+@pytest.mark.parametrize(
+    "dtype, error, words",
+    [
+        ("F4", UnknownFormatError, "tensor 'b' has dtype F4, which ckptlab cannot read"),
+        ("X99", CorruptFileError, "tensor 'b' has unknown dtype 'X99'"),
+    ],
+)
+def test_unreadable_safetensors_dtype_is_an_error(st_file, dtype, error, words):
+    """Not skipped: a diff without that tensor would call it "only in B", or the files identical."""
     header, body = _header(st_file)
-    header["b"]["dtype"] = "F4"
+    header["b"]["dtype"] = dtype
     _rewrite(st_file, header, body)
-    sd = open_checkpoint(st_file)
-    assert list(sd) == ["a"] and "F4" in sd.skipped["b"]
+    with pytest.raises(error) as e:
+        open_checkpoint(st_file)
+    assert words in _one_line(e.value, st_file)
 
 
 def test_unknown_formats(tmp_path):
@@ -222,3 +231,11 @@ def test_run_references_are_verified(tmp_path):
     with pytest.raises(IntegrityError, match="sha256"):
         open_checkpoint(f"{run}@10")
     assert open_checkpoint(f"{run}@10", verify=False).label == f"{run}@10"
+
+
+def test_small_expanded_buffers_still_open(tmp_path):
+    """A stride-0 buffer (e.g. HF's position_ids, an `expand`ed arange) within MAX_EXPANDED reads."""
+    path = tmp_path / "buf.pt"
+    torch.save({"position_ids": torch.arange(8).expand((1, -1)), "bias": torch.zeros(1).expand(100)}, path)
+    sd = open_checkpoint(path)
+    assert torch.equal(sd["bias"], torch.zeros(100)) and sd["position_ids"].shape == (1, 8)

@@ -111,3 +111,22 @@ def test_compression_is_used_only_where_it_pays():
     compress_noise = records.Compressor()
     data, flags = compress_noise(noise)
     assert not flags & framelog.FLAG_ZLIB and data == noise
+
+
+def test_inflate_is_capped_and_refuses_bad_zlib(tmp_path):
+    inflate = framelog.inflate
+    data = zlib.compress(bytes(1000))
+    assert inflate(data, path=tmp_path, step=1) == bytes(1000)
+    with pytest.raises(CorruptFileError, match="step 4: compressed payload inflates to more than 999 bytes"):
+        inflate(data, path=tmp_path, step=4, limit=999)
+    with pytest.raises(CorruptFileError, match="not valid zlib data"):
+        inflate(b"not zlib", path=tmp_path, step=4)
+    with pytest.raises(CorruptFileError, match="cut short"):
+        inflate(data[:-6], path=tmp_path, step=4)
+
+
+def test_compressor_stores_payloads_over_the_inflate_limit_raw(monkeypatch):
+    monkeypatch.setattr(records, "MAX_INFLATED", 100)
+    compress = records.Compressor()
+    assert compress(bytes(101)) == (bytes(101), records.FLAG_SAFETENSORS)
+    assert compress(bytes(100))[1] == records.FLAG_SAFETENSORS | records.FLAG_ZLIB

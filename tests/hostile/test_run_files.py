@@ -1,0 +1,100 @@
+"""Hostile run files: manifest.json, journal records, COMMIT.json, safetensors headers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+from ckptlab.run import framelog
+from tests.hostile.conftest import refused, run_cli, tree_hash
+
+DEEP = "[" * 200_000 + "]" * 200_000  # any JSON parser recurses once per level
+
+
+def checkpoint_dirs(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step-*"))
+
+
+# --- item 6: deeply nested JSON is corruption, not a RecursionError -----------------------------
+
+
+def test_deep_manifest(sample_run):
+    (sample_run / "manifest.json").write_text(DEEP)
+    refused(sample_run, "info", "--run", sample_run, names="manifest.json", says="nested too deeply")
+
+
+def test_deep_journal_record(sample_run):
+    last = sorted((sample_run / "journal").glob("s*.log"))[-1]
+    payload = DEEP.encode()
+    with open(last, "ab") as f:
+        f.write(
+            framelog.FRAME.pack(
+                framelog.FRAME_MAGIC, framelog.VALIDATION, 0, 0, 9000, len(payload), zlib.crc32(payload)
+            )
+        )
+        f.write(payload)
+    refused(sample_run, "info", "--run", sample_run, names=last.name, says="nested too deeply")
+
+
+def test_deep_commit_json(sample_run):
+    ckpt = checkpoint_dirs(sample_run)[0]
+    (ckpt / "COMMIT.json").write_text(DEEP)
+    refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says="nested too deeply")
+
+
+def test_deep_safetensors_header(tmp_path):
+    header = DEEP.encode()
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    refused(path, "diff", path, path, names="deep.safetensors", says="nested too deeply")
+
+
+def test_commit_json_that_is_not_an_object(sample_run):
+    ckpt = checkpoint_dirs(sample_run)[0]
+    (ckpt / "COMMIT.json").write_text('{"step": 1000, "files": ["model.safetensors"]}')
+    refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says="has no files")
+
+
+# --- item 7: COMMIT.json names only files inside its checkpoint folder ---------------------------
+
+
+def test_commit_json_pointing_outside_the_checkpoint(sample_run, tmp_path):
+    """A name with `..` is corruption, and the file it names is never opened: here it would
+    even match its size and hash, so reading it would make the checkpoint look valid."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a checkpoint file\n")
+    ckpt = checkpoint_dirs(sample_run)[0]
+    commit = json.loads((ckpt / "COMMIT.json").read_text())
+    name = os.path.relpath(secret, ckpt)
+    assert name.startswith("..")
+    commit["files"] = {
+        name: {"bytes": secret.stat().st_size, "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    }
+    (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+    refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says="not a file inside the checkpoint folder")
+    # absolute paths too
+    commit["files"] = {str(secret): commit["files"][name]}
+    (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+    refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says="not a file inside the checkpoint folder")
+
+
+# --- item 8: a manifest naming a huge file: hashed in chunks, memory stays flat -----------------
+
+
+def test_manifest_naming_a_huge_source_file(sample_run, tmp_path):
+    huge = tmp_path / "huge.py"
+    with open(huge, "wb") as f:
+        f.truncate(3 << 30)  # sparse: 3 GiB, more than the child's address space limit
+    manifest = json.loads((sample_run / "manifest.json").read_text())
+    manifest["functions"]["build_fn"]["file"] = str(huge)
+    (sample_run / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_hash(sample_run)
+    r = run_cli("info", "--run", sample_run, timeout=60)
+    assert tree_hash(sample_run) == before
+    assert "internal error" not in r.err, r.err
+    assert r.code == 0, r.err
+    assert "huge.py: source changed since recording" in r.out, r.out
