@@ -172,3 +172,30 @@ def test_strings_from_a_run_reach_the_terminal_inert(cli, spiky_run, tmp_path): 
         r = cli(*args, "--run", run)
         assert "\x1b" not in r.out + r.err and "\x07" not in r.out + r.err
         assert "\\x1b[2J" in r.out and "pwned[/]" in r.out  # shown as typed (the table may wrap it)
+
+
+def test_the_same_code_imported_from_another_copy_is_still_your_own(tmp_path, monkeypatch):
+    """A package installed in site-packages beside its source checkout, or ckptlab's own bundled
+    example recorded from another checkout: the name imports a file with the recorded hash."""
+    from ckptlab.training import userfns
+
+    code = "def build():\n    return 'built'\n"
+    for folder in ("checkout", "site"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "ckl_twin.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "ckl_twin", raising=False)
+    desc = {
+        "module": "ckl_twin",
+        "qualname": "build",
+        "file": str(tmp_path / "checkout" / "ckl_twin.py"),
+        "sha256": hashlib.sha256(code.encode()).hexdigest(),
+    }
+    assert userfns.load(desc, "build_fn", tmp_path / "run")() == "built"
+    example = {
+        "module": "ckptlab.examples.tiny_lm",
+        "qualname": "build",
+        "file": "/elsewhere/ckptlab/examples/tiny_lm.py",
+        "sha256": "0" * 64,
+    }
+    assert callable(userfns.load(example, "build_fn", tmp_path / "run"))

@@ -109,12 +109,12 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     file is the one found, else the run's copy of it (None for a module importable by name).
     A run directory someone sent you is data; this keeps it from being code.
     """
+    own = _ckptlab_module_file(desc.get("module"))
+    if own is not None:  # ckptlab's own code (integrations, examples): the installed version
+        return own, True
     path, sha = resolve_file(desc, run_dir), desc.get("sha256")
     if path is not None and sha and sha256_file(path) == sha:
         return path, True
-    own = _ckptlab_module_file(desc.get("module"))
-    if own is not None:  # ckptlab's own step functions (integrations): the installed version
-        return own, True
     if trust or trust_from_env():
         return path or _copy_in_run(desc, run_dir), False
     name = f"{role} ({desc.get('module')}.{desc.get('qualname')})"
@@ -168,7 +168,7 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> Callab
             )
         mod = _load_script(path)
     else:
-        mod = _import(module, path, role, run_dir, verified=unchanged, recorded_cwd=desc.get("cwd"))
+        mod = _import(module, path, role, run_dir, verified=unchanged, recorded=desc)
     fn = _resolve(mod, qualname)
     if not callable(fn):
         raise ReplayError(
@@ -185,12 +185,13 @@ def _announce(role: str, path, unchanged: bool) -> None:
     print(f"ckptlab: running {role} from {path} ({how})", file=sys.stderr)
 
 
-def _import(module: str, path: Path | None, role: str, run_dir: Path, *, verified: bool, recorded_cwd: str | None):
-    """Import `module` by name so that it is the file `path`: its package root goes on
+def _import(module: str, path: Path | None, role: str, run_dir: Path, *, verified: bool, recorded: dict):
+    """Import `module` by name so that it is the file `path` (or a copy of it with the same
+    sha256: an installed package beside its source checkout): its package root goes on
     sys.path, never a folder the manifest names (its recorded working directory only with the
     opt-in, when the file is not `verified`)."""
     root = _import_root(module, path) if path is not None else None
-    extra = [] if verified or not recorded_cwd else [recorded_cwd]
+    extra = [] if verified or not recorded.get("cwd") else [recorded["cwd"]]
     for folder in [*extra, *([str(root)] if root is not None else [])]:
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -204,7 +205,8 @@ def _import(module: str, path: Path | None, role: str, run_dir: Path, *, verifie
             hint="run replay where that module is importable (same environment and working directory)",
         ) from None
     found = getattr(mod, "__file__", None)
-    if verified and (found is None or Path(found).resolve() != path):
+    same = found is not None and (Path(found).resolve() == path or sha256_file(found) == recorded.get("sha256"))
+    if verified and not same:
         raise UntrustedCodeError(
             f"{module} imports from {found}, not from the recorded, unchanged {path}",
             path=run_dir,
