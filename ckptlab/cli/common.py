@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.errors import NotARunError
+from ckptlab.errors import CorruptFileError, NotARunError
 
 RUN_HELP = "Run directory (default: $CKPTLAB_RUN, else the most recently written run under ./runs/)."
 
@@ -52,3 +52,15 @@ def find_run(run_dir: Path | None, term) -> Path:
     newest = max(candidates, key=last_written)
     term.note(f"using run {newest} (the most recently written under ./runs; pass --run to choose)")
     return newest
+
+
+def end_with_problems(problems: list[str], damaged: list[str], term) -> None:
+    """After a command's results: a warning for each problem the run's files have (a crash's
+    torn tail), then, if anything is damaged, fail with the first damage as the one error line
+    (exit 1): the results stand, but the run is not intact."""
+    for problem in problems:
+        if problem not in damaged[:1]:
+            term.warn(problem)
+    if damaged:
+        more = len(damaged) - 1
+        raise CorruptFileError(damaged[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option, trust_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option, trust_option
 
 
 @click.command("dirty")
@@ -107,8 +107,7 @@ def command(
         term.json(report)
     else:
         render(report, term, top)
-    for p in run.problems:
-        term.warn(p)
+    end_with_problems(run.problems, run.damaged, term)
 
 
 def _attribution(run, trust_code: bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option
 
 
 @click.command("info")
@@ -20,7 +20,6 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
     or truncated log segment or checkpoint file. A crash's torn tail is only a warning.
     """
     from ckptlab.analysis.summary import summarize
-    from ckptlab.errors import CorruptFileError
     from ckptlab.render.console import Terminal
     from ckptlab.render.info import render
     from ckptlab.run.reader import open_run
@@ -32,8 +31,4 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
         term.json(summary)
     else:
         render(summary, term)
-    if summary.damaged:
-        more = len(summary.damaged) - 1
-        raise CorruptFileError(
-            summary.damaged[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
-        )
+    end_with_problems(summary.problems, summary.damaged, term)

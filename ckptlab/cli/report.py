@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option
 
 
 @click.command("report")
@@ -71,8 +71,7 @@ def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, pa
         term.json(report)
     else:
         render(report, run, term)
-    for p in run.problems:
-        term.warn(p)
+    end_with_problems(run.problems, run.damaged, term)
     order = {"never": -1, "error": 0, "warning": 1}[fail_on]
     if order >= 0 and any({"error": 0, "warning": 1, "info": 2}[f.severity] <= order for f in report.findings):
         raise click.exceptions.Exit(1)

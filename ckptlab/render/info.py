@@ -91,9 +91,6 @@ def render(s, term) -> None:
             else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
         )
         term.print(f"{safe(role):<10} {safe(f['name'])}  ({safe(f['file'])}: {state})")
-    for p in s.problems:
-        if p not in s.damaged[:1]:  # the first damage is the error line `command` ends with
-            term.warn(p)
 
 
 def _spans(ranges) -> str:

@@ -158,8 +158,12 @@ class Run:
         if ref is None:
             where = f" on rank {rank}" if rank else ""
             raise ReplayError(self.missing_step(step) + where, path=self.path)
-        payload, _ = ref.read_payload()
-        return records.decode_batch(payload, where=f"{ref.path}@{step}")
+        try:
+            payload, _ = ref.read_payload()
+            return records.decode_batch(payload, where=f"{ref.path}@{step}")
+        except CorruptFileError as e:  # the run is damaged, whoever asked (`damaged` says so)
+            self._damage(str(e))
+            raise
 
     def batch(self, step: int, rank: int = 0) -> tuple[Any, list | None]:
         """(batch, sample_ids) of `step`, exactly as recorded (on `rank`, if distributed)."""

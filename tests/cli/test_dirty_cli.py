@@ -49,3 +49,18 @@ def test_thresholds_are_options(cli, spike_run):
     ).json()
     assert doc["flagged"] == [] and doc["skip_ids"] == []
     assert doc["rules"]["loss_spike"]["z"] == 1e12
+
+
+def test_a_damaged_run_is_scanned_then_fails(cli, spike_run, tmp_path):
+    """The report covers what reads; the damage is the one error line, and the exit code says so."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(spike_run, run)
+    seg = sorted((run / "batches" / "rank0").iterdir())[0]
+    data = bytearray(seg.read_bytes())
+    data[200] ^= 0xFF  # a flipped byte mid-segment: not a crash's torn tail
+    seg.write_bytes(bytes(data))
+    r = cli("dirty", "--run", run, "--json", "--no-attribute")
+    assert r.code == 1 and r.json()["scanned"]["steps"] > 0
+    assert r.err.strip().splitlines()[-1].startswith(f"ckptlab: error: {seg}: ") and "(corrupt file)" in r.err

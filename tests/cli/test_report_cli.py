@@ -109,3 +109,15 @@ def test_html_renders_in_headless_chromium(cli, overfit_run, tmp_path):
         if re.search(r"CONSOLE|Uncaught|net::ERR|Refused to|Failed to load", line)
     ]
     assert problems == [], problems
+
+
+def test_a_damaged_run_is_reported_then_fails(cli, overfit_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(overfit_run, run)
+    seg = sorted((run / "journal").iterdir())[0]
+    data = bytearray(seg.read_bytes())
+    data[200] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    r = cli("report", "--run", run, "--json", "--no-weights")
+    assert r.code == 1 and "findings" in r.json()
+    assert r.err.strip().splitlines()[-1].startswith(f"ckptlab: error: {seg}: ") and "(corrupt file)" in r.err
