@@ -1,7 +1,7 @@
 """Models and data for the distributed tests (DDP and FSDP2, 2 processes, gloo on the CPU).
 
 `python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|fsdp [KILL_STEP|resume]`
-records a run; rank 1 meets a NaN in row 2 of its batch at step NAN_STEP.
+records a run (the DDP one's build_fn/step_fn write to fd 1); rank 1 meets a NaN in row 2 of its batch at step NAN_STEP.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import torch
 
 import ckptlab
-from tests.models import MLP, step_mlp  # noqa: F401 - step_mlp is the recorded step_fn
+from tests.models import MLP, step_mlp
 
 NAN_STEP, NAN_RANK, NAN_ROW = 17, 1, 2
 STEPS, ROWS = 30, 4
@@ -22,9 +22,15 @@ STEPS, ROWS = 30, 4
 def build_ddp():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    os.write(1, b"chatty ddp build_fn\n")  # user code that prints: `replay --json` keeps it off stdout
     torch.manual_seed(0)
     model = DDP(MLP())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step_ddp(model, optimizer, batch):
+    os.write(1, b"chatty ddp step_fn\n")
+    return step_mlp(model, optimizer, batch)
 
 
 def build_fsdp():
@@ -57,10 +63,10 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    build = build_ddp if kind == "ddp" else build_fsdp
+    build, step = (build_ddp, step_ddp) if kind == "ddp" else (build_fsdp, step_mlp)
     model, opt = build()
     with ckptlab.Recorder(
-        run_dir, model, opt, step_fn=step_mlp, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume
+        run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume
     ) as rec:
         for s in range(rec.next_step, STEPS):  # (a resumed run continues its numbering)
             if s == kill_step and rank == 1:

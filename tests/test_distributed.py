@@ -1,5 +1,6 @@
 """Distributed recording and replay: 2 processes, gloo on the CPU (DDP; FSDP2 below)."""
 
+import json
 import math
 import os
 import re
@@ -179,3 +180,16 @@ def test_rollback_exports_a_sharded_checkpoint_loadable_without_ckptlab(fsdp_run
     )
     assert torch.equal(model.fc1.weight, run.checkpoint(run.checkpoints[-1]).load_model()[0]["fc1.weight"])
     assert opt.state_dict()["state"][0]["exp_avg"].shape == (16, 8)
+
+
+def test_replay_json_stdout_stays_clean_when_the_ranks_print(ddp_run):
+    """The DDP run's build_fn/step_fn write to fd 1, in the CLI's process and in the worker
+    processes it spawns (which inherit fd 1): all of it on stderr, one document on stdout."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "ckptlab", "replay", "--run", str(ddp_run), "--step", str(dm.NAN_STEP), "--json"]
+    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["root_step"] == dm.NAN_STEP and doc["rank"] == dm.NAN_RANK
+    assert out.stderr.count("chatty ddp build_fn") >= 3  # this process, and each rank's worker
+    assert "chatty ddp step_fn" in out.stderr

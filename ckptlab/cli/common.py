@@ -31,6 +31,20 @@ json_option = click.option(
 )
 
 
+def open_terminal(as_json: bool):
+    """The command's Terminal. With --json it holds stdout for the JSON document alone (the
+    user's code and child processes print to stderr: render/console.py `StdoutClaim`) until
+    the command ends, however it ends."""
+    from ckptlab.render.console import Terminal
+
+    term = Terminal(json_mode=as_json)
+    ctx = click.get_current_context(silent=True)
+    if as_json and ctx is not None:  # click closes the context however the command ends
+        term.claim_stdout()
+        ctx.call_on_close(term.close)
+    return term
+
+
 def find_run(run_dir: Path | None, term) -> Path:
     """--run, else $CKPTLAB_RUN, else the most recently written run under ./runs/."""
     if run_dir is not None:

@@ -7,7 +7,7 @@ import re
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import find_run, json_option, open_terminal, run_option
 
 
 def _regex(ctx, param, value):
@@ -86,9 +86,8 @@ def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify,
     from ckptlab.analysis.diff import diff
     from ckptlab.io import open_checkpoint
     from ckptlab.render import diff as view
-    from ckptlab.render.console import Terminal
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     a, b = (f"{find_run(run_dir, term)}{ref}" if ref and ref.startswith("@") else ref for ref in (a, b))
     sd_a = open_checkpoint(a, sequential=sequential, verify=not no_verify)
     sd_b = open_checkpoint(b, sequential=sequential, verify=not no_verify) if b is not None else None

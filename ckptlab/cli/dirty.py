@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option, trust_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, open_terminal, run_option, trust_option
 
 
 @click.command("dirty")
@@ -78,11 +78,10 @@ def command(
     from dataclasses import replace
 
     from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
-    from ckptlab.render.console import Terminal
     from ckptlab.render.dirty import render
     from ckptlab.run.reader import open_run
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
     rules = DirtyRules()
     rules = replace(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option, trust_option
+from ckptlab.cli.common import find_run, json_option, open_terminal, run_option, trust_option
 
 
 @click.command("export")
@@ -36,11 +36,10 @@ def command(run_dir, tb_dir: Path, grads: bool, trust_code: bool, as_json: bool)
     tensor and, with --grads (default), of the gradients of the step that starts there.
     Needs the tensorboard package: pip install 'ckptlab[tensorboard]'.
     """
-    from ckptlab.render.console import Terminal
     from ckptlab.render.tensorboard import require_tensorboard, write_tensorboard
     from ckptlab.run.reader import open_run
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     require_tensorboard()  # before anything runs: a missing extra is one line, not a late failure
     run = open_run(find_run(run_dir, term))
     gradients = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, open_terminal, run_option
 
 
 @click.command("info")
@@ -20,11 +20,10 @@ def command(run_dir, as_json: bool, no_verify: bool) -> None:
     or truncated log segment or checkpoint file. A crash's torn tail is only a warning.
     """
     from ckptlab.analysis.summary import summarize
-    from ckptlab.render.console import Terminal
     from ckptlab.render.info import render
     from ckptlab.run.reader import open_run
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
     summary = summarize(run, verify=not no_verify)
     if as_json:

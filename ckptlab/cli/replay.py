@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option, trust_option
+from ckptlab.cli.common import find_run, json_option, open_terminal, run_option, trust_option
 
 
 @click.command("replay")
@@ -65,12 +65,11 @@ def command(
     they are your own files, unchanged since recording (it says which file runs); anything
     else needs --trust-run-code.
     """
-    from ckptlab.render.console import Terminal
     from ckptlab.render.replay import render
     from ckptlab.replayer import replay
     from ckptlab.run.reader import open_run
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
     with term.progress(f"replaying up to step {step}") as update:
         report = replay(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import end_with_problems, find_run, json_option, run_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, open_terminal, run_option
 
 
 @click.command("report")
@@ -50,11 +50,10 @@ def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, pa
     from dataclasses import replace
 
     from ckptlab.analysis.health import HealthRules, diagnose
-    from ckptlab.render.console import Terminal
     from ckptlab.render.report import render
     from ckptlab.run.reader import open_run
 
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
     with term.status("reading the run"):
         report = diagnose(

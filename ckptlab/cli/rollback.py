@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, run_option
+from ckptlab.cli.common import find_run, json_option, open_terminal, run_option
 
 
 @click.command("rollback")
@@ -55,14 +55,13 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
     from ckptlab.analysis.rollback import choose
     from ckptlab.errors import CkptlabError
     from ckptlab.jsonable import plain
-    from ckptlab.render.console import Terminal
     from ckptlab.render.rollback import render
     from ckptlab.run import archive, lock
     from ckptlab.run.reader import open_run
 
     if before_anomaly and (metric or mode):
         raise click.UsageError("--before-anomaly chooses by health; do not combine it with --metric/--mode")
-    term = Terminal(json_mode=as_json)
+    term = open_terminal(as_json)
     path = find_run(run_dir, term)
     if not dry_run and to_dir is None:  # refuse at once, not after hashing every candidate
         lock.check_unlocked(path)  # (rewinding takes the lock itself: run/archive.py)

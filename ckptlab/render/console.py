@@ -2,11 +2,18 @@
 
 stdout carries results (tables, or with --json only the JSON document); stderr carries notes,
 warnings and errors, so `ckptlab replay --json > out.json` always yields valid JSON.
+
+With --json that holds whatever the user's code prints: the CLI's Terminal claims stdout
+(`claim_stdout`, `StdoutClaim`) for the whole command: file descriptor 1 and `sys.stdout` point
+at stderr, so `print`, `os.write(1, ...)`, C code and every child process (DataLoader
+workers, distributed replay's ranks) write to stderr, and the document alone goes to the
+stdout the command started with.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any
@@ -16,12 +23,80 @@ from rich.console import Console
 from ckptlab.render.jsonout import dumps
 
 
+class StdoutClaim:
+    """stdout kept for one JSON document while everything else that would write there (the
+    user's `print`, writes to fd 1 from C, child processes, which inherit fd 1) goes to stderr.
+
+    `release()` (idempotent) puts fd 1 and `sys.stdout` back as they were. Where fd 1 cannot
+    be moved (closed, or no fd 2), only `sys.stdout` is redirected."""
+
+    def __init__(self):
+        self.stdout = sys.stdout  # where the document goes: the stdout the command started with
+        self.saved_fd: int | None = None
+        _flush(self.stdout, sys.__stdout__)
+        try:
+            saved = os.dup(1)
+        except OSError:
+            saved = None
+        if saved is not None:
+            try:
+                os.dup2(2, 1)
+                self.saved_fd = saved
+            except OSError:
+                os.close(saved)
+        sys.stdout = sys.stderr
+        self.released = False
+
+    def write(self, text: str) -> None:
+        """The document: to the saved fd 1 where the original stdout wrote to fd 1, else to the
+        original stdout object (a notebook's, or pytest's capture)."""
+        if self.saved_fd is not None and _fileno(self.stdout) == 1:
+            data = text.encode(getattr(self.stdout, "encoding", None) or "utf-8", errors="replace")
+            while data:
+                data = data[os.write(self.saved_fd, data) :]
+        else:
+            self.stdout.write(text)
+            self.stdout.flush()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        _flush(sys.stdout, sys.__stdout__)
+        _flush_c_stdio()  # what C code left in its stdout buffer belongs to stderr too
+        if self.saved_fd is not None:
+            os.dup2(self.saved_fd, 1)
+            os.close(self.saved_fd)
+            self.saved_fd = None
+        sys.stdout = self.stdout
+
+
 class Terminal:
+    """With --json the CLI also has the Terminal claim stdout (`claim_stdout`, undone by
+    `close`): cli/common.py `open_terminal`, for the whole command."""
+
     def __init__(self, *, json_mode: bool = False, quiet: bool = False):
         self.json_mode = json_mode
         self.quiet = quiet
+        self._claim: StdoutClaim | None = None
         self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+    def claim_stdout(self) -> None:
+        """From now until `close()`, stdout is for `json()` alone (`StdoutClaim`)."""
+        if self._claim is None or self._claim.released:
+            self._claim = StdoutClaim()
+
+    def close(self) -> None:
+        """Give stdout back (after --json); idempotent."""
+        if self._claim is not None:
+            self._claim.release()
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def print(self, *renderables: Any, **kwargs) -> None:
         """A result for stdout (suppressed in --json mode, where only the JSON goes there)."""
@@ -29,8 +104,12 @@ class Terminal:
             self.out.print(*renderables, **kwargs)
 
     def json(self, obj: Any) -> None:
-        sys.stdout.write(dumps(obj) + "\n")
-        sys.stdout.flush()
+        text = dumps(obj) + "\n"
+        if self._claim is not None and not self._claim.released:
+            self._claim.write(text)
+        else:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def note(self, message: str) -> None:
         if not self.quiet:
@@ -86,6 +165,32 @@ class Terminal:
                 bar.update(task, **changes)
 
             yield update
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+
+
+def _flush(*streams) -> None:
+    for stream in streams:
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _flush_c_stdio() -> None:
+    """fflush(NULL): C's buffered stdout (printf from an extension) written out now."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to call (Windows)
+        pass
 
 
 def _escape(text: str) -> str:

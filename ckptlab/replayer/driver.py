@@ -153,7 +153,10 @@ def _around_step(tracer):
 
 @contextlib.contextmanager
 def user_output():
-    """The user's prints go to stderr: stdout is ours (e.g. `--json`)."""
+    """The user's Python-level prints go to stderr: stdout is ours. This is what covers a
+    replay driven from Python (`ckptlab.replay` in a notebook or a script); the CLI's `--json`
+    holds stdout for the whole command at the file-descriptor level (render/console.py
+    `StdoutClaim`), which also covers C code and child processes."""
     with contextlib.redirect_stdout(sys.stderr):
         yield
 
