@@ -129,6 +129,8 @@ def verdict(r: ReplayReport) -> str:
         s = f"{lead}: the batch itself carries non-finite values: {who}{more}."
     elif o.kind == "data" and o.op is not None:
         s = f"{lead}: {who}{more} carries absurd values that make {o.op}{at} overflow."
+    elif o.kind == "data" and r.samples and "alone through the step" in r.samples[0].reason:
+        s = f"{lead}: {who}{more} alone makes the step non-finite ({r.samples[0].reason.split('; ')[0]})."
     elif o.kind == "data":
         why = r.samples[0].reason if r.samples else ""
         what = "carries an absurd value" if "typical" in why else "dominates the update"
