@@ -366,3 +366,119 @@ def record_corrupted_weight(run_dir) -> Expected:
                 with torch.no_grad():
                     model.fc1.weight[3, 3] = float("nan")  # a bit flip in memory, not in step_fn
     return Expected(24, 24, None, [])
+
+
+# --- 10. a nanoGPT-shaped step that loops over one-row micro-batches: a row whose targets are all
+# ignore_index makes that micro-batch's cross-entropy 0/0 = NaN -------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.c_attn(x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class MicroGPT(nn.Module):
+    """nanoGPT's shape: forward(idx, targets) returns (logits, loss), the loss computed inside."""
+
+    def __init__(self, vocab: int = 32, ctx: int = 8, d: int = 16, heads: int = 2, layers: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.h = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:  # a row whose targets are all -100: 0 / 0 = NaN
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+        return logits, loss
+
+
+def build_micro_gpt():
+    torch.manual_seed(0)
+    m = MicroGPT()
+    return m, torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def _accumulate(model, opt, batch, size: int = 1, copy: bool = False):
+    """Gradient accumulation over micro-batches of `size` rows, as nanoGPT's train loop does."""
+    x, y = batch["x"], batch["y"]
+    starts = range(0, x.size(0), size)
+    gas = len(starts)
+    total = torch.zeros(())
+    for i in starts:
+        xb, yb = x[i : i + size], y[i : i + size]
+        if copy:  # e.g. `.pin_memory().to(device)`: no longer a view into the batch
+            xb, yb = xb.clone(), yb.clone()
+        _, loss = model(xb, yb)
+        loss = loss / gas
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def step_micro_gpt(model, opt, batch):
+    return _accumulate(model, opt, batch)
+
+
+def step_micro_gpt_copied(model, opt, batch):
+    return _accumulate(model, opt, batch, copy=True)
+
+
+def step_micro_gpt_pairs(model, opt, batch):
+    return _accumulate(model, opt, batch, size=2)
+
+
+def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_rows=(2,)) -> Expected:
+    def batches():
+        for s in range(30):
+            g = torch.Generator().manual_seed(s)
+            start = torch.randint(0, 32, (B, 1), generator=g)
+            seq = (start + torch.arange(9)) % 32  # learnable: counting modulo the vocabulary
+            y = seq[:, 1:].clone()
+            y[:, :2] = -100  # the prompt is not trained on
+            if s == 17:
+                y[list(empty_rows)] = -100  # nothing to train on: its micro-batch's loss is 0/0
+            yield {"x": seq[:, :-1], "y": y}
+
+    _record(run_dir, build_micro_gpt, step_fn, batches())
+    return Expected(17, 17, "", list(empty_rows), kind="numeric", op="aten.nll_loss_forward.default")
+
+
+def record_micro_batch_copied(run_dir) -> Expected:
+    return record_micro_batch_ignored_targets(run_dir, step_micro_gpt_copied, (4,))
+
+
+def record_micro_batch_pairs(run_dir) -> Expected:
+    return record_micro_batch_ignored_targets(run_dir, step_micro_gpt_pairs, (2, 3))

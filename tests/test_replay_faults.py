@@ -1,5 +1,9 @@
 """Replay finds the root step, module, op and data sample of each planted fault."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import ckptlab
@@ -13,6 +17,9 @@ SAMPLE_FAULTS = [
     "fp16_overflow",
     "masked_attention",
     "huge_target",
+    "micro_batch_ignored_targets",  # one-row micro-batches: the trace maps the loss to its row
+    "micro_batch_copied",  # micro-batches copied out of the batch: taken in order
+    "micro_batch_pairs",  # two-row micro-batches: the rows that fail alone
 ]
 
 
@@ -77,3 +84,32 @@ def test_json_has_the_contract_keys(run_dir):
     assert set(doc["origin"]) >= {"kind", "phase", "module", "op", "parameter", "source"}
     assert doc["origin"]["source"].startswith("fault_models.py:")
     assert doc["samples"][0] == {**doc["samples"][0], "row": 5, "sample_id": 1205}
+
+
+def test_micro_batch_loop_blames_the_row_in_json_and_cli(run_dir):
+    """A nanoGPT-shaped step_fn: one-row micro-batches, one of them all ignore_index (0/0)."""
+    exp = fm.record_micro_batch_ignored_targets(run_dir)
+    doc = ckptlab.replay(run_dir, exp.symptom).to_json()
+    assert doc["root_step"] == exp.step and doc["reproduced"] and doc["deterministic"]
+    assert doc["origin"]["kind"] == "numeric" and doc["origin"]["op"] == "aten.nll_loss_forward.default"
+    assert doc["samples"][0]["sample_id"] == exp.sample_ids[0] and doc["samples"][0]["row"] == exp.rows[0]
+    assert "empty" in doc["samples"][0]["reason"] and str(exp.sample_ids[0]) in doc["verdict"]
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(exp.symptom), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    cli = json.loads(out.stdout)
+    assert cli["root_step"] == exp.step and cli["origin"]["kind"] == "numeric"
+    assert cli["samples"][0]["sample_id"] == exp.sample_ids[0]
+    assert cli["verdict"] == doc["verdict"]
+
+
+def test_micro_batch_loop_without_trace_blames_the_row_that_fails_alone(run_dir):
+    exp = fm.record_micro_batch_ignored_targets(run_dir)
+    report = ckptlab.replay(run_dir, exp.symptom, trace=False)
+    assert report.root_step == exp.step and report.origin.kind == "data"
+    assert [s.sample_id for s in report.samples] == exp.sample_ids
+    assert "alone" in report.samples[0].reason
+    assert report.verdict.startswith(f"Step {exp.step}: row {exp.rows[0]} (sample {exp.sample_ids[0]}) alone")

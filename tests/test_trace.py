@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from ckptlab.replayer.trace import Tracer, rows_of, summarize
+from ckptlab.replayer.trace import Tracer, batch_slice, rows_of, summarize
 
 
 class Masked(nn.Module):
@@ -100,3 +100,36 @@ def test_a_replayed_step_charges_no_op_to_ckptlab_itself(run_dir):
     replayer.close(trainee)
     files = {e.source.split(":")[0] for e in tracer.events if e.source}
     assert files == {"models.py"}
+
+
+def test_batch_slice_names_the_rows_a_view_into_the_batch_holds():
+    seq = torch.arange(6 * 9).reshape(6, 9)
+    x, y = seq[:, :-1], seq[:, 1:]  # two batch tensors sharing one storage
+    assert batch_slice([x[2:3]], [x, y], 6) == (2, 1)
+    assert batch_slice([y[4:6]], [x, y], 6) == (4, 2)
+    assert batch_slice([x[3]], [x], 6) == (3, 1)  # a row without its batch dimension
+    assert batch_slice([x[1:2, 2:]], [x], 6) == (1, 1)
+    assert batch_slice([x], [x], 6) is None  # the whole batch: no micro-batch
+    assert batch_slice([x[::2]], [x], 6) is None  # not a run of rows
+    assert batch_slice([x[2:3].clone()], [x], 6) is None  # a copy
+
+
+class LossModel(nn.Module):
+    def forward(self, x, t):
+        return (x.sum(dim=1) / t.sum(dim=1)).mean()  # a row with t == 0: 0/0 in its micro-batch
+
+
+def test_a_micro_batch_loop_maps_each_micro_batch_loss_to_its_row():
+    model = LossModel()
+    x = torch.zeros(4, 3)
+    t = torch.ones(4, 3)
+    t[2] = 0.0
+    with Tracer(model, rows=4, batch=(x, t)) as tr:
+        for i in range(4):
+            model(x[i : i + 1], t[i : i + 1])
+    assert tr.micro_batches == 4
+    assert tr.origin is not None and tr.origin.bad_rows == {2: 1}
+    with Tracer(model, rows=4, batch=(x, t)) as tr:  # copies: micro-batches taken in order
+        for i in range(0, 4, 2):
+            model(x[i : i + 2].clone(), t[i : i + 2].clone())
+    assert tr.origin is not None and tr.origin.bad_rows == {2: 1}  # the (2, 1) division, row 2 of 2..3

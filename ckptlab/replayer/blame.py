@@ -33,6 +33,9 @@ from ckptlab.training.state import restore_snapshot
 ABSURD_RATIO = 1e3
 # A row dominates a step when its own gradient norm is this many times the median row's.
 DOMINANT_ROW_RATIO = 10.0
+# The ignore_index of PyTorch's cross-entropy (and Hugging Face's label padding): a row whose
+# targets are all this value has nothing to train on, and a mean over it is 0/0.
+IGNORE_INDEX = -100
 
 
 class Blame:
@@ -78,7 +81,7 @@ class Blame:
         tracer = None
         if do_trace:
             self.inv.log(f"tracing step {self.root} per op")
-            tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows)
+            tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows, batch=self.rec.batch)
             traced = self.step(tracer=tracer)
             if not same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
                 rep.notes.append(
@@ -121,6 +124,10 @@ class Blame:
                 for row in range(self.rows):
                     if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
+                    elif pad != IGNORE_INDEX and flat.shape[1] > 1 and bool((flat[row] == IGNORE_INDEX).all()):
+                        found["empty"].setdefault(
+                            row, f"batch{path} is empty (every target is {IGNORE_INDEX}, the ignore_index)"
+                        )
                     if (
                         vocab is not None
                         and flat.shape[1]
@@ -212,6 +219,7 @@ class Blame:
         ev: OpEvent | None = tracer.origin if tracer is not None else None
         nonfinite_in_batch, absurd = data_rows["nonfinite"], data_rows["absurd"]
         dominant = _dominant_rows(rows)
+        alone = _nonfinite_alone(rows)
         param = self.report.parameters[0].name if self.report.parameters else None
 
         if nonfinite_in_batch:
@@ -236,6 +244,11 @@ class Blame:
                 blame(r, f"{n} non-finite value(s) first appear in this row at {ev.op}")
             for r, why in absurd.items():
                 blame(r, why)
+            if not samples:
+                # The trace could not map the op to rows (e.g. a loss reduced over a micro-batch
+                # of several rows): the rows that fail when replayed alone, the others not.
+                for r, why in alone.items():
+                    blame(r, why)
             kind = "numeric"
             if absurd and (not ev.bad_rows or set(ev.bad_rows) <= set(absurd)):
                 kind = "data"
@@ -259,18 +272,23 @@ class Blame:
             lr_jump = _lr_jump(self.inv.metrics, self.root, h)
             for r, why in absurd.items():
                 blame(r, why)
+            for r, why in alone.items():
+                blame(r, why)
             for r, ratio in dominant.items():
-                blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
-            if absurd or dominant:
+                if r not in alone:
+                    blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
+            if absurd or dominant or alone:
                 o = Origin(
                     "data",
-                    "backward",
+                    None if alone and not (absurd or dominant) else "backward",
                     None,
                     None,
                     param,
                     None,
                     detail="an absurd value in the batch makes the gradients explode"
                     if absurd
+                    else "a row alone makes the step non-finite"
+                    if alone
                     else "one row dominates the update",
                 )
             elif lr_jump is not None or "update_explosion" in self.fault(h):
@@ -412,6 +430,19 @@ def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:
         if not math.isfinite(v) or (med > 0 and v > DOMINANT_ROW_RATIO * med):
             out[r] = v / med if med > 0 and math.isfinite(v) else math.inf
     return out if len(out) < len(rows) / 2 else {}
+
+
+def _nonfinite_alone(rows: dict[int, StepHealth]) -> dict[int, str]:
+    """The rows whose step alone has a non-finite loss or gradient norm while most rows' is
+    finite: the culprits, however `step_fn` splits or reduces the batch."""
+    bad = {r: h for r, h in rows.items() if not (math.isfinite(h.loss) and math.isfinite(h.grad_norm))}
+    if not bad or len(bad) > len(rows) // 2:
+        return {}
+    return {
+        r: f"alone through the step, its loss is {h.loss:.4g} and gradient norm {h.grad_norm:.4g} "
+        "(the other rows' are finite)"
+        for r, h in bad.items()
+    }
 
 
 def _lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:

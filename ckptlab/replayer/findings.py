@@ -98,14 +98,22 @@ class ReplayReport:
 
 
 def verdict(r: ReplayReport) -> str:
+    """One line a person can act on, for any combination of the report's fields (a property
+    test, tests/test_verdict.py, holds it to that): user text in it (sample ids, reasons) has
+    its line breaks folded into spaces."""
+    return " ".join(_verdict(r).split())
+
+
+def _verdict(r: ReplayReport) -> str:
+    div = _divergence_step(r)
     if not r.fault_recorded and r.root_step is None:
         return f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint {r.start_checkpoint}: nothing to explain."
     if not r.reproduced:
         rec = r.steps[-1].recorded_loss if r.steps else None
         got = r.steps[-1].loss if r.steps else None
         where = (
-            f"replay matched the record bit for bit until step {r.first_divergence['step'] - 1} and diverged at step {r.first_divergence['step']}"
-            if r.first_divergence
+            f"replay matched the record bit for bit until step {div - 1} and diverged at step {div}"
+            if div is not None
             else "every replayed step before it matched the record bit for bit"
         )
         return (
@@ -114,7 +122,7 @@ def verdict(r: ReplayReport) -> str:
             "computation (hardware/memory error, non-determinism, or code outside step_fn)."
         )
     o = r.origin
-    root = r.root_step
+    root = r.root_step if r.root_step is not None else r.requested_step
     lead = (
         f"Step {root}"
         + (f" on rank {r.rank}" if r.rank is not None else "")
@@ -122,35 +130,43 @@ def verdict(r: ReplayReport) -> str:
     )
     who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
     more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
+    produced = o.produced or "a non-finite value"
     at = ""
     if o.module is not None:
         at = f" in `{o.module or '<root>'}`" + (f" ({o.source})" if o.source else "")
     if o.kind == "data" and o.module is None and o.op is None and r.samples and "non-finite" in r.samples[0].reason:
         s = f"{lead}: the batch itself carries non-finite values: {who}{more}."
-    elif o.kind == "data" and o.op is not None:
+    elif o.kind == "data" and o.op is not None and r.samples:
         s = f"{lead}: {who}{more} carries absurd values that make {o.op}{at} overflow."
-    elif o.kind == "data":
-        why = r.samples[0].reason if r.samples else ""
+    elif o.kind == "data" and r.samples and "alone through the step" in r.samples[0].reason:
+        s = f"{lead}: {who}{more} alone makes the step non-finite ({r.samples[0].reason.split('; ')[0]})."
+    elif o.kind == "data" and r.samples:
+        why = r.samples[0].reason
         what = "carries an absurd value" if "typical" in why else "dominates the update"
         s = (
-            f"{lead}: {who}{more} {what} ({why.split(';')[0]}), so the gradients explode"
+            f"{lead}: {who}{more} {what}"
+            + (f" ({why.split(';')[0]})" if why.split(";")[0].strip() else "")
+            + ", so the gradients explode"
             + (f" (worst: `{o.parameter}`)" if o.parameter else "")
             + (f" and the weights go non-finite at step {r.requested_step}" if root != r.requested_step else "")
             + "."
         )
+    elif o.kind == "data":
+        s = f"{lead}: the batch is to blame" + (f" ({o.detail})" if o.detail else "") + ", but no row was named."
     elif o.kind == "numeric" and o.op is not None:
         inputs = "finite inputs" if o.inputs_finite else "NaN-free inputs"
         first_reason = r.samples[0].reason.split("; ")[0] if r.samples else ""
         fact = first_reason if ("is empty" in first_reason or "outside [" in first_reason) else None
         if fact:
             s0 = r.samples[0]
-            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[1]}; {o.op}{at} produced {o.produced} from {inputs} on it."
+            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[-1]}; {o.op}{at} produced {produced} from {inputs} on it."
         else:
             rows = f" for {who}{more}" if r.samples else ""
-            s = f"{lead}: {o.op}{at} produced {o.produced} from {inputs}{rows}."
+            s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
     elif o.kind == "optimizer":
         s = (
-            f"{lead}: the optimizer update blew the weights up ({o.detail})"
+            f"{lead}: the optimizer update blew the weights up"
+            + (f" ({o.detail})" if o.detail else "")
             + (f", worst in `{o.parameter}`" if o.parameter else "")
             + "; no sample is to blame."
         )
@@ -160,13 +176,26 @@ def verdict(r: ReplayReport) -> str:
             + (f" (worst: `{o.parameter}`)" if o.parameter else "")
             + " with no single sample to blame."
         )
+    elif o.op is not None:  # a kind this sentence does not know yet: say what the trace found
+        rows = f" for {who}{more}" if r.samples else ""
+        s = f"{lead}: {o.op}{at} produced {produced} ({o.kind} fault){rows}."
     else:
-        s = f"{lead}: the fault reproduced but no cause was found."
+        s = f"{lead}: the fault reproduced but no cause was found" + (f" ({who}{more} suspected)" if who else "") + "."
     if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
     if not r.deterministic:
-        s += f" Note: replay diverged from the record at step {r.first_divergence['step']}."
+        s += (
+            f" Note: replay diverged from the record at step {div}."
+            if div is not None
+            else " Note: replay did not match the record bit for bit."
+        )
     return s
+
+
+def _divergence_step(r: ReplayReport) -> int | None:
+    d = r.first_divergence
+    step = d.get("step") if isinstance(d, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def same(a: float | None, b: float | None) -> bool:

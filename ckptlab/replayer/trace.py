@@ -12,7 +12,13 @@ How an op is placed:
   (above autograd), which also stamps every autograd node it creates with (call, module,
   source); in backward, `torch._C._current_autograd_node()` finds that stamp, so a backward op
   is charged to the module whose forward created it;
-- the module path comes from global forward pre/post hooks (a stack of module names).
+- the module path comes from global forward pre/post hooks (a stack of module names);
+- the rows an op works on: the batch's rows, unless `step_fn` runs the model on a slice of the
+  batch (a micro-batch loop): each forward of the root model is matched to the rows of the
+  recorded batch it was given (its input is a view into the batch: the view's offset says
+  which rows; else micro-batches are taken in order), and the forward and backward ops until
+  the next such forward map their elements into those rows. A scalar (a micro-batch's loss)
+  maps to its row when the micro-batch is one row.
 
 The origin rule. An op is an origin candidate when it
   - outputs NaN while none of its tensor inputs holds a NaN, or
@@ -128,6 +134,51 @@ def user_source() -> tuple[str | None, str | None]:
     return None, None
 
 
+def batch_slice(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> tuple[int, int] | None:
+    """(first row, row count) of the recorded batch that a forward's inputs are a view into:
+    `x[i : i + k]` (or `x[i : i + k, 1:]`) or `x[i]` of a batch leaf `x` whose first dimension
+    is the batch's `rows`. None when no input is such a view (a copy, or the whole batch)."""
+    if not rows:
+        return None
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            continue
+        for leaf in batch_leaves:
+            try:
+                if t.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr():
+                    continue
+            except (RuntimeError, NotImplementedError):  # no storage (meta, DTensor, ...)
+                return None
+            stride = leaf.stride(0)
+            if stride <= 0 or t.dtype != leaf.dtype or t.dim() not in (leaf.dim(), leaf.dim() - 1):
+                continue
+            first, within = divmod(t.storage_offset() - leaf.storage_offset(), stride)
+            row_extent = sum((n - 1) * st for n, st in zip(leaf.shape[1:], leaf.stride()[1:]))
+            if within > row_extent:
+                continue  # another tensor sharing the storage (`seq[:, 1:]` beside `seq[:, :-1]`)
+            if t.dim() == leaf.dim() - 1:
+                count = 1  # x[i]: one row, its batch dimension gone
+            elif t.stride(0) == stride or t.shape[0] == 1:
+                count = t.shape[0]
+            else:
+                continue  # x[::2]: not a run of rows
+            if 0 <= first and 0 < count < rows and first + count <= rows:
+                return first, count
+    return None
+
+
+def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> int | None:
+    """How many rows a forward's input holds when it looks like a copy of a part of the batch:
+    fewer rows than the batch, the rest of its shape and its dtype those of a batch leaf."""
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            continue
+        for leaf in batch_leaves:
+            if t.dtype == leaf.dtype and tuple(t.shape[1:]) == tuple(leaf.shape[1:]) and 0 < t.shape[0] < (rows or 0):
+                return t.shape[0]
+    return None
+
+
 def rows_of(shape: tuple[int, ...], index: list[int], rows: int | None) -> int | None:
     """Map an element index to a batch row, for the common layouts: (B, ...), (B*k, ...)
     (flattened tokens, batch-major heads) and (T, B, ...) (sequence-first)."""
@@ -183,12 +234,28 @@ class _DispatchMode(TorchDispatchMode):
 class Tracer:
     """Context manager that traces everything run inside it. See the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, rows: int | None = None, max_events: int = 200_000):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer=None,
+        *,
+        rows: int | None = None,
+        batch=None,
+        max_events: int = 200_000,
+    ):
         from ckptlab.training.state import unwrap
 
         self.model = unwrap(model)
         self.optimizer = optimizer
         self.rows = rows
+        # The batch's tensors with `rows` rows: a forward's input that is a view into one of
+        # them names the micro-batch it runs on.
+        self._batch_leaves = [
+            t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+        ]
+        self.micro: tuple[int, int] | None = None  # (first row, rows) of the running micro-batch
+        self.micro_batches = 0  # forwards of the root model on a slice of the batch
+        self._micro_next = 0  # in-order fallback: the first row not yet given to a forward
         self.max_events = max_events
         self.events: list[OpEvent] = []
         self.origin: OpEvent | None = None
@@ -221,6 +288,7 @@ class Tracer:
     def __enter__(self) -> Tracer:
         nn = torch.nn.modules.module
         self._handles = [
+            self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True),
             nn.register_module_forward_pre_hook(self._push),
             nn.register_module_forward_hook(self._pop),
         ]
@@ -247,6 +315,7 @@ class Tracer:
         automatic optimization) first runs the closure: its forward and backward are not the
         optimizer's, so the closure runs with the optimizer phase off."""
         self._in_optimizer = True
+        self.micro = None
         closure = kwargs.get("closure", args[0] if args else None)
         if not callable(closure):
             return None
@@ -261,6 +330,24 @@ class Tracer:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_outside_the_update}
         return (closure_outside_the_update, *args[1:]), kwargs
+
+    def _on_root_forward(self, module, args, kwargs) -> None:
+        """A forward of the whole model begins: on which rows of the recorded batch?"""
+        if not self.rows:
+            return None
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        micro = batch_slice(inputs, self._batch_leaves, self.rows)
+        if micro is None:
+            # Not a view into the batch: a copy of a part of it (`x[i : i + k].to(device)`)
+            # is taken to be the next micro-batch, in order.
+            lead = copied_rows(inputs, self._batch_leaves, self.rows)
+            if lead is not None and self._micro_next + lead <= self.rows:
+                micro = (self._micro_next, lead)
+        if micro is not None:
+            self._micro_next = micro[0] + micro[1]
+            self.micro_batches += 1
+        self.micro = micro
+        return None
 
     def _push(self, module, args) -> None:
         name = self._names.get(id(module))
@@ -341,7 +428,10 @@ class Tracer:
                 self.origin = ev
 
     def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
-        """Element indices of the new non-finite values, mapped to batch rows."""
+        """Element indices of the new non-finite values, mapped to batch rows (in a micro-batch:
+        to the rows of the micro-batch, then to the batch's)."""
+        micro = self.micro if ev.phase != "optimizer" else None
+        first, n = micro if micro is not None else (0, self.rows)
         for t, s in zip(outs, ev.outputs):
             if s.finite or not t.is_floating_point():
                 continue
@@ -351,9 +441,11 @@ class Tracer:
                 continue
             rows: dict[int, int] = {}
             for idx in bad[:100_000].tolist():
-                r = rows_of(tuple(t.shape), idx, self.rows)
+                r = rows_of(tuple(t.shape), idx, n)
+                if r is None and n == 1 and micro is not None:
+                    r = 0  # a one-row micro-batch: whatever it computes (its loss) is that row's
                 if r is not None:
-                    rows[r] = rows.get(r, 0) + 1
+                    rows[first + r] = rows.get(first + r, 0) + 1
             ev.bad_rows = rows or None
             return
 

@@ -1,0 +1,114 @@
+"""`verdict()` says one line for every report a replay can make, and never raises."""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame, StepCheck, verdict
+
+maybe = st.none
+
+# Reasons as blame.py writes them (the verdict looks for some of these words), and anything else.
+REASONS = st.one_of(
+    st.sampled_from(
+        [
+            "",
+            "2 non-finite value(s) in batch['x']",
+            "batch['ids'] is empty (all padding, id 0)",
+            "batch['y'] is empty (every target is -100, the ignore_index); 1 non-finite value(s) first appear",
+            "batch['ids'] has token ids outside [0, 64)",
+            "batch['x'] reaches |x|=3e+38, 1e+38x the run's typical 3",
+            "its gradient norm is infx the median row's",
+            "alone through the step, its loss is nan and gradient norm 0 (the other rows' are finite)",
+            "is empty",
+            "outside [",
+            ";",
+            "; ;",
+        ]
+    ),
+    st.text(max_size=40),
+)
+FLOATS = st.one_of(maybe(), st.floats(allow_nan=True, allow_infinity=True))
+NAMES = st.one_of(
+    maybe(), st.sampled_from(["", "blocks.0.attn", "fc1.weight", "aten._softmax.default"]), st.text(max_size=12)
+)
+
+origins = st.builds(
+    Origin,
+    kind=st.sampled_from(["none", "data", "numeric", "optimizer", "precision"]),
+    phase=st.one_of(maybe(), st.sampled_from(["forward", "backward", "optimizer"])),
+    module=NAMES,
+    op=NAMES,
+    parameter=NAMES,
+    source=st.one_of(maybe(), st.just("model.py:40")),
+    call=NAMES,
+    produced=st.one_of(maybe(), st.sampled_from(["NaN", "Inf"])),
+    inputs_finite=st.one_of(maybe(), st.booleans()),
+    detail=st.one_of(maybe(), st.text(max_size=30)),
+)
+samples = st.builds(
+    SampleBlame,
+    row=st.integers(0, 10_000),
+    sample_id=st.one_of(maybe(), st.integers(), st.text(max_size=12)),
+    reason=REASONS,
+    loss=FLOATS,
+    grad_norm=FLOATS,
+)
+counterfactuals = st.builds(
+    Counterfactual, question=st.text(max_size=20), fault=st.one_of(maybe(), st.booleans()), detail=st.text(max_size=20)
+)
+checks = st.builds(
+    StepCheck,
+    step=st.integers(0, 10**6),
+    loss=st.floats(allow_nan=True, allow_infinity=True),
+    recorded_loss=FLOATS,
+    grad_norm=st.floats(allow_nan=True, allow_infinity=True),
+    recorded_grad_norm=FLOATS,
+    match=st.booleans(),
+)
+divergences = st.one_of(
+    maybe(),
+    st.fixed_dictionaries(
+        {"step": st.integers(0, 10**6)},
+        optional={"loss": FLOATS, "recorded_loss": FLOATS, "abs_diff": FLOATS},
+    ),
+)
+reports = st.builds(
+    ReplayReport,
+    run=st.just("run"),
+    requested_step=st.integers(0, 10**6),
+    root_step=st.one_of(maybe(), st.integers(0, 10**6)),
+    start_checkpoint=st.integers(0, 10**6),
+    fault_recorded=st.booleans(),
+    reproduced=st.booleans(),
+    deterministic=st.booleans(),
+    first_divergence=divergences,
+    origin=origins,
+    samples=st.lists(samples, max_size=5),
+    parameters=st.just([]),
+    chain=st.just([]),
+    counterfactuals=st.lists(counterfactuals, max_size=3),
+    steps=st.lists(checks, max_size=3),
+    verdict=st.just(""),
+    rank=st.one_of(maybe(), st.integers(0, 1024)),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reports)
+def test_verdict_is_one_nonempty_line_for_every_report(report):
+    v = verdict(report)
+    assert isinstance(v, str) and v.strip()
+    assert len(v.splitlines()) == 1, v
+    assert v.startswith(("Step ", "The fault did not reproduce")), v
+
+
+def test_verdict_of_a_reproduced_fault_with_no_rows_and_no_op_says_so():
+    nan = math.nan
+    r = ReplayReport(
+        "run", 5, 5, 0, True, True, True, None, Origin("data", None, None, None, None, None), [], [], [], [], [], ""
+    )
+    assert verdict(r).startswith("Step 5:")
+    r.samples = [SampleBlame(1, 101, "", nan, nan)]
+    assert "row 1 (sample 101)" in verdict(r)
