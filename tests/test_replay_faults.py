@@ -64,6 +64,8 @@ def test_weight_corrupted_outside_step_fn_does_not_reproduce(run_dir):
     exp = fm.record_corrupted_weight(run_dir)
     report = ckptlab.replay(run_dir, exp.symptom)
     assert report.fault_recorded and not report.reproduced
+    assert report.root_step == exp.step and report.left_record_step == exp.symptom  # named, though not reproduced
+    assert report.to_json()["root_step"] == exp.step
     assert report.deterministic  # every step before it matched bit for bit
     assert report.origin.kind == "none" and report.samples == []
     assert "did not reproduce" in report.verdict and "transient" in report.verdict

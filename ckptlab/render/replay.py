@@ -29,12 +29,17 @@ def render(r, term) -> None:
         f"vs recorded {_num(r.first_divergence['recorded_loss'])}"
     )
     term.print(f"replayed   steps {r.start_checkpoint}..{r.requested_step} from checkpoint {r.start_checkpoint}; {det}")
-    if r.root_step is not None:
+    if r.root_step is not None and r.reproduced:
         term.print(
             f"root step  {r.root_step}"
             + (f" (symptom at {r.requested_step})" if r.root_step != r.requested_step else "")
             + f": {', '.join(next((c.anomalies for c in r.steps if c.step == r.root_step), []))}"
         )
+    elif r.root_step is not None:
+        left = (
+            f"; replay first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
+        )
+        term.print(f"root step  {r.root_step} as recorded (it did not reproduce{left})")
     o = r.origin
     if o.kind != "none":
         where = " ".join(

@@ -90,6 +90,9 @@ class ReplayReport:
     notes: list[str] = field(default_factory=list)
     timing: dict = field(default_factory=dict)
     rank: int | None = None  # distributed: the rank whose batch the fault came in with
+    # A fault that did not reproduce: the first replayed step that does not match the record
+    # (root_step is then the first recorded anomaly of the episode).
+    left_record_step: int | None = None
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -116,10 +119,16 @@ def _verdict(r: ReplayReport) -> str:
             if div is not None
             else "every replayed step before it matched the record bit for bit"
         )
+        began = (
+            f" (the record shows the fault from step {r.root_step})"
+            if r.root_step is not None and r.root_step != r.requested_step
+            else ""
+        )
+        left = f", and first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
         return (
-            f"The fault did not reproduce: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} gives loss "
-            f"{_fmt(got)} (recorded {_fmt(rec)}); {where}. Suspect a transient fault: state changed outside the recorded "
-            "computation (hardware/memory error, non-determinism, or code outside step_fn)."
+            f"The fault did not reproduce{began}: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} "
+            f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}. Suspect a transient fault: state changed "
+            "outside the recorded computation (hardware/memory error, non-determinism, or code outside step_fn)."
         )
     o = r.origin
     root = r.root_step if r.root_step is not None else r.requested_step

@@ -242,7 +242,8 @@ class Investigation:
         report = ReplayReport(
             run=str(self.run.path),
             requested_step=self.step,
-            root_step=root,
+            # Not reproduced: still the step the record says the fault began at.
+            root_step=root if root is not None or not plan.fault_recorded else plan.episode,
             start_checkpoint=window.start,
             fault_recorded=plan.fault_recorded,
             reproduced=root is not None,
@@ -258,6 +259,8 @@ class Investigation:
             notes=self.replayer.notes,
             rank=rank,
         )
+        if root is None and plan.fault_recorded:
+            report.left_record_step = next((c.step for c in checks if not c.match), None)
         if root is not None:
             Blame(self, window).explain(report, trace, counterfactuals)
         report.verdict = verdict(report)
