@@ -191,11 +191,12 @@ def test_the_same_code_imported_from_another_copy_is_still_your_own(tmp_path, mo
         "file": str(tmp_path / "checkout" / "ckl_twin.py"),
         "sha256": hashlib.sha256(code.encode()).hexdigest(),
     }
-    assert userfns.load(desc, "build_fn", tmp_path / "run")() == "built"
+    fn, unchanged = userfns.load(desc, "build_fn", tmp_path / "run")
+    assert fn() == "built" and unchanged
     example = {
         "module": "ckptlab.examples.tiny_lm",
         "qualname": "build",
         "file": "/elsewhere/ckptlab/examples/tiny_lm.py",
         "sha256": "0" * 64,
     }
-    assert callable(userfns.load(example, "build_fn", tmp_path / "run"))
+    assert callable(userfns.load(example, "build_fn", tmp_path / "run")[0])

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 
 from ckptlab.errors import IntegrityError, ReplayError
-from ckptlab.run.manifest import source_changed
 from ckptlab.run.reader import Run
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth
@@ -64,12 +63,16 @@ class Replayer:
         fns = manifest.get("functions", {})
         if "build_fn" not in fns or "step_fn" not in fns:
             raise ReplayError("the manifest does not name build_fn/step_fn", path=run.path)
-        for role, desc in fns.items():
-            if source_changed(desc, run.path):
-                self.notes.append(f"{role} source changed since recording ({desc.get('file')}); replay may not match")
+        loaded = {}
         with user_output():
-            self.build_fn = userfns.load(fns["build_fn"], "build_fn", run.path, trust=trust_code)
-            self.step_fn = userfns.load(fns["step_fn"], "step_fn", run.path, trust=trust_code)
+            for role in ("build_fn", "step_fn"):
+                loaded[role], unchanged = userfns.load(fns[role], role, run.path, trust=trust_code)
+                if not unchanged:  # only with the opt-in
+                    self.notes.append(
+                        f"{role} is not the recorded code (source changed since recording, or missing here: "
+                        f"{fns[role].get('file')}); replay may not match"
+                    )
+        self.build_fn, self.step_fn = loaded["build_fn"], loaded["step_fn"]
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))

@@ -153,9 +153,10 @@ def _copy_in_run(desc: dict, run_dir: Path) -> Path | None:
     return None
 
 
-def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> Callable:
-    """Import the recorded function (see `trusted_file` for which code may run), saying on
-    stderr which file's code it is. ReplayError says what to do when it cannot."""
+def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[Callable, bool]:
+    """(the recorded function, whether its file is unchanged since recording): imported when
+    `trusted_file` allows it, saying on stderr which file's code it is. ReplayError says what
+    to do when it cannot."""
     module, qualname = desc.get("module"), desc.get("qualname")
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
     _announce(role, path or module, unchanged)
@@ -174,7 +175,7 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> Callab
         raise ReplayError(
             f"{role} {module}.{qualname} no longer exists", path=run_dir, hint="restore the recorded code"
         )
-    return fn
+    return fn, unchanged
 
 
 def _announce(role: str, path, unchanged: bool) -> None:
