@@ -19,8 +19,15 @@ One `rec.step(batch)` for step n:
      sequence replay runs (training/step.py);
   4. append the step's health (loss, grad norms, lr, update ratios, ...) and any anomaly;
   5. on a non-finite loss, raise NonFiniteLoss (after recording), unless on_nonfinite="record".
-When `rec.step()` returns, the step's batch and health are in the kernel's hands: a SIGKILL
-from then on cannot lose them.
+
+Where the health is read (`health_read`): "immediate" reads it as the step ends (a device
+sync on a GPU); "deferred" reads step n's health when step n+1 ends, so nothing in a recorded
+step waits for the GPU: the health of step n is appended (and NonFiniteLoss raised) at the end
+of step n+1, before a checkpoint, at `log_validation`, `flush`, `close` and at interpreter
+exit. "auto" (default) defers on a CUDA model and reads at once on the CPU (where reading a
+tensor costs no sync). When `rec.step()` returns, the step's batch and (immediate) health, or
+the previous step's health (deferred), are in the kernel's hands: a SIGKILL from then on
+cannot lose them.
 
 From its start until `close()` the Recorder holds the run's lock (RUN/.lock, run/lock.py; in a
 distributed run, rank 0's Recorder): a second Recorder on the run, or a rollback, is refused
@@ -29,11 +36,14 @@ with RunLockedError naming this process.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
 import os
 import socket
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -53,7 +63,7 @@ from ckptlab.run.reader import read_progress
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.training import userfns
-from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.probe import UPDATE_MODES, PendingHealth, StepHealth, named_parameters
 from ckptlab.training.sharded import save_sharded
 from ckptlab.training.state import (
     capture_env,
@@ -74,10 +84,18 @@ class RecordConfig:
 
     Args:
         ckpt_every: steps between checkpoints (a checkpoint also starts every session).
-        health_every: steps between update-ratio / weight-norm measurements (they cost a copy
-            of the parameters); grad norms, loss and lr are recorded every step.
+        health_every: steps between update-ratio / weight-norm measurements; grad norms, loss
+            and lr are recorded every step.
+        update_ratio: "sampled" (default: ||dw|| estimated from a fixed sample of at most
+            4096 elements per tensor, extra memory <= 1% of the parameter bytes) or "exact"
+            (a copy of every parameter on the measured steps).
+        health_read: "auto" (default: "deferred" on a CUDA model, "immediate" otherwise),
+            "deferred" (step n's health is read and written when step n+1 ends: no device
+            sync in a step; NonFiniteLoss comes one step late) or "immediate" (read as the
+            step ends; NonFiniteLoss at the faulty step).
         keep_last: checkpoints kept by retention (plus best-validation and last-healthy).
-        on_nonfinite: "raise" (NonFiniteLoss after recording) or "record" (keep going).
+        on_nonfinite: "raise" (NonFiniteLoss after recording; with the deferred read, at the
+            end of the next step) or "record" (keep going).
         resume: continue an existing run (numbering continues; nothing is overwritten).
         restore: with `resume`, load the latest checkpoint (or a rollback's target) into
             model/optimizer/scheduler/scaler/RNG. Pass False if you restored them yourself.
@@ -105,10 +123,16 @@ class RecordConfig:
     data_info: dict | None = None
     step_scheduler: bool = True
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
+    update_ratio: str = "sampled"
+    health_read: str = "auto"
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1 or self.health_every < 1:
             raise RecordError("ckpt_every and health_every must be >= 1")
+        if self.update_ratio not in UPDATE_MODES:
+            raise RecordError(f"update_ratio must be 'sampled' or 'exact', not {self.update_ratio!r}")
+        if self.health_read not in ("auto", "deferred", "immediate"):
+            raise RecordError(f"health_read must be 'auto', 'deferred' or 'immediate', not {self.health_read!r}")
         if self.on_nonfinite not in ("raise", "record"):
             raise RecordError(f"on_nonfinite must be 'raise' or 'record', not {self.on_nonfinite!r}")
         if self.val_mode not in ("min", "max"):
@@ -136,8 +160,8 @@ class Recorder:
         scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
-            step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
-            keywords win).
+            step_scheduler, on_anomaly, update_ratio, health_read), as one RecordConfig or as
+            keywords (or both: the keywords win).
     """
 
     def __init__(
@@ -167,12 +191,17 @@ class Recorder:
         self._rng_after_prev: dict | None = None
         self._force_rng = True
         self._closed = False
+        self._pending: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
         self.restored_step: int | None = None
 
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
         # the journal and checkpoints; every rank writes its own batches (see training/world.py).
         # Checks read the same disk on every rank, so every rank raises the same error.
         self.world = World.detect(model)
+        on_cuda = any(p.device.type == "cuda" for _, p in named_parameters(model)[:1])
+        mode = self.config.health_read
+        self.deferred = mode == "deferred" or (mode == "auto" and on_cuda)
+        self._exit_hook = None
         exists = (self.run_dir / MANIFEST).exists()
         if exists and not self.config.resume:
             raise RecordError(
@@ -250,12 +279,16 @@ class Recorder:
             self.scaler,
             step_scheduler=self.config.step_scheduler,
             world=self.world,
+            update_ratio=self.config.update_ratio,
         )
         warn = self.config.on_anomaly == "warn"
         self.on_anomaly = (
             (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+        if self.deferred and not self.world.distributed:  # (a collective at exit could hang)
+            self._exit_hook = _settle_at_exit(self)
+            atexit.register(self._exit_hook)
 
     def _write_manifest(self, manifest: dict) -> None:
         try:
@@ -280,6 +313,8 @@ class Recorder:
                 "has_scheduler": self.scheduler is not None,
                 "step_scheduler": self.config.step_scheduler,
                 "has_scaler": self.scaler is not None,
+                "update_ratio": self.config.update_ratio,
+                "health_read": "deferred" if self.deferred else "immediate",
             },
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),
@@ -363,10 +398,13 @@ class Recorder:
         measure = self._record_batch(batch, sample_ids)
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
-            loss, health = self.trainee.run_step(self.step_fn, batch, measure_update=measure)
-        finally:
+            loss, pending = self.trainee.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
+        except BaseException:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
-        self._record_health(health)
+            self._settle_quietly()
+            raise
+        self._in_step = False
+        self._after_step(pending)
         return loss
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
@@ -384,17 +422,19 @@ class Recorder:
         """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
         self.trainee.abort()
         self._in_step = False
+        self._settle_quietly()
 
-    def end_step(self, loss) -> StepHealth:
+    def end_step(self, loss) -> StepHealth | None:
         """Finish the step begun by `begin_step`: record its health (and any anomaly), step
-        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to.
+        Returns the step's health, or None when it is read later (`health_read`)."""
         if not self._in_step:
             raise RecordError("end_step called without begin_step", path=self.run_dir)
         try:
-            health = self.trainee.end(loss)
+            pending = self.trainee.finish(loss)
         finally:
             self._in_step = False
-        return self._record_health(health)
+        return self._after_step(pending)
 
     @property
     def in_step(self) -> bool:
@@ -419,6 +459,7 @@ class Recorder:
         rng = capture_rng()
         self._ckpt_wait = 0.0
         if n == self.session_start or n % self.config.ckpt_every == 0:
+            self._settle()  # the segment and the checkpoint's "healthy" flag need every step before
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
@@ -428,23 +469,48 @@ class Recorder:
         self._force_rng = False
         return n % self.config.health_every == 0
 
-    def _record_health(self, health: StepHealth) -> StepHealth:
-        """After step `next_step` ran: its health and anomalies; NonFiniteLoss if asked to."""
+    def _after_step(self, pending: PendingHealth) -> StepHealth | None:
+        """Step `next_step` ran: queue its health; record what is due (all of it when read at
+        once, all but this step's when deferred). Returns this step's health when read."""
         n = self.next_step
         self._rng_after_prev = capture_rng()
+        self._pending.append((n, pending, self._ckpt_wait, time.time()))
+        self.next_step = n + 1
+        return self._settle(keep=1 if self.deferred else 0)
+
+    def _settle(self, keep: int = 0, *, raise_nonfinite: bool = True) -> StepHealth | None:
+        """Read and record the health of the steps that ran, leaving the last `keep` pending;
+        then NonFiniteLoss for the first non-finite loss among them (if asked to), once the
+        steps after it are recorded too. Returns the last health recorded."""
+        health, bad = None, None
+        while len(self._pending) > keep:
+            n, pending, wait, t = self._pending.pop(0)
+            health = self._record_health(n, pending.result(grads_live=not self.deferred), wait, t)
+            if bad is None and not health.loss_finite:
+                bad = (n, health.loss)
+        if bad is not None and raise_nonfinite and self.config.on_nonfinite == "raise":
+            self._settle(0, raise_nonfinite=False)
+            raise NonFiniteLoss(bad[0], bad[1], str(self.run_dir))
+        return health
+
+    def _settle_quietly(self) -> None:
+        """On the way out of a failed step: record the health still pending, without raising
+        over the error that is already on its way."""
+        with contextlib.suppress(Exception):
+            self._settle(0, raise_nonfinite=False)
+
+    def _record_health(self, n: int, health: StepHealth, ckpt_wait: float, t: float) -> StepHealth:
+        """Step n's health and anomalies, appended to the journal."""
         events = self._anomalies(n, health)
-        scalars = {"step": n, "time": time.time(), **health.scalars()}
-        if self._ckpt_wait:
-            scalars["ckpt_wait"] = self._ckpt_wait
+        scalars = {"step": n, "time": t, **health.scalars()}
+        if ckpt_wait:
+            scalars["ckpt_wait"] = ckpt_wait
         if self.world.is_main:
             self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
-        self.next_step = n + 1
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
-        if not health.loss_finite and self.config.on_nonfinite == "raise":
-            raise NonFiniteLoss(n, health.loss, str(self.run_dir))
         return health
 
     def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
@@ -457,6 +523,7 @@ class Recorder:
         """Record validation metrics measured on the current state (the state in which step
         `next_step` starts, i.e. after `next_step` steps). Checkpoints a new best (keep_best).
         Distributed: call it on every rank; rank 0's values are the ones recorded."""
+        self._settle()
         step = self.next_step
         clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
         if self.world.is_main:
@@ -475,6 +542,7 @@ class Recorder:
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
+        self._settle()
         if self.next_step not in self._ckpt_steps:
             self._checkpoint(self.next_step, reason)
             self._force_rng = True
@@ -516,16 +584,23 @@ class Recorder:
     # --- end --------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait until every checkpoint handed to the background writer is committed."""
+        """Record the health still pending, and wait until every checkpoint handed to the
+        background writer is committed."""
+        self._settle()
         self.writer.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
         try:
-            self.trainee.close()
-            self.writer.close()
+            try:  # the last step's health (a non-finite loss there is recorded and warned of, not raised)
+                self._settle(0, raise_nonfinite=False)
+            finally:
+                self.trainee.close()
+                self.writer.close()
             if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
                 self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
                 self._write_manifest(self.manifest)
@@ -558,6 +633,19 @@ def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
         )
 
     return warn
+
+
+def _settle_at_exit(rec: Recorder) -> Callable[[], None]:
+    """At interpreter exit (an uncaught exception, Ctrl-C between steps, sys.exit): record the
+    health a deferred read still holds. Holds the Recorder weakly."""
+    ref = weakref.ref(rec)
+
+    def settle() -> None:
+        r = ref()
+        if r is not None and not r.closed:
+            r._settle_quietly()
+
+    return settle
 
 
 def _plain_ids(ids) -> list:

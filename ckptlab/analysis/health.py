@@ -670,7 +670,7 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
         )
     bad = np.flatnonzero(m.nonfinite_grads > 0)
     if len(bad):
-        cols = np.flatnonzero((m.param_nonfinite[bad] > 0).any(axis=0))
+        cols = np.flatnonzero((m.param_nonfinite[bad] != 0).any(axis=0))  # -1: not counted
         out.append(
             Finding(
                 kind="nonfinite_gradient",

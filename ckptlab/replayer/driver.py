@@ -76,6 +76,8 @@ class Replayer:
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
+        # Measured as recorded, so replayed update ratios compare (runs before the option: exact).
+        self.update_ratio = str(config.get("update_ratio", "exact"))
 
     # --- building and restoring ----------------------------------------------------------------
 
@@ -98,7 +100,15 @@ class Replayer:
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)
-        return Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.step_scheduler, world=self.world)
+        return Trainee(
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+            step_scheduler=self.step_scheduler,
+            world=self.world,
+            update_ratio=self.update_ratio,
+        )
 
     def load_checkpoint(self, t: Trainee, step: int) -> None:
         ckpt = self.run.checkpoint(step)
@@ -128,7 +138,7 @@ class Replayer:
     def run_step(self, t: Trainee, rec, batch=None, *, tracer=None, measure_update: bool = True) -> StepHealth:
         """One recorded step (or `batch` in its place), exactly as the Recorder ran it: its
         RNG states restored, then the same measured step (training/step.py).
-        `measure_update` costs a copy of the parameters (for update ratios, weight norms)."""
+        `measure_update` measures update ratios and weight norms, as the run recorded them."""
         if rec.rng is not None:
             restore_rng(rec.rng)
         batch = rec.batch if batch is None else batch

@@ -151,6 +151,7 @@ class RunWriter:
         self._jobs.put(job)
 
     def _work(self) -> None:
+        captured = retention = None
         while True:
             job = self._jobs.get()
             try:
@@ -172,6 +173,9 @@ class RunWriter:
                 what = _describe(job)
                 self._error = io_error(e, what, self.run_dir) or e
             finally:
+                # Drop the job now: a checkpoint's snapshot (the whole training state in host
+                # memory) would otherwise stay alive in these locals until the next job arrives.
+                job = captured = retention = None
                 self._jobs.task_done()
 
     def raise_pending(self) -> None:

@@ -3,21 +3,32 @@
     probe = StepProbe(model, optimizer)
     probe.begin(measure_update=True)
     loss = step_fn(model, optimizer, batch)
-    health = probe.end(loss)          # loss, grad norms, lr, update ratios, ...
+    pending = probe.end(loss)         # device work queued, nothing read yet
+    health = pending.result()         # loss, grad norms, lr, update ratios, ...
     probe.close()
 
-Where each number is read, and why there:
-- per-parameter gradient norms in `register_post_accumulate_grad_hook`: that is the gradient
-  *before* the user's `clip_grad_norm_` (after clipping the global norm is always <= max_norm,
-  which hides every explosion). With gradient accumulation the hook fires once per backward;
-  the last firing holds the accumulated gradient, which is what we keep.
-- learning rates and the pre-update weights in the optimizer's step pre-hook: the lr actually
-  used by this update, and the weights it started from (for ||dw||/||w||, every K steps only,
-  since it costs a copy of the parameters).
-- a GradScaler's scale at `begin`: hook gradients are scaled; norms are divided by it.
+Nothing here waits for the device until `result()`: every number is computed on the device
+and copied (non-blocking, into pinned host memory on CUDA) at `end`, so the Recorder can read
+step N's health when step N+1 ends while the host keeps running ahead of the GPU. On the CPU
+the "copy" is the tensor itself, and `result()` is the same code reading it.
+
+Where each number is computed, and why there:
+- per-parameter gradient norms at the end of each backward pass (one callback per backward,
+  queued by the first gradient hook that fires; one batched `torch._foreach_norm` over all
+  gradients): that is the gradient *before* the user's `clip_grad_norm_` (after clipping the
+  global norm is always <= max_norm, which hides every explosion). With gradient accumulation
+  the last backward before the optimizer step holds the accumulated gradient, which is kept;
+  each micro-batch costs one batched call, not a kernel per parameter.
+- learning rates, the norms of the pre-update weights and (for ||dw||, every `health_every`
+  steps) a fixed sample of them in the optimizer's step pre-hook: the lr this update used
+  and the weights it started from. By default the update norm is estimated from a strided
+  sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
+  <= MEMORY_SHARE of the parameter bytes); "exact" copies every parameter (+1x their bytes).
+- a GradScaler's scale at `begin`, as a device tensor: hook gradients are scaled; norms are
+  divided by it when read.
 
 The Recorder and replay use this same class through training/step.py, so replayed numbers
-compare bit for bit.
+compare bit for bit (record reads them a step later, replay at once: the same values).
 """
 
 from __future__ import annotations
@@ -25,7 +36,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -85,15 +95,30 @@ class StepHealth:
         return out
 
 
-def loss_value(loss) -> float:
-    """The float of what `step_fn` returned; a clear error for anything but a scalar."""
+# The update-ratio sample: at most this many elements per tensor, and in all at most this share
+# of the parameter bytes (a small model gets fewer per tensor). The estimate of ||dw|| from
+# 4096 elements is within a few percent of the exact norm on the LMs of the tests
+# (tests/training/test_probe.py measures it); ||w|| is always exact.
+UPDATE_SAMPLE = 4096
+MEMORY_SHARE = 0.01
+UPDATE_MODES = ("sampled", "exact")
+
+
+def loss_tensor(loss) -> torch.Tensor:
+    """What `step_fn` returned as a 1-element float32 tensor on its device (no device sync);
+    a clear error for anything but a scalar."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise RecordError(f"step_fn returned a tensor of shape {tuple(loss.shape)}; return the scalar loss")
-        return float(loss.detach().float().item())
+        return loss.detach().reshape(1).float()
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-        return float(loss)
+        return torch.tensor([float(loss)], dtype=torch.float32)
     raise RecordError(f"step_fn must return the loss (a scalar tensor), got {type(loss).__name__}")
+
+
+def loss_value(loss) -> float:
+    """The float of what `step_fn` returned (reads the device)."""
+    return float(loss_tensor(loss).item())
 
 
 def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -101,24 +126,55 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return list(unwrap(model).named_parameters())
 
 
+class PendingHealth:
+    """One step's measurements, on their way to the host. `result()` waits for the copy (on
+    CUDA: an event recorded after it, normally long done a step later) and turns the numbers
+    into a StepHealth; `ready()` says whether that would wait."""
+
+    def __init__(self, probe: StepProbe, values: torch.Tensor, event, parts: dict, meta: dict):
+        self._probe, self._values, self._event, self._parts, self._meta = probe, values, event, parts, meta
+        self._health: StepHealth | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self, *, grads_live: bool = False) -> StepHealth:
+        """`grads_live`: the step's gradients are still on the parameters (read right after
+        the step), so a GPU run can count the non-finite elements of a non-finite norm."""
+        if self._health is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._health = self._probe._health(self._values.numpy(), self._parts, self._meta, grads_live)
+            self._values = self._event = None
+        return self._health
+
+
 class StepProbe:
-    """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed."""
+    """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed.
+    `update_ratio`: "sampled" (default) or "exact" (see the module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None, world: World | None = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler=None,
+        world: World | None = None,
+        *,
+        update_ratio: str = "sampled",
     ):
+        if update_ratio not in UPDATE_MODES:
+            raise RecordError(f"update_ratio must be 'sampled' or 'exact', not {update_ratio!r}")
         named = named_parameters(model)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = optimizer
         self.scaler = scaler
         self.world = world or World()
+        self.update_mode = update_ratio
         self._active = False
-        self._handles = [
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-            for i, p in enumerate(self.params)
-            if p.requires_grad
-        ]
+        self._queued = False
+        self._plans: list | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
         self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
         self._reset(False)
@@ -129,44 +185,87 @@ class StepProbe:
         self._handles.clear()
 
     def _reset(self, measure_update: bool) -> None:
-        self._norms: list[torch.Tensor | None] = [None] * len(self.params)
-        self._nonfinite: dict[int, int] = {}
+        self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm (0-d, device)
+        self._nonfinite: dict[int, int] = {}  # counted where it costs no sync (CPU)
         self._lr: list[float] | None = None
-        self._before: list[torch.Tensor] | None = None
+        self._before = None  # (norms of the weights, their sample or copy) before the update
         self._stepped = False
         self._measure_update = measure_update
 
-    # --- hooks (cheap: one norm kernel per parameter per backward) --------------------------
+    # --- hooks ------------------------------------------------------------------------------
 
-    def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        if not self._active or p.grad is None:
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """A gradient was accumulated: have the backward pass call us once when it ends."""
+        if self._active and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        """All gradients of this backward are in: their norms, in one batched call. The last
+        backward before the optimizer step (and any clipping) wins."""
+        self._queued = False
+        if not self._active:
             return
-        g = local(p.grad)
-        if g.is_sparse:
-            g = g.coalesce().values()
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        self._norms[i] = norm
-        # On the CPU the check is free; on a GPU it would sync per parameter, so there the
-        # count waits for `end()` (and then sees the gradient after any clipping).
-        if g.device.type == "cpu" and not torch.isfinite(norm):
-            self._nonfinite[i] = int((~torch.isfinite(g)).sum())
+        idx, grads = [], []
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                idx.append(i)
+                grads.append(local(p.grad.detach()))
+        self._norms = dict(zip(idx, _norms(grads)))
+        self._nonfinite = {}
+        if grads and grads[0].device.type == "cpu":  # free on the CPU; a sync on a GPU
+            for i, g in zip(idx, grads):
+                if not torch.isfinite(self._norms[i]):
+                    self._nonfinite[i] = _count_nonfinite(g)
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if not self._active:
             return
         self._lr = [float(g["lr"]) for g in optimizer.param_groups]
         if self._measure_update:
-            self._before = [local(p.detach()).clone() for p in self.params]
+            with torch.no_grad():
+                weights = [local(p.detach()) for p in self.params]
+                self._before = (_norms(weights), self._take(weights))
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
         if self._active:
             self._stepped = True
 
+    # --- the update-ratio sample ------------------------------------------------------------
+
+    def _take(self, weights: list[torch.Tensor]):
+        """What ||w_after - w_before|| needs of the weights before the update: a copy of every
+        parameter ("exact"), or the same fixed strided sample of each ("sampled")."""
+        if self.update_mode == "exact":
+            return [w.clone() for w in weights]
+        if self._plans is None or len(self._plans) != len(weights):
+            self._plans = sample_plans([w.numel() for w in weights], [w.element_size() for w in weights])
+        return [_sample(w, plan).clone() for w, plan in zip(weights, self._plans)]
+
+    def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
+        (scaled up when read: `_update_scales`)."""
+        _, before = self._before
+        after = weights if self.update_mode == "exact" else [_sample(w, p) for w, p in zip(weights, self._plans)]
+        return _norms(torch._foreach_sub(after, before))
+
+    def _update_scales(self) -> np.ndarray:
+        """What turns the squared update norm of each sample into the whole tensor's."""
+        if self.update_mode == "exact":
+            return np.ones(len(self.params))
+        return np.array([plan.scale for plan in self._plans], dtype=np.float64)
+
     # --- one step -------------------------------------------------------------------------------
 
     def begin(self, *, measure_update: bool = False) -> None:
         self._reset(measure_update)
-        self._scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else None
+        self._scale = None
+        if self.scaler is not None and self.scaler.is_enabled():  # the tensor, not a float: no sync
+            get = getattr(self.scaler, "_get_scale_async", None)
+            scale = get() if get is not None else None
+            self._scale = scale.detach().reshape(1).float().clone() if scale is not None else None
+            if self._scale is None:  # not yet created (first step) or an old scaler
+                self._scale = torch.tensor([float(self.scaler.get_scale())])
         self._t0 = time.perf_counter()
         self._active = True
 
@@ -175,36 +274,85 @@ class StepProbe:
         self._active = False
         self._before = None
 
-    def end(self, loss) -> StepHealth:
-        """Finish the step: this rank's measurements, combined with the other ranks' (one
-        small all_gather when distributed), as the step's health."""
-        value = loss_value(loss)  # syncs the device: step_time includes the work
-        step_time = time.perf_counter() - self._t0
+    def end(self, loss) -> PendingHealth:
+        """Finish the step: queue its measurements' copy to the host and return at once.
+        Combining with the other ranks happens in `result()` (all ranks read in step order)."""
+        value = loss_tensor(loss)
         self._active = False
-        P = len(self.params)
-        grad_sq, nonfinite = self._local_grads()
-        updates = self._local_updates() if self._before is not None else None
+        step_time = time.perf_counter() - self._t0  # host time: the device may still be working
+        # A gradient that arrived without a backward (e.g. assigned by hand): read it as it is now.
+        late = [i for i, p in enumerate(self.params) if i not in self._norms and p.grad is not None]
+        if late:
+            self._norms.update(zip(late, _norms([local(self.params[i].grad.detach()) for i in late])))
+        idx = sorted(self._norms)
+        meta: dict = {}
+        parts: dict[str, slice] = {}
+        pieces: list[torch.Tensor] = []
+
+        def add(name: str, tensors: list[torch.Tensor]) -> None:
+            start = sum(t.numel() for t in pieces)
+            pieces.extend(tensors)
+            parts[name] = slice(start, start + len(tensors))
+
+        add("loss", [value])
+        add("grad", [self._norms[i].reshape(1) for i in idx])
+        if self._scale is not None:
+            add("scale", [self._scale])
+        if self._before is not None:
+            with torch.no_grad():
+                weights = [local(p.detach()) for p in self.params]
+                add("w", [n.reshape(1) for n in _norms(weights)])
+                add("b", [n.reshape(1) for n in self._before[0]])
+                if self._stepped:
+                    add("d", [n.reshape(1) for n in self._update_norms(weights)])
+                    meta["d_scale"] = self._update_scales()
         self._before = None
+        values, event = _to_host(pieces)
+        meta |= {
+            "idx": idx,
+            "nonfinite": dict(self._nonfinite),
+            "lr": self._lr if self._lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups],
+            "stepped": self._stepped,
+            "step_time": step_time,
+        }
+        return PendingHealth(self, values, event, parts, meta)
+
+    def _health(self, values: np.ndarray, parts: dict, meta: dict, grads_live: bool) -> StepHealth:
+        """This rank's numbers, combined with the other ranks' (one small all_gather when
+        distributed), as the step's health. Host arithmetic only."""
+        P = len(self.params)
+        value = float(values[parts["loss"]][0])
+        scale = float(values[parts["scale"]][0]) if "scale" in parts else None
+        grad_sq, nonfinite = self._local_grads(values[parts["grad"]], meta, scale, grads_live)
+        has_update = "w" in parts
+        updates = None
+        if has_update:
+            d_sq = values[parts["d"]].astype(np.float64) ** 2 * meta["d_scale"] if "d" in parts else np.zeros(P)
+            updates = [values[parts["w"]].astype(np.float64) ** 2, d_sq, values[parts["b"]].astype(np.float64) ** 2]
         # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
-        row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
+        row = np.concatenate([[value, has_update], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
         rows = self.world.gather(row)
         got = rows[:, 2 : 2 + P] >= 0  # NO_GRAD rows are negative
         grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
         combined = self.world.combine(grad_sq_all)
         any_grad = got.any(axis=0)
         norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
-        nonfinite_all = rows[:, 2 + P : 2 + 2 * P].sum(axis=0).astype(np.int64)
+        counts = rows[:, 2 + P : 2 + 2 * P]
+        # -1: non-finite, but the gradient was gone before it could be counted (a deferred read
+        # on a GPU); it counts as at least one element in the total.
+        unknown = (counts < 0).any(axis=0)
+        nonfinite_all = np.where(unknown, -1, np.where(counts > 0, counts, 0).sum(axis=0)).astype(np.int64)
         present = combined[any_grad]
         health = StepHealth(
             loss=float(rows[:, 0].mean()) if self.world.distributed else value,
             grad_norm=float(np.sqrt(present.sum())) if present.size else float("nan"),
             param_grad_norm=norms,
-            nonfinite_grads=int(nonfinite_all.sum()),
+            nonfinite_grads=int(np.abs(nonfinite_all).sum()),
             param_nonfinite=nonfinite_all if nonfinite_all.any() or not np.isfinite(norms).all() else None,
-            lr=self._lr if self._lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups],
-            stepped=self._stepped,
-            grad_scale=self._scale,
-            step_time=step_time,
+            lr=meta["lr"],
+            stepped=meta["stepped"],
+            grad_scale=scale,
+            step_time=meta["step_time"],
         )
         if self.world.distributed:
             health.rank_loss = rows[:, 0].tolist()
@@ -218,44 +366,101 @@ class StepProbe:
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         return health
 
-    def _local_grads(self) -> tuple[np.ndarray, np.ndarray]:
+    def _local_grads(self, norms: np.ndarray, meta: dict, scale: float | None, grads_live: bool):
         """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""
         P = len(self.params)
         sq = np.full(P, NO_GRAD, dtype=np.float64)
-        # A gradient that arrived without the hook (e.g. assigned by hand): read it as it is now.
-        for i, p in enumerate(self.params):
-            if self._norms[i] is None and p.grad is not None:
-                self._norms[i] = torch.linalg.vector_norm(local(p.grad.detach()), dtype=torch.float32)
-        idx = [i for i, n in enumerate(self._norms) if n is not None]
-        if idx:
-            got = [self._norms[i] for i in idx]
-            if len({t.device for t in got}) > 1:  # model spread over devices
-                got = [t.to("cpu") for t in got]
-            values = torch.stack(got).cpu().numpy().astype(np.float64)  # one device sync for all
-            if self._scale:
-                values = values / self._scale
-            sq[idx] = values * values
+        idx = meta["idx"]
+        values = norms.astype(np.float64)
+        if scale:
+            values = values / scale
+        sq[idx] = values * values
         nonfinite = np.zeros(P, dtype=np.float64)
         for i in idx:
             if not np.isfinite(sq[i]):
-                nonfinite[i] = self._nonfinite.get(i, self._count_now(i))
+                known = meta["nonfinite"].get(i)
+                nonfinite[i] = known if known is not None else (self._count_now(i) if grads_live else -1)
         return sq, nonfinite
 
     def _count_now(self, i: int) -> int:
         g = self.params[i].grad
-        return int((~torch.isfinite(local(g))).sum()) if g is not None else -1
+        return _count_nonfinite(local(g)) if g is not None else -1
 
-    def _local_updates(self) -> list[np.ndarray]:
-        """Squared norms of this rank's weights after the update, the update, and the weights
-        before it (of the local shards, when sharded)."""
-        with torch.no_grad():
-            after = [local(p.detach()) for p in self.params]
-            w = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32) for p in after])
-            if self._stepped:
-                d = torch.stack(
-                    [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(after, self._before)]
-                )
-            else:
-                d = torch.zeros_like(w)
-            b = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in self._before])
-        return [x.cpu().numpy().astype(np.float64) ** 2 for x in (w, d, b)]
+
+# --- device helpers ---------------------------------------------------------------------------
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 L2 norm of each tensor: one batched kernel per device and dtype where possible
+    (sparse gradients one by one, from their values)."""
+    if not tensors:
+        return []
+    if any(t.is_sparse for t in tensors):
+        return [
+            torch.linalg.vector_norm(t.coalesce().values() if t.is_sparse else t, dtype=torch.float32) for t in tensors
+        ]
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def _count_nonfinite(g: torch.Tensor) -> int:
+    if g.is_sparse:
+        g = g.coalesce().values()
+    return int((~torch.isfinite(g)).sum())
+
+
+def _to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
+    """All of a step's numbers as one float32 vector on the host, and the CUDA event after
+    whose completion it may be read (None on the CPU: nothing to wait for)."""
+    first = pieces[0].device
+    on = [p.to(first, non_blocking=True) if p.device != first else p for p in pieces]
+    values = torch.cat([p.reshape(-1).float() for p in on])
+    if first.type != "cuda":
+        return values.cpu(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Elements offset, offset+stride, ... (count of them) of a flattened tensor; `scale`
+    turns the sample's sum of squares into an estimate of the whole tensor's."""
+
+    offset: int
+    stride: int
+    count: int
+    scale: float
+
+
+def sample_plans(numels: list[int], itemsizes: list[int]) -> list[SamplePlan]:
+    """A fixed strided sample per tensor, the same on every call (record and replay compare
+    bit for bit): at most UPDATE_SAMPLE elements, halved until all samples together hold at
+    most MEMORY_SHARE of the parameter bytes (never fewer than 64 per tensor). The stride is
+    a prime, so a sample of a matrix walks across its columns instead of down one of them."""
+    budget = MEMORY_SHARE * sum(n * s for n, s in zip(numels, itemsizes))
+    k = UPDATE_SAMPLE
+    while k > 64 and sum(min(n, k) * s for n, s in zip(numels, itemsizes)) > budget:
+        k //= 2
+    rng = np.random.default_rng(0)
+    plans = []
+    for n in numels:
+        count = min(n, k)
+        stride = _prime_at_most(max(n // count, 1)) if count < n else 1
+        offset = int(rng.integers(0, n - (count - 1) * stride)) if n else 0
+        plans.append(SamplePlan(offset, stride, count, n / count if count else 0.0))
+    return plans
+
+
+def _sample(w: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
+    flat = w.reshape(-1)  # a view for a contiguous parameter
+    return flat[plan.offset : plan.offset + (plan.count - 1) * plan.stride + 1 : plan.stride]
+
+
+def _prime_at_most(n: int) -> int:
+    """The largest prime <= n (1 for n < 2)."""
+    for c in range(n, 1, -1):
+        if all(c % d for d in range(2, int(c**0.5) + 1)):
+            return c
+    return 1

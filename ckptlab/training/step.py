@@ -2,18 +2,24 @@
 numbers compare with recorded ones bit for bit.
 
     trainee = Trainee(model, optimizer, scheduler, scaler, world=world)
-    health = trainee.run_step(step_fn, batch, measure_update=True)
+    loss, health = trainee.run_step(step_fn, batch, measure_update=True)
 
     # a framework that runs the step itself (Lightning, the HF Trainer):
     trainee.begin(measure_update=True)
     ...                                   # the framework's forward, backward, optimizer step
     health = trainee.end(loss)
 
-In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs; the probe turns
-what its hooks saw into the step's health (loss, pre-clip gradient norms, lr, update); the
-hooks go quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler` is
-False (the framework steps it). RNG states are the caller's business: the Recorder captures
-them before the step, replay restores them before the step.
+    # the Recorder on a GPU: nothing waits for the device; read the health a step later
+    loss, pending = trainee.run_step(step_fn, batch, measure_update=True, deferred=True)
+    ...
+    health = pending.result()
+
+In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs; the probe queues
+what its hooks measured (loss, pre-clip gradient norms, lr, update) for the host; the hooks go
+quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler` is False
+(the framework steps it). Read at once or a step later, the numbers are the same: replay
+reads at once and compares with what the Recorder read later. RNG states are the caller's
+business: the Recorder captures them before the step, replay restores them before the step.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ckptlab.training.probe import StepHealth, StepProbe
+from ckptlab.training.probe import PendingHealth, StepHealth, StepProbe
 from ckptlab.training.world import World
 
 
@@ -39,34 +45,51 @@ class Trainee:
     scaler: Any = None
     step_scheduler: bool = True  # call scheduler.step() after each step
     world: World | None = None
+    update_ratio: str = "sampled"  # how the probe measures ||dw|| (training/probe.py)
     probe: StepProbe = field(init=False)
 
     def __post_init__(self) -> None:
-        self.probe = StepProbe(self.model, self.optimizer, self.scaler, self.world)
+        self.probe = StepProbe(self.model, self.optimizer, self.scaler, self.world, update_ratio=self.update_ratio)
 
     def begin(self, *, measure_update: bool) -> None:
-        """Start measuring. `measure_update` costs a copy of the parameters (update ratios,
-        weight norms)."""
+        """Start measuring. `measure_update` measures update ratios and weight norms (a
+        sample of the weights, or with update_ratio="exact" a copy of them)."""
         self.probe.begin(measure_update=measure_update)
 
     def end(self, loss) -> StepHealth:
-        """Finish the step begun by `begin`: its health; then the scheduler steps."""
+        """Finish the step begun by `begin`: its health, read now (waits for the device);
+        then the scheduler steps."""
+        pending = self._finish(loss)
+        health = pending.result(grads_live=True)
+        self._step_scheduler()
+        return health
+
+    def finish(self, loss) -> PendingHealth:
+        """`end` without waiting for the device: the health is read by `.result()`, later."""
+        pending = self._finish(loss)
+        self._step_scheduler()
+        return pending
+
+    def _finish(self, loss) -> PendingHealth:
         try:
-            health = self.probe.end(loss)
+            return self.probe.end(loss)
         finally:
             self.probe.abort()
+
+    def _step_scheduler(self) -> None:
         if self.scheduler is not None and self.step_scheduler:
             self.scheduler.step()
-        return health
 
     def abort(self) -> None:
         """The step begun by `begin` failed: stop measuring."""
         self.probe.abort()
 
-    def run_step(self, step_fn: Callable, batch: Any, *, measure_update: bool, around=None) -> tuple[Any, StepHealth]:
-        """(what step_fn returned, the step's health); `around`, a context manager not yet
-        entered, is entered for the duration of `step_fn` only (replay's tracer, its redirect
-        of the user's prints)."""
+    def run_step(
+        self, step_fn: Callable, batch: Any, *, measure_update: bool, around=None, deferred: bool = False
+    ) -> tuple[Any, StepHealth | PendingHealth]:
+        """(what step_fn returned, the step's health); with `deferred`, a PendingHealth in its
+        place. `around`, a context manager not yet entered, is entered for the duration of
+        `step_fn` only (replay's tracer, its redirect of the user's prints)."""
         self.begin(measure_update=measure_update)
         try:
             with around if around is not None else contextlib.nullcontext():
@@ -74,7 +97,7 @@ class Trainee:
         except BaseException:
             self.abort()
             raise
-        return loss, self.end(loss)
+        return loss, self.finish(loss) if deferred else self.end(loss)
 
     def close(self) -> None:
         self.probe.close()

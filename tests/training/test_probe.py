@@ -1,0 +1,105 @@
+"""The probe: pre-clip gradient norms measured once per backward (batched), health read at
+once or later with the same bits, and the sampled update ratio against the exact one."""
+
+import numpy as np
+import torch
+from torch import nn
+
+from ckptlab.training import probe as probe_mod
+from ckptlab.training.probe import MEMORY_SHARE, UPDATE_SAMPLE, StepProbe, sample_plans
+
+
+def wide_mlp(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def batches(n: int, micro: int = 1):
+    g = torch.Generator().manual_seed(3)
+    return [
+        [(torch.randn(16, 256, generator=g), torch.randn(16, 8, generator=g)) for _ in range(micro)] for _ in range(n)
+    ]
+
+
+def train_step(model, opt, micro_batches, clip=0.1):
+    """Gradient accumulation over the micro-batches, then clipping: returns the pre-clip norm."""
+    for x, y in micro_batches:
+        (nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def test_grad_norms_are_pre_clip_and_computed_once_per_backward_not_per_parameter(monkeypatch):
+    model, opt = wide_mlp()
+    probe = StepProbe(model, opt)
+    calls = []
+    real = probe_mod._norms
+    monkeypatch.setattr(probe_mod, "_norms", lambda ts: calls.append(len(ts)) or real(ts))
+    for step in batches(3, micro=4):
+        calls.clear()
+        probe.begin()
+        total = train_step(model, opt, step)
+        health = probe.end(total).result()
+        assert calls == [6, 6, 6, 6]  # one batched call per backward over all 6 gradients
+        assert abs(health.grad_norm - float(total)) <= 1e-5 * float(total)  # before clipping (to 0.1)
+        assert health.grad_norm > 0.1 and health.nonfinite_grads == 0
+    probe.close()
+
+
+def test_a_deferred_read_gives_the_same_bits_as_an_immediate_one():
+    runs = []
+    for deferred in (False, True):
+        model, opt = wide_mlp()
+        probe = StepProbe(model, opt)
+        healths, pending = [], None
+        for step in batches(4):
+            probe.begin(measure_update=True)
+            loss = train_step(model, opt, step)
+            now = probe.end(loss)
+            if deferred:  # read step n's health after step n+1 ran
+                if pending is not None:
+                    healths.append(pending.result())
+                pending = now
+            else:
+                healths.append(now.result())
+        if pending is not None:
+            healths.append(pending.result())
+        runs.append(healths)
+    for a, b in zip(*runs):
+        assert a.loss == b.loss and a.grad_norm == b.grad_norm
+        assert np.array_equal(a.param_grad_norm, b.param_grad_norm)
+        assert np.array_equal(a.update_ratio, b.update_ratio) and np.array_equal(a.weight_norm, b.weight_norm)
+
+
+def test_the_sampled_update_ratio_estimates_the_exact_one():
+    ratios = {}
+    for mode in ("exact", "sampled"):
+        model, opt = wide_mlp()
+        probe = StepProbe(model, opt, update_ratio=mode)
+        got = []
+        for step in batches(6):
+            probe.begin(measure_update=True)
+            h = probe.end(train_step(model, opt, step)).result()
+            got.append((h.update_ratio, h.update_ratio_global, h.weight_norm))
+        ratios[mode] = got
+    worst = 0.0
+    for (ex, ex_g, ex_w), (sa, sa_g, sa_w) in zip(ratios["exact"], ratios["sampled"]):
+        assert np.array_equal(ex_w, sa_w)  # ||w|| is exact in both modes
+        rel = np.abs(sa / ex - 1)
+        worst = max(worst, float(rel.max()))
+        assert rel.max() < 0.15 and abs(sa_g / ex_g - 1) < 0.05
+    assert worst > 0  # it is an estimate (the biases, sampled whole, are exact)
+
+
+def test_the_update_sample_stays_within_its_memory_share():
+    for numels in ([64] * 10, [262_144, 512, 262_144, 512], [38_597_376, 768, 2_359_296] * 12, [5, 7, 1_000_003]):
+        sizes = [4] * len(numels)
+        plans = sample_plans(numels, sizes)
+        held = sum(p.count * 4 for p in plans)
+        assert held <= max(MEMORY_SHARE * sum(n * 4 for n in numels), sum(min(n, 64) * 4 for n in numels))
+        for n, p in zip(numels, plans):
+            assert 1 <= p.count <= min(n, UPDATE_SAMPLE)
+            assert p.offset + (p.count - 1) * p.stride < n and p.scale == n / p.count
