@@ -211,11 +211,13 @@ class StepProbe:
             if p.grad is not None:
                 idx.append(i)
                 grads.append(local(p.grad.detach()))
-        self._norms = dict(zip(idx, _norms(grads)))
+        norms = _norms(grads)
+        self._norms = dict(zip(idx, norms))
         self._nonfinite = {}
-        if grads and grads[0].device.type == "cpu":  # free on the CPU; a sync on a GPU
-            for i, g in zip(idx, grads):
-                if not torch.isfinite(self._norms[i]):
+        # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
+        if grads and grads[0].device.type == "cpu" and not torch.stack(norms).isfinite().all():
+            for i, g, n in zip(idx, grads, norms):
+                if not torch.isfinite(n):
                     self._nonfinite[i] = _count_nonfinite(g)
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
