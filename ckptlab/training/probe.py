@@ -142,8 +142,8 @@ class PendingHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
         the step), so a GPU run can count the non-finite elements of a non-finite norm."""
         if self._health is None:
-            if self._event is not None:
-                self._event.synchronize()
+            if self._event is not None and not self._event.query():
+                self._event.synchronize()  # the device is behind by more than a step: wait
             self._health = self._probe._health(self._values.numpy(), self._parts, self._meta, grads_live)
             self._values = self._event = None
         return self._health
@@ -413,15 +413,17 @@ def _count_nonfinite(g: torch.Tensor) -> int:
 def _to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
     """All of a step's numbers as one float32 vector on the host, and the CUDA event after
     whose completion it may be read (None on the CPU: nothing to wait for)."""
-    first = pieces[0].device
+    # Gather on the device (a loss returned as a float, or a CPU scale, moves up: never a
+    # non-blocking copy down into memory that is read before it lands).
+    first = next((p.device for p in pieces if p.device.type != "cpu"), pieces[0].device)
     on = [p.to(first, non_blocking=True) if p.device != first else p for p in pieces]
     values = torch.cat([p.reshape(-1).float() for p in on])
     if first.type != "cuda":
         return values.cpu(), None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
+    host.copy_(values, non_blocking=True)  # on `first`'s current stream
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(first))
     return host, event
 
 

@@ -1,0 +1,39 @@
+"""records.pack writes exactly the bytes safetensors.torch.save writes (it is only faster)."""
+
+import json
+
+import safetensors.torch
+import torch
+
+from ckptlab.run import records
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
+    torch.int32, torch.uint32, torch.float32, torch.float64, torch.int64, torch.uint64,
+]  # fmt: skip
+
+
+def test_pack_is_byte_for_byte_what_safetensors_writes():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (0,), (3,), (2, 5), (4, 1, 3)]
+    for trial in range(40):
+        tensors = {}
+        for k in range(1 + trial % 7):
+            dtype = DTYPES[(trial * 5 + k * 3) % len(DTYPES)]
+            shape = shapes[(trial + k) % len(shapes)]
+            t = torch.randint(0, 100, shape, generator=g).to(dtype)
+            name = ["batch/ids", "rng/torch", "param_grad_norm", "a", "zé", "batch/inputs/0", "w"][(trial + k) % 7]
+            tensors[f"{name}{k}"] = t if trial % 3 else t.t() if t.dim() == 2 else t  # non-contiguous too
+        meta = {"step": trial, "note": 'quote " and \\ and é', "nan": "nan"}
+        expected = safetensors.torch.save(
+            {k: v.contiguous() for k, v in tensors.items()},
+            metadata={records.META_KEY: json.dumps(meta, separators=(",", ":"))},
+        )
+        assert records.pack(meta, tensors) == expected
+        got_meta, got = records.unpack(records.pack(meta, tensors), where="test")
+        assert got_meta == meta and all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_pack_without_tensors():
+    meta = {"step": 1}
+    assert records.pack(meta, {}) == safetensors.torch.save({}, metadata={records.META_KEY: '{"step":1}'})
