@@ -495,7 +495,10 @@ class Recorder:
 
     def _settle_quietly(self) -> None:
         """On the way out of a failed step: record the health still pending, without raising
-        over the error that is already on its way."""
+        over the error that is already on its way. Not when distributed: reading combines the
+        ranks (a collective), and the other ranks are not failing with this one."""
+        if self.world.distributed:
+            return
         with contextlib.suppress(Exception):
             self._settle(0, raise_nonfinite=False)
 
