@@ -248,8 +248,9 @@ class StepProbe:
         """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
         (scaled up when read: `_update_scales`)."""
         _, before = self._before
-        after = weights if self.update_mode == "exact" else [_sample(w, p) for w, p in zip(weights, self._plans)]
-        return _norms(torch._foreach_sub(after, before))
+        if self.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
+            return [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(weights, before)]
+        return _norms(torch._foreach_sub([_sample(w, p) for w, p in zip(weights, self._plans)], before))
 
     def _update_scales(self) -> np.ndarray:
         """What turns the squared update norm of each sample into the whole tensor's."""
@@ -288,25 +289,25 @@ class StepProbe:
             self._norms.update(zip(late, _norms([local(self.params[i].grad.detach()) for i in late])))
         idx = sorted(self._norms)
         meta: dict = {}
-        parts: dict[str, slice] = {}
+        parts: dict[str, slice] = {}  # name -> where its numbers sit in the one vector copied
         pieces: list[torch.Tensor] = []
 
-        def add(name: str, tensors: list[torch.Tensor]) -> None:
-            start = sum(t.numel() for t in pieces)
-            pieces.extend(tensors)
-            parts[name] = slice(start, start + len(tensors))
+        def add(name: str, scalars: list[torch.Tensor]) -> None:
+            start = parts[next(reversed(parts))].stop if parts else 0
+            pieces.append(torch.stack(_on_one_device(scalars)) if scalars else torch.zeros(0))
+            parts[name] = slice(start, start + len(scalars))
 
-        add("loss", [value])
-        add("grad", [self._norms[i].reshape(1) for i in idx])
+        add("loss", [value.reshape(())])
+        add("grad", [self._norms[i] for i in idx])
         if self._scale is not None:
-            add("scale", [self._scale])
+            add("scale", [self._scale.reshape(())])
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
-                add("w", [n.reshape(1) for n in _norms(weights)])
-                add("b", [n.reshape(1) for n in self._before[0]])
+                add("w", _norms(weights))
+                add("b", self._before[0])
                 if self._stepped:
-                    add("d", [n.reshape(1) for n in self._update_norms(weights)])
+                    add("d", self._update_norms(weights))
                     meta["d_scale"] = self._update_scales()
         self._before = None
         values, event = _to_host(pieces)
@@ -404,6 +405,12 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
+def _on_one_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on one device (a model spread over devices): the first accelerator's."""
+    first = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    return [t if t.device == first else t.to(first, non_blocking=True) for t in tensors]
+
+
 def _count_nonfinite(g: torch.Tensor) -> int:
     if g.is_sparse:
         g = g.coalesce().values()
@@ -411,13 +418,13 @@ def _count_nonfinite(g: torch.Tensor) -> int:
 
 
 def _to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
-    """All of a step's numbers as one float32 vector on the host, and the CUDA event after
+    """A step's numbers (1-d tensors) as one float32 vector on the host, and the CUDA event after
     whose completion it may be read (None on the CPU: nothing to wait for)."""
     # Gather on the device (a loss returned as a float, or a CPU scale, moves up: never a
     # non-blocking copy down into memory that is read before it lands).
-    first = next((p.device for p in pieces if p.device.type != "cpu"), pieces[0].device)
-    on = [p.to(first, non_blocking=True) if p.device != first else p for p in pieces]
-    values = torch.cat([p.reshape(-1).float() for p in on])
+    on = _on_one_device(pieces)
+    first = on[0].device
+    values = torch.cat([p.float() for p in on])
     if first.type != "cuda":
         return values.cpu(), None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
