@@ -116,3 +116,21 @@ def test_health_still_pending_at_interpreter_exit_is_written(run_dir):
     rec._exit_hook()  # what atexit runs when the script ends without close()
     assert ckptlab.open_run(run_dir).metrics().step.tolist() == [0, 1, 2]
     rec.close()
+
+
+def test_the_options_are_checked_and_the_manifest_says_which_were_used(tmp_path):
+    for bad, match in (
+        ({"update_ratio": "approx"}, "update_ratio must be"),
+        ({"health_read": "x"}, "health_read must"),
+    ):
+        with pytest.raises(ckptlab.RecordError, match=match):
+            recorder(tmp_path / "bad", **bad)
+    for options, expected in (
+        ({"health_read": "auto"}, {"update_ratio": "sampled", "health_read": "immediate"}),  # auto on a CPU model
+        ({"update_ratio": "exact"}, {"update_ratio": "exact", "health_read": "deferred"}),
+    ):
+        run_dir = tmp_path / options.get("update_ratio", "auto")
+        with recorder(run_dir, **options) as rec:
+            rec.step(next(models.mlp_batches(1))[0])
+        config = ckptlab.open_run(run_dir).manifest["config"]
+        assert {k: config[k] for k in expected} == expected

@@ -129,14 +129,11 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 class PendingHealth:
     """One step's measurements, on their way to the host. `result()` waits for the copy (on
     CUDA: an event recorded after it, normally long done a step later) and turns the numbers
-    into a StepHealth; `ready()` says whether that would wait."""
+    into a StepHealth."""
 
     def __init__(self, probe: StepProbe, values: torch.Tensor, event, parts: dict, meta: dict):
         self._probe, self._values, self._event, self._parts, self._meta = probe, values, event, parts, meta
         self._health: StepHealth | None = None
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
 
     def result(self, *, grads_live: bool = False) -> StepHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
