@@ -460,7 +460,7 @@ def step_micro_gpt_pairs(model, opt, batch):
     return _accumulate(model, opt, batch, size=2)
 
 
-def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_rows=(2,)) -> Expected:
+def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_rows=(2,), **record) -> Expected:
     def batches():
         for s in range(30):
             g = torch.Generator().manual_seed(s)
@@ -472,7 +472,7 @@ def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_ro
                 y[list(empty_rows)] = -100  # nothing to train on: its micro-batch's loss is 0/0
             yield {"x": seq[:, :-1], "y": y}
 
-    _record(run_dir, build_micro_gpt, step_fn, batches())
+    _record(run_dir, build_micro_gpt, step_fn, batches(), **record)
     return Expected(17, 17, "", list(empty_rows), kind="numeric", op="aten.nll_loss_forward.default")
 
 

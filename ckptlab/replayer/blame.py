@@ -110,6 +110,7 @@ class Blame:
             return found
         info = self.inv.run.manifest.get("data_info") or {}
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
+        ignore = info.get("ignore_index", IGNORE_INDEX)
         typical = _typical_row_absmax(self.inv.run, self.root)
         for path, leaf in python_leaves(self.rec.batch):
             if (
@@ -124,15 +125,12 @@ class Blame:
                 for row in range(self.rows):
                     if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
-                    elif pad != IGNORE_INDEX and flat.shape[1] > 1 and bool((flat[row] == IGNORE_INDEX).all()):
+                    elif pad != ignore and flat.shape[1] > 1 and bool((flat[row] == ignore).all()):
                         found["empty"].setdefault(
-                            row, f"batch{path} is empty (every target is {IGNORE_INDEX}, the ignore_index)"
+                            row, f"batch{path} is empty (every target is {ignore}, the ignore_index)"
                         )
-                    if (
-                        vocab is not None
-                        and flat.shape[1]
-                        and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0)
-                    ):
+                    ids = flat[row][flat[row] != ignore]  # an ignored label is not a token id
+                    if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
                         found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
                 continue
             flat = flat.float()
