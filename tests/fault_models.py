@@ -482,3 +482,41 @@ def record_micro_batch_copied(run_dir) -> Expected:
 
 def record_micro_batch_pairs(run_dir) -> Expected:
     return record_micro_batch_ignored_targets(run_dir, step_micro_gpt_pairs, (2, 3))
+
+
+# --- delayed scaling (as in FP8 training): a blank batch at step 21 dooms step 22 ---------------
+
+
+class DelayedScaleMLP(nn.Module):
+    """Scales its input by the absolute maximum of the previous batch's, then casts to float16
+    (FP8-style delayed scaling, history of one). A near-blank batch sets that maximum near zero,
+    so the next, normal batch overflows float16: the fault shows a step after its cause, and the
+    faulting batch is harmless from any other state."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+        self.register_buffer("amax", torch.ones(()))
+
+    def forward(self, x):
+        scaled = (x / self.amax).half().float()  # > 65504 is Inf
+        self.amax = x.detach().abs().max()
+        return self.mlp(scaled)
+
+
+def build_delayed_scale():
+    torch.manual_seed(0)
+    m = DelayedScaleMLP()
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
+def record_delayed_scale(run_dir) -> Expected:
+    def batches():
+        for s in range(40):
+            x, y = _xy(s)
+            if s == 21:
+                x, y = x * 1e-7, y * 1e-7  # a blank batch (e.g. an all-padding shard)
+            yield x, y
+
+    _record(run_dir, build_delayed_scale, step_mlp, batches())
+    return Expected(22, 22, "mlp.fc1", [], kind="numeric")

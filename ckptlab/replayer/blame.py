@@ -22,6 +22,7 @@ from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
@@ -51,6 +52,7 @@ class Blame:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.trainee = self.replayer.build()
+        self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
 
     def close(self) -> None:
         self.replayer.close(self.trainee)
@@ -96,6 +98,7 @@ class Blame:
         rep.origin, rep.samples = self.origin(tracer, base, data_rows, rows)
         if do_counterfactuals:
             rep.counterfactuals = self.counterfactuals(rep.samples)
+            self.search(rep)
         self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
 
@@ -329,6 +332,26 @@ class Blame:
         )
         return o, ranked
 
+    # the deeper searches (search.py) ---------------------------------------------------------------
+
+    def search(self, rep: ReplayReport) -> None:
+        """Within the investigation's budget of replays: the minimal culprit of a fault with
+        blamed rows, and the earlier step that doomed a fault the batch alone does not explain
+        (it needs this model state, or no row is to blame)."""
+        budget = self.inv.budget
+        if budget.limit <= 0:
+            return
+        t0 = time.perf_counter()
+        self.inv.log(f"searching for the minimal culprit of step {self.root}")
+        rep.culprit = minimal_culprit(self, budget)
+        lr_cause = rep.origin.kind == "optimizer" and "learning rate" in (rep.origin.detail or "")
+        doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not lr_cause)
+        if doomed and self.inv.run.world_size == 1:  # (one process replays one rank: no window)
+            self.inv.log(f"looking for an earlier step that doomed step {self.root}")
+            rep.rewind = doomed_earlier(self, budget)
+        rep.budget = budget.to_json()
+        self.inv.timing["search_s"] = time.perf_counter() - t0
+
     # counterfactuals ------------------------------------------------------------------------------------
 
     def counterfactuals(self, samples: list[SampleBlame]) -> list[Counterfactual]:
@@ -381,6 +404,7 @@ class Blame:
             h = self.replayer.run_step(t, self.rec)
             self.replayer.close(t)
             found = self.fault(h)
+            self.older_fault = bool(found)
             out.append(
                 Counterfactual(
                     f"does the same batch fail from the older model state at step {c}?",
