@@ -520,3 +520,40 @@ def record_delayed_scale(run_dir) -> Expected:
 
     _record(run_dir, build_delayed_scale, step_mlp, batches())
     return Expected(22, 22, "mlp.fc1", [], kind="numeric")
+
+
+# --- Adam's second moment never grew: a feature that switches on late ------------------------
+
+
+class LateFeatureModel(nn.Module):
+    """A small MLP on the first 8 features, plus a large matrix on 128 non-negative features
+    (counts) that are zero until step 25 (a data source that comes online late). Adam's second moment of that matrix
+    stays 0 until its first real gradient, which then moves every element by ~lr at once: an
+    update far larger than the matrix, from clean data at a normal learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(d_in=8, hidden=4)
+        self.late = nn.Parameter(torch.full((128, 128), 1e-4))
+
+    def forward(self, x):
+        return self.mlp(x[:, :8]) + (x[:, 8:] @ self.late).mean(1, keepdim=True)
+
+
+def build_late_feature():
+    torch.manual_seed(0)
+    m = LateFeatureModel()
+    return m, torch.optim.Adam(m.parameters(), lr=2e-2)
+
+
+def record_late_feature(run_dir) -> Expected:
+    def batches():
+        for s in range(40):
+            x, y = _xy(s)
+            g = torch.Generator().manual_seed(s)
+            late = torch.randn(B, 128, generator=g).abs() if s >= 25 else torch.zeros(B, 128)  # counts, >= 0
+            yield torch.cat([x, late], 1), y
+
+    losses = _record(run_dir, build_late_feature, step_mlp, batches())
+    symptom = next((i for i, v in enumerate(losses) if i > 25 and (not math.isfinite(v) or v > 10 * losses[24])), 26)
+    return Expected(25, symptom, None, [], kind="optimizer")

@@ -67,3 +67,18 @@ def test_budget_zero_skips_the_searches_and_a_small_one_says_it_ran_out(run_dir)
     doc = json.loads(out.stdout)
     assert doc["budget"]["used"] == 2 and doc["budget"]["ran_out"]
     assert "budget" in doc["verdict"]
+
+
+def test_adam_second_moment_out_of_tune_is_an_optimizer_fault_named_and_proven(run_dir):
+    """Features that switch on at step 25: Adam's exp_avg_sq of the matrix on them is 0 when
+    their first gradient arrives, so the matrix moves ~100x its norm and the loss spikes at
+    step 26. Replay names the parameter and the state, and proves it: with the second moment
+    in tune with the gradient, the fault is gone."""
+    exp = fm.record_late_feature(run_dir)
+    doc = ckptlab.replay(run_dir, exp.symptom).to_json()
+    assert doc["root_step"] == 25 and doc["reproduced"]
+    o = doc["origin"]
+    assert o["kind"] == "optimizer" and o["parameter"] == "late" and o["state"] == "exp_avg_sq"
+    proof = next(c for c in doc["counterfactuals"] if "second moment" in c["question"])
+    assert proof["fault"] is False
+    assert "exp_avg_sq" in doc["verdict"] and "fault vanishes" in doc["verdict"] and doc["samples"] == []

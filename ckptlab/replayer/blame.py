@@ -22,11 +22,12 @@ from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.replayer.optstate import SecondMomentGap, in_tune, second_moment_gaps
 from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.probe import StepHealth, named_parameters
 from ckptlab.training.state import restore_snapshot
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
@@ -34,6 +35,9 @@ from ckptlab.training.state import restore_snapshot
 ABSURD_RATIO = 1e3
 # A row dominates a step when its own gradient norm is this many times the median row's.
 DOMINANT_ROW_RATIO = 10.0
+# The anomalies of a step that its own update causes (spikes of its loss and gradient come
+# before the update).
+AFTER_AN_UPDATE = ("update_explosion", "nonfinite_weight")
 # The ignore_index of PyTorch's cross-entropy (and Hugging Face's label padding): a row whose
 # targets are all this value has nothing to train on, and a mean over it is 0/0.
 IGNORE_INDEX = -100
@@ -292,6 +296,9 @@ class Blame:
                     if alone
                     else "one row dominates the update",
                 )
+            elif lr_jump is None and (gaps := self.second_moment_gaps(h)):
+                g = gaps[0]
+                o = Origin("optimizer", "optimizer", None, None, g.name, None, detail=g.describe(), state="exp_avg_sq")
             elif lr_jump is not None or "update_explosion" in self.fault(h):
                 detail = (
                     f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value"
@@ -332,6 +339,28 @@ class Blame:
         )
         return o, ranked
 
+    def second_moment_gaps(self, h: StepHealth) -> list[SecondMomentGap]:
+        """optstate.py's check, on the optimizer state the root step started in."""
+        self.fresh()
+        return second_moment_gaps(self.trainee.optimizer, named_parameters(self.trainee.model), h)
+
+    def update_and_after(self, around) -> tuple[StepHealth, list[str]]:
+        """The root step with its update changed by the context manager `around`, then the
+        recorded steps after it up to the requested one: the root step's health, and the
+        anomalies an update can cause (the root step's own update explosion or non-finite
+        weights; anything after it)."""
+        self.fresh()
+        dets = copy.deepcopy(self.dets)
+        with around:
+            h = self.replayer.run_step(self.trainee, self.rec)
+        found = [k for k in (e["kind"] for e in step_anomalies(h, dets)) if k in AFTER_AN_UPDATE]
+        for s in range(self.root + 1, self.inv.step + 1):
+            found += [
+                f"{k} at step {s}"
+                for k in self.inv.anomalies(self.replayer.run_step(self.trainee, self.replayer.batch(s)), dets)
+            ]
+        return h, found
+
     # the deeper searches (search.py) ---------------------------------------------------------------
 
     def search(self, rep: ReplayReport) -> None:
@@ -344,7 +373,9 @@ class Blame:
         t0 = time.perf_counter()
         self.inv.log(f"searching for the minimal culprit of step {self.root}")
         rep.culprit = minimal_culprit(self, budget)
-        lr_cause = rep.origin.kind == "optimizer" and "learning rate" in (rep.origin.detail or "")
+        lr_cause = rep.origin.kind == "optimizer" and (
+            "learning rate" in (rep.origin.detail or "") or rep.origin.state is not None
+        )
         doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not lr_cause)
         if doomed and self.inv.run.world_size == 1:  # (one process replays one rank: no window)
             self.inv.log(f"looking for an earlier step that doomed step {self.root}")
@@ -394,6 +425,25 @@ class Blame:
                     + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
                 )
             )
+        if self.report.origin.state == "exp_avg_sq":
+            name = self.report.origin.parameter
+            param = dict(named_parameters(self.trainee.model)).get(name)
+            if param is not None:
+                h, found = self.update_and_after(in_tune(self.trainee.optimizer, param))
+                last = self.inv.step
+                out.append(
+                    Counterfactual(
+                        f"does the fault {f'(to step {last}) ' if last > self.root else ''}remain with `{name}`'s "
+                        "second moment in tune with its gradient at the root step (exp_avg_sq = max(exp_avg_sq, grad^2))?",
+                        bool(found),
+                        f"in tune: update ratio {h.update_ratio_global or 0:.3g}"
+                        + (
+                            f" -> still {', '.join(found)}: the optimizer state is not the whole cause"
+                            if found
+                            else " -> no fault: the out-of-tune second moment is the cause"
+                        ),
+                    )
+                )
         older = [c for c in self.inv.run.checkpoints if c < self.root]
         if older and samples:
             c = older[0] if older[-1] == self.root else older[-1]

@@ -41,6 +41,7 @@ class Origin:
     produced: str | None = None  # "NaN" or "Inf", when an op produced it
     inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
+    state: str | None = None  # kind "optimizer": the optimizer state to blame (e.g. "exp_avg_sq")
 
 
 @dataclass
@@ -206,6 +207,15 @@ def _verdict(r: ReplayReport) -> str:
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
+    elif o.kind == "optimizer" and o.state:
+        proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
+        s = (
+            f"{lead}: the optimizer's own state blew the weights up"
+            + (f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
+            + "; no sample is to blame"
+            + (", and with that second moment in tune with its gradient the fault vanishes" if proven else "")
+            + " (remedies: warm the learning rate up again, clip updates, a larger eps)."
+        )
     elif o.kind == "optimizer":
         s = (
             f"{lead}: the optimizer update blew the weights up"
