@@ -54,7 +54,7 @@ from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth, named_parameters
-from ckptlab.training.sharded import save_sharded
+from ckptlab.training.sharded import save_sharded, start_sharded_save
 from ckptlab.training.state import (
     capture_env,
     capture_rng,
@@ -90,6 +90,9 @@ class RecordConfig:
         batch_ref_bytes: with a `batch_fn`, batches of at least this many bytes are stored by
             reference (sample ids, sha256 of the content, size) instead of whole; replay
             rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
+        async_sharded: FSDP2: stage each rank's shards to host memory and write them in the
+            background (`torch.distributed.checkpoint.async_save`), committed at the start of
+            the next step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) prints one warning line per anomaly episode naming the replay command;
@@ -109,6 +112,7 @@ class RecordConfig:
     step_scheduler: bool = True
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
     batch_ref_bytes: int = 1 << 20
+    async_sharded: bool = True
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1 or self.health_every < 1:
@@ -176,6 +180,7 @@ class Recorder:
         self._rng_after_prev: dict | None = None
         self._force_rng = True
         self._closed = False
+        self._pending = None  # a sharded checkpoint being written in the background
         self.restored_step: int | None = None
 
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
@@ -435,11 +440,12 @@ class Recorder:
         if sample_ids is not None:
             sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
-        self._ckpt_wait = 0.0
+        # A sharded checkpoint started at the previous step commits now: its write had a step.
+        self._ckpt_wait = self._finish_sharded()
         if n == self.session_start or n % self.config.ckpt_every == 0:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
-                self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+                self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         rng = rng if changed else None
@@ -519,18 +525,35 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.config.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        if self.world.sharded:  # FSDP: every rank writes its shards (DCP), on this thread
+        if self.world.sharded:  # FSDP: every rank writes its shards (DCP)
             t0 = time.perf_counter()
+            self._finish_sharded()  # the previous one first (its commit is collective)
             state = capture_train_state(self.optimizer, self.scheduler, self.scaler)
             state.pop("optimizer")  # its tensors go into DCP; param_groups with them
-            save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
-            if self.world.is_main:
-                apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+            if self.config.async_sharded:  # staged to host memory now, written in the background
+                self._pending = start_sharded_save(
+                    self.run_dir, step, self.world, self.model, self.optimizer, state, info
+                )
+            else:
+                save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
+                if self.world.is_main:
+                    apply_retention(self.run_dir, self.config.keep_last, *self._protected())
             return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
         return self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+
+    def _finish_sharded(self) -> float:
+        """Commit the sharded checkpoint being written in the background, if any (every rank,
+        at the same step: the commit is collective); the seconds waited for its write."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        waited = pending.finish()
+        if self.world.is_main:
+            apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+        return waited
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()
@@ -554,6 +577,7 @@ class Recorder:
         self._closed = True
         try:
             self.trainee.close()
+            self._finish_sharded()
             self.writer.close()
             if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
                 self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
