@@ -57,10 +57,14 @@ def wandb_summary(records: list[dict]) -> dict:
 
 
 def wandb_config(records: list[dict]) -> dict:
+    """The run's config: set at `wandb.init`, then updated."""
+    config: dict = {}
     for r in records:
         if r.get("type") == "run":
-            return r["run"]["config"]["update"]
-    return {}
+            config.update(r["run"].get("config", {}).get("update", {}))
+        elif r.get("type") == "config":
+            config.update(r["config"].get("update", {}))
+    return config
 
 
 def offline_runs(folder) -> list[Path]:
