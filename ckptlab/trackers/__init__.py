@@ -51,7 +51,7 @@ def resolve(spec, loggers=()) -> list:
             found.append(MLflow(mlflow.get_tracking_uri(), run_id=active.info.run_id))
         return found
     out = []
-    for item in spec:
+    for item in spec if isinstance(spec, (list, tuple)) else [spec]:
         t = _wrap(item)
         if t is None:
             from ckptlab.errors import RecordError

@@ -60,8 +60,8 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    quiet_wandb(monkeypatch)
+def _quiet(monkeypatch, tmp_path_factory):
+    quiet_wandb(monkeypatch, tmp_path_factory.getbasetemp() / "wandb-home")
 
 
 def mlflow_run(uri):

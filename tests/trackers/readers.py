@@ -16,9 +16,12 @@ import numpy as np
 QUIET_WANDB = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}
 
 
-def quiet_wandb(monkeypatch) -> None:
+def quiet_wandb(monkeypatch, home: Path) -> None:
+    """W&B quiet and offline, its config, cache and logs under `home` (not the user's ~)."""
     for k, v in QUIET_WANDB.items():
         monkeypatch.setenv(k, v)
+    for k, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(k, str(home / sub))
 
 
 def wandb_records(run_dir) -> list[dict]:

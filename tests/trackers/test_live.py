@@ -35,8 +35,8 @@ NAN_STEP = 9
 
 
 @pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    quiet_wandb(monkeypatch)
+def _quiet(monkeypatch, tmp_path_factory):
+    quiet_wandb(monkeypatch, tmp_path_factory.getbasetemp() / "wandb-home")
 
 
 def train(rec, steps: int, *, nan_at: int | None = None, every=None) -> None:
