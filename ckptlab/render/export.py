@@ -103,6 +103,7 @@ def rows(
         row = Row(step)
         if step in health:
             i = health[step]
+            row.time = m.scalars[i].get("time")
             row.scalars.update(
                 health_points(m.scalars[i], {k: getattr(m, k)[i] for k in keys}, names, per_param=per_param)
             )

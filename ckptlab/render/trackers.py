@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
@@ -97,8 +98,11 @@ def write_wandb(
         export_run(run, sink, out, cursor=cursor, **kw)
         if html:
             with_report(run, sink, out)
-    finally:
+    except BaseException:
         sink.close()
+        shutil.rmtree(Path(sink.where), ignore_errors=True)  # half a fragment: the next export redoes it whole
+        raise
+    sink.close()
     # The cursor moves once the fragment is finished: an export that died midway is redone whole.
     if out.steps or out.checkpoints or out.alerts or out.scalars:
         save(_last(run))

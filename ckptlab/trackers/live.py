@@ -112,6 +112,7 @@ class LiveLog:
             else:
                 _, step, scalars, arrays, events = item
                 row = rows.setdefault(step, Row(step))
+                row.time = scalars.get("time")
                 row.scalars.update(health_points(scalars, arrays, self.param_names))
                 if events:
                     row.scalars.update(anomaly_points(events))

@@ -123,7 +123,13 @@ class MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(self.prefix + k, float(v), now, r.step) for r in rows for k, v in r.scalars.items()]
+        # The step's own recording time: MLflow's "relative time" axis is training time, and
+        # the same point sent again is the same metric row.
+        metrics = [
+            Metric(self.prefix + k, float(v), int(r.time * 1000) if r.time else now, r.step)
+            for r in rows
+            for k, v in r.scalars.items()
+        ]
         for i in range(0, len(metrics), METRICS_PER_CALL):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + METRICS_PER_CALL])
         for r in rows:

@@ -62,6 +62,7 @@ class Row:
 
     step: int
     scalars: dict[str, float] = field(default_factory=dict)
+    time: float | None = None  # when the step was recorded (epoch seconds), if known
     histograms: dict[str, Hist] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
 

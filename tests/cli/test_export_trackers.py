@@ -82,6 +82,8 @@ def test_mlflow_export_reads_back_and_exporting_again_adds_nothing(cli, run, tmp
     loss = mlflow_series(client, rid, "train/loss")
     assert [s for s, _ in loss] == m.step.tolist() and same([v for _, v in loss], m.loss)
     assert math.isnan(loss[NAN_STEP][1])  # a NaN loss is a point too
+    stamps = sorted((x.step, x.timestamp) for x in client.get_metric_history(rid, "train/loss"))
+    assert [t for _, t in stamps] == [int(r["time"] * 1000) for r in m.scalars]  # training time, not export time
     name = m.param_names[0]
     assert same(
         [v for _, v in mlflow_series(client, rid, f"grad_norm/{name}")][:NAN_STEP], m.param_grad_norm[:NAN_STEP, 0]
