@@ -31,7 +31,7 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     "wandb_dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Write an offline Weights & Biases run into this folder; upload it with `wandb sync DIR/wandb/offline-run-*`.",
+    help="Write an offline Weights & Biases run into this folder (no network); upload it with the `wandb sync` command printed.",
 )
 @click.option(
     "--experiment",
@@ -132,10 +132,13 @@ def command(
         term.json(summary)
         return
     if summary.already_exported:
-        term.print(f"{summary.target}: already holds everything in {run.path}; nothing new to export")
+        where = summary.target + (f" (run {summary.run_id})" if summary.run_id else "")
+        term.print(f"{where}: already holds everything in {run.path}; nothing new to export")
         return
     term.print(
-        f"wrote [bold]{summary.target}[/bold]: {summary.steps} steps, {summary.scalars} scalar points, "
+        f"wrote [bold]{summary.target}[/bold]"
+        + (f" (run {summary.run_id})" if summary.run_id else "")
+        + f": {summary.steps} steps, {summary.scalars} scalar points, "
         f"{summary.histograms} histograms at checkpoints {summary.checkpoints}"
         + (f" (gradients at {summary.gradient_checkpoints})" if summary.gradient_checkpoints else "")
         + (f", {summary.alerts} anomaly alerts" if summary.alerts else "")
@@ -143,4 +146,5 @@ def command(
     if tb_dir is not None:
         term.print(f"view it with: tensorboard --logdir {summary.target}")
     elif wandb_dir is not None:
-        term.print(f"upload it with: wandb sync {summary.target}")
+        # --id: the fragments of one run id (one per export that found new points) go up in order
+        term.print(f"upload it with: wandb sync --id {summary.run_id} {summary.target}")

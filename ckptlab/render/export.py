@@ -49,6 +49,7 @@ class ExportSummary:
     checkpoints: list[int]
     gradient_checkpoints: list[int]
     alerts: int = 0
+    run_id: str | None = None  # the MLflow / W&B run written
     already_exported: bool = False  # nothing new since the previous export
     notes: list[str] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """`ckptlab export --mlflow URI` and `--wandb DIR`: a finished (or running) run, after the fact.
 
     summary = write_mlflow(run, "file:./mlruns", experiment="exp1")
-    summary = write_wandb(run, "wandb-export")     # then: wandb sync wandb-export/wandb/offline-run-*
+    summary = write_wandb(run, "wandb-export")     # then: wandb sync --id <summary.run_id> <summary.target>
 
 The rows are render/export.py's, as for TensorBoard; the params are the run's versions and
 recording config; the artifact is `ckptlab report --html`'s page. Exporting again sends only
@@ -34,7 +34,7 @@ def open_mlflow(uri, *, run: Run, experiment: str, run_name: str | None):
 
 def write_mlflow(run: Run, sink, *, html: bool = True, **kw) -> ExportSummary:
     """Export `run` into the MLflow run `sink` (from `open_mlflow`)."""
-    out = ExportSummary(f"{sink.where} (run {sink.run_id})", 0, 0, 0, [], [])
+    out = ExportSummary(sink.where, 0, 0, 0, [], [], run_id=sink.run_id)
     try:
         cursor = sink.cursor()
         if not pending(run, cursor):
@@ -66,7 +66,7 @@ def write_wandb(
 ) -> ExportSummary:
     """Export `run` as an offline W&B run under `folder` (`wandb sync` uploads it). A second
     export of the same ckptlab run adds a fragment of the same W&B run id with only the new
-    points (`wandb sync` uploads the fragments in order)."""
+    points (`wandb sync --id <run id>` uploads the fragments in order)."""
     from ckptlab.trackers.wandb_tracker import WandB
 
     folder = Path(folder)
@@ -75,7 +75,7 @@ def write_wandb(
     key = run_key(run)
     state = _read_state(folder)
     cursor = state.get(key, {}).get("cursor", {})
-    out = ExportSummary(str(folder), 0, 0, 0, [], [])
+    out = ExportSummary(str(folder), 0, 0, 0, [], [], run_id=f"ckptlab-{key}")
     if not pending(run, cursor):
         out.already_exported = True
         return out
@@ -84,7 +84,7 @@ def write_wandb(
         mode="offline",
         project=project,
         name=run_name or run.path.name,
-        id=f"ckptlab-{key}",
+        id=out.run_id,
         config=run_params(run.manifest),
     )
     out.target = sink.where

@@ -110,17 +110,24 @@ def test_mlflow_export_reads_back_and_exporting_again_adds_nothing(cli, run, tmp
     assert len(mlflow_series(client, rid, "train/loss")) == len(m.step)
 
 
-def test_mlflow_export_of_a_run_that_went_on_sends_only_the_new_points(cli, tmp_path):
-    run_dir, store = tmp_path / "run", tmp_path / "mlruns"
+def test_exporting_a_run_that_went_on_sends_only_the_new_points(cli, tmp_path):
+    run_dir, store, wb = tmp_path / "run", tmp_path / "mlruns", tmp_path / "wb"
     record(run_dir, 0, 12)
-    assert cli("export", "--run", run_dir, "--mlflow", store, "--no-grads", "--no-html").code == 0
+    for target in (["--mlflow", store], ["--wandb", wb]):
+        assert cli("export", "--run", run_dir, *target, "--no-grads", "--no-html").code == 0
     record(run_dir, 12, 18, resume=True)
-    r = cli("export", "--run", run_dir, "--mlflow", store, "--no-grads", "--no-html", "--json")
-    assert r.code == 0, r.err
-    assert r.json()["steps"] == 6 and r.json()["checkpoints"] == [12, 16]  # session start; best val
+    for target in (["--mlflow", store], ["--wandb", wb]):
+        r = cli("export", "--run", run_dir, *target, "--no-grads", "--no-html", "--json")
+        assert r.code == 0, r.err
+        assert r.json()["steps"] == 6 and r.json()["checkpoints"] == [12, 16]  # session start; best val
     client, found = mlflow_run(store.resolve().as_uri())
     assert [s for s, _ in mlflow_series(client, found.info.run_id, "train/loss")] == list(range(18))
     assert [s for s, _ in mlflow_series(client, found.info.run_id, "val/val_loss")] == [8, 16]
+    # W&B: a second fragment of the same run id, holding only the new steps
+    first, second = offline_runs(wb)
+    assert first.name.endswith(r.json()["run_id"]) and second.name.endswith(r.json()["run_id"])
+    history = wandb_history(wandb_records(second))
+    assert [s for s, _ in history["train/loss"]] == list(range(12, 18)) and history["val/val_loss"] == [(16, 0.0625)]
 
 
 def test_wandb_export_reads_back_with_wandbs_reader_and_is_idempotent(cli, run, tmp_path):

@@ -160,25 +160,30 @@ def train_one(rec, s):
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec", "ignore:.*log_every_n_steps")
-def test_lightning_logs_into_its_wandb_logger(tmp_path):
+def test_lightning_logs_into_its_wandb_and_mlflow_loggers(tmp_path, monkeypatch):
     pytest.importorskip("lightning")
-    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 
     from ckptlab.integrations import lightning as ckl
     from tests.integrations import lit_models as lm
 
-    logger = WandbLogger(project="lit", save_dir=str(tmp_path), offline=True)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    wb = WandbLogger(project="lit", save_dir=str(tmp_path), offline=True)
+    ml = MLFlowLogger(experiment_name="lit", tracking_uri=(tmp_path / "mlruns").as_uri())
     cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, sample_ids="idx", trackers="auto", on_anomaly=None)
     train, val = lm.loaders()
     torch.manual_seed(0)
-    lm.trainer(tmp_path, callbacks=[cb], logger=logger, max_steps=6).fit(lm.LitMLP(), train, val)
-    offline = logger.experiment.dir
-    logger.experiment.finish()
-    history = wandb_history(wandb_records(Path(offline).parent))
+    lm.trainer(tmp_path, callbacks=[cb], logger=[wb, ml], max_steps=6).fit(lm.LitMLP(), train, val)
+    offline = wb.experiment.dir
+    wb.experiment.finish()
     m = ckptlab.open_run(tmp_path / "run").metrics()
+    history = wandb_history(wandb_records(Path(offline).parent))
     ours = [v for _, v in history["ckptlab/train/loss"]]
     assert [v for _, v in history["ckptlab/step"]] == list(range(6)) and same(ours, m.loss)
     assert "val_loss" in history and "trainer/global_step" in history  # Lightning's own logging, beside ours
+    loss = mlflow_series(ml.experiment, ml.run_id, "ckptlab/train/loss")
+    assert [s for s, _ in loss] == list(range(6)) and same([v for _, v in loss], m.loss)
+    assert "val_loss" in ml.experiment.get_run(ml.run_id).data.metrics
 
 
 def test_hf_trainer_logs_into_the_mlflow_run_report_to_started(tmp_path, monkeypatch):
