@@ -67,12 +67,13 @@ class LiveLog:
             self._dropped += 1
         self._queue.append(item)
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            _report(f"trackers did not finish sending within {timeout:.0f} s; leaving them (training is done)")
+            _report(f"trackers did not finish sending within {timeout:g} s; leaving them (training is done)")
             return
         for t in self.trackers:
             if id(t) not in self._failed:

@@ -144,8 +144,9 @@ class MLflow:
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        have = self.client.get_run(self.run_id).data.params
-        new = [Param(k, v) for k, v in params.items() if k not in have]
+        # A param logged again with the same value is accepted (a re-export sends the same
+        # manifest's); reading the run first would read every metric file of it.
+        new = [Param(k, str(v)) for k, v in params.items()]
         for i in range(0, len(new), PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=new[i : i + PARAMS_PER_CALL])
 

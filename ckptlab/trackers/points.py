@@ -19,6 +19,7 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -84,14 +85,21 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
         per_param = len(param_names) <= MAX_PARAM_SCALARS
     if not per_param:
         return out
+    names = _per_param_names(tuple(param_names))
     for key in PER_PARAM:
         values = arrays.get("param_grad_norm" if key == "grad_norm" else key)
         if values is None or len(values) != len(param_names):
             continue
-        for name, v in zip(param_names, np.asarray(values, dtype=np.float64).tolist()):
+        for name, v in zip(names[key], np.asarray(values, dtype=np.float64).tolist()):
             if not math.isnan(v) and not (key == "grad_norm" and v == NO_GRAD):
-                out[f"{key}/{name}"] = v
+                out[name] = v
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _per_param_names(param_names: tuple[str, ...]) -> dict[str, list[str]]:
+    """`grad_norm/<param>`, ... built once per run, not once per step."""
+    return {key: [f"{key}/{n}" for n in param_names] for key in PER_PARAM}
 
 
 def validation_points(metrics: dict) -> dict:

@@ -4,6 +4,7 @@ mid-run is reported once and the recording goes on."""
 
 import dataclasses
 import math
+import os
 import shutil
 import sys
 import time
@@ -188,6 +189,7 @@ def test_lightning_logs_into_its_wandb_and_mlflow_loggers(tmp_path, monkeypatch)
 
 def test_hf_trainer_logs_into_the_mlflow_run_report_to_started(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
+    import mlflow
     from mlflow.tracking import MlflowClient
     from transformers import GPT2LMHeadModel, Trainer
 
@@ -196,6 +198,7 @@ def test_hf_trainer_logs_into_the_mlflow_run_report_to_started(tmp_path, monkeyp
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)  # the process-wide URI wins over the variable (Lightning's MLFlowLogger sets it)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     args = dataclasses.replace(
         hm.ARGS, report_to=["mlflow"], max_steps=6, eval_strategy="no", logging_strategy="steps", logging_steps=2
@@ -211,3 +214,30 @@ def test_hf_trainer_logs_into_the_mlflow_run_report_to_started(tmp_path, monkeyp
     assert [s for s, _ in ours] == list(range(6)) and same([v for _, v in ours], m.loss)
     assert "loss" in found.data.metrics  # the Trainer's own logging, beside ours
     assert not math.isnan(ours[0][1])
+
+
+def test_a_hung_store_never_blocks_the_training(tmp_path, monkeypatch, capfd):
+    """A metric file that blocks its writer, as a dead network mount does: the steps go on at
+    their own pace, and close() gives up on the tracker after CLOSE_TIMEOUT_S, saying so."""
+    monkeypatch.setattr(live, "FLUSH_S", 0.02)
+    monkeypatch.setattr(live, "CLOSE_TIMEOUT_S", 0.3)
+    ml = MLflow(tmp_path / "mlruns", experiment="live")
+    run_folder = Path(ml.client.get_run(ml.run_id).info.artifact_uri.removeprefix("file://")).parent
+    hang = run_folder / "metrics" / "train" / "loss"
+    hang.parent.mkdir(parents=True)
+    os.mkfifo(hang)  # opening it to write blocks until someone reads
+    rec = recorder(tmp_path / "run", [ml])
+    try:
+        with rec:
+            train(rec, 12, every=lambda s: time.sleep(0.02))
+            assert rec.live._thread.is_alive()  # the sender is stuck in the store; the steps were not
+        assert len(ckptlab.open_run(tmp_path / "run").metrics().step) == 12
+        err = capfd.readouterr().err
+        assert err.count("ckptlab: trackers did not finish sending within 0.3 s") == 1
+    finally:  # let the stuck writer through (its line fits the pipe), then a plain file takes the name
+        fd = os.open(hang, os.O_RDONLY | os.O_NONBLOCK)
+        hang.unlink()
+        hang.write_text("")
+        rec.live._thread.join(30)
+        os.close(fd)
+    assert not rec.live._thread.is_alive() and rec.live.failed == {}
