@@ -1,7 +1,7 @@
 """Trackers: ckptlab's health where people already watch training (MLflow, Weights & Biases).
 
-    rec = ckptlab.Recorder(..., trackers=[ckptlab.trackers.MLflow("file:./mlruns", experiment="exp1")])
-    rec = ckptlab.Recorder(..., trackers=[ckptlab.trackers.WandB(project="exp1")])
+    from ckptlab.trackers import MLflow, WandB
+    rec = ckptlab.Recorder(..., trackers=[MLflow("file:./mlruns", experiment="exp1"), WandB(project="exp1")])
     rec = ckptlab.Recorder(..., trackers="auto")   # the W&B / MLflow run already active here
 
 `points.py` names what is sent (shared with `ckptlab export`), `live.py` sends it off the
@@ -49,6 +49,10 @@ def resolve(spec, loggers=()) -> list:
             from ckptlab.trackers.mlflow_tracker import MLflow
 
             found.append(MLflow(mlflow.get_tracking_uri(), run_id=active.info.run_id))
+        if not found:
+            import warnings
+
+            warnings.warn("ckptlab: trackers='auto' found no W&B or MLflow run to log into", stacklevel=3)
         return found
     out = []
     for item in spec if isinstance(spec, (list, tuple)) else [spec]:
