@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ckptlab import trackers
 from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
@@ -52,6 +53,8 @@ from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter, io_error
+from ckptlab.trackers.live import live_log
+from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth, named_parameters
 from ckptlab.training.sharded import save_sharded, start_sharded_save
@@ -97,6 +100,11 @@ class RecordConfig:
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) prints one warning line per anomaly episode naming the replay command;
             None is silent. Events are recorded either way.
+        trackers: MLflow / W&B runs that receive the health as it is recorded, batched off
+            the training thread, with an alert per anomaly episode: a list of
+            `ckptlab.trackers.MLflow(...)` / `WandB(...)` (or wandb runs), or "auto" (the
+            W&B / MLflow run already active in this process; the callbacks add the trainer's
+            loggers). See docs/integrations.md.
     """
 
     ckpt_every: int = 500
@@ -113,6 +121,7 @@ class RecordConfig:
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
     batch_ref_bytes: int = 1 << 20
     async_sharded: bool = True
+    trackers: Any = ()
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1 or self.health_every < 1:
@@ -147,7 +156,7 @@ class Recorder:
             `batch_ref_bytes` are stored by reference, not whole (large images, video).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
-            step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
+            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, trackers), as one RecordConfig or as keywords (or both: the
             keywords win).
     """
 
@@ -168,6 +177,7 @@ class Recorder:
         self.config = RecordConfig.of(config, **options)
         self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
+        self._trackers = trackers.resolve(self.config.trackers)  # a bad store fails here, before any work
         self.model, self.optimizer = model, optimizer
         self.step_fn, self.build_fn = step_fn, build_fn
         self.scheduler, self.scaler = scheduler, scaler
@@ -274,6 +284,7 @@ class Recorder:
             (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+        self.live = live_log(self._trackers, str(self.run_dir), self.manifest) if self.world.is_main else None
 
     def _write_manifest(self, manifest: dict) -> None:
         try:
@@ -475,6 +486,8 @@ class Recorder:
             self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
+        if self.live is not None:  # queued: the trackers are sent to off this thread
+            self.live.step(n, scalars, health.arrays(), events)
         self.next_step = n + 1
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
@@ -496,6 +509,8 @@ class Recorder:
         clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
         if self.world.is_main:
             self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+            if self.live is not None:
+                self.live.validation(step, clean)
         value = clean.get(self.config.val_metric)
         if value is None or not math.isfinite(value):
             return
@@ -579,6 +594,8 @@ class Recorder:
             self.trainee.close()
             self._finish_sharded()
             self.writer.close()
+            if self.live is not None:
+                self.live.close()
             if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
                 self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
                 self._write_manifest(self.manifest)
@@ -598,16 +615,15 @@ def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
     last = [-(10**9)]
 
     def warn(step: int, events: list[dict]) -> None:
-        quiet = step - last[0] <= 16
+        quiet = step - last[0] <= ALERT_GAP
         last[0] = step
         if quiet:
             return
         from rich.console import Console
+        from rich.markup import escape
 
-        what = ", ".join(e["kind"].replace("_", " ") for e in events)
         Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[yellow]ckptlab:[/yellow] step {step}: {what}; explain it with "
-            f"[bold]ckptlab replay --run {run_dir} --step {step}[/bold]"
+            f"[yellow]ckptlab:[/yellow] {escape(alert_text(run_dir, step, events))}"
         )
 
     return warn
