@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from ckptlab.render.text import safe
+from ckptlab.render.text import human_bytes, safe
 
 
 def _num(x) -> str:
@@ -95,3 +95,21 @@ def render(r, term) -> None:
     for c in r.counterfactuals:
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
         term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")
+    if r.dump is not None:
+        render_dump_line(r.dump, term)
+
+
+def render_dump_line(d, term) -> None:
+    """What `--dump` wrote, in a line or three (the whole index: `ckptlab show FILE`)."""
+    left = (
+        f"; {len(d.omitted)} left out ({human_bytes(sum(o['bytes'] for o in d.omitted))}, over --dump-max-bytes "
+        f"{d.max_bytes}; `ckptlab show` lists them)"
+        if d.omitted
+        else ""
+    )
+    term.print(
+        f"dump       [bold]{safe(d.path)}[/bold]: {d.datasets} tensors, {human_bytes(d.data_bytes)} "
+        f"({human_bytes(d.file_bytes)} on disk){left}"
+    )
+    for line in d.origin_came_from[:2]:
+        term.print(f"           origin {safe(line)}")

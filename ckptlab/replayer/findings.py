@@ -71,6 +71,21 @@ class Counterfactual:
 
 
 @dataclass
+class DumpInfo:
+    """`--dump FILE.h5`: what the file holds (docs/replay.md, "The dump file")."""
+
+    path: str
+    select: str | None  # the --dump-select regex; None: every module
+    max_bytes: int  # --dump-max-bytes
+    data_bytes: int  # the tensors written, uncompressed
+    file_bytes: int
+    datasets: int  # tensors written
+    omitted: list[dict]  # {"path", "bytes"} of each tensor left out: over max_bytes
+    origin_first_nonfinite: list[dict]  # {"dataset", "index"}: the origin's first non-finite outputs
+    origin_came_from: list[str]  # for those: the input elements they were computed from
+
+
+@dataclass
 class ReplayReport:
     run: str
     requested_step: int
@@ -93,6 +108,7 @@ class ReplayReport:
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None
+    dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
