@@ -116,3 +116,12 @@ def test_an_existing_dump_is_not_overwritten(cli, masked, tmp_path):
 def test_dump_usage_errors(cli, tmp_path, args, says):
     r = cli("replay", "--run", tmp_path, "--step", 1, *args)
     assert r.code == 2 and says in r.err
+
+
+def test_show_does_not_import_torch():
+    """`ckptlab show` reads an HDF5 file: h5py and numpy, not the seconds torch takes to load."""
+    import subprocess
+    import sys
+
+    code = "import sys, ckptlab.cli.show, ckptlab.render.show, ckptlab.run.dumpfile; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
