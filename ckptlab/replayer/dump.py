@@ -67,6 +67,9 @@ class Capture:
         self.calls: dict[str, int] = {}
         self._before: list[torch.Tensor] = []
         self.mismatch: str | None = None
+        # The origin op comes first in the file, but mid-step in time: its bytes (known from
+        # the first trace) are kept free until it runs, so modules before it cannot crowd it out.
+        self.reserved = sum(_summary_bytes(s) for s in (origin.inputs + origin.outputs)) if origin else 0
 
     @contextlib.contextmanager
     def hooks(self, tracer: Tracer):
@@ -98,7 +101,7 @@ class Capture:
             return DumpEntry(path, role, None, 0, shape, dtype, note="not a dense tensor", **where)
         itemsize = 4 if t.dtype == torch.bfloat16 else t.element_size()  # bf16 is stored as float32
         nbytes = t.numel() * itemsize
-        if self.captured + nbytes > self.request.max_bytes:
+        if self.captured + nbytes + (0 if role.startswith("origin") else self.reserved) > self.request.max_bytes:
             return DumpEntry(path, role, None, nbytes, shape, dtype, **where)
         self.captured += nbytes
         with self._untraced(), torch.no_grad():
@@ -125,6 +128,7 @@ class Capture:
         if self.origin is None or ev.index != self.origin.index or self.mismatch:
             return
         where = dict(module=ev.module, op=ev.op, phase=ev.phase, source=ev.source, event=ev.index)
+        self.reserved = 0
         for i, t in enumerate(self._before):
             self.origin_inputs.append(self.entry(f"origin/input{i}", "origin_input", t, **where))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -203,6 +207,13 @@ def capture_root_step(
     entries = capture.entries()
     k = len(capture.origin_inputs) + len(capture.origin_outputs)
     return entries[:k] + batch + entries[k:], capture.came_from, notes
+
+
+def _summary_bytes(s) -> int:
+    """The bytes a traced tensor (trace.py's TensorSummary) takes in the dump."""
+    dtype = getattr(torch, s.dtype, None)
+    itemsize = 4 if dtype in (torch.bfloat16, None) else torch.empty((), dtype=dtype).element_size()
+    return int(np.prod(s.shape, dtype=np.int64)) * itemsize
 
 
 def batch_entries(capture: Capture, batch, ids, blamed: list[int]) -> list[DumpEntry]:

@@ -125,3 +125,19 @@ def test_show_does_not_import_torch():
 
     code = "import sys, ckptlab.cli.show, ckptlab.render.show, ckptlab.run.dumpfile; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_origin_keeps_its_room_when_modules_before_it_fill_the_budget(masked, tmp_path):
+    """The embedding's output (3072 bytes) runs before the origin softmax and would fit alone;
+    the origin's 3072 bytes are kept free for it, so the file holds the origin, not wte."""
+    from ckptlab.replayer.dump import DumpRequest
+
+    run, exp = masked
+    path = tmp_path / "tight.h5"
+    report = ckptlab.replay(run, exp.symptom, dump=DumpRequest(path, max_bytes=5000), counterfactuals=False)
+    left = {o["path"]: o["bytes"] for o in report.dump.omitted}
+    assert left["modules/wte/forward/0/output0"] == 3072
+    assert "origin/input0" not in left and "origin/output0" not in left
+    assert report.dump.data_bytes <= 5000
+    with h5py.File(path, "r") as f:
+        assert np.isneginf(f["origin/input0"][5]).all()
