@@ -353,8 +353,15 @@ def describe(t: torch.Tensor) -> str:
     if t.dim() == 0:
         return f"= {float(t) if t.is_floating_point() else t.item()}"
     n = t.numel()
+    if not n:
+        return "(no elements)"
+    flat = t.reshape(-1)
+    if n > 1 and bool((flat == flat[0]).all()):  # e.g. targets all -100 (ignore_index), all 0
+        return f"all {flat[0].item()} ({n} elements)"
     if not t.is_floating_point():
-        return f"({n} elements)"
+        return (
+            f"({n} elements from {t.min().item()} to {t.max().item()})" if t.dtype != torch.bool else f"({n} elements)"
+        )
     counts = {
         "NaN": int(torch.isnan(t).sum()),
         "+Inf": int(torch.isposinf(t).sum()),
@@ -372,6 +379,8 @@ def describe(t: torch.Tensor) -> str:
 def _fmt_index(idx: tuple) -> str:
     if idx == (...,):
         return "[...]"
+    if idx == ():
+        return ""  # a scalar
     return "[" + ", ".join(":" if isinstance(i, slice) else str(i) for i in idx) + "]"
 
 
