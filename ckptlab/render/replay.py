@@ -40,6 +40,10 @@ def render(r, term) -> None:
             f"; replay first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
         )
         term.print(f"root step  {r.root_step} as recorded (it did not reproduce{left})")
+    if r.divergence is not None:
+        d = r.divergence
+        verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
+        term.print(f"twice      step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
     o = r.origin
     if o.kind != "none":
         where = " ".join(

@@ -38,6 +38,7 @@ from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.distributed import replay_distributed
 from ckptlab.replayer.findings import (
     Counterfactual,
+    DivergenceCheck,
     DumpInfo,
     Origin,
     ParameterBlame,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Counterfactual",
+    "DivergenceCheck",
     "DumpInfo",
     "Origin",
     "ParameterBlame",

@@ -24,6 +24,7 @@ from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, st
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
 from ckptlab.run.reader import Run
@@ -278,6 +279,10 @@ class Investigation:
         )
         if root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
+            if trace and report.left_record_step is not None:
+                t0 = time.perf_counter()
+                report.divergence = check_divergence(self, report.left_record_step)
+                self.timing["divergence_s"] = time.perf_counter() - t0
         blame = None
         if root is not None:
             blame = Blame(self, window)
