@@ -313,8 +313,8 @@ def _read(path: Path, f: h5py.File) -> DumpFile:
 
 
 def _read_index(path: Path, f: h5py.File) -> list[dict[str, Any]]:
-    ds = f.get("index")
-    if not isinstance(ds, h5py.Dataset):
+    ds = _dataset(f, "index")
+    if ds is None:
         raise CorruptFileError("the dump has no /index table", path=path)
     names = ds.dtype.names or ()
     missing = [name for name, _ in INDEX_FIELDS if name not in names]
@@ -342,12 +342,25 @@ def _read_index(path: Path, f: h5py.File) -> list[dict[str, Any]]:
     return rows
 
 
+def _dataset(f: h5py.File, name: str) -> h5py.Dataset | None:
+    """The dataset `name`, reached through hard links only: a soft or external link (to
+    another file on this machine) in a file someone sent is not followed."""
+    parts = [p for p in name.split("/") if p]
+    for i in range(1, len(parts) + 1):
+        if not isinstance(f.get("/".join(parts[:i]), getlink=True), h5py.HardLink):
+            return None
+    ds = f.get(name)
+    return ds if isinstance(ds, h5py.Dataset) else None
+
+
 def _check_dataset(path: Path, f: h5py.File, row: dict[str, Any]) -> None:
     """A row marked written names a dataset of the shape it says (a file cut short or edited
     fails here, not in the user's analysis later)."""
-    ds = f.get(row["path"])
+    ds = _dataset(f, row["path"])
     if not isinstance(ds, h5py.Dataset):
-        raise CorruptFileError(f"/index lists {row['path']!r}, but the file holds no such dataset", path=path)
+        raise CorruptFileError(
+            f"/index lists {row['path']!r}, but the file holds no such dataset (or only a link to one)", path=path
+        )
     try:
         shape = json.loads(row["shape"])
     except ValueError:
@@ -357,10 +370,10 @@ def _check_dataset(path: Path, f: h5py.File, row: dict[str, Any]) -> None:
 
 
 def _came_from(path: Path, f: h5py.File) -> list[str]:
-    ds = f.get("origin/came_from")
-    if ds is None:
+    if "origin/came_from" not in f:
         return []
-    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.shape[0] > 10_000 or ds.dtype.kind not in "OSU":
+    ds = _dataset(f, "origin/came_from")
+    if ds is None or ds.ndim != 1 or ds.shape[0] > 10_000 or ds.dtype.kind not in "OSU":
         raise CorruptFileError("origin/came_from is not a list of lines", path=path)
     return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in ds[()]]
 

@@ -54,6 +54,11 @@ def test_foreign_hdf5_file(tmp_path):
     refused(path, "show", path, names="foreign.h5", says="not a ckptlab dump")
 
 
+def _index_behind_a_soft_link(f):
+    f.move("index", "real_index")
+    f["index"] = h5py.SoftLink("/real_index")
+
+
 @pytest.mark.parametrize(
     "damage, says",
     [
@@ -65,6 +70,12 @@ def test_foreign_hdf5_file(tmp_path):
         (lambda f: f.attrs.__setitem__("version", np.zeros(1000)), "'version' is not int"),
         (lambda f: (f.__delitem__("origin/output0"), f.create_dataset("origin/output0", data=np.zeros(3))), "shape"),
         (lambda f: f.create_dataset("origin/came_from", data=np.zeros((2, 2))), "came_from"),
+        # Links are not followed: an external one could point anywhere on this machine.
+        (
+            lambda f: (f.__delitem__("origin/input0"), f.__setitem__("origin/input0", h5py.ExternalLink("o.h5", "/x"))),
+            "only a link",
+        ),
+        (_index_behind_a_soft_link, "no /index"),
     ],
 )
 def test_damaged_dump(tmp_path, damage, says):
