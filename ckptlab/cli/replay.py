@@ -84,7 +84,11 @@ def command(
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
     re-runs the recorded steps with the recorded batches (checking every loss bit for bit),
     finds the root step, traces it per op, and names the layer, op, parameter and data
-    sample behind the fault -- or says that the fault did not reproduce.
+    sample behind the fault -- or says that the fault did not reproduce, and why: the first
+    step that left the record is replayed twice with a hash of every op's output, which names
+    the first nondeterministic op, or shows the state changed outside step_fn.
+
+    --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
     A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
     the CPU, NCCL on GPUs) and names the rank the fault came in on.
