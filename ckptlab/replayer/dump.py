@@ -1,8 +1,8 @@
 """The full-tensor dump of the root step (`ckptlab replay --step N --dump FILE.h5`).
 
-    request = DumpRequest("nan.h5", select=r"blocks\\.0", max_bytes=10**9)
-    entries, came_from = capture_root_step(blame, tracer.origin, request)   # one more replay
-    report.dump = write(report, entries, came_from, request)                 # the .h5 file
+    request = DumpRequest(Path("nan.h5"), select=r"blocks\\.0", max_bytes=10**9)
+    entries, came_from, notes = capture_root_step(blame, tracer.origin, request)  # one more replay
+    report.dump = write(report, entries, came_from, request)                       # the .h5 file
 
 The trace (trace.py) keeps summaries; this keeps the tensors, and only when asked. The root
 step runs once more, traced again, with a watcher: the op indices of that run are those of
@@ -10,9 +10,9 @@ the first trace (replay is deterministic, and the watcher's copies are not trace
 origin op is known before it runs and its inputs are copied as they were before it (an
 in-place op overwrites them). Also copied: each selected module's outputs (forward hooks),
 the gradients that reach them (tensor hooks: no op is added to the step), its parameters'
-gradients as accumulated by backward, and the batch. Copies stop once they reach the byte
-budget; the file (run/dumpfile.py) holds what fits, in that order of priority, and lists the
-rest with its size.
+gradients as accumulated by backward, and the batch. A tensor is copied only while the copies
+stay within the byte budget (the origin's room kept free until it runs); the file
+(run/dumpfile.py) holds what fits, origin first, and lists the rest with its size.
 """
 
 from __future__ import annotations
