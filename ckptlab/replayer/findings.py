@@ -97,8 +97,10 @@ class Rewind:
     rows: list[int] = field(default_factory=list)  # its rows whose removal alone prevents it
     sample_ids: list = field(default_factory=list)
     complete: bool = True  # False: the budget ran out before the search ended
+    detail: str = ""
 
 
+@dataclass
 class DumpInfo:
     """`--dump FILE.h5`: what the file holds (docs/replay.md, "The dump file")."""
 
