@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ckptlab.analysis.batches import MICRO_BATCHES, MICRO_ROWS, batch_rows
 from ckptlab.errors import NonFiniteLoss, ReplayError
 
 _REPLAY: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -52,3 +53,41 @@ def end_step(rec, loss):
     except NonFiniteLoss:
         rec.close()
         raise
+
+
+class MicroBatches:
+    """One optimizer step's micro-batches under gradient accumulation, gathered as the framework
+    runs them: recorded together as the step's batch (`{"micro_batches": [...], "micro_rows":
+    [...], ...}`, analysis/batches.py) with their sample ids in order; the step's loss is the
+    sum of what the framework returned for each (already divided for the accumulation), added
+    in order, as the replayed step function adds them."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.rows: list[int] = []
+        self.ids: list | None = []
+        self.loss = None
+        self.recorded = False
+
+    def add(self, part, ids) -> None:
+        if ids is not None and self.ids is not None:
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            self.ids.extend(ids)
+        else:
+            self.ids = None
+        self.parts.append(part)
+        self.rows.append(len(ids) if ids is not None else batch_rows(part, None) or 0)
+
+    def add_loss(self, loss) -> None:
+        if loss is not None:
+            self.loss = add_losses(self.loss, loss.detach())
+
+    def record(self, rec, extra: dict) -> None:
+        """`rec.record_batch` with the micro-batches so far and `extra` (how the step ends)."""
+        rec.record_batch({MICRO_BATCHES: self.parts, MICRO_ROWS: self.rows, **extra}, self.ids)
+        self.recorded = True
+
+
+def add_losses(total, loss):
+    """The running sum of an accumulated step's micro-batch losses (None: none yet)."""
+    return loss if total is None else total + loss
