@@ -11,6 +11,13 @@ step against the raw batch.
 
     PYTHONPATH=. python scripts/bench_record.py [--steps 300] [--layers 4] [--width 256]
         [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N]
+
+With `--accumulate K` (e.g. 8) it measures gradient accumulation instead (`accumulation()`):
+each step is K micro-batches of `--batch` rows, recorded as one step holding them all, the
+way the Lightning and Hugging Face integrations record and replay it. Three copies take turns
+in one process: bare; recorded, the step function telling the probe which backward is the
+step's last (as the integrations' do), so pre-clip gradient norms are measured once a step;
+and recorded without telling it, so they are measured after every micro-batch.
 """
 
 from __future__ import annotations
@@ -24,14 +31,16 @@ from functools import wraps
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import ckptlab
 from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 from ckptlab import record
+from ckptlab.analysis.batches import MICRO_BATCHES, MICRO_ROWS
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
-from ckptlab.training.probe import StepProbe
+from ckptlab.training.probe import StepProbe, accumulating
 
 
 def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
@@ -85,6 +94,86 @@ def instrument() -> None:
             setattr(owner, name, wraps(fn)(timed))
 
 
+# --- gradient accumulation: K micro-batches a step, as nanoGPT's train.py runs them ----------------
+
+
+def accumulated(batches: list[tuple[dict, list[int]]], k: int) -> list[tuple[dict, list[int]]]:
+    """Every k batches as one step's batch: its micro-batches together, ids in order."""
+    out = []
+    for i in range(0, len(batches) - k + 1, k):
+        group = batches[i : i + k]
+        parts = [b for b, _ in group]
+        out.append(
+            ({MICRO_BATCHES: parts, MICRO_ROWS: [len(ids) for _, ids in group]}, sum((ids for _, ids in group), []))
+        )
+    return out
+
+
+def step_accumulating(model, opt, batch):
+    """One optimizer step over the micro-batches; the probe measures the last backward only."""
+    return _accumulate(model, opt, batch, tell_probe=True)
+
+
+def step_accumulating_untold(model, opt, batch):
+    """The same step, not telling the probe: gradient norms measured after every micro-batch."""
+    return _accumulate(model, opt, batch, tell_probe=False)
+
+
+def _accumulate(model, opt, batch, *, tell_probe: bool):
+    parts = batch[MICRO_BATCHES]
+    total = None
+    for i, part in enumerate(parts):
+        if tell_probe:
+            accumulating(opt, i < len(parts) - 1)
+        ids = part["ids"]  # (B, T + 1)
+        logits = model(ids[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) / len(parts)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def accumulation(args) -> None:
+    """Bare vs recorded steps of `args.accumulate` micro-batches each, taking turns; prints the
+    median step-time ratios to bare."""
+    steps = accumulated(make_batches(args.steps * args.accumulate, args.batch), args.accumulate)
+    times: dict[str, list[float]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        bare_model, bare_opt = build()
+        recorders = {}
+        for mode, fn in (
+            ("recorded (last backward measured)", step_accumulating),
+            ("recorded (every backward)", step_accumulating_untold),
+        ):
+            model, opt = build()
+            recorders[mode] = ckptlab.Recorder(
+                Path(tmp) / fn.__name__, model, opt, step_fn=fn, build_fn=build, ckpt_every=args.ckpt_every
+            )
+        modes = ["bare", *recorders]
+        for i, (batch, ids) in enumerate(steps):
+            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
+                t0 = time.perf_counter()
+                if mode == "bare":
+                    step_accumulating(bare_model, bare_opt, batch)
+                else:
+                    recorders[mode].step(batch, sample_ids=ids)
+                if i:  # the first step warms caches up
+                    times[mode].append(time.perf_counter() - t0)
+        for rec in recorders.values():
+            rec.close()
+    bare = statistics.median(times["bare"])
+    print(
+        f"gradient accumulation: {args.accumulate} micro-batches of {args.batch} x {args.seq} tokens a step; "
+        f"{args.layers} layers x {args.width} wide; {torch.get_num_threads()} threads; {len(steps)} steps per mode"
+    )
+    print(f"{'mode':<38}{'median ms':>10}{'median ratio':>14}")
+    for mode, t in times.items():
+        print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.median(t) / bare:>13.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="steps per mode")
@@ -94,10 +183,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--accumulate", type=int, default=0, help="measure steps of this many micro-batches instead")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     CFG.update(layers=args.layers, width=args.width, seq=args.seq)
+    if args.accumulate:
+        accumulation(args)
+        return
     batches = make_batches(args.steps, args.batch)
     instrument()
     times: dict[str, list[float]] = defaultdict(list)
