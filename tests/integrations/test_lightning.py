@@ -146,6 +146,13 @@ def test_accumulation_replays_bit_for_bit_and_blames_the_micro_batch_row(accum_r
     assert [c.step for c in steps] == list(range(ACCUM_STEP + 1)) and all(c.match for c in steps)
 
 
+def test_dirty_scans_each_micro_batch_of_an_accumulated_step(accum_run):
+    from ckptlab.analysis.dirty import scan
+
+    top = scan(ckptlab.open_run(accum_run)).flagged[0]
+    assert (top.step, top.row, top.sample_id, top.reason) == (ACCUM_STEP, 4 + FAULT_ROW, lm.FAULT_SAMPLE, "nonfinite")
+
+
 def test_accumulation_across_an_epoch_end_replays_bit_for_bit(tmp_path):
     """16 batches an epoch, 3 per step: the epoch's last step has one micro-batch (still divided
     by 3, as Lightning does), and the next epoch starts a fresh accumulation."""
