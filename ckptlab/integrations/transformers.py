@@ -4,7 +4,8 @@
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from ckptlab.integrations import transformers as ckt
 
-    ARGS = TrainingArguments("out", max_steps=10_000, gradient_accumulation_steps=8, max_grad_norm=1.0, report_to="none")
+    ARGS = TrainingArguments("out", max_steps=10_000, gradient_accumulation_steps=8, max_grad_norm=1.0,
+                             report_to="none")
 
     def build():                          # module level: replay imports it by name
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
@@ -32,9 +33,9 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 - `on_train_end`, or `train()` raising: close.
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
-Trainer built from the same arguments) on each micro-batch, then the optimizer half of its loop: clip to
-`max_grad_norm`, optimizer step, scheduler step, zero_grad. docs/integrations.md lists what
-replays exactly.
+Trainer built from the same arguments) on each micro-batch, then the optimizer half of its
+loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
