@@ -140,6 +140,7 @@ def accumulation(args) -> None:
     """Bare vs recorded steps of `args.accumulate` micro-batches each, taking turns; prints the
     median step-time ratios to bare."""
     steps = accumulated(make_batches(args.steps * args.accumulate, args.batch), args.accumulate)
+    instrument()
     times: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         bare_model, bare_opt = build()
@@ -155,6 +156,7 @@ def accumulation(args) -> None:
         modes = ["bare", *recorders]
         for i, (batch, ids) in enumerate(steps):
             for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
+                current["mode"] = mode
                 t0 = time.perf_counter()
                 if mode == "bare":
                     step_accumulating(bare_model, bare_opt, batch)
@@ -172,6 +174,8 @@ def accumulation(args) -> None:
     print(f"{'mode':<38}{'median ms':>10}{'median ratio':>14}")
     for mode, t in times.items():
         print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.median(t) / bare:>13.3f}x")
+    for mode in recorders:
+        print_phases(mode, len(steps), bare)
 
 
 def main() -> None:
@@ -233,6 +237,18 @@ def main() -> None:
     report(args, times, stored, n_ckpt)
 
 
+def print_phases(mode: str, steps: int, bare: float) -> None:
+    """The Recorder's phases timed inside `mode`'s steps: the direct measurement of its cost,
+    steadier on a noisy machine than the ratio of step times."""
+    print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
+    phases = {p: v for (m, p), v in spent.items() if m == mode}
+    for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
+        per = total / steps
+        print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
+    total = sum(phases.values()) / steps
+    print(f"  {'sum':<36}{total * 1e3:>8.2f} ms {total / bare * 100:>6.2f}%")
+
+
 def report(args, times, stored, n_ckpt) -> None:
     bare = statistics.median(times["bare"])
     n_params = sum(p.numel() for p in build()[0].parameters())
@@ -248,16 +264,8 @@ def report(args, times, stored, n_ckpt) -> None:
             f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x"
         )
     for mode in times:
-        if mode == "bare":
-            continue
-        print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
-        phases = {p: v for (m, p), v in spent.items() if m == mode}
-        for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
-            per = total / args.steps
-            print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
-        print(
-            f"  {'sum':<36}{sum(phases.values()) / args.steps * 1e3:>8.2f} ms {sum(phases.values()) / args.steps / bare * 100:>6.2f}%"
-        )
+        if mode != "bare":
+            print_phases(mode, args.steps, bare)
     raw = args.batch * (args.seq + 1) * 8  # int64 token ids
     print(
         f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "
