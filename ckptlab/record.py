@@ -167,6 +167,7 @@ class Recorder:
         self._rng_after_prev: dict | None = None
         self._force_rng = True
         self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
+        self._step_rng: dict | None = None  # the RNG states the running step began in
         self._closed = False
         self.restored_step: int | None = None
 
@@ -449,6 +450,7 @@ class Recorder:
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self._pending_rng = rng if changed else None
+        self._step_rng = rng
         self._force_rng = False
         return n % self.config.health_every == 0
 
@@ -513,6 +515,11 @@ class Recorder:
         return self.next_step
 
     def _checkpoint(self, step: int, reason: str) -> float:
+        if self._in_step and self._pending_rng is None:
+            # Mid-step (a validation between two micro-batches): the weights are those the step
+            # began with, the RNG states are not. A replay can start here, so the step's batch,
+            # not yet written, carries the states it began in.
+            self._pending_rng = self._step_rng
         info = {
             "session": self.session,
             "reason": reason,

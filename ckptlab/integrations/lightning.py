@@ -261,6 +261,7 @@ def training_step(model, optimizer, batch):
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
         accumulating(optimizer, not last)  # the probe measures pre-clip gradient norms on the last only
+        _common.restore_micro_rng(part)  # when something between micro-batches moved them
         # Lightning zeroes the gradients when batch_idx % k == 0: the first micro-batch of each step.
         closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last)
         if last:

@@ -287,6 +287,7 @@ def training_step(model, optimizer, batch):
     total = None
     for i, part in enumerate(parts):
         accumulating(optimizer, not (steps and i == len(parts) - 1))  # the probe measures the last backward
+        _common.restore_micro_rng(part)  # when something between micro-batches moved them
         loss = trainer.training_step(model, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
     if not steps:

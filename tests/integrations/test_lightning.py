@@ -153,19 +153,22 @@ def test_dirty_scans_each_micro_batch_of_an_accumulated_step(accum_run):
     assert (top.step, top.row, top.sample_id, top.reason) == (ACCUM_STEP, 4 + FAULT_ROW, lm.FAULT_SAMPLE, "nonfinite")
 
 
-def test_accumulation_across_an_epoch_end_replays_bit_for_bit(tmp_path):
+def test_accumulation_across_an_epoch_end_and_validations_replays_bit_for_bit(tmp_path):
     """16 batches an epoch, 3 per step: the epoch's last step has one micro-batch (still divided
-    by 3, as Lightning does), and the next epoch starts a fresh accumulation."""
+    by 3, as Lightning does), and the next epoch starts a fresh accumulation. Validation runs
+    every 4 batches, between two micro-batches of a step (it draws a DataLoader seed from the
+    RNG), and its best-so-far checkpoints are taken there: replay from each is exact too."""
     cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, sample_ids="idx", ckpt_every=100)
-    train, _ = lm.loaders()
+    train, val = lm.loaders()
     torch.manual_seed(0)
-    lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=3, limit_val_batches=0, max_steps=8).fit(
-        lm.LitMLP(), train
-    )
+    lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=3, max_steps=8).fit(lm.LitMLP(), train, val)
     run = ckptlab.open_run(tmp_path / "run")
     assert [run.batch(s)[0]["micro_rows"] for s in (4, 5, 6)] == [[4, 4, 4], [4], [4, 4, 4]]
-    report = ckptlab.replay(tmp_path / "run", 7, from_step=0, trace=False, counterfactuals=False)
-    assert [c.step for c in report.steps] == list(range(8)) and all(c.match for c in report.steps)
+    assert "rng" in run.batch(1)[0]["micro_batches"][1]  # validation after batch 4 moved the RNG
+    assert len(run.checkpoints) > 1
+    for start in run.checkpoints:
+        report = ckptlab.replay(tmp_path / "run", 7, from_step=start, trace=False, counterfactuals=False)
+        assert [c.step for c in report.steps] == list(range(start, 8)) and all(c.match for c in report.steps)
 
 
 def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
