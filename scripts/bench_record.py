@@ -14,10 +14,11 @@ step against the raw batch.
 
 With `--accumulate K` (e.g. 8) it measures gradient accumulation instead (`accumulation()`):
 each step is K micro-batches of `--batch` rows, recorded as one step holding them all, the
-way the Lightning and Hugging Face integrations record and replay it. Three copies take turns
-in one process: bare; recorded, the step function telling the probe which backward is the
-step's last (as the integrations' do), so pre-clip gradient norms are measured once a step;
-and recorded without telling it, so they are measured after every micro-batch.
+way the Lightning and Hugging Face integrations record it (begin_step, the micro-batches
+gathered, the batch written before the last one, end_step). Three copies take turns in one
+process: bare; recorded with the probe told which backward is the step's last (as the
+integrations do), so pre-clip gradient norms are measured once a step; and recorded without
+telling it, so they are measured after every micro-batch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 import ckptlab
 from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 from ckptlab import record
-from ckptlab.analysis.batches import MICRO_BATCHES, MICRO_ROWS
+from ckptlab.analysis.batches import MICRO_BATCHES
+from ckptlab.integrations._common import MicroBatches
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
@@ -67,6 +69,7 @@ PHASES = {
     ],
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
+    "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],
 }
 spent: dict[tuple[str, str], float] = defaultdict(float)  # (mode, phase) -> seconds
 current = {"mode": ""}
@@ -97,71 +100,70 @@ def instrument() -> None:
 # --- gradient accumulation: K micro-batches a step, as nanoGPT's train.py runs them ----------------
 
 
-def accumulated(batches: list[tuple[dict, list[int]]], k: int) -> list[tuple[dict, list[int]]]:
-    """Every k batches as one step's batch: its micro-batches together, ids in order."""
-    out = []
-    for i in range(0, len(batches) - k + 1, k):
-        group = batches[i : i + k]
-        parts = [b for b, _ in group]
-        out.append(
-            ({MICRO_BATCHES: parts, MICRO_ROWS: [len(ids) for _, ids in group]}, sum((ids for _, ids in group), []))
-        )
-    return out
-
-
 def step_accumulating(model, opt, batch):
-    """One optimizer step over the micro-batches; the probe measures the last backward only."""
-    return _accumulate(model, opt, batch, tell_probe=True)
+    """The recorded step function: one optimizer step over the step's micro-batches."""
+    return accumulation_step(model, opt, [(part, None) for part in batch[MICRO_BATCHES]])
 
 
-def step_accumulating_untold(model, opt, batch):
-    """The same step, not telling the probe: gradient norms measured after every micro-batch."""
-    return _accumulate(model, opt, batch, tell_probe=False)
-
-
-def _accumulate(model, opt, batch, *, tell_probe: bool):
-    parts = batch[MICRO_BATCHES]
+def accumulation_step(model, opt, parts, rec=None, *, tell_probe: bool = True):
+    """One optimizer step of nanoGPT's loop over `parts` ((micro-batch, sample ids) pairs).
+    With `rec`, recorded as the framework integrations record it: begin_step, each micro-batch
+    joining the step's batch (with its RNG check), the batch written before the last one runs,
+    the probe told which backward is the last (`tell_probe`), end_step with the summed loss."""
+    micro = None
+    if rec is not None:
+        rec.begin_step()
+        micro = MicroBatches()
     total = None
-    for i, part in enumerate(parts):
-        if tell_probe:
-            accumulating(opt, i < len(parts) - 1)
-        ids = part["ids"]  # (B, T + 1)
-        logits = model(ids[:, :-1])  # (B, T, V)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) / len(parts)
+    for i, (part, ids) in enumerate(parts):
+        last = i == len(parts) - 1
+        if micro is not None:
+            micro.add(part, ids)
+            if tell_probe:
+                accumulating(opt, not last)
+            if last:
+                micro.record(rec, {})
+        tokens = part["ids"]  # (B, T + 1)
+        logits = model(tokens[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)) / len(parts)
         loss.backward()
+        if micro is not None:
+            micro.add_loss(loss)
         total = loss.detach() if total is None else total + loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if rec is not None:
+        rec.end_step(total)
     return total
 
 
 def accumulation(args) -> None:
     """Bare vs recorded steps of `args.accumulate` micro-batches each, taking turns; prints the
-    median step-time ratios to bare."""
-    steps = accumulated(make_batches(args.steps * args.accumulate, args.batch), args.accumulate)
+    median step-time ratios to bare and the Recorder's phases."""
+    batches = make_batches(args.steps * args.accumulate, args.batch)
+    steps = [batches[i : i + args.accumulate] for i in range(0, len(batches), args.accumulate)]
     instrument()
     times: dict[str, list[float]] = defaultdict(list)
+    tell = {"recorded (last backward measured)": True, "recorded (every backward)": False}
     with tempfile.TemporaryDirectory() as tmp:
-        bare_model, bare_opt = build()
-        recorders = {}
-        for mode, fn in (
-            ("recorded (last backward measured)", step_accumulating),
-            ("recorded (every backward)", step_accumulating_untold),
-        ):
-            model, opt = build()
-            recorders[mode] = ckptlab.Recorder(
-                Path(tmp) / fn.__name__, model, opt, step_fn=fn, build_fn=build, ckpt_every=args.ckpt_every
+        trained = {mode: build() for mode in ["bare", *tell]}
+        recorders = {
+            mode: ckptlab.Recorder(
+                Path(tmp) / f"told{told}",
+                *trained[mode],
+                step_fn=step_accumulating,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
             )
-        modes = ["bare", *recorders]
-        for i, (batch, ids) in enumerate(steps):
+            for mode, told in tell.items()
+        }
+        modes = list(trained)
+        for i, parts in enumerate(steps):
             for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
                 current["mode"] = mode
                 t0 = time.perf_counter()
-                if mode == "bare":
-                    step_accumulating(bare_model, bare_opt, batch)
-                else:
-                    recorders[mode].step(batch, sample_ids=ids)
+                accumulation_step(*trained[mode], parts, recorders.get(mode), tell_probe=tell.get(mode, True))
                 if i:  # the first step warms caches up
                     times[mode].append(time.perf_counter() - t0)
         for rec in recorders.values():
