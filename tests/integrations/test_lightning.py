@@ -153,6 +153,22 @@ def test_dirty_scans_each_micro_batch_of_an_accumulated_step(accum_run):
     assert (top.step, top.row, top.sample_id, top.reason) == (ACCUM_STEP, 4 + FAULT_ROW, lm.FAULT_SAMPLE, "nonfinite")
 
 
+def test_a_step_that_raises_before_its_last_micro_batch_keeps_the_micro_batches_that_ran(tmp_path):
+    class RaisesOn37(lm.LitMLP):
+        def training_step(self, batch, batch_idx):
+            if lm.FAULT_SAMPLE in batch["idx"].tolist():
+                raise RuntimeError("bad sample")
+            return super().training_step(batch, batch_idx)
+
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, sample_ids="idx")
+    train, _ = lm.loaders()
+    with pytest.raises(RuntimeError, match="bad sample"):  # batch 9: the first of step 3's three
+        lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=3, limit_val_batches=0).fit(RaisesOn37(), train)
+    batch, ids = ckptlab.open_run(tmp_path / "run").batch(3)
+    assert batch["micro_rows"] == [4] and ids == [36, 37, 38, 39]
+    assert batch["lightning"]["optimizer_step"] is False  # replay runs it without the update
+
+
 def test_accumulation_across_an_epoch_end_and_validations_replays_bit_for_bit(tmp_path):
     """16 batches an epoch, 3 per step: the epoch's last step has one micro-batch (still divided
     by 3, as Lightning does), and the next epoch starts a fresh accumulation. Validation runs
