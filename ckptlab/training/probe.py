@@ -108,13 +108,13 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def accumulating(optimizer, accumulating: bool) -> None:
+def accumulating(optimizer, on: bool) -> None:
     """Gradient accumulation: whether the backward about to run leaves the step's gradients
     unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
     (False: measured). Each step starts with every backward measured."""
     probe = _PROBES.get(optimizer)
     if probe is not None:
-        probe._accumulating = accumulating
+        probe._accumulating = on
 
 
 class StepProbe:
