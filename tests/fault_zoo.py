@@ -55,9 +55,11 @@ SCENARIOS: list[Scenario] = [
     _s("lr_spike", fm, 18, "optimizer", None),
     # a NaN written into fc1.weight between steps 23 and 24, outside step_fn: a transient
     _s("corrupted_weight", fm, 24, "none", None, parameter="fc1.weight", reproduces=False),
-    # step 22 overflows float16 in mlp.fc1 because step 21's blank batch set the input scale;
-    # no row of step 22 is to blame (its batch is harmless from any other state)
-    _s("delayed_scale", fm, 22, "numeric", "mlp.fc1"),
+    # step 22's float16 cast in the root model's forward overflows because step 21's blank batch
+    # set the input scale: the rows to blame are step 21's (step 22's batch is harmless from any
+    # other state). Expected.module in fault_models.py ("mlp.fc1", unasserted) is where the Inf
+    # first meets a weight, not where it is made.
+    _s("delayed_scale", fm, 22, "numeric", "", samples=[2100 + r for r in range(6)]),
     _s("late_feature", fm, 25, "optimizer", None, parameter="late"),
     # tests/zoo_models.py (each section there explains its ground truth)
     _s("attention_logit_growth", zm, 19, "numeric", "attn", samples=[1902], new=True),
