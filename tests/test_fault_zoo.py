@@ -17,9 +17,6 @@ FIELDS = ("root_step", "kind", "module", "parameter", "samples", "reproduced")
 
 # Known misses, kept so that the benchmark stays honest (docs/accuracy.md discusses each).
 MISSES = {
-    ("duplicated_sample", "kind"): "six copies of one sample: no row dominates the others, so the "
-    "gradient explosion is called an optimizer fault",
-    ("duplicated_sample", "samples"): "no row stands out among six identical rows",
     ("bad_weight_init", "parameter"): "a forward origin names its module and op, not the parameter "
     "whose values made the op overflow",
     ("corrupted_embedding_row", "parameter"): "a fault that does not reproduce names no parameter, "
@@ -72,3 +69,12 @@ def test_replay_matches_the_ground_truth(scenario, field, replays):
             assert blamed == []
     else:
         assert doc["reproduced"] is scenario.reproduces
+
+
+def test_a_sample_repeated_across_the_batch_is_blamed(replays):
+    """Six copies of one outlier: no row dominates the others (they are equal), yet that one
+    sample is the whole update. Replay blames it as data, not as an optimizer fault."""
+    doc = replays(next(s for s in NEW if s.name == "duplicated_sample"))
+    assert doc["origin"]["kind"] == "data" and {s["sample_id"] for s in doc["samples"]} == {1503}
+    assert "sample 1503 fills 6 of the batch's 6 rows" in doc["samples"][0]["reason"]
+    assert "1503" in doc["verdict"] and "optimizer" not in doc["verdict"]

@@ -506,18 +506,18 @@ def record_corrupted_embedding_row(run_dir) -> Expected:
 
 
 # --- 10. a duplicated sample hammering one step -------------------------------------------------------------
-# A regressor trained with plain SGD. Sample 1503 is a hard outlier (target 8, ~10x typical,
-# not absurd); once in a batch it is one voice in six. At step 22 a sampler bug fills the whole
-# batch with it (six copies, sample ids [1503] * 6): the step's gradient is that one sample's,
-# ~6x its usual weight, and the gradient norm spikes. Ground truth: root 22, kind data, no
-# module, sample 1503.
+# A regressor trained with plain SGD. Sample 1503 is a hard outlier (target 3, several times the
+# typical |y|, not absurd); at step 15 it is one row in six and the step is healthy (no
+# anomaly). At step 22 a sampler bug fills the whole batch with it (six copies, sample ids
+# [1503] * 6): the step's gradient is that one sample's, and the gradient norm spikes ~25x.
+# No row stands out from the others. Ground truth: root 22, kind data, no module, sample 1503.
 
 HAMMER = 1503
 
 
 def record_duplicated_sample(run_dir) -> Expected:
     x15, y15 = _xy(15)
-    y15[3] = 8.0
+    y15[3] = 3.0  # the outlier
 
     def batches():
         for s in range(35):

@@ -284,7 +284,10 @@ class Blame:
             for r, ratio in dominant.items():
                 if r not in alone:
                     blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
-            if absurd or dominant or alone:
+            repeated = {} if samples or lr_jump else _repeated_sample(self.ids, self.rows)
+            for r, why in repeated.items():
+                blame(r, why)
+            if absurd or dominant or alone or repeated:
                 o = Origin(
                     "data",
                     None if alone and not (absurd or dominant) else "backward",
@@ -296,7 +299,9 @@ class Blame:
                     if absurd
                     else "a row alone makes the step non-finite"
                     if alone
-                    else "one row dominates the update",
+                    else "one row dominates the update"
+                    if dominant
+                    else "one sample repeated across the batch is the whole update",
                 )
             elif lr_jump is None and (gaps := self.second_moment_gaps(h)):
                 g = gaps[0]
@@ -520,6 +525,20 @@ def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:
         if not math.isfinite(v) or (med > 0 and v > DOMINANT_ROW_RATIO * med):
             out[r] = v / med if med > 0 and math.isfinite(v) else math.inf
     return out if len(out) < len(rows) / 2 else {}
+
+
+def _repeated_sample(ids, rows: int | None) -> dict[int, str]:
+    """The rows of one sample id that fills more than half of the batch (a sampler or collation
+    bug): no row stands out from the others, yet that one sample drives the whole update."""
+    if ids is None or not rows or rows < 3 or len(ids) != rows:
+        return {}
+    counts: dict = {}
+    for sid in ids:
+        counts[sid] = counts.get(sid, 0) + 1
+    sid, n = max(counts.items(), key=lambda kv: kv[1])
+    if n <= rows // 2:
+        return {}
+    return {r: f"sample {sid} fills {n} of the batch's {rows} rows" for r in range(rows) if ids[r] == sid}
 
 
 def _nonfinite_alone(rows: dict[int, StepHealth]) -> dict[int, str]:
