@@ -16,8 +16,9 @@ For each scenario: record the run (a temp dir), then ask each method about the s
   on every leaf module; its claims are the step and the module of the first non-finite output
   (forward hooks fire innermost first) or, failing that, the first non-finite input gradient.
 Neither baseline can name a kind, a parameter or a sample: those cells are "-" (not claimed).
-A baseline that finds nothing up to the symptom step claims "no fault" (no root step, no
-module, not reproduced). Docs: docs/accuracy.md.
+A method that does not see the fault again (a baseline that finds nothing up to the symptom
+step, replay with `reproduced: false`) claims "not reproduced", a root step (replay: the
+record's; a baseline: none, a miss), and no module ("-"). Docs: docs/accuracy.md.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def detect_anomaly_claims(run, symptom: int) -> dict:
 
     rerun(run, symptom, Watch)
     if not found:
-        return {"root_step": None, "module": None, "reproduced": False, "detail": "never raised"}
+        return {"root_step": None, "reproduced": False, "detail": "never raised"}
     return {"root_step": found["step"], "module": found["module"], "reproduced": True, "detail": found["detail"]}
 
 
@@ -194,7 +195,7 @@ def nan_hooks_claims(run, symptom: int) -> dict:
 
     flagged = rerun(run, symptom, Hooks)
     if not flagged:
-        return {"root_step": None, "module": None, "reproduced": False, "detail": "nothing non-finite"}
+        return {"root_step": None, "reproduced": False, "detail": "nothing non-finite"}
     step, phase, name = flagged[0]
     detail = f"{'output' if phase == 'forward' else 'input gradient'} of `{name}` non-finite ({phase})"
     return {"root_step": step, "module": name, "reproduced": True, "detail": detail}
@@ -203,15 +204,17 @@ def nan_hooks_claims(run, symptom: int) -> dict:
 def ckptlab_claims(run_dir: Path, symptom: int) -> dict:
     doc = ckptlab.replay(run_dir, symptom).to_json()
     o = doc["origin"]
-    return {
+    claims = {
         "root_step": doc["root_step"],
         "kind": o["kind"],
-        "module": o["module"],
         "parameter": o["parameter"],
         "samples": [s["sample_id"] for s in doc["samples"]],
         "reproduced": doc["reproduced"],
         "detail": doc["verdict"][:160] + ("..." if len(doc["verdict"]) > 160 else ""),
     }
+    if doc["reproduced"]:  # a fault not seen again has no module to claim (as for the baselines)
+        claims["module"] = o["module"]
+    return claims
 
 
 # --- scoring -----------------------------------------------------------------------------------------
