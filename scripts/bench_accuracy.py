@@ -197,7 +197,7 @@ def nan_hooks_claims(run, symptom: int) -> dict:
     if not flagged:
         return {"root_step": None, "reproduced": False, "detail": "nothing non-finite"}
     step, phase, name = flagged[0]
-    detail = f"{'output' if phase == 'forward' else 'input gradient'} of `{name}` non-finite ({phase})"
+    detail = f"{'output' if phase == 'forward' else 'input gradient'} of `{name or '<root>'}` non-finite ({phase})"
     return {"root_step": step, "module": name, "reproduced": True, "detail": detail}
 
 
