@@ -305,6 +305,8 @@ def run_scenario(sc, root: Path) -> tuple[dict, dict]:
     run_dir = root / sc.name
     t0 = time.perf_counter()
     exp = sc.record(run_dir)
+    if exp.symptom != sc.symptom:
+        print(f"bench_accuracy: {sc.name}: symptom step {exp.symptom}, registry says {sc.symptom}", file=sys.stderr)
     run = ckptlab.open_run(run_dir)
     timing = {"record_s": time.perf_counter() - t0}
     claims = {}
@@ -335,7 +337,6 @@ def main(argv=None) -> int:
         for sc in chosen:
             claims, timings[sc.name] = run_scenario(sc, Path(tmp))
             results.append((sc, claims))
-            print(f"symptom step {claims['symptom']}", file=sys.stderr)
             print(scenario_table(sc, claims) + "\n", flush=True)
     summ = summary(results)
     print("### summary (correct / claimed / total)\n")

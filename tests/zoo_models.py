@@ -133,7 +133,7 @@ def record_attention_logit_growth(run_dir) -> Expected:
 # --- 2. a label out of range ------------------------------------------------------------------------
 # A multi-label classifier trained with binary cross-entropy on {0, 1} targets. One row at step
 # 22 carries 255, the "void" value of a segmentation mask, as a target: BCE accepts it and its
-# gradient (sigmoid(x) - 255) is ~500x a normal one, so the gradient norm spikes and the update
+# gradient (sigmoid(x) - 255) is hundreds of times a normal row's, so the gradient norm spikes and the update
 # wrecks the head. Ground truth: root 22, kind data (the bad value arrived in the batch), no
 # module (nothing went non-finite in an op), the row with 255.
 
@@ -219,10 +219,10 @@ def record_dead_relu(run_dir) -> Expected:
 # --- 4. an exploding residual stream --------------------------------------------------------------------
 # A frozen float16 backbone of eight residual blocks (x = x + fc(x)) without normalization:
 # each block grows the stream ~2.5x, so a typical row reaches ~2.5e3 at the top, inside
-# float16. At step 26 one row has features 200x its usual scale (~160x the run's typical
-# maximum: large, not absurd): the stream passes 65504 in the residual add of block 6 (its fc
-# still gives ~5e4). Ground truth: root 26, kind numeric, module `blocks.6`, op
-# aten.add.Tensor, the row.
+# float16. At step 26 one row has features 200x its usual scale (well under the 1000x of the
+# run's typical maximum that replay calls absurd): the stream passes 65504 in the residual add
+# of block 6 (its fc still gives ~5e4). Ground truth: root 26, kind numeric, module
+# `blocks.6`, op aten.add.Tensor, the row.
 
 
 class ResBlock(nn.Module):
