@@ -62,6 +62,9 @@ SCENARIOS: list[Scenario] = [
     # first meets a weight, not where it is made.
     _s("delayed_scale", fm, 22, 22, "numeric", "", samples=[2100 + r for r in range(6)]),
     _s("late_feature", fm, 26, 25, "optimizer", None, parameter="late"),
+    # noise from an unseeded numpy Generator (no replay matches the record) and a NaN scale the
+    # script sets on the module class before step 15, outside step_fn: a transient made in `jitter`
+    _s("unrecorded_noise", fm, 15, 15, "none", "jitter", reproduces=False),
     # tests/zoo_models.py (each section there explains its ground truth)
     _s("attention_logit_growth", zm, 19, 19, "numeric", "attn", samples=[1902], new=True),
     _s("label_out_of_range", zm, 22, 22, "data", None, samples=[2202], new=True),
