@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -172,11 +173,11 @@ class Blame:
         m = self.inv.metrics
         names = m.param_names
         hist = m.window(max(0, self.root - 128), self.root - 1)
-        typical = (
-            np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0)
-            if hist.stop > hist.start
-            else np.full(len(names), np.nan)
-        )
+        typical = np.full(len(names), np.nan)
+        if hist.stop > hist.start:
+            with warnings.catch_warnings():  # a parameter that never had a gradient: NaN, said below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                typical = np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0)
         out = []
         for i, name in enumerate(names):
             g = float(h.param_grad_norm[i])
