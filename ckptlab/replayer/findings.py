@@ -190,6 +190,8 @@ def _verdict(r: ReplayReport) -> str:
         got = r.steps[-1].loss if r.steps else None
         where = (
             f"replay matched the record bit for bit until step {div - 1} and diverged at step {div}"
+            if div is not None and div > r.start_checkpoint
+            else f"replay diverged from the record at its first step, {div}"
             if div is not None
             else "every replayed step before it matched the record bit for bit"
         )
