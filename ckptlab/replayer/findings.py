@@ -31,7 +31,7 @@ class StepCheck:
 
 @dataclass
 class Origin:
-    kind: str  # data | numeric | optimizer | none
+    kind: str  # data | numeric | precision | optimizer | none
     phase: str | None  # forward | backward | optimizer
     module: str | None
     op: str | None
@@ -41,6 +41,7 @@ class Origin:
     produced: str | None = None  # "NaN" or "Inf", when an op produced it
     inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
+    dtype: str | None = None  # the dtype the origin op computed in ("float16" under autocast)
 
 
 @dataclass
@@ -93,6 +94,14 @@ class ReplayReport:
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None
+    # How replay ran: torch.compile'd (the model build_fn returns) or eagerly, against the
+    # record; whether every replayed step, the faulty ones too, matched it bit for bit; and
+    # whether the per-op trace had to run eagerly (its dispatch modes cannot see inside
+    # compiled graphs).
+    compiled: bool | None = None
+    recorded_compiled: bool | None = None
+    bit_exact: bool | None = None
+    trace_eager: bool = False
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -172,6 +181,13 @@ def _verdict(r: ReplayReport) -> str:
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
+    elif o.kind == "precision" and o.op is not None:
+        rows = f" for {who}{more}" if r.samples else ""
+        s = (
+            f"{lead}: {o.op}{at} overflowed {o.dtype or 'reduced precision'} ({produced} from finite inputs){rows}; "
+            "in float32 the same op is finite, so the fault exists only in reduced precision "
+            "(keep that module in float32, or train in bfloat16)."
+        )
     elif o.kind == "optimizer":
         s = (
             f"{lead}: the optimizer update blew the weights up"

@@ -9,7 +9,8 @@ numbers compare with recorded ones bit for bit.
     ...                                   # the framework's forward, backward, optimizer step
     health = trainee.end(loss)
 
-In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs; the probe turns
+In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs (with
+`scaler=` the GradScaler too, when step_fn has a `scaler` parameter); the probe turns
 what its hooks saw into the step's health (loss, pre-clip gradient norms, lr, update); the
 hooks go quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler` is
 False (the framework steps it). RNG states are the caller's business: the Recorder captures
@@ -19,6 +20,7 @@ them before the step, replay restores them before the step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,9 +70,10 @@ class Trainee:
         entered, is entered for the duration of `step_fn` only (replay's tracer, its redirect
         of the user's prints)."""
         self.begin(measure_update=measure_update)
+        extra = {"scaler": self.scaler} if self.scaler is not None and takes_scaler(step_fn) else {}
         try:
             with around if around is not None else contextlib.nullcontext():
-                loss = step_fn(self.model, self.optimizer, batch)
+                loss = step_fn(self.model, self.optimizer, batch, **extra)
         except BaseException:
             self.abort()
             raise
@@ -78,3 +81,12 @@ class Trainee:
 
     def close(self) -> None:
         self.probe.close()
+
+
+def takes_scaler(step_fn: Callable) -> bool:
+    """`step_fn(model, optimizer, batch, scaler)`: it is handed the GradScaler (the Recorder's
+    `scaler=`, and in replay the one build_fn returns, whose state the checkpoint restored)."""
+    try:
+        return "scaler" in inspect.signature(step_fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
