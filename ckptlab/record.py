@@ -59,6 +59,7 @@ from ckptlab.training.state import (
     capture_env,
     capture_rng,
     capture_train_state,
+    is_compiled,
     restore_checkpoint,
     rng_equal,
     snapshot,
@@ -280,6 +281,7 @@ class Recorder:
                 "has_scheduler": self.scheduler is not None,
                 "step_scheduler": self.config.step_scheduler,
                 "has_scaler": self.scaler is not None,
+                "compiled": is_compiled(self.model),
             },
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),

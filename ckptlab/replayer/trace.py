@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,6 +330,11 @@ class Tracer:
         # Compiled code (torch.compile) runs graphs our dispatch modes cannot see into: the
         # traced step runs eagerly. Only when dynamo is loaded (else nothing was compiled).
         self._stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else None
+        # Our global module hooks make torch warn that they fire for the compiled wrapper too:
+        # they do, and the wrapper is not a module the tracer names, so it is ignored.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
         nn = torch.nn.modules.module
         self._handles = [
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True),
@@ -351,6 +357,7 @@ class Tracer:
         self._handles.clear()
         if self._stance is not None:
             self._stance.__exit__(*exc)
+        self._quiet.__exit__(*exc)
 
     def _set_opt(self, on: bool) -> None:
         self._in_optimizer = on
