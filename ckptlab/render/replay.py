@@ -28,7 +28,10 @@ def render(r, term) -> None:
         else f"[yellow]diverged[/yellow] at step {r.first_divergence['step']}: loss {_num(r.first_divergence['loss'])} "
         f"vs recorded {_num(r.first_divergence['recorded_loss'])}"
     )
-    term.print(f"replayed   steps {r.start_checkpoint}..{r.requested_step} from checkpoint {r.start_checkpoint}; {det}")
+    how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
+    term.print(
+        f"replayed   steps {r.start_checkpoint}..{r.requested_step}{how} from checkpoint {r.start_checkpoint}; {det}"
+    )
     if r.root_step is not None and r.reproduced:
         term.print(
             f"root step  {r.root_step}"
@@ -52,7 +55,8 @@ def render(r, term) -> None:
             )
             if x
         )
-        term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}) {where}")
+        dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
+        term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}{dtype}) {where}")
         if o.detail:
             term.print(f"           {safe(o.detail)}")
     if r.chain:
