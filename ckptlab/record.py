@@ -134,7 +134,9 @@ class Recorder:
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
         build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
         scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
-        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
+            `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
+            `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
             step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
