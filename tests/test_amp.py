@@ -88,7 +88,9 @@ def test_replay_reproduces_the_scaler_state(fp16_run, monkeypatch):
 
     monkeypatch.setattr(state, "load_train_state", forget_scaler)
     report = ckptlab.replay(fp16_run, 24, trace=False)
-    assert not report.deterministic and report.first_divergence["step"] == 20
+    div = report.first_divergence
+    assert not report.deterministic and div["step"] == 20
+    assert (div["grad_scale"], div["recorded_grad_scale"]) == (am.INIT_SCALE, 2.0**16)
 
 
 def test_a_scaler_run_whose_build_fn_returns_no_scaler_is_refused(run_dir):

@@ -27,6 +27,11 @@ def render(r, term) -> None:
         if r.deterministic
         else f"[yellow]diverged[/yellow] at step {r.first_divergence['step']}: loss {_num(r.first_divergence['loss'])} "
         f"vs recorded {_num(r.first_divergence['recorded_loss'])}"
+        + (
+            f", grad scale {_num(r.first_divergence['grad_scale'])} vs {_num(r.first_divergence['recorded_grad_scale'])}"
+            if r.first_divergence.get("grad_scale") != r.first_divergence.get("recorded_grad_scale")
+            else ""
+        )
     )
     how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
     term.print(

@@ -27,6 +27,8 @@ class StepCheck:
     rank_loss: list[float] | None = None  # distributed: each rank's loss, replayed ...
     recorded_rank_loss: list[float] | None = None  # ... and recorded
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    grad_scale: float | None = None  # with a GradScaler: the scale the step began with, replayed ...
+    recorded_grad_scale: float | None = None  # ... and recorded
 
 
 @dataclass

@@ -177,7 +177,18 @@ class Investigation:
         if h.rank_loss is not None:
             match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
         return StepCheck(
-            s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm
+            s,
+            h.loss,
+            rec_loss,
+            h.grad_norm,
+            rec_grad,
+            match,
+            found,
+            h.rank_loss,
+            rec_ranks,
+            h.rank_grad_norm,
+            h.grad_scale,
+            rec_scale,
         )
 
     def state_before(self, k: int, root: int):
@@ -256,6 +267,9 @@ class Investigation:
                 "recorded_grad_norm": divergence.recorded_grad_norm,
                 "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
             }
+            if divergence.grad_scale is not None or divergence.recorded_grad_scale is not None:
+                first_div["grad_scale"] = divergence.grad_scale
+                first_div["recorded_grad_scale"] = divergence.recorded_grad_scale
         report = ReplayReport(
             run=str(self.run.path),
             requested_step=self.step,
