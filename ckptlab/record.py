@@ -283,7 +283,7 @@ class Recorder:
                 "has_scheduler": self.scheduler is not None,
                 "step_scheduler": self.config.step_scheduler,
                 "has_scaler": self.scaler is not None,
-                "compiled": is_compiled(self.model),
+                "compiled": is_compiled(self.model) or is_compiled(self.step_fn),
             },
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),

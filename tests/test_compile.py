@@ -9,6 +9,8 @@ import torch
 
 import ckptlab
 from ckptlab.cli import main
+from ckptlab.training import userfns
+from ckptlab.training.state import is_compiled
 from tests import compiled_models as cm
 from tests import models
 
@@ -50,3 +52,21 @@ def test_compiled_model_records_and_replays_bit_exact_with_an_eager_trace(run_di
     assert doc["root_step"] == ROOT and doc["origin"]["module"] == "fc1"
     assert doc["samples"][0]["sample_id"] == 1000 * ROOT + ROW
     assert torch.compiler.is_compiling() is False  # the trace's eager stance was lifted
+
+
+def test_what_counts_as_compiled():
+    """Compilation is lazy: these cost nothing until called."""
+    assert is_compiled(cm.build_compiled()[0])  # torch.compile(model): an OptimizedModule
+    in_place = models.MLP()
+    assert not is_compiled(in_place)
+    in_place.compile(backend="aot_eager")  # model.compile(): the same module, compiled
+    assert is_compiled(in_place)
+    assert is_compiled(torch.compile(models.step_mlp, backend="aot_eager")) and not is_compiled(models.step_mlp)
+
+
+def test_a_compiled_step_fn_is_recorded_as_the_users_file(tmp_path):
+    """`step = torch.compile(step)` at module level: found again by its name, and its source
+    is the user's file (not torch's wrapper), so replay's trust check accepts it."""
+    desc = userfns.describe(cm.step_compiled, "step_fn", tmp_path)
+    assert desc["qualname"] == "step_compiled" and desc["file"].endswith("compiled_models.py")
+    assert is_compiled(cm.step_compiled)

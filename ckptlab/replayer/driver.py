@@ -85,7 +85,7 @@ class Replayer:
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
         self.has_scaler = bool(config.get("has_scaler"))
-        self.compiled: bool | None = None  # whether the model build_fn returns is compiled
+        self.compiled: bool | None = None  # the model build_fn returns (or step_fn) is compiled
 
     # --- building and restoring ----------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class Replayer:
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)
-        self.compiled = is_compiled(model)
+        self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         return Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.step_scheduler, world=self.world)
 
     def load_checkpoint(self, t: Trainee, step: int) -> None:

@@ -42,9 +42,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def is_compiled(model: torch.nn.Module) -> bool:
+def is_compiled(model) -> bool:
     """The model runs through torch.compile: wrapped (`torch.compile(model)`, an
-    OptimizedModule, possibly inside DDP) or compiled in place (`model.compile()`)."""
+    OptimizedModule, possibly inside DDP) or compiled in place (`model.compile()`); or, for a
+    function (a step_fn), it is the `torch.compile`d one."""
+    if not isinstance(model, torch.nn.Module):
+        return getattr(model, "_torchdynamo_orig_callable", None) is not None
     for _ in range(4):
         if type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None:
             return True
