@@ -88,6 +88,9 @@ class RecordConfig:
         data_info: facts about the data for `ckptlab dirty`, e.g. {"pad_id": 0, "vocab_size": 50257}.
         step_scheduler: call `scheduler.step()` after each step (False when step_fn, or the
             framework driving the loop, steps it itself; the scheduler is still checkpointed).
+        batch_ref_bytes: with a `batch_fn`, batches of at least this many bytes are stored by
+            reference (sample ids, sha256 of the content, size) instead of whole; replay
+            rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) prints one warning line per anomaly episode naming the replay command;
@@ -106,6 +109,7 @@ class RecordConfig:
     data_info: dict | None = None
     step_scheduler: bool = True
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
+    batch_ref_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1 or self.health_every < 1:
@@ -137,6 +141,9 @@ class Recorder:
         scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
             `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
             `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
+        batch_fn: module-level `batch_fn(sample_ids, step) -> batch` that rebuilds a step's
+            batch exactly (same data, transforms and seeds). With it, batches of at least
+            `batch_ref_bytes` are stored by reference, not whole (large images, video).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
             step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
@@ -153,10 +160,12 @@ class Recorder:
         build_fn: Callable,
         scheduler=None,
         scaler=None,
+        batch_fn: Callable | None = None,
         config: RecordConfig | None = None,
         **options,
     ):
         self.config = RecordConfig.of(config, **options)
+        self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
         self.model, self.optimizer = model, optimizer
         self.step_fn, self.build_fn = step_fn, build_fn
@@ -231,6 +240,10 @@ class Recorder:
             self.next_step = self._resume(self.config.restore)
         else:
             self.next_step = 0
+        if exists and self.batch_fn is not None:  # (a resumed run may add or change it)
+            self.manifest.setdefault("functions", {})["batch_fn"] = userfns.describe(
+                self.batch_fn, "batch_fn", self.run_dir
+            )
         self.session = len(self.manifest["sessions"])
         self.manifest["sessions"].append(
             {
@@ -288,6 +301,11 @@ class Recorder:
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),
                 "step_fn": userfns.describe(self.step_fn, "step_fn", self.run_dir),
+                **(
+                    {"batch_fn": userfns.describe(self.batch_fn, "batch_fn", self.run_dir)}
+                    if self.batch_fn is not None
+                    else {}
+                ),
             },
             parameters=[
                 {
@@ -428,7 +446,18 @@ class Recorder:
                 self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
-        self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
+        rng = rng if changed else None
+        nbytes = records.batch_nbytes(batch) if self.batch_fn is not None else 0
+        if self.batch_fn is not None and nbytes >= self.config.batch_ref_bytes:
+            if sample_ids is None:
+                raise RecordError(
+                    f"step {n}: a batch stored by reference needs its sample_ids (batch_fn rebuilds it from them)",
+                    path=self.run_dir,
+                )
+            payload = records.encode_batch_ref(n, records.batch_digest(batch), nbytes, sample_ids, rng)
+        else:
+            payload = records.encode_batch(n, batch, sample_ids, rng)
+        self.writer.append_batch(n, payload)
         self._force_rng = False
         return n % self.config.health_every == 0
 

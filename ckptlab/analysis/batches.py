@@ -102,3 +102,50 @@ def select_rows(obj, rows: list[int], n: int):
             return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
         return type(obj)(select_rows(v, rows, n) for v in obj)
     return obj
+
+
+def _is_row_list(obj) -> bool:
+    return isinstance(obj, (list, tuple)) and not any(
+        isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj
+    )
+
+
+def zip_leaves(fn, a, b):
+    """A batch shaped like `a` whose every array leaf (tensor, numpy array, or a per-row list
+    of plain values) is `fn(leaf of a, leaf of b at the same place)`. ValueError when the two
+    batches are not built alike."""
+    if isinstance(a, (torch.Tensor, np.ndarray)) or _is_row_list(a):
+        return fn(a, b)
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            raise ValueError("the batches have different fields")
+        return {k: zip_leaves(fn, v, b[k]) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            raise ValueError("the batches are nested differently")
+        out = [zip_leaves(fn, x, y) for x, y in zip(a, b)]
+        return type(a)(*out) if hasattr(type(a), "_fields") else type(a)(out)
+    return a
+
+
+def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
+    """`dst` (a batch of n_dst rows) with its rows `rows` replaced by the n_src = len(rows) rows
+    of `src`, in order. ValueError when a row leaf's shape or type differs between the two."""
+
+    def put(d, s):
+        if isinstance(d, (torch.Tensor, np.ndarray)):
+            if not d.ndim or d.shape[0] != n_dst:
+                return d
+            if type(s) is not type(d) or s.ndim != d.ndim or s.shape[0] != n_src or s.shape[1:] != d.shape[1:]:
+                raise ValueError(f"a field has rows of shape {tuple(s.shape[1:])} here and {tuple(d.shape[1:])} there")
+            out = d.clone() if isinstance(d, torch.Tensor) else d.copy()
+            out[rows] = s.to(d.dtype) if isinstance(d, torch.Tensor) else s.astype(d.dtype)
+            return out
+        if len(d) != n_dst:
+            return d
+        out = list(d)
+        for i, r in enumerate(rows):
+            out[r] = s[i]
+        return type(d)(out)
+
+    return zip_leaves(put, dst, src)

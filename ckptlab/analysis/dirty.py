@@ -265,6 +265,7 @@ class _StaticScan:
             self.vocab_source = "inferred from the embedding table" if self.vocab is not None else None
         self.ignore_index = int(info.get("ignore_index", rules.ignore_index))
         self.info_used: dict = {}
+        self.by_reference = False
 
     # one batch
     def add(self, step: int, rank: int | None = None) -> None:
@@ -275,6 +276,12 @@ class _StaticScan:
                 f"step {step}{'' if rank is None else f' (rank {rank})'}: batch unreadable ({e}); skipped"
             )
             return
+        if batch is None and not self.by_reference:  # stored by reference: the ids, no content
+            self.by_reference = True
+            self.notes.append(
+                "some batches were stored by reference (the Recorder's batch_fn): their content is not "
+                "in the run, so only their sample ids are checked"
+            )
         fields = list(leaves(batch))
         B = _batch_size(fields, ids)
         if B == 0:

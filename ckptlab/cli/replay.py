@@ -37,7 +37,16 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
 @click.option(
     "--no-counterfactuals",
     is_flag=True,
-    help="Skip the counterfactual re-runs (without the blamed rows; from an older state).",
+    help="Skip the counterfactual re-runs (without the blamed rows; from an older state) and the --budget searches.",
+)
+@click.option(
+    "--budget",
+    type=click.IntRange(min=0),
+    default=32,
+    show_default=True,
+    help="Extra replays for the deeper searches: the minimal culprit (fewest rows, then positions, "
+    "that still fault), the transplant into a healthy batch, and the earlier step that doomed the "
+    "root step. 0 skips them; the report says when a search ran out.",
 )
 def command(
     run_dir,
@@ -50,6 +59,7 @@ def command(
     trust_code: bool,
     no_trace: bool,
     no_counterfactuals: bool,
+    budget: int,
 ) -> None:
     """Replay a recorded step and explain what went wrong.
 
@@ -82,6 +92,7 @@ def command(
             rank=rank,
             nproc=nproc,
             trust_code=trust_code,
+            budget=budget,
             log=lambda msg: update(description=msg),
             progress=lambda done, total: update(done, total=total),
         )

@@ -104,3 +104,20 @@ def render(r, term) -> None:
     for c in r.counterfactuals:
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
         term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")
+    c = r.culprit
+    if c is not None:
+        term.print(
+            f"culprit    {safe(c.detail)}"
+            + ("" if c.minimal else " [yellow](not minimal: the budget ran out)[/yellow]")
+            + (f"; cause: [bold]{c.cause}[/bold]" if c.cause else "")
+        )
+    w = r.rewind
+    if w is not None:
+        first, last = w.searched
+        term.print(
+            f"rewind     steps {first}..{last} searched: {safe(w.detail) or 'no answer'}"
+            + ("" if w.complete else " [yellow](the budget ran out)[/yellow]")
+        )
+    if r.budget:
+        ran_out = f"; ran out: {', '.join(r.budget['ran_out'])}" if r.budget["ran_out"] else ""
+        term.print(f"budget     {r.budget['used']}/{r.budget['replays']} extra replays{ran_out}")

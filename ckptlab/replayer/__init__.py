@@ -37,22 +37,27 @@ from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.distributed import replay_distributed
 from ckptlab.replayer.findings import (
     Counterfactual,
+    Culprit,
     Origin,
     ParameterBlame,
     ReplayReport,
+    Rewind,
     SampleBlame,
     StepCheck,
 )
 from ckptlab.replayer.investigation import Investigation
+from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run, open_run
 from ckptlab.training.state import apply_env, capture_env
 from ckptlab.training.world import solo_world
 
 __all__ = [
     "Counterfactual",
+    "Culprit",
     "Origin",
     "ParameterBlame",
     "ReplayReport",
+    "Rewind",
     "SampleBlame",
     "StepCheck",
     "attribute_rows",
@@ -73,6 +78,7 @@ def replay(
     rank: int | None = None,
     nproc: int | None = None,
     trust_code: bool = False,
+    budget: int = DEFAULT_BUDGET,
 ) -> ReplayReport:
     """Replay `step` of `run` and explain it. See the module docstring.
 
@@ -80,6 +86,8 @@ def replay(
     given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
     process: a quick look, not bit-exact (the other ranks' gradients are missing).
     `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps.
+    `budget` caps the extra replays of the deeper searches (the minimal culprit, the
+    transplant, the earlier step that doomed the root step); 0 skips them.
     The recorded build_fn/step_fn run only when they are your own code, unchanged since
     recording; `trust_code=True` (or CKPTLAB_TRUST_RUN_CODE=1) runs them anyway."""
     run = open_run(run) if not isinstance(run, Run) else run
@@ -96,6 +104,7 @@ def replay(
                 log=log,
                 nproc=nproc,
                 trust_code=trust_code,
+                budget=budget,
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
@@ -103,6 +112,7 @@ def replay(
             inv = Investigation(
                 run, step, device=device, from_step=from_step, log=log, rank=rank or 0, trust_code=trust_code
             )
+            inv.budget = Budget(budget)
             if progress is not None:
                 inv.progress = progress
             if run.world_size > 1:

@@ -22,10 +22,12 @@ from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.replayer.optstate import SecondMomentGap, in_tune, second_moment_gaps
+from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.probe import StepHealth, named_parameters
 from ckptlab.training.state import restore_snapshot
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
@@ -33,6 +35,9 @@ from ckptlab.training.state import restore_snapshot
 ABSURD_RATIO = 1e3
 # A row dominates a step when its own gradient norm is this many times the median row's.
 DOMINANT_ROW_RATIO = 10.0
+# The anomalies of a step that its own update causes (spikes of its loss and gradient come
+# before the update).
+AFTER_AN_UPDATE = ("update_explosion", "nonfinite_weight")
 # The ignore_index of PyTorch's cross-entropy (and Hugging Face's label padding): a row whose
 # targets are all this value has nothing to train on, and a mean over it is 0/0.
 IGNORE_INDEX = -100
@@ -51,6 +56,7 @@ class Blame:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.trainee = self.replayer.build()
+        self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
 
     def close(self) -> None:
         self.replayer.close(self.trainee)
@@ -101,6 +107,7 @@ class Blame:
         rep.origin, rep.samples = self.origin(tracer, base, data_rows, rows)
         if do_counterfactuals:
             rep.counterfactuals = self.counterfactuals(rep.samples)
+            self.search(rep)
         self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
 
@@ -115,6 +122,7 @@ class Blame:
             return found
         info = self.inv.run.manifest.get("data_info") or {}
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
+        ignore = info.get("ignore_index", IGNORE_INDEX)
         typical = _typical_row_absmax(self.inv.run, self.root)
         for path, leaf in python_leaves(self.rec.batch):
             if (
@@ -129,15 +137,12 @@ class Blame:
                 for row in range(self.rows):
                     if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
-                    elif pad != IGNORE_INDEX and flat.shape[1] > 1 and bool((flat[row] == IGNORE_INDEX).all()):
+                    elif pad != ignore and flat.shape[1] > 1 and bool((flat[row] == ignore).all()):
                         found["empty"].setdefault(
-                            row, f"batch{path} is empty (every target is {IGNORE_INDEX}, the ignore_index)"
+                            row, f"batch{path} is empty (every target is {ignore}, the ignore_index)"
                         )
-                    if (
-                        vocab is not None
-                        and flat.shape[1]
-                        and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0)
-                    ):
+                    ids = flat[row][flat[row] != ignore]  # an ignored label is not a token id
+                    if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
                         found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
                 continue
             flat = flat.float()
@@ -300,6 +305,9 @@ class Blame:
                     if alone
                     else "one row dominates the update",
                 )
+            elif lr_jump is None and (gaps := self.second_moment_gaps(h)):
+                g = gaps[0]
+                o = Origin("optimizer", "optimizer", None, None, g.name, None, detail=g.describe(), state="exp_avg_sq")
             elif lr_jump is not None or "update_explosion" in self.fault(h):
                 detail = (
                     f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value"
@@ -339,6 +347,50 @@ class Blame:
             ),
         )
         return o, ranked
+
+    def second_moment_gaps(self, h: StepHealth) -> list[SecondMomentGap]:
+        """optstate.py's check, on the optimizer state the root step started in."""
+        self.fresh()
+        return second_moment_gaps(self.trainee.optimizer, named_parameters(self.trainee.model), h)
+
+    def update_and_after(self, around) -> tuple[StepHealth, list[str]]:
+        """The root step with its update changed by the context manager `around`, then the
+        recorded steps after it up to the requested one: the root step's health, and the
+        anomalies an update can cause (the root step's own update explosion or non-finite
+        weights; anything after it)."""
+        self.fresh()
+        dets = copy.deepcopy(self.dets)
+        with around:
+            h = self.replayer.run_step(self.trainee, self.rec)
+        found = [k for k in (e["kind"] for e in step_anomalies(h, dets)) if k in AFTER_AN_UPDATE]
+        for s in range(self.root + 1, self.inv.step + 1):
+            found += [
+                f"{k} at step {s}"
+                for k in self.inv.anomalies(self.replayer.run_step(self.trainee, self.replayer.batch(s)), dets)
+            ]
+        return h, found
+
+    # the deeper searches (search.py) ---------------------------------------------------------------
+
+    def search(self, rep: ReplayReport) -> None:
+        """Within the investigation's budget of replays: the minimal culprit of a fault with
+        blamed rows, and the earlier step that doomed a fault the batch alone does not explain
+        (it needs this model state, or no row is to blame)."""
+        budget = self.inv.budget
+        if budget.limit <= 0:
+            return
+        t0 = time.perf_counter()
+        self.inv.log(f"searching for the minimal culprit of step {self.root}")
+        rep.culprit = minimal_culprit(self, budget)
+        lr_cause = rep.origin.kind == "optimizer" and (
+            "learning rate" in (rep.origin.detail or "") or rep.origin.state is not None
+        )
+        doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not lr_cause)
+        if doomed and self.inv.run.world_size == 1:  # (one process replays one rank: no window)
+            self.inv.log(f"looking for an earlier step that doomed step {self.root}")
+            rep.rewind = doomed_earlier(self, budget)
+        rep.budget = budget.to_json()
+        self.inv.timing["search_s"] = time.perf_counter() - t0
 
     # counterfactuals ------------------------------------------------------------------------------------
 
@@ -391,6 +443,25 @@ class Blame:
                     f"in {o.dtype} it produced {o.produced}; in float32 it is finite -> a reduced-precision overflow",
                 )
             )
+        if self.report.origin.state == "exp_avg_sq":
+            name = self.report.origin.parameter
+            param = dict(named_parameters(self.trainee.model)).get(name)
+            if param is not None:
+                h, found = self.update_and_after(in_tune(self.trainee.optimizer, param))
+                last = self.inv.step
+                out.append(
+                    Counterfactual(
+                        f"does the fault {f'(to step {last}) ' if last > self.root else ''}remain with `{name}`'s "
+                        "second moment in tune with its gradient at the root step (exp_avg_sq = max(exp_avg_sq, grad^2))?",
+                        bool(found),
+                        f"in tune: update ratio {h.update_ratio_global or 0:.3g}"
+                        + (
+                            f" -> still {', '.join(found)}: the optimizer state is not the whole cause"
+                            if found
+                            else " -> no fault: the out-of-tune second moment is the cause"
+                        ),
+                    )
+                )
         older = [c for c in self.inv.run.checkpoints if c < self.root]
         if older and samples:
             c = older[0] if older[-1] == self.root else older[-1]
@@ -401,6 +472,7 @@ class Blame:
             h = self.replayer.run_step(t, self.rec)
             self.replayer.close(t)
             found = self.fault(h)
+            self.older_fault = bool(found)
             out.append(
                 Counterfactual(
                     f"does the same batch fail from the older model state at step {c}?",

@@ -44,6 +44,7 @@ class Origin:
     inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
     dtype: str | None = None  # the dtype the origin op computed in ("float16" under autocast)
+    state: str | None = None  # kind "optimizer": the optimizer state to blame (e.g. "exp_avg_sq")
 
 
 @dataclass
@@ -71,6 +72,35 @@ class Counterfactual:
     question: str
     fault: bool | None  # did the fault appear in this counterfactual run? None: not runnable
     detail: str
+
+
+@dataclass
+class Culprit:
+    """The smallest part of the root step's batch that still faults, and whether it needs its
+    batch and this model state (search.py)."""
+
+    rows: list[int]  # the fewest rows that, alone through the root step, still make it fault
+    sample_ids: list
+    minimal: bool  # no single row (or position) can be dropped; False: the budget ran out first
+    fields: list[str] = field(default_factory=list)  # the sequence fields `positions` index
+    positions: list[int] | None = None  # along those fields' dimension 1: the positions whose
+    # values the fault needs (the others taken from a healthy row); [] none; None: not searched
+    transplant_step: int | None = None  # the healthy step whose batch the rows were put into
+    transplant_fault: bool | None = None  # did they fault there (from the root step's state)?
+    cause: str | None = None  # "data alone" | "data x model state" | "data x batch" (see docs)
+    detail: str = ""
+
+
+@dataclass
+class Rewind:
+    """Doomed earlier: the earliest step whose removal prevents the fault (search.py)."""
+
+    searched: list[int]  # [first, last]: the steps that could be skipped (start..root-1)
+    step: int | None  # the step found; None: none alone (see detail)
+    rows: list[int] = field(default_factory=list)  # its rows whose removal alone prevents it
+    sample_ids: list = field(default_factory=list)
+    complete: bool = True  # False: the budget ran out before the search ended
+    detail: str = ""
 
 
 @dataclass
@@ -104,6 +134,11 @@ class ReplayReport:
     recorded_compiled: bool | None = None
     bit_exact: bool | None = None
     trace_eager: bool = False
+    # The deeper searches (search.py), each within `budget` extra replays of the root step or
+    # of the window: None when not run.
+    culprit: Culprit | None = None
+    rewind: Rewind | None = None
+    budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -190,6 +225,15 @@ def _verdict(r: ReplayReport) -> str:
             "in float32 the same op is finite, so the fault exists only in reduced precision "
             "(keep that module in float32, or train in bfloat16)."
         )
+    elif o.kind == "optimizer" and o.state:
+        proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
+        s = (
+            f"{lead}: the optimizer's own state blew the weights up"
+            + (f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
+            + "; no sample is to blame"
+            + (", and with that second moment in tune with its gradient the fault vanishes" if proven else "")
+            + " (remedies: warm the learning rate up again, clip updates, a larger eps)."
+        )
     elif o.kind == "optimizer":
         s = (
             f"{lead}: the optimizer update blew the weights up"
@@ -210,6 +254,7 @@ def _verdict(r: ReplayReport) -> str:
         s = f"{lead}: the fault reproduced but no cause was found" + (f" ({who}{more} suspected)" if who else "") + "."
     if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
+    s += _searches(r)
     if not r.deterministic:
         s += (
             f" Note: replay diverged from the record at step {div}."
@@ -217,6 +262,45 @@ def _verdict(r: ReplayReport) -> str:
             else " Note: replay did not match the record bit for bit."
         )
     return s
+
+
+CAUSES = {
+    "data alone": "it faults in another batch and from an older model state too: the data alone",
+    "data x model state": "it faults in another batch but not from an older model state: data x this model state",
+    "data x batch": "it does not fault without the rest of its batch",
+}
+
+
+def _searches(r: ReplayReport) -> str:
+    """The deeper searches' sentences (search.py), empty when none ran."""
+    out = ""
+    c = r.culprit
+    if c is not None and c.rows:
+        who = ", ".join(f"row {x} (sample {i})" for x, i in zip(c.rows[:3], c.sample_ids[:3]))
+        who += f" and {len(c.rows) - 3} more" if len(c.rows) > 3 else ""
+        if c.positions:
+            plural = "s" if len(c.positions) > 1 else ""
+            who += f", position{plural} {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields[:3])}"
+        cause = f"; {CAUSES[c.cause]}" if c.cause in CAUSES else ""
+        out += f" Minimal culprit: {who}{'' if c.minimal else ' (not minimal: out of budget)'}{cause}."
+    w = r.rewind
+    if w is not None and w.detail:
+        out += f" {'Doomed earlier' if w.step is not None else 'Searching back'}: {w.detail}."
+    if r.budget and r.budget.get("ran_out"):
+        out += f" The {' and '.join(r.budget['ran_out'])} search ran out of its budget ({r.budget['used']} replays)."
+    return out
+
+
+def ranges(xs: list[int]) -> str:
+    """[2, 3, 4, 7] -> "2-4, 7"."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def _divergence_step(r: ReplayReport) -> int | None:

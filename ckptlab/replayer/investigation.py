@@ -26,6 +26,7 @@ from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
+from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run
 from ckptlab.training.probe import StepHealth
 
@@ -64,6 +65,7 @@ class Investigation:
             raise ReplayError(run.missing_step(step), path=run.path)
         self.replayer = Replayer(run, device=device, log=self.log, rank=rank, trust_code=trust_code)
         self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
+        self.budget = Budget(DEFAULT_BUDGET)  # extra replays for the deeper searches (search.py)
 
     # 1. where to start -----------------------------------------------------------------------
 
