@@ -64,7 +64,7 @@ from ckptlab.training.state import (
     rng_equal,
     snapshot,
 )
-from ckptlab.training.step import Trainee
+from ckptlab.training.step import Trainee, scaler_argument
 from ckptlab.training.world import World
 
 
@@ -165,6 +165,7 @@ class Recorder:
         **options,
     ):
         self.config = RecordConfig.of(config, **options)
+        scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
         self.model, self.optimizer = model, optimizer

@@ -12,7 +12,7 @@ import pytest
 
 import ckptlab
 from ckptlab.cli import main
-from ckptlab.errors import ReplayError
+from ckptlab.errors import RecordError, ReplayError
 from ckptlab.training import state
 from tests import amp_models as am
 
@@ -101,6 +101,13 @@ def test_a_scaler_run_whose_build_fn_returns_no_scaler_is_refused(run_dir):
         rec.step(am.xy(0), sample_ids=am.ids(0))
     with pytest.raises(ReplayError, match="recorded with a GradScaler, but build_fn returns none"):
         ckptlab.replay(run_dir, 0)
+
+
+def test_a_step_fn_that_takes_a_scaler_needs_one(run_dir):
+    model, opt, _, _ = am.build_fp16()
+    with pytest.raises(RecordError, match="step_fn takes a `scaler` but no GradScaler was given"):
+        ckptlab.Recorder(run_dir, model, opt, step_fn=am.step_fp16, build_fn=am.build_fp16)
+    assert not run_dir.exists()  # refused before anything was written
 
 
 def test_bfloat16_autocast_records_and_replays_bit_exact(run_dir, capsys):

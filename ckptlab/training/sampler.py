@@ -11,6 +11,7 @@ loader = DataLoader(ckptlab.with_sample_ids(ds), sampler=sampler, batch_size=32)
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,9 +53,13 @@ class WithSampleIds(tud.Dataset):
         return sample_id(self.dataset, i), self.dataset[i]
 
 
-def sample_id(dataset, i) -> int:
-    """Index `i` of `dataset`, as an index of the dataset underneath its Subsets."""
-    i = int(i)
+def sample_id(dataset, i):
+    """Index `i` of `dataset`, as an index of the dataset underneath its Subsets (a key that is
+    not a position, from a custom sampler, is its own id)."""
+    try:
+        i = operator.index(i)
+    except TypeError:
+        return i
     while isinstance(dataset, tud.Subset):
         dataset, i = dataset.dataset, int(dataset.indices[i])
     return i

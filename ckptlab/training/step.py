@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ckptlab.errors import RecordError
 from ckptlab.training.probe import StepHealth, StepProbe
 from ckptlab.training.world import World
 
@@ -69,8 +70,8 @@ class Trainee:
         """(what step_fn returned, the step's health); `around`, a context manager not yet
         entered, is entered for the duration of `step_fn` only (replay's tracer, its redirect
         of the user's prints)."""
+        extra = scaler_argument(step_fn, self.scaler)
         self.begin(measure_update=measure_update)
-        extra = {"scaler": self.scaler} if self.scaler is not None and takes_scaler(step_fn) else {}
         try:
             with around if around is not None else contextlib.nullcontext():
                 loss = step_fn(self.model, self.optimizer, batch, **extra)
@@ -83,10 +84,19 @@ class Trainee:
         self.probe.close()
 
 
-def takes_scaler(step_fn: Callable) -> bool:
-    """`step_fn(model, optimizer, batch, scaler)`: it is handed the GradScaler (the Recorder's
-    `scaler=`, and in replay the one build_fn returns, whose state the checkpoint restored)."""
+def scaler_argument(step_fn: Callable, scaler) -> dict:
+    """`{"scaler": scaler}` for a `step_fn(model, optimizer, batch, scaler)`: it is handed the
+    GradScaler (the Recorder's `scaler=`, and in replay the one build_fn returns, whose state
+    the checkpoint restored); RecordError when it needs one and none was given."""
     try:
-        return "scaler" in inspect.signature(step_fn).parameters
+        param = inspect.signature(step_fn).parameters.get("scaler")
     except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
+        param = None
+    if param is None:
+        return {}
+    if scaler is None and param.default is inspect.Parameter.empty:
+        raise RecordError(
+            "step_fn takes a `scaler` but no GradScaler was given",
+            hint="pass it as Recorder(..., scaler=scaler), and return it from build_fn",
+        )
+    return {"scaler": scaler} if scaler is not None else {}
