@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ckptlab import trackers
 from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
@@ -52,9 +53,11 @@ from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter, io_error
+from ckptlab.trackers.live import live_log
+from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth, named_parameters
-from ckptlab.training.sharded import save_sharded
+from ckptlab.training.sharded import save_sharded, start_sharded_save
 from ckptlab.training.state import (
     capture_env,
     capture_rng,
@@ -91,10 +94,18 @@ class RecordConfig:
         batch_ref_bytes: with a `batch_fn`, batches of at least this many bytes are stored by
             reference (sample ids, sha256 of the content, size) instead of whole; replay
             rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
+        async_sharded: FSDP2: stage each rank's shards to host memory and write them in the
+            background (`torch.distributed.checkpoint.async_save`), committed at the start of
+            the next step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) prints one warning line per anomaly episode naming the replay command;
             None is silent. Events are recorded either way.
+        trackers: MLflow / W&B runs that receive the health as it is recorded, batched off
+            the training thread, with an alert per anomaly episode: a list of
+            `ckptlab.trackers.MLflow(...)` / `WandB(...)` (or wandb runs), or "auto" (the
+            W&B / MLflow run already active in this process; the callbacks add the trainer's
+            loggers). See docs/integrations.md.
     """
 
     ckpt_every: int = 500
@@ -110,6 +121,8 @@ class RecordConfig:
     step_scheduler: bool = True
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
     batch_ref_bytes: int = 1 << 20
+    async_sharded: bool = True
+    trackers: Any = ()
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1 or self.health_every < 1:
@@ -146,7 +159,7 @@ class Recorder:
             `batch_ref_bytes` are stored by reference, not whole (large images, video).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
-            step_scheduler, on_anomaly), as one RecordConfig or as keywords (or both: the
+            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, trackers), as one RecordConfig or as keywords (or both: the
             keywords win).
     """
 
@@ -168,6 +181,7 @@ class Recorder:
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
+        self._trackers = trackers.resolve(self.config.trackers)  # a bad store fails here, before any work
         self.model, self.optimizer = model, optimizer
         self.step_fn, self.build_fn = step_fn, build_fn
         self.scheduler, self.scaler = scheduler, scaler
@@ -180,6 +194,7 @@ class Recorder:
         self._rng_after_prev: dict | None = None
         self._force_rng = True
         self._closed = False
+        self._pending = None  # a sharded checkpoint being written in the background
         self.restored_step: int | None = None
 
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
@@ -273,6 +288,7 @@ class Recorder:
             (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+        self.live = live_log(self._trackers, str(self.run_dir), self.manifest) if self.world.is_main else None
 
     def _write_manifest(self, manifest: dict) -> None:
         try:
@@ -440,11 +456,12 @@ class Recorder:
         if sample_ids is not None:
             sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
-        self._ckpt_wait = 0.0
+        # A sharded checkpoint started at the previous step commits now: its write had a step.
+        self._ckpt_wait = self._finish_sharded()
         if n == self.session_start or n % self.config.ckpt_every == 0:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
-                self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+                self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         rng = rng if changed else None
@@ -474,6 +491,8 @@ class Recorder:
             self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
+        if self.live is not None:  # queued: the trackers are sent to off this thread
+            self.live.step(n, scalars, health.arrays(), events)
         self.next_step = n + 1
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
@@ -495,6 +514,8 @@ class Recorder:
         clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
         if self.world.is_main:
             self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+            if self.live is not None:
+                self.live.validation(step, clean)
         value = clean.get(self.config.val_metric)
         if value is None or not math.isfinite(value):
             return
@@ -524,18 +545,35 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.config.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        if self.world.sharded:  # FSDP: every rank writes its shards (DCP), on this thread
+        if self.world.sharded:  # FSDP: every rank writes its shards (DCP)
             t0 = time.perf_counter()
+            self._finish_sharded()  # the previous one first (its commit is collective)
             state = capture_train_state(self.optimizer, self.scheduler, self.scaler)
             state.pop("optimizer")  # its tensors go into DCP; param_groups with them
-            save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
-            if self.world.is_main:
-                apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+            if self.config.async_sharded:  # staged to host memory now, written in the background
+                self._pending = start_sharded_save(
+                    self.run_dir, step, self.world, self.model, self.optimizer, state, info
+                )
+            else:
+                save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
+                if self.world.is_main:
+                    apply_retention(self.run_dir, self.config.keep_last, *self._protected())
             return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
         return self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+
+    def _finish_sharded(self) -> float:
+        """Commit the sharded checkpoint being written in the background, if any (every rank,
+        at the same step: the commit is collective); the seconds waited for its write."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        waited = pending.finish()
+        if self.world.is_main:
+            apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+        return waited
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()
@@ -559,7 +597,10 @@ class Recorder:
         self._closed = True
         try:
             self.trainee.close()
+            self._finish_sharded()
             self.writer.close()
+            if self.live is not None:
+                self.live.close()
             if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
                 self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
                 self._write_manifest(self.manifest)
@@ -579,16 +620,15 @@ def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
     last = [-(10**9)]
 
     def warn(step: int, events: list[dict]) -> None:
-        quiet = step - last[0] <= 16
+        quiet = step - last[0] <= ALERT_GAP
         last[0] = step
         if quiet:
             return
         from rich.console import Console
+        from rich.markup import escape
 
-        what = ", ".join(e["kind"].replace("_", " ") for e in events)
         Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[yellow]ckptlab:[/yellow] step {step}: {what}; explain it with "
-            f"[bold]ckptlab replay --run {run_dir} --step {step}[/bold]"
+            f"[yellow]ckptlab:[/yellow] {escape(alert_text(run_dir, step, events))}"
         )
 
     return warn

@@ -1,8 +1,11 @@
 """Benchmark the Recorder's overhead on a small transformer LM trained on the CPU (the LM of
 scripts/bench_replay.py: GPT-style, tied embeddings, vocabulary 4096).
 
-Three identical runs train side by side in one process, alternating step by step (in rotating
-order): bare, recorded with health every step, recorded with the default health_every. Machines
+Identical runs train side by side in one process, alternating step by step (in rotating
+order): bare, recorded with health every step, recorded with the default health_every, and
+recorded with the default health_every plus live trackers (`--trackers`, default: MLflow on a
+local file store and an offline W&B run, those installed; `--trackers none` leaves the case
+out): the cost of live logging is the last two rows' difference. Machines
 here are shared and noisy, so each mode sees the same slow and fast moments: compare the
 ratios, not the seconds. Each recorded run keeps every batch and the health of every step and
 checkpoints every 100 steps. Prints the median step-time ratio to bare, where the remaining
@@ -10,7 +13,7 @@ cost goes (the Recorder's phases, timed inside the recorded runs), and the bytes
 step against the raw batch.
 
     PYTHONPATH=. python scripts/bench_record.py [--steps 300] [--layers 4] [--width 256]
-        [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N]
+        [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N] [--trackers mlflow,wandb|none]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ckptlab import record
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
+from ckptlab.trackers.live import LiveLog
 from ckptlab.training.probe import StepProbe
 
 
@@ -58,6 +62,7 @@ PHASES = {
     ],
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
+    "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
 }
 spent: dict[tuple[str, str], float] = defaultdict(float)  # (mode, phase) -> seconds
 current = {"mode": ""}
@@ -94,6 +99,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--trackers",
+        default="mlflow,wandb",
+        help="live trackers of the last case: mlflow, wandb (offline), both (default; those installed), or none",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,9 +125,23 @@ def main() -> None:
                 ckpt_every=args.ckpt_every,
                 health_every=health_every,
             )
+        trackers = make_trackers(args.trackers, Path(tmp))
+        if trackers:
+            model, opt = build()
+            mode = f"recorded + {'+'.join(t.kind for t in trackers)}"
+            recorders[mode] = ckptlab.Recorder(
+                Path(tmp) / "trackers",
+                model,
+                opt,
+                step_fn=step,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+                trackers=trackers,
+            )
         modes = ["bare", *recorders]
         for i, (batch, ids) in enumerate(batches):
-            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
+            k = i % len(modes)
+            for mode in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                 current["mode"] = mode
                 t0 = time.perf_counter()
                 if mode == "bare":
@@ -140,6 +164,25 @@ def main() -> None:
     report(args, times, stored, n_ckpt)
 
 
+def make_trackers(names: str, tmp: Path) -> list:
+    """The live trackers asked for, those whose package is installed."""
+    import importlib.util
+    import os
+
+    out = []
+    wanted = set() if names == "none" else set(names.split(","))
+    if "mlflow" in wanted and importlib.util.find_spec("mlflow"):
+        from ckptlab.trackers import MLflow
+
+        out.append(MLflow(tmp / "mlruns", experiment="bench"))
+    if "wandb" in wanted and importlib.util.find_spec("wandb"):
+        from ckptlab.trackers import WandB
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        out.append(WandB(project="bench", dir=tmp / "wandb", mode="offline"))
+    return out
+
+
 def report(args, times, stored, n_ckpt) -> None:
     bare = statistics.median(times["bare"])
     n_params = sum(p.numel() for p in build()[0].parameters())
@@ -153,6 +196,14 @@ def report(args, times, stored, n_ckpt) -> None:
         print(
             f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.mean(t) * 1e3:>10.1f}"
             f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x"
+        )
+    live = next((m for m in times if m.startswith("recorded + ")), None)
+    if live is not None:
+        base = times["recorded, health_every=10 (default)"]
+        print(
+            f"\nlive trackers ({live[len('recorded + ') :]}): median step {statistics.median(times[live]) / statistics.median(base):.3f}x, "
+            f"mean {statistics.mean(times[live]) / statistics.mean(base):.3f}x the recorded run without them "
+            "(the same health_every; the sending runs on a background thread)"
         )
     for mode in times:
         if mode == "bare":

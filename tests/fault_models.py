@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -557,3 +558,48 @@ def record_late_feature(run_dir) -> Expected:
     losses = _record(run_dir, build_late_feature, step_mlp, batches())
     symptom = next((i for i, v in enumerate(losses) if i > 25 and (not math.isfinite(v) or v > 10 * losses[24])), 26)
     return Expected(25, symptom, None, [], kind="optimizer")
+
+
+# --- 12. noise from a generator no recording holds (an unseeded numpy Generator): every replay
+# differs from the record and from every other replay; the recorded NaN came from a global that
+# the training script changed between steps (code outside step_fn) --------------------------------
+
+_UNRECORDED = np.random.default_rng()  # seeded by the OS: in no checkpoint and no RNG state
+
+
+class Jitter(nn.Module):
+    scale = 1e-3  # the script sets it to NaN before step 15
+
+    def forward(self, x):
+        return x + torch.from_numpy(_UNRECORDED.standard_normal(tuple(x.shape))).float() * self.scale
+
+
+class JitterMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.jitter = Jitter()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return self.mlp(self.jitter(x))
+
+
+def build_jitter():
+    torch.manual_seed(0)
+    m = JitterMLP()
+    return m, torch.optim.SGD(m.parameters(), lr=1e-2)
+
+
+def record_unrecorded_noise(run_dir) -> Expected:
+    model, opt = build_jitter()
+    try:
+        with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build_jitter, ckpt_every=10) as rec:
+            for s in range(20):
+                Jitter.scale = float("nan") if s == 15 else 1e-3
+                try:
+                    rec.step(_xy(s), sample_ids=ids(s))
+                except ckptlab.NonFiniteLoss:
+                    break
+    finally:
+        Jitter.scale = 1e-3
+    return Expected(15, 15, "jitter", [])

@@ -11,8 +11,10 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+from ckptlab import trackers
 from ckptlab.errors import NonFiniteLoss, ReplayError
 
 _REPLAY: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -52,3 +54,11 @@ def end_step(rec, loss):
     except NonFiniteLoss:
         rec.close()
         raise
+
+
+def with_trackers(config, loggers=()):
+    """`config` with `trackers="auto"` resolved: the framework's W&B / MLflow loggers (and
+    the runs already active in this process), logged into under `ckptlab/` names."""
+    if config.trackers != "auto":
+        return config
+    return replace(config, trackers=tuple(trackers.resolve("auto", loggers)))

@@ -74,7 +74,8 @@ class CkptlabCallback(pl.Callback):
         val_prefix: validation metrics are the trainer's metrics whose names start with it.
         config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
             ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume). The trainer steps the LR scheduler, and
+            keep_best, data_info, resume, trackers: "auto" logs into the trainer's W&B / MLflow
+            logger). The trainer steps the LR scheduler, and
             with `resume` the Recorder restores nothing: the trainer restores its own checkpoint.
     """
 
@@ -124,7 +125,7 @@ class CkptlabCallback(pl.Callback):
             build_fn=self.build_fn,
             scheduler=configs[0].scheduler if configs else None,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
-            config=self.config,
+            config=_common.with_trackers(self.config, trainer.loggers),
         )
 
     # --- one step -------------------------------------------------------------------------

@@ -73,7 +73,8 @@ class CkptlabCallback(TrainerCallback):
             removal. None: no sample ids.
         config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
             ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume) (val_metric: "eval_loss" by default here). The Trainer steps the LR scheduler, and
+            keep_best, data_info, resume, trackers: "auto" logs into the W&B / MLflow run that
+            `report_to` started) (val_metric: "eval_loss" by default here). The Trainer steps the LR scheduler, and
             with `resume` the Recorder restores nothing: the Trainer restores its own checkpoint.
     """
 
@@ -162,7 +163,7 @@ class CkptlabCallback(TrainerCallback):
             step_fn=training_step,
             build_fn=self.build_fn,
             scheduler=_inner(lr_scheduler),
-            config=self.config,
+            config=_common.with_trackers(self.config),  # "auto": the runs report_to= started
         )
 
     # --- one step -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from ckptlab.render.text import safe
+from ckptlab.render.text import human_bytes, safe
 
 
 def _num(x) -> str:
@@ -48,6 +48,10 @@ def render(r, term) -> None:
             f"; replay first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
         )
         term.print(f"root step  {r.root_step} as recorded (it did not reproduce{left})")
+    if r.divergence is not None:
+        d = r.divergence
+        verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
+        term.print(f"twice      step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
     o = r.origin
     if o.kind != "none":
         where = " ".join(
@@ -121,3 +125,21 @@ def render(r, term) -> None:
     if r.budget:
         ran_out = f"; ran out: {', '.join(r.budget['ran_out'])}" if r.budget["ran_out"] else ""
         term.print(f"budget     {r.budget['used']}/{r.budget['replays']} extra replays{ran_out}")
+    if r.dump is not None:
+        render_dump_line(r.dump, term)
+
+
+def render_dump_line(d, term) -> None:
+    """What `--dump` wrote, in a line or three (the whole index: `ckptlab show FILE`)."""
+    left = (
+        f"; {len(d.omitted)} left out ({human_bytes(sum(o['bytes'] for o in d.omitted))}, over --dump-max-bytes "
+        f"{d.max_bytes}; `ckptlab show` lists them)"
+        if d.omitted
+        else ""
+    )
+    term.print(
+        f"dump       [bold]{safe(d.path)}[/bold]: {d.datasets} tensors, {human_bytes(d.data_bytes)} "
+        f"({human_bytes(d.file_bytes)} on disk){left}"
+    )
+    for line in d.origin_came_from[:2]:
+        term.print(f"           origin {safe(line)}")

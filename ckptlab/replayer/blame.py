@@ -81,7 +81,9 @@ class Blame:
     def sample_id(self, row: int):
         return self.ids[row] if self.ids is not None and row < len(self.ids) else None
 
-    def explain(self, rep: ReplayReport, do_trace: bool, do_counterfactuals: bool) -> None:
+    def explain(self, rep: ReplayReport, do_trace: bool, do_counterfactuals: bool, dump=None) -> None:
+        """`dump`: a DumpRequest (dump.py): the root step replayed once more, its tensors kept
+        in `self.captured` for the investigation to write once the verdict is said."""
         self.report = rep
         t0 = time.perf_counter()
         tracer = None
@@ -108,6 +110,13 @@ class Blame:
         if do_counterfactuals:
             rep.counterfactuals = self.counterfactuals(rep.samples)
             self.search(rep)
+        if dump is not None:
+            from ckptlab.replayer.dump import capture_root_step
+
+            t1 = time.perf_counter()
+            self.inv.log(f"copying the tensors of step {self.root} for {dump.path}")
+            self.captured = capture_root_step(self, tracer.origin if tracer is not None else None, dump)
+            self.inv.timing["dump_capture_s"] = time.perf_counter() - t1
         self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
 

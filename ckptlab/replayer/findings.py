@@ -104,6 +104,37 @@ class Rewind:
 
 
 @dataclass
+class DumpInfo:
+    """`--dump FILE.h5`: what the file holds (docs/replay.md, "The dump file")."""
+
+    path: str
+    select: str | None  # the --dump-select regex; None: every module
+    max_bytes: int  # --dump-max-bytes
+    data_bytes: int  # the tensors written, uncompressed
+    file_bytes: int
+    datasets: int  # tensors written
+    omitted: list[dict]  # {"path", "bytes"} of each tensor left out: over max_bytes
+    origin_first_nonfinite: list[dict]  # {"dataset", "index"}: the origin's first non-finite outputs
+    origin_came_from: list[str]  # for those: the input elements they were computed from
+
+
+@dataclass
+class DivergenceCheck:
+    """A fault that did not reproduce: the first step off the record, replayed twice with a
+    hash of every op's output (divergence.py)."""
+
+    step: int  # the step replayed twice: left_record_step
+    replays_agree: bool  # the two replays match op for op, bit for bit
+    ops_compared: int
+    losses: list[float]  # the two replays' losses
+    recorded_loss: float | None
+    # The first op whose output (or name) differs between the replays: {"index", "op",
+    # "phase", "module", "call", "source"}; None when they agree.
+    first_nondeterministic_op: dict | None = None
+    detail: str = ""
+
+
+@dataclass
 class ReplayReport:
     run: str
     requested_step: int
@@ -139,6 +170,8 @@ class ReplayReport:
     culprit: Culprit | None = None
     rewind: Rewind | None = None
     budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
+    dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
+    divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -171,11 +204,11 @@ def _verdict(r: ReplayReport) -> str:
             else ""
         )
         left = f", and first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
-        return (
+        head = (
             f"The fault did not reproduce{began}: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} "
-            f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}. Suspect a transient fault: state changed "
-            "outside the recorded computation (hardware/memory error, non-determinism, or code outside step_fn)."
+            f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}."
         )
+        return head + " " + _why_not_reproduced(r.divergence)
     o = r.origin
     root = r.root_step if r.root_step is not None else r.requested_step
     lead = (
@@ -301,6 +334,30 @@ def ranges(xs: list[int]) -> str:
         out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+def _why_not_reproduced(d: DivergenceCheck | None) -> str:
+    if d is not None and d.first_nondeterministic_op is not None:
+        op = d.first_nondeterministic_op
+        mod = op.get("module")
+        at = (f" in `{mod or '<root>'}`" if mod is not None else "") + (
+            f" ({op['source']})" if op.get("source") else ""
+        )
+        return (
+            f"The fault is transient: replaying step {d.step} twice from the same state gives different results; "
+            f"the first nondeterministic op is {op.get('op')}{at} ({op.get('phase')}, op {op.get('index')}): "
+            "a nondeterministic kernel, or an input the recording does not hold."
+        )
+    if d is not None and d.replays_agree:
+        return (
+            f"The fault is transient: two replays of step {d.step} agree op for op, bit for bit, but not with the "
+            "record, so the state changed outside the recorded computation (hardware or memory error, or code "
+            "outside step_fn)."
+        )
+    return (
+        "Suspect a transient fault: state changed outside the recorded computation (hardware/memory error, "
+        "non-determinism, or code outside step_fn)."
+    )
 
 
 def _divergence_step(r: ReplayReport) -> int | None:

@@ -24,6 +24,7 @@ from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, st
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
@@ -54,8 +55,11 @@ class Window:
 class Investigation:
     """One replay of one requested step: plan the window, replay it, judge it, explain it."""
 
-    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0, trust_code: bool = False):
+    def __init__(
+        self, run: Run, step: int, *, device, from_step, log, rank: int = 0, trust_code: bool = False, dump=None
+    ):
         self.run, self.step, self.from_step = run, step, from_step
+        self.dump = dump  # a DumpRequest (dump.py) or None
         self.log = log or (lambda msg: None)
         self.progress: Callable[[int, int], None] = lambda done, total: None
         self.t0 = time.perf_counter()
@@ -165,6 +169,20 @@ class Investigation:
         root = episode_start(replayed, self.step) if self.step in replayed else None
         snap, dets_before = kept.get(root, (None, None))
         return Window(k, checks, root, snap, dets_before)
+
+    def write_dump(self, report: ReplayReport, captured) -> None:
+        if captured is None:
+            report.notes.append(
+                f"no dump written to {self.dump.path}: no fault reproduced, so there is no root step to dump"
+            )
+            return
+        from ckptlab.replayer.dump import write
+
+        t0 = time.perf_counter()
+        entries, came_from, notes = captured
+        report.notes.extend(notes)
+        report.dump = write(report, entries, came_from, self.dump)
+        self.timing["dump_write_s"] = time.perf_counter() - t0
 
     def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
         m = self.metrics
@@ -295,9 +313,19 @@ class Investigation:
         self.execution(report)
         if root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
+            # One process only: a distributed run replayed in this process (one rank's share)
+            # never matches its record, so "the replays agree but not the record" would mislead.
+            if trace and report.left_record_step is not None and self.run.world_size == 1:
+                t0 = time.perf_counter()
+                report.divergence = check_divergence(self, report.left_record_step)
+                self.timing["divergence_s"] = time.perf_counter() - t0
+        blame = None
         if root is not None:
-            Blame(self, window).explain(report, trace, counterfactuals)
+            blame = Blame(self, window)
+            blame.explain(report, trace, counterfactuals, dump=self.dump)
         report.verdict = verdict(report)
+        if self.dump is not None:
+            self.write_dump(report, getattr(blame, "captured", None))
         self.timing["total_s"] = time.perf_counter() - self.t0
         report.timing = self.timing
         return report

@@ -39,6 +39,7 @@ to 0 before a log) is not seen here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -218,6 +219,8 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracer
+        if tr.paused:
+            return func(*args, **kwargs)
         outer = tr._call
         name = getattr(func, "__name__", None) or str(func)
         short, full = user_source()
@@ -239,12 +242,16 @@ class _DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         tr = self.tracer
         name = str(func)
-        record = not name.startswith(_IGNORE_PREFIXES) and name != "aten.detach.default"
+        record = not (tr.paused or name.startswith(_IGNORE_PREFIXES) or name == "aten.detach.default")
         flat_in = tree_flatten((args, kwargs))[0] if record else []
         inputs = [tr.summary(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
+        if record and tr.watch is not None:
+            tr.watch.before_op(len(tr.events), name, flat_in)
         out = func(*args, **kwargs)
         if record:
-            tr._record(name, flat_in, inputs, out, rerun=lambda: finite_in_float32(func, args, kwargs))
+            ev = tr._record(name, flat_in, inputs, out, rerun=lambda: finite_in_float32(func, args, kwargs))
+            if ev is not None and tr.watch is not None:
+                tr.watch.after_op(ev, flat_in, out)
         return out
 
 
@@ -283,6 +290,7 @@ class Tracer:
         rows: int | None = None,
         batch=None,
         max_events: int = 200_000,
+        watch=None,
     ):
         from ckptlab.training.state import unwrap
 
@@ -298,6 +306,10 @@ class Tracer:
         self.micro_batches = 0  # forwards of the root model on a slice of the batch
         self._micro_next = 0  # in-order fallback: the first row not yet given to a forward
         self.max_events = max_events
+        # Sees every traced op before and after it runs (`before_op(index, name, flat_inputs)`,
+        # `after_op(event, flat_inputs, output)`): the full-tensor dump (dump.py) hangs here.
+        self.watch = watch
+        self.paused = False  # while True, nothing is traced (a watcher's own copies)
         self.events: list[OpEvent] = []
         self.origin: OpEvent | None = None
         self.candidates: list[OpEvent] = []
@@ -412,6 +424,16 @@ class Tracer:
         if name is not None and self._stack and self._stack[-1] == name:
             self._stack.pop()
 
+    @contextlib.contextmanager
+    def pause(self):
+        """Run something inside the traced step without tracing it (a watcher's copies): the
+        op indices stay those of the step alone."""
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
+
     def current_module(self) -> str | None:
         return self._stack[-1] if self._stack else None
 
@@ -441,10 +463,10 @@ class Tracer:
             return "optimizer"
         return "forward"
 
-    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out, rerun=None) -> None:
+    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out, rerun=None) -> OpEvent | None:
         if len(self.events) >= self.max_events:
             self.truncated = True
-            return
+            return None
         phase = self._phase()
         call = module = source = None
         if phase == "backward":
@@ -480,6 +502,7 @@ class Tracer:
             self.candidates.append(ev)
             if self.origin is None:
                 self.origin = ev
+        return ev
 
     def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
         """Element indices of the new non-finite values, mapped to batch rows (in a micro-batch:
