@@ -193,6 +193,8 @@ class Recorder:
         self._ckpt_steps: list[int] = []
         self._rng_after_prev: dict | None = None
         self._force_rng = True
+        self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
+        self._step_rng: dict | None = None  # the RNG states the running step began in
         self._closed = False
         self._pending = None  # a sharded checkpoint being written in the background
         self.restored_step: int | None = None
@@ -410,25 +412,42 @@ class Recorder:
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
 
-    def begin_step(self, batch: Any, sample_ids=None) -> int:
+    def begin_step(self, batch: Any = None, sample_ids=None) -> int:
         """Record the batch of the step about to run (checkpointing first when one is due);
         returns its step number. The step's gradients and update are measured until
-        `end_step(loss)`."""
-        measure = self._record_batch(batch, sample_ids)
+        `end_step(loss)`.
+
+        With no batch (gradient accumulation: the micro-batches arrive one by one), the step
+        starts all the same (its checkpoint, its RNG states, the measuring) and
+        `record_batch(batch, sample_ids)` records its batch once it is known (before its last
+        micro-batch runs, so that a step that crashes there can be replayed)."""
+        measure = self._open_step()
+        if batch is not None:
+            self._append_batch(batch, sample_ids)
         self.trainee.begin(measure_update=measure)
         self._in_step = True
         return self.next_step
 
+    def record_batch(self, batch: Any, sample_ids=None) -> None:
+        """The batch of the step `begin_step()` began without one (once per step)."""
+        if not self._in_step or self._pending_rng is _WRITTEN:
+            raise RecordError("record_batch needs a step begun by begin_step() without a batch", path=self.run_dir)
+        self._append_batch(batch, sample_ids)
+
     def abort_step(self) -> None:
-        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded
+        (a batch not yet given to `record_batch` is not recorded)."""
         self.trainee.abort()
         self._in_step = False
+        self._pending_rng = _WRITTEN
 
     def end_step(self, loss) -> StepHealth:
         """Finish the step begun by `begin_step`: record its health (and any anomaly), step
         the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to."""
         if not self._in_step:
             raise RecordError("end_step called without begin_step", path=self.run_dir)
+        if self._pending_rng is not _WRITTEN:
+            raise RecordError("end_step called before record_batch: the step has no batch", path=self.run_dir)
         try:
             health = self.trainee.end(loss)
         finally:
@@ -447,14 +466,20 @@ class Recorder:
     def _record_batch(self, batch: Any, sample_ids) -> bool:
         """Before step `next_step` runs: a checkpoint when one is due, then its batch, sample
         ids and (when changed) RNG states. Returns whether this step measures its update."""
+        measure = self._open_step()
+        self._append_batch(batch, sample_ids)
+        return measure
+
+    def _open_step(self) -> bool:
+        """Before step `next_step` runs: a checkpoint when one is due, and the RNG states it
+        starts in (kept for its batch record when they changed). Returns whether this step
+        measures its update."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
             raise RecordError("begin_step called twice without end_step", path=self.run_dir)
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
-        if sample_ids is not None:
-            sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         self._ckpt_wait = self._finish_sharded()
@@ -464,7 +489,16 @@ class Recorder:
                 self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
-        rng = rng if changed else None
+        self._pending_rng = rng if changed else None
+        self._step_rng = rng
+        self._force_rng = False
+        return n % self.config.health_every == 0
+
+    def _append_batch(self, batch: Any, sample_ids) -> None:
+        """Step `next_step`'s batch, sample ids and the RNG states `_open_step` kept."""
+        if sample_ids is not None:
+            sample_ids = _plain_ids(sample_ids)
+        n = self.next_step
         nbytes = records.batch_nbytes(batch) if self.batch_fn is not None else 0
         if self.batch_fn is not None and nbytes >= self.config.batch_ref_bytes:
             if sample_ids is None:
@@ -472,12 +506,12 @@ class Recorder:
                     f"step {n}: a batch stored by reference needs its sample_ids (batch_fn rebuilds it from them)",
                     path=self.run_dir,
                 )
-            payload = records.encode_batch_ref(n, records.batch_digest(batch), nbytes, sample_ids, rng)
+            digest = records.batch_digest(batch)
+            payload = records.encode_batch_ref(n, digest, nbytes, sample_ids, self._pending_rng)
         else:
-            payload = records.encode_batch(n, batch, sample_ids, rng)
+            payload = records.encode_batch(n, batch, sample_ids, self._pending_rng)
         self.writer.append_batch(n, payload)
-        self._force_rng = False
-        return n % self.config.health_every == 0
+        self._pending_rng = _WRITTEN
 
     def _record_health(self, health: StepHealth) -> StepHealth:
         """After step `next_step` ran: its health and anomalies; NonFiniteLoss if asked to."""
@@ -536,6 +570,11 @@ class Recorder:
         return self.next_step
 
     def _checkpoint(self, step: int, reason: str) -> float:
+        if self._in_step and self._pending_rng is None:
+            # Mid-step (a validation between two micro-batches): the weights are those the step
+            # began with, the RNG states are not. A replay can start here, so the step's batch,
+            # not yet written, carries the states it began in.
+            self._pending_rng = self._step_rng
         info = {
             "session": self.session,
             "reason": reason,
@@ -612,6 +651,9 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_WRITTEN = object()  # `_pending_rng` when the running step's batch is written (or none runs)
 
 
 def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:

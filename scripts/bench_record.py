@@ -14,6 +14,14 @@ step against the raw batch.
 
     PYTHONPATH=. python scripts/bench_record.py [--steps 300] [--layers 4] [--width 256]
         [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N] [--trackers mlflow,wandb|none]
+
+With `--accumulate K` (e.g. 8) it measures gradient accumulation instead (`accumulation()`):
+each step is K micro-batches of `--batch` rows, recorded as one step holding them all, the
+way the Lightning and Hugging Face integrations record it (begin_step, the micro-batches
+gathered, the batch written before the last one, end_step). Three copies take turns in one
+process: bare; recorded with the probe told which backward is the step's last (as the
+integrations do), so pre-clip gradient norms are measured once a step; and recorded without
+telling it, so they are measured after every micro-batch.
 """
 
 from __future__ import annotations
@@ -27,15 +35,18 @@ from functools import wraps
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import ckptlab
 from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 from ckptlab import record
+from ckptlab.analysis.batches import MICRO_BATCHES
+from ckptlab.integrations._common import MicroBatches
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import LiveLog
-from ckptlab.training.probe import StepProbe
+from ckptlab.training.probe import StepProbe, accumulating
 
 
 def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
@@ -63,6 +74,7 @@ PHASES = {
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
     "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
+    "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],
 }
 spent: dict[tuple[str, str], float] = defaultdict(float)  # (mode, phase) -> seconds
 current = {"mode": ""}
@@ -90,6 +102,89 @@ def instrument() -> None:
             setattr(owner, name, wraps(fn)(timed))
 
 
+# --- gradient accumulation: K micro-batches a step, as nanoGPT's train.py runs them ----------------
+
+
+def step_accumulating(model, opt, batch):
+    """The recorded step function: one optimizer step over the step's micro-batches."""
+    return accumulation_step(model, opt, [(part, None) for part in batch[MICRO_BATCHES]])
+
+
+def accumulation_step(model, opt, parts, rec=None, *, tell_probe: bool = True):
+    """One optimizer step of nanoGPT's loop over `parts` ((micro-batch, sample ids) pairs).
+    With `rec`, recorded as the framework integrations record it: begin_step, each micro-batch
+    joining the step's batch (with its RNG check), the batch written before the last one runs,
+    the probe told which backward is the last (`tell_probe`), end_step with the summed loss."""
+    micro = None
+    if rec is not None:
+        rec.begin_step()
+        micro = MicroBatches()
+    total = None
+    for i, (part, ids) in enumerate(parts):
+        last = i == len(parts) - 1
+        if micro is not None:
+            micro.add(part, ids)
+            if tell_probe:
+                accumulating(opt, not last)
+            if last:
+                micro.record(rec, {})
+        tokens = part["ids"]  # (B, T + 1)
+        logits = model(tokens[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)) / len(parts)
+        loss.backward()
+        if micro is not None:
+            micro.add_loss(loss)
+        total = loss.detach() if total is None else total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if rec is not None:
+        rec.end_step(total)
+    return total
+
+
+def accumulation(args) -> None:
+    """Bare vs recorded steps of `args.accumulate` micro-batches each, taking turns; prints the
+    median step-time ratios to bare and the Recorder's phases."""
+    batches = make_batches(args.steps * args.accumulate, args.batch)
+    steps = [batches[i : i + args.accumulate] for i in range(0, len(batches), args.accumulate)]
+    instrument()
+    times: dict[str, list[float]] = defaultdict(list)
+    tell = {"recorded (last backward measured)": True, "recorded (every backward)": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = {mode: build() for mode in ["bare", *tell]}
+        recorders = {
+            mode: ckptlab.Recorder(
+                Path(tmp) / f"told{told}",
+                *trained[mode],
+                step_fn=step_accumulating,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+            )
+            for mode, told in tell.items()
+        }
+        modes = list(trained)
+        for i, parts in enumerate(steps):
+            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
+                current["mode"] = mode
+                t0 = time.perf_counter()
+                accumulation_step(*trained[mode], parts, recorders.get(mode), tell_probe=tell.get(mode, True))
+                if i:  # the first step warms caches up
+                    times[mode].append(time.perf_counter() - t0)
+        for rec in recorders.values():
+            rec.close()
+    bare = statistics.median(times["bare"])
+    print(
+        f"gradient accumulation: {args.accumulate} micro-batches of {args.batch} x {args.seq} tokens a step; "
+        f"{args.layers} layers x {args.width} wide; {torch.get_num_threads()} threads; {len(steps)} steps per mode"
+    )
+    print(f"{'mode':<38}{'median ms':>10}{'median ratio':>14}")
+    for mode, t in times.items():
+        print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.median(t) / bare:>13.3f}x")
+    for mode in recorders:
+        print_phases(mode, len(steps), bare)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="steps per mode")
@@ -104,10 +199,14 @@ def main() -> None:
         default="mlflow,wandb",
         help="live trackers of the last case: mlflow, wandb (offline), both (default; those installed), or none",
     )
+    ap.add_argument("--accumulate", type=int, default=0, help="measure steps of this many micro-batches instead")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     CFG.update(layers=args.layers, width=args.width, seq=args.seq)
+    if args.accumulate:
+        accumulation(args)
+        return
     batches = make_batches(args.steps, args.batch)
     instrument()
     times: dict[str, list[float]] = defaultdict(list)
@@ -183,6 +282,18 @@ def make_trackers(names: str, tmp: Path) -> list:
     return out
 
 
+def print_phases(mode: str, steps: int, bare: float) -> None:
+    """The Recorder's phases timed inside `mode`'s steps: the direct measurement of its cost,
+    steadier on a noisy machine than the ratio of step times."""
+    print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
+    phases = {p: v for (m, p), v in spent.items() if m == mode}
+    for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
+        per = total / steps
+        print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
+    total = sum(phases.values()) / steps
+    print(f"  {'sum':<36}{total * 1e3:>8.2f} ms {total / bare * 100:>6.2f}%")
+
+
 def report(args, times, stored, n_ckpt) -> None:
     bare = statistics.median(times["bare"])
     n_params = sum(p.numel() for p in build()[0].parameters())
@@ -206,16 +317,8 @@ def report(args, times, stored, n_ckpt) -> None:
             "(the same health_every; the sending runs on a background thread)"
         )
     for mode in times:
-        if mode == "bare":
-            continue
-        print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
-        phases = {p: v for (m, p), v in spent.items() if m == mode}
-        for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
-            per = total / args.steps
-            print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
-        print(
-            f"  {'sum':<36}{sum(phases.values()) / args.steps * 1e3:>8.2f} ms {sum(phases.values()) / args.steps / bare * 100:>6.2f}%"
-        )
+        if mode != "bare":
+            print_phases(mode, args.steps, bare)
     raw = args.batch * (args.seq + 1) * 8  # int64 token ids
     print(
         f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "

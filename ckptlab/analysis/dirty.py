@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.analysis.batches import embedding_tables, leaves
+from ckptlab.analysis.batches import batch_rows, embedding_tables, leaves, micro_rows, row_groups
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeRule, find_spikes
 from ckptlab.errors import CkptlabError
 from ckptlab.run import skiplist
@@ -282,14 +282,25 @@ class _StaticScan:
                 "some batches were stored by reference (the Recorder's batch_fn): their content is not "
                 "in the run, so only their sample ids are checked"
             )
-        fields = list(leaves(batch))
-        B = _batch_size(fields, ids)
+        # Gradient accumulation: the step's micro-batches, their rows numbered across them.
+        accumulated = micro_rows(batch) is not None
+        fields = None if accumulated else list(leaves(batch))
+        B = batch_rows(batch, ids) if accumulated else _batch_size(fields, ids)
         if B == 0:
             return
         first = self.n_rows
         for r in range(B):
             self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None, rank))
         self.n_rows += B
+        if not accumulated:
+            self._content(fields, first, B)
+            return
+        for offset, part, n in row_groups(batch, B):
+            self._content(list(leaves(part)), first + offset, n)
+
+    def _content(self, fields: list[tuple[str, Any]], first: int, B: int) -> None:
+        """The checks of each field with one entry per row, and each row's content hash; the
+        rows are `first`, `first + 1`, ... among all scanned rows."""
         content: list[np.ndarray] = []  # per field: (B, bytes) -- a row's content is its bytes in every field
         for name, value in fields:
             if isinstance(value, list):

@@ -80,10 +80,12 @@ def render(r, term) -> None:
         )
     if r.samples:
         t = Table(title="blamed rows", title_justify="left", show_edge=False)
-        for col in ("row", "sample_id", "loss", "grad norm", "why"):
+        micro = any(s.micro_batch is not None for s in r.samples)  # gradient accumulation
+        for col in ("micro-batch", "row", "sample_id", "loss", "grad norm", "why")[0 if micro else 1 :]:
             t.add_column(col)
         for s in r.samples[:16]:
-            t.add_row(str(s.row), safe(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), safe(s.reason))
+            cells = (str(s.row), safe(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), safe(s.reason))
+            t.add_row(*((str(s.micro_batch),) if micro else ()), *cells)
         term.print(t)
     if r.parameters:
         nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]

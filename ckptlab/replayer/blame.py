@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
-from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
+from ckptlab.analysis.batches import batch_rows, micro_row, python_leaves, row_groups, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
@@ -133,38 +133,31 @@ class Blame:
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
         ignore = info.get("ignore_index", IGNORE_INDEX)
         typical = _typical_row_absmax(self.inv.run, self.root)
-        for path, leaf in python_leaves(self.rec.batch):
-            if (
-                not isinstance(leaf, torch.Tensor)
-                or leaf.dim() == 0
-                or leaf.shape[0] != self.rows
-                or leaf.dtype == torch.bool
-            ):
-                continue
-            flat = leaf.detach().reshape(self.rows, -1)
+        for first, path, flat in _row_leaves(self.rec.batch, self.rows):
             if not flat.is_floating_point():
-                for row in range(self.rows):
-                    if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
+                for row in range(first, first + flat.shape[0]):
+                    if pad is not None and flat.shape[1] and bool((flat[row - first] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
-                    elif pad != ignore and flat.shape[1] > 1 and bool((flat[row] == ignore).all()):
+                    elif pad != ignore and flat.shape[1] > 1 and bool((flat[row - first] == ignore).all()):
                         found["empty"].setdefault(
                             row, f"batch{path} is empty (every target is {ignore}, the ignore_index)"
                         )
-                    ids = flat[row][flat[row] != ignore]  # an ignored label is not a token id
+                    ids = flat[row - first][flat[row - first] != ignore]  # an ignored label is not a token id
                     if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
                         found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
                 continue
             flat = flat.float()
             bad = (~torch.isfinite(flat)).sum(dim=1)
             finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
-            absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(self.rows)
-            for row in range(self.rows):
-                if int(bad[row]):
-                    found["nonfinite"].setdefault(row, f"{int(bad[row])} non-finite value(s) in batch{path}")
-                elif path in typical and typical[path] > 0 and float(absmax[row]) > ABSURD_RATIO * typical[path]:
+            absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(flat.shape[0])
+            for i in range(flat.shape[0]):
+                row = first + i
+                if int(bad[i]):
+                    found["nonfinite"].setdefault(row, f"{int(bad[i])} non-finite value(s) in batch{path}")
+                elif path in typical and typical[path] > 0 and float(absmax[i]) > ABSURD_RATIO * typical[path]:
                     found["absurd"].setdefault(
                         row,
-                        f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
+                        f"batch{path} reaches |x|={float(absmax[i]):.3g}, {float(absmax[i]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
                     )
         return found
 
@@ -233,7 +226,7 @@ class Blame:
             if row in samples:
                 samples[row].reason += "; " + reason
             else:
-                samples[row] = SampleBlame(row, self.sample_id(row), reason)
+                samples[row] = SampleBlame(row, self.sample_id(row), reason, batch_row=row)
 
         ev: OpEvent | None = tracer.origin if tracer is not None else None
         nonfinite_in_batch, absurd = data_rows["nonfinite"], data_rows["absurd"]
@@ -343,6 +336,10 @@ class Blame:
         for r, row_h in rows.items():
             if r in samples:
                 samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
+        for s in samples.values():  # an accumulated step: the row within its micro-batch
+            where = micro_row(self.rec.batch, s.row)
+            if where is not None:
+                s.batch_row, (s.micro_batch, s.row) = s.row, where
         ranked = sorted(
             samples.values(),
             key=lambda s: (
@@ -406,7 +403,7 @@ class Blame:
     def counterfactuals(self, samples: list[SampleBlame]) -> list[Counterfactual]:
         out = []
         if samples and self.rows:
-            keep = [r for r in range(self.rows) if r not in {s.row for s in samples}]
+            keep = [r for r in range(self.rows) if r not in {s.batch_row for s in samples}]
             ids = ", ".join(str(s.sample_id) for s in samples[:5])
             if keep:
                 h = self.step(select_rows(self.rec.batch, keep, self.rows))
@@ -507,15 +504,27 @@ def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str,
     per_field: dict[str, list[float]] = {}
     for s in steps:
         try:
-            batch, _ = run.batch(s)
+            batch, ids = run.batch(s)
         except CkptlabError:
             continue
-        for path, leaf in python_leaves(batch):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() and leaf.numel():
-                flat = leaf.detach().reshape(leaf.shape[0], -1).float()
+        for _, path, flat in _row_leaves(batch, batch_rows(batch, ids), of_any_rows=True):
+            if flat.is_floating_point() and flat.numel():
+                flat = flat.float()
                 finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
                 per_field.setdefault(path, []).extend(finite.max(dim=1).values.tolist())
     return {k: float(np.median(v)) for k, v in per_field.items() if v}
+
+
+def _row_leaves(batch, rows: int | None, *, of_any_rows: bool = False):
+    """(first row, path, tensor as (rows, -1)) for each non-boolean tensor leaf with one entry
+    per row (`of_any_rows`: of any first dimension), micro-batch by micro-batch when the batch
+    records an accumulated step; paths are within the micro-batch."""
+    for first, part, n in row_groups(batch, rows):
+        for path, leaf in python_leaves(part):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.dtype == torch.bool:
+                continue
+            if of_any_rows or leaf.shape[0] == n:
+                yield first, path, leaf.detach().reshape(leaf.shape[0], -1)
 
 
 def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:

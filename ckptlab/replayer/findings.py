@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlab.jsonable import plain
+from ckptlab.jsonable import NOT_IN_JSON, plain
 
 # The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
 STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
@@ -49,11 +49,17 @@ class Origin:
 
 @dataclass
 class SampleBlame:
-    row: int
+    row: int  # the row in the batch; in a step of several recorded micro-batches, in its micro-batch
     sample_id: Any
     reason: str
     loss: float | None = None
     grad_norm: float | None = None
+    micro_batch: int | None = None  # gradient accumulation: the micro-batch the row is in
+    batch_row: int | None = field(default=None, metadata=NOT_IN_JSON)  # the row counted across micro-batches
+
+    def where(self) -> str:
+        """Where the row is: `row 5`, or `micro-batch 2 row 1` in a step of recorded micro-batches."""
+        return f"row {self.row}" if self.micro_batch is None else f"micro-batch {self.micro_batch} row {self.row}"
 
 
 @dataclass
@@ -216,7 +222,7 @@ def _verdict(r: ReplayReport) -> str:
         + (f" on rank {r.rank}" if r.rank is not None else "")
         + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
     )
-    who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
+    who = ", ".join(f"{s.where()} (sample {s.sample_id})" for s in r.samples[:3])
     more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
     produced = o.produced or "a non-finite value"
     at = ""
@@ -247,7 +253,7 @@ def _verdict(r: ReplayReport) -> str:
         fact = first_reason if ("is empty" in first_reason or "outside [" in first_reason) else None
         if fact:
             s0 = r.samples[0]
-            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[-1]}; {o.op}{at} produced {produced} from {inputs} on it."
+            s = f"{lead}: {s0.where()} (sample {s0.sample_id}) {fact.split(' ', 1)[-1]}; {o.op}{at} produced {produced} from {inputs} on it."
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."

@@ -20,7 +20,9 @@ How an op is placed:
   recorded batch it was given (its input is a view into the batch: the view's offset says
   which rows; else micro-batches are taken in order), and the forward and backward ops until
   the next such forward map their elements into those rows. A scalar (a micro-batch's loss)
-  maps to its row when the micro-batch is one row.
+  maps to its row when the micro-batch is one row. A batch recorded as micro-batches
+  (gradient accumulation, analysis/batches.py) is matched the same way, micro-batch by
+  micro-batch: a forward on a whole micro-batch (or a part of one) names its rows.
 
 The origin rule. An op is an origin candidate when it
   - outputs NaN while none of its tensor inputs holds a NaN, or
@@ -53,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ckptlab.analysis.batches import row_groups
 from ckptlab.training.world import local
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -152,10 +155,13 @@ def user_source() -> tuple[str | None, str | None]:
     return None, None
 
 
-def batch_slice(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> tuple[int, int] | None:
+def batch_slice(
+    inputs: list, batch_leaves: list[torch.Tensor], rows: int | None, *, whole: bool = False
+) -> tuple[int, int] | None:
     """(first row, row count) of the recorded batch that a forward's inputs are a view into:
     `x[i : i + k]` (or `x[i : i + k, 1:]`) or `x[i]` of a batch leaf `x` whose first dimension
-    is the batch's `rows`. None when no input is such a view (a copy, or the whole batch)."""
+    is the batch's `rows`. None when no input is such a view (a copy, or -- unless `whole` --
+    the whole batch)."""
     if not rows:
         return None
     for t in inputs:
@@ -180,19 +186,26 @@ def batch_slice(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None
                 count = t.shape[0]
             else:
                 continue  # x[::2]: not a run of rows
-            if 0 <= first and 0 < count < rows and first + count <= rows:
+            if 0 <= first and 0 < count and (count < rows or whole) and first + count <= rows:
                 return first, count
     return None
 
 
-def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> int | None:
+def _row_tensors(batch, rows: int | None) -> list[torch.Tensor]:
+    """The batch's tensors with `rows` rows."""
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows]
+
+
+def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None, *, whole: bool = False) -> int | None:
     """How many rows a forward's input holds when it looks like a copy of a part of the batch:
-    fewer rows than the batch, the rest of its shape and its dtype those of a batch leaf."""
+    fewer rows than the batch (or all of them, with `whole`), the rest of its shape and its
+    dtype those of a batch leaf."""
     for t in inputs:
         if not isinstance(t, torch.Tensor) or not t.dim():
             continue
         for leaf in batch_leaves:
-            if t.dtype == leaf.dtype and tuple(t.shape[1:]) == tuple(leaf.shape[1:]) and 0 < t.shape[0] < (rows or 0):
+            fits = 0 < t.shape[0] < (rows or 0) or (whole and t.shape[0] == rows)
+            if t.dtype == leaf.dtype and tuple(t.shape[1:]) == tuple(leaf.shape[1:]) and fits:
                 return t.shape[0]
     return None
 
@@ -297,11 +310,10 @@ class Tracer:
         self.model = unwrap(model)
         self.optimizer = optimizer
         self.rows = rows
-        # The batch's tensors with `rows` rows: a forward's input that is a view into one of
-        # them names the micro-batch it runs on.
-        self._batch_leaves = [
-            t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
-        ]
+        # Per group of rows (the batch, or each recorded micro-batch): its first row, its row
+        # count and its tensors with that many rows. A forward's input that is a view into one
+        # of them names the micro-batch it runs on.
+        self._groups = [(first, n, _row_tensors(part, n)) for first, part, n in row_groups(batch, rows)]
         self.micro: tuple[int, int] | None = None  # (first row, rows) of the running micro-batch
         self.micro_batches = 0  # forwards of the root model on a slice of the batch
         self._micro_next = 0  # in-order fallback: the first row not yet given to a forward
@@ -400,13 +412,23 @@ class Tracer:
         if not self.rows:
             return None
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        micro = batch_slice(inputs, self._batch_leaves, self.rows)
+        micro = None
+        recorded = len(self._groups) > 1  # the batch was recorded as micro-batches
+        for first, n, leaves in self._groups:
+            found = batch_slice(inputs, leaves, n, whole=recorded)
+            if found is not None:
+                micro = (first + found[0], found[1])
+                break
         if micro is None:
             # Not a view into the batch: a copy of a part of it (`x[i : i + k].to(device)`)
             # is taken to be the next micro-batch, in order.
-            lead = copied_rows(inputs, self._batch_leaves, self.rows)
-            if lead is not None and self._micro_next + lead <= self.rows:
-                micro = (self._micro_next, lead)
+            for first, n, leaves in self._groups:
+                if first + (n or 0) <= self._micro_next:
+                    continue
+                lead = copied_rows(inputs, leaves, n, whole=recorded)
+                if lead is not None and self._micro_next + lead <= first + n:
+                    micro = (self._micro_next, lead)
+                break
         if micro is not None:
             self._micro_next = micro[0] + micro[1]
             self.micro_batches += 1

@@ -10,7 +10,9 @@ Where each number is read, and why there:
 - per-parameter gradient norms in `register_post_accumulate_grad_hook`: that is the gradient
   *before* the user's `clip_grad_norm_` (after clipping the global norm is always <= max_norm,
   which hides every explosion). With gradient accumulation the hook fires once per backward;
-  the last firing holds the accumulated gradient, which is what we keep.
+  the last firing holds the accumulated gradient, which is what we keep. A loop that knows
+  which backward is its last says so (`accumulating(optimizer, True)` before the others,
+  `False` before the last): the hooks then measure the last backward only, not every one.
 - learning rates and the pre-update weights in the optimizer's step pre-hook: the lr actually
   used by this update, and the weights it started from (for ||dw||/||w||, every K steps only,
   since it costs a copy of the parameters).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -106,6 +109,19 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return list(unwrap(model).named_parameters())
 
 
+# The live probe on each optimizer: a step function that accumulates gradients reaches it here.
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def accumulating(optimizer, on: bool) -> None:
+    """Gradient accumulation: whether the backward about to run leaves the step's gradients
+    unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
+    (False: measured). Each step starts with every backward measured."""
+    probe = _PROBES.get(optimizer)
+    if probe is not None:
+        probe._accumulating = on
+
+
 class StepProbe:
     """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed."""
 
@@ -126,12 +142,15 @@ class StepProbe:
         ]
         self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
+        _PROBES[optimizer] = self
         self._reset(False)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if _PROBES.get(self.optimizer) is self:
+            del _PROBES[self.optimizer]
 
     def _reset(self, measure_update: bool) -> None:
         self._norms: list[torch.Tensor | None] = [None] * len(self.params)
@@ -140,11 +159,12 @@ class StepProbe:
         self._before: list[torch.Tensor] | None = None
         self._stepped = False
         self._measure_update = measure_update
+        self._accumulating = False  # see accumulating()
 
     # --- hooks (cheap: one norm kernel per parameter per backward) --------------------------
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        if not self._active or p.grad is None:
+        if not self._active or self._accumulating or p.grad is None:
             return
         g = local(p.grad)
         if g.is_sparse:
