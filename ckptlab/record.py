@@ -62,11 +62,12 @@ from ckptlab.training.state import (
     capture_env,
     capture_rng,
     capture_train_state,
+    is_compiled,
     restore_checkpoint,
     rng_equal,
     snapshot,
 )
-from ckptlab.training.step import Trainee
+from ckptlab.training.step import Trainee, scaler_argument
 from ckptlab.training.world import World
 
 
@@ -150,7 +151,9 @@ class Recorder:
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
         build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
         scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
-        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
+            `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
+            `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
         batch_fn: module-level `batch_fn(sample_ids, step) -> batch` that rebuilds a step's
             batch exactly (same data, transforms and seeds). With it, batches of at least
             `batch_ref_bytes` are stored by reference, not whole (large images, video).
@@ -175,6 +178,7 @@ class Recorder:
         **options,
     ):
         self.config = RecordConfig.of(config, **options)
+        scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
         self._trackers = trackers.resolve(self.config.trackers)  # a bad store fails here, before any work
@@ -311,6 +315,7 @@ class Recorder:
                 "has_scheduler": self.scheduler is not None,
                 "step_scheduler": self.config.step_scheduler,
                 "has_scaler": self.scaler is not None,
+                "compiled": is_compiled(self.model) or is_compiled(self.step_fn),
             },
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),

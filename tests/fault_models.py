@@ -224,7 +224,7 @@ def record_fp16_overflow(run_dir) -> Expected:
             yield x, y
 
     _record(run_dir, build_half, step_mlp, batches())
-    return Expected(21, 21, "half_block.proj", [5])
+    return Expected(21, 21, "half_block.proj", [5], kind="precision")
 
 
 # --- 6. a tiny transformer whose attention softmax gets a fully masked row -------------------------

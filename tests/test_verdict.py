@@ -55,6 +55,7 @@ origins = st.builds(
     produced=st.one_of(maybe(), st.sampled_from(["NaN", "Inf"])),
     inputs_finite=st.one_of(maybe(), st.booleans()),
     detail=st.one_of(maybe(), st.text(max_size=30)),
+    dtype=st.one_of(maybe(), st.sampled_from(["float16", "bfloat16", "float32"])),
     state=st.one_of(maybe(), st.just("exp_avg_sq")),
 )
 samples = st.builds(

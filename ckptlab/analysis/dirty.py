@@ -593,7 +593,9 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
         )
     # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
     # the weights go NaN one step later, so the step that got them is the one to look at.
-    for i in np.flatnonzero(np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0))):
+    # A step a GradScaler skipped overflowed on purpose (float16 finding its scale): not a flag.
+    bad_grads = np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
+    for i in np.flatnonzero(bad_grads):
         out.append(
             {
                 "step": int(m.step[i]),

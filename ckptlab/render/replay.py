@@ -27,8 +27,16 @@ def render(r, term) -> None:
         if r.deterministic
         else f"[yellow]diverged[/yellow] at step {r.first_divergence['step']}: loss {_num(r.first_divergence['loss'])} "
         f"vs recorded {_num(r.first_divergence['recorded_loss'])}"
+        + (
+            f", grad scale {_num(r.first_divergence['grad_scale'])} vs {_num(r.first_divergence['recorded_grad_scale'])}"
+            if r.first_divergence.get("grad_scale") != r.first_divergence.get("recorded_grad_scale")
+            else ""
+        )
     )
-    term.print(f"replayed   steps {r.start_checkpoint}..{r.requested_step} from checkpoint {r.start_checkpoint}; {det}")
+    how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
+    term.print(
+        f"replayed   steps {r.start_checkpoint}..{r.requested_step}{how} from checkpoint {r.start_checkpoint}; {det}"
+    )
     if r.root_step is not None and r.reproduced:
         term.print(
             f"root step  {r.root_step}"
@@ -56,7 +64,8 @@ def render(r, term) -> None:
             )
             if x
         )
-        term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}) {where}")
+        dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
+        term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}{dtype}) {where}")
         if o.detail:
             term.print(f"           {safe(o.detail)}")
     if r.chain:

@@ -92,6 +92,11 @@ class Blame:
             self.inv.log(f"tracing step {self.root} per op")
             tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows, batch=self.rec.batch)
             traced = self.step(tracer=tracer)
+            if self.replayer.compiled:  # the Tracer ran it with torch.compile off
+                rep.trace_eager = True
+                rep.notes.append(
+                    "the per-op trace ran eagerly: its dispatch modes cannot see inside torch.compile's graphs"
+                )
             if not same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
                 rep.notes.append(
                     "the traced step's loss differs from the plain replay (tracing changed the kernels used)"
@@ -262,6 +267,8 @@ class Blame:
                 kind = "data"
             elif ev.phase == "optimizer":
                 kind = "optimizer"
+            elif ev.fp32_finite:  # the op overflowed in float16/bfloat16 only (trace.py)
+                kind = "precision"
             o = Origin(
                 kind,
                 ev.phase,
@@ -273,7 +280,9 @@ class Blame:
                 produced="NaN" if ev.new_nan else "Inf",
                 inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
                 detail=f"{ev.op} produced {'NaN' if ev.new_nan else 'Inf'} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
-                f"({', '.join(s.describe() for s in ev.inputs[:3])})",
+                f"({', '.join(s.describe() for s in ev.inputs[:3])})"
+                + ("; in float32 the same op on the same inputs is finite" if kind == "precision" else ""),
+                dtype=ev.dtype,
             )
         else:
             # Nothing went non-finite in the root step itself: an explosion (finite) that breaks later.
@@ -435,6 +444,15 @@ class Blame:
                     bool(found),
                     f"with lr {typical:.3g}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
                     + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
+                )
+            )
+        o = self.report.origin
+        if o.kind == "precision":  # answered by the trace: the origin op re-run in float32
+            out.append(
+                Counterfactual(
+                    f"does {o.op} still produce {o.produced} in float32 on the same inputs?",
+                    False,
+                    f"in {o.dtype} it produced {o.produced}; in float32 it is finite -> a reduced-precision overflow",
                 )
             )
         if self.report.origin.state == "exp_avg_sq":

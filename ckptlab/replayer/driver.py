@@ -23,7 +23,15 @@ from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth
 from ckptlab.training.sharded import full_snapshot
-from ckptlab.training.state import apply_env, capture_train_state, restore_checkpoint, restore_rng, snapshot
+from ckptlab.training.state import (
+    apply_env,
+    capture_train_state,
+    is_compiled,
+    is_grad_scaler,
+    restore_checkpoint,
+    restore_rng,
+    snapshot,
+)
 from ckptlab.training.step import Trainee
 from ckptlab.training.world import World
 
@@ -79,6 +87,8 @@ class Replayer:
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
+        self.has_scaler = bool(config.get("has_scaler"))
+        self.compiled: bool | None = None  # the model build_fn returns (or step_fn) is compiled
 
     # --- building and restoring ----------------------------------------------------------------
 
@@ -90,17 +100,26 @@ class Replayer:
         if not isinstance(built, (tuple, list)) or len(built) < 2:
             raise ReplayError("build_fn must return (model, optimizer[, scheduler])", path=self.run.path)
         model, optimizer = built[0], built[1]
-        scheduler = built[2] if len(built) > 2 else None
-        scaler = built[3] if len(built) > 3 else None
+        # After them, in any order: an LR scheduler and a GradScaler (told apart by type).
+        extras = [x for x in built[2:] if x is not None]
+        scaler = next((x for x in extras if is_grad_scaler(x)), None)
+        scheduler = next((x for x in extras if not is_grad_scaler(x)), None)
         if self.has_scheduler and scheduler is None:
             raise ReplayError(
                 "the run was recorded with an LR scheduler, but build_fn returns none",
                 path=self.run.path,
                 hint="return (model, optimizer, scheduler) from build_fn",
             )
+        if self.has_scaler and scaler is None:
+            raise ReplayError(
+                "the run was recorded with a GradScaler, but build_fn returns none",
+                path=self.run.path,
+                hint="return (model, optimizer, scheduler or None, scaler) from build_fn",
+            )
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)
+        self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         return Trainee(model, optimizer, scheduler, scaler, step_scheduler=self.step_scheduler, world=self.world)
 
     def load_checkpoint(self, t: Trainee, step: int) -> None:

@@ -27,11 +27,13 @@ class StepCheck:
     rank_loss: list[float] | None = None  # distributed: each rank's loss, replayed ...
     recorded_rank_loss: list[float] | None = None  # ... and recorded
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    grad_scale: float | None = None  # with a GradScaler: the scale the step began with, replayed ...
+    recorded_grad_scale: float | None = None  # ... and recorded
 
 
 @dataclass
 class Origin:
-    kind: str  # data | numeric | optimizer | none
+    kind: str  # data | numeric | precision | optimizer | none
     phase: str | None  # forward | backward | optimizer
     module: str | None
     op: str | None
@@ -41,6 +43,7 @@ class Origin:
     produced: str | None = None  # "NaN" or "Inf", when an op produced it
     inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
+    dtype: str | None = None  # the dtype the origin op computed in ("float16" under autocast)
     state: str | None = None  # kind "optimizer": the optimizer state to blame (e.g. "exp_avg_sq")
 
 
@@ -160,6 +163,14 @@ class ReplayReport:
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None
+    # How replay ran: torch.compile'd (the model build_fn returns) or eagerly, against the
+    # record; whether every replayed step, the faulty ones too, matched it bit for bit; and
+    # whether the per-op trace had to run eagerly (its dispatch modes cannot see inside
+    # compiled graphs).
+    compiled: bool | None = None
+    recorded_compiled: bool | None = None
+    bit_exact: bool | None = None
+    trace_eager: bool = False
     # The deeper searches (search.py), each within `budget` extra replays of the root step or
     # of the window: None when not run.
     culprit: Culprit | None = None
@@ -248,6 +259,13 @@ def _verdict(r: ReplayReport) -> str:
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
+    elif o.kind == "precision" and o.op is not None:
+        rows = f" for {who}{more}" if r.samples else ""
+        s = (
+            f"{lead}: {o.op}{at} overflowed {o.dtype or 'reduced precision'} ({produced} from finite inputs){rows}; "
+            "in float32 the same op is finite, so the fault exists only in reduced precision "
+            "(keep that module in float32, or train in bfloat16)."
+        )
     elif o.kind == "optimizer" and o.state:
         proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
         s = (

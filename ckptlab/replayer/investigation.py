@@ -191,10 +191,24 @@ class Investigation:
         rec_grad = float(m.grad_norm[i]) if i is not None else None
         match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
         rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
+        rec_scale = m.scalars[i].get("grad_scale") if i is not None else None
+        if rec_scale is not None or h.grad_scale is not None:  # the GradScaler's state replays too
+            match = match and same(h.grad_scale, rec_scale)
         if h.rank_loss is not None:
             match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
         return StepCheck(
-            s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm
+            s,
+            h.loss,
+            rec_loss,
+            h.grad_norm,
+            rec_grad,
+            match,
+            found,
+            h.rank_loss,
+            rec_ranks,
+            h.rank_grad_norm,
+            h.grad_scale,
+            rec_scale,
         )
 
     def state_before(self, k: int, root: int):
@@ -221,6 +235,20 @@ class Investigation:
             window.root_state = self.state_before(window.start, window.root)
             window.root_detectors = self.detectors(window.root)
         return window
+
+    def execution(self, report: ReplayReport) -> None:
+        """How the replay ran against how the run was recorded: compiled or eager, and
+        whether every replayed step (the faulty ones too) matched the record bit for bit."""
+        recorded = self.run.manifest.get("config", {}).get("compiled")
+        report.compiled = self.replayer.compiled
+        report.recorded_compiled = recorded
+        report.bit_exact = all(c.match for c in report.steps) if report.steps else None
+        if recorded is not None and report.compiled is not None and bool(recorded) != report.compiled:
+            how = ("compiled", "eagerly") if recorded else ("eagerly", "compiled")
+            report.notes.append(
+                f"recorded {how[0]}, replayed {how[1]} (the model build_fn returns): "
+                + ("bit-exact all the same" if report.bit_exact else "kernels differ, so the numbers may too")
+            )
 
     # the whole investigation ---------------------------------------------------------------------
 
@@ -259,6 +287,9 @@ class Investigation:
                 "recorded_grad_norm": divergence.recorded_grad_norm,
                 "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
             }
+            if divergence.grad_scale is not None or divergence.recorded_grad_scale is not None:
+                first_div["grad_scale"] = divergence.grad_scale
+                first_div["recorded_grad_scale"] = divergence.recorded_grad_scale
         report = ReplayReport(
             run=str(self.run.path),
             requested_step=self.step,
@@ -279,6 +310,7 @@ class Investigation:
             notes=self.replayer.notes,
             rank=rank,
         )
+        self.execution(report)
         if root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
             # One process only: a distributed run replayed in this process (one rank's share)

@@ -13,6 +13,8 @@ How an op is placed:
   source); in backward, `torch._C._current_autograd_node()` finds that stamp, so a backward op
   is charged to the module whose forward created it;
 - the module path comes from global forward pre/post hooks (a stack of module names);
+- compiled code (torch.compile) runs eagerly while traced: the modes cannot see inside its
+  graphs (the report says so, `trace_eager`);
 - the rows an op works on: the batch's rows, unless `step_fn` runs the model on a slice of the
   batch (a micro-batch loop): each forward of the root model is matched to the rows of the
   recorded batch it was given (its input is a view into the batch: the view's offset says
@@ -29,6 +31,12 @@ So `masked_fill(mask, -inf)` (an Inf scalar in, on purpose) is not an origin, bu
 over a fully masked row (-inf in, NaN out) is; an overflowing matmul (finite in, Inf out) is,
 and so is a float16 cast of a value above 65504. Uninitialized outputs (`empty*`) are ignored.
 The first candidate in execution order is the origin.
+
+Reduced precision. A candidate that computed in float16 or bfloat16 (under autocast, or in a
+half module) is run once more on the same inputs cast to float32: `fp32_finite` says whether
+the op alone gives finite values there, i.e. whether the overflow exists only in the reduced
+precision. That re-runs one op, not the model: precision lost by earlier ops (a sum rounded
+to 0 before a log) is not seen here.
 """
 
 from __future__ import annotations
@@ -37,13 +45,14 @@ import contextlib
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
@@ -55,6 +64,7 @@ _EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though
 _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
+REDUCED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -110,6 +120,13 @@ class OpEvent:
     new_nan: bool = False
     new_inf: bool = False
     bad_rows: dict[int, int] | None = None  # batch row -> non-finite output elements
+    fp32_finite: bool | None = None  # reduced-precision candidate: the op is finite in float32
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype of its first non-finite output (else of its first output)."""
+        bad = [o for o in self.outputs if not o.finite] or self.outputs
+        return bad[0].dtype if bad else None
 
     @property
     def is_origin_candidate(self) -> bool:
@@ -245,10 +262,34 @@ class _DispatchMode(TorchDispatchMode):
             tr.watch.before_op(len(tr.events), name, flat_in)
         out = func(*args, **kwargs)
         if record:
-            ev = tr._record(name, flat_in, inputs, out)
+            ev = tr._record(name, flat_in, inputs, out, rerun=lambda: finite_in_float32(func, args, kwargs))
             if ev is not None and tr.watch is not None:
                 tr.watch.after_op(ev, flat_in, out)
         return out
+
+
+def finite_in_float32(func, args, kwargs) -> bool | None:
+    """Whether `func` gives only finite values with its float16/bfloat16 inputs (and dtype
+    arguments) in float32; None when it cannot run so (an `out=` op, an op without a float32
+    kernel). Inputs are copied, never changed."""
+    if "out" in kwargs:
+        return None
+
+    def up(x):
+        if isinstance(x, torch.Tensor) and x.dtype in REDUCED_DTYPES:
+            return x.detach().float()
+        if isinstance(x, torch.dtype) and x in REDUCED_DTYPES:
+            return torch.float32
+        return x
+
+    args, kwargs = tree_map(up, (args, kwargs))
+    try:
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no float32 path for this op: no answer, not an error
+        return None
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return all(bool(torch.isfinite(local(t)).all()) for t in outs)
 
 
 class Tracer:
@@ -310,6 +351,14 @@ class Tracer:
     # --- context ------------------------------------------------------------------------
 
     def __enter__(self) -> Tracer:
+        # Compiled code (torch.compile) runs graphs our dispatch modes cannot see into: the
+        # traced step runs eagerly. Only when dynamo is loaded (else nothing was compiled).
+        self._stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else None
+        # Our global module hooks make torch warn that they fire for the compiled wrapper too:
+        # they do, and the wrapper is not a module the tracer names, so it is ignored.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
         nn = torch.nn.modules.module
         self._handles = [
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True),
@@ -330,6 +379,9 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._stance is not None:
+            self._stance.__exit__(*exc)
+        self._quiet.__exit__(*exc)
 
     def _set_opt(self, on: bool) -> None:
         self._in_optimizer = on
@@ -433,7 +485,7 @@ class Tracer:
             return "optimizer"
         return "forward"
 
-    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out) -> OpEvent | None:
+    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out, rerun=None) -> OpEvent | None:
         if len(self.events) >= self.max_events:
             self.truncated = True
             return None
@@ -467,6 +519,8 @@ class Tracer:
         self.events.append(ev)
         if ev.is_origin_candidate and len(self.candidates) < 8:
             self._locate(ev, outs)
+            if rerun is not None and any(t.dtype in REDUCED_DTYPES for t in outs):
+                ev.fp32_finite = rerun()
             self.candidates.append(ev)
             if self.origin is None:
                 self.origin = ev

@@ -16,7 +16,9 @@ Where each number is read, and why there:
 - learning rates and the pre-update weights in the optimizer's step pre-hook: the lr actually
   used by this update, and the weights it started from (for ||dw||/||w||, every K steps only,
   since it costs a copy of the parameters).
-- a GradScaler's scale at `begin`: hook gradients are scaled; norms are divided by it.
+- a GradScaler's scale at `begin`: hook gradients are scaled; norms are divided by it. A step
+  the scaler skipped (non-finite gradients: the optimizer did not step and the scale backed
+  off) is `scaler_skipped`: routine in float16 training, not a fault.
 
 The Recorder and replay use this same class through training/step.py, so replayed numbers
 compare bit for bit.
@@ -55,6 +57,7 @@ class StepHealth:
     step_time: float = 0.0
     rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    scaler_skipped: bool = False  # a GradScaler found non-finite gradients and skipped the update
 
     @property
     def loss_finite(self) -> bool:
@@ -71,6 +74,8 @@ class StepHealth:
         }
         if self.grad_scale is not None:
             out["grad_scale"] = self.grad_scale
+        if self.scaler_skipped:
+            out["scaler_skipped"] = True
         if self.weight_norm is not None:
             out["nonfinite_weights"] = int((~np.isfinite(self.weight_norm)).sum())
         if self.update_ratio_global is not None:
@@ -225,6 +230,7 @@ class StepProbe:
             stepped=self._stepped,
             grad_scale=self._scale,
             step_time=step_time,
+            scaler_skipped=self._scaler_skipped(),
         )
         if self.world.distributed:
             health.rank_loss = rows[:, 0].tolist()
@@ -237,6 +243,11 @@ class StepProbe:
                 health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         return health
+
+    def _scaler_skipped(self) -> bool:
+        """The GradScaler skipped this step: the optimizer did not step, and `scaler.update()`
+        backed the scale off (what it does, and only does, after finding inf/NaN gradients)."""
+        return self._scale is not None and not self._stepped and float(self.scaler.get_scale()) < self._scale
 
     def _local_grads(self) -> tuple[np.ndarray, np.ndarray]:
         """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""

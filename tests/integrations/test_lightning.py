@@ -195,3 +195,19 @@ def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path)
     assert (cb.config.step_scheduler, cb.config.restore) == (False, False)  # the trainer does both
     with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
         ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, ckpt_evry=3)
+
+
+def test_bf16_mixed_records_and_replays_bit_exactly(tmp_path):
+    """precision="bf16-mixed": the recorded step runs under the trainer's CPU bfloat16
+    autocast, and replay applies the same autocast, bit for bit."""
+    run_dir = tmp_path / "run"
+    cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build, sample_ids="idx", ckpt_every=5)
+    train, val = lm.loaders("nan")
+    torch.manual_seed(0)
+    with pytest.raises(ckptlab.NonFiniteLoss):
+        lm.trainer(tmp_path, callbacks=[cb], precision="bf16-mixed").fit(lm.LitMLP(), train, val)
+    assert ckptlab.open_run(run_dir).batch(FAULT_STEP)[0]["lightning"]["precision"] == "bf16-mixed"
+    report = ckptlab.replay(run_dir, FAULT_STEP, from_step=4, counterfactuals=False)
+    assert report.bit_exact and len(report.steps) == FAULT_STEP - 4 + 1
+    assert report.root_step == FAULT_STEP
+    assert [(s.row, s.sample_id) for s in report.samples] == [(FAULT_ROW, lm.FAULT_SAMPLE)]
