@@ -95,6 +95,7 @@ class Culprit:
     transplant_fault: bool | None = None  # did they fault there (from the root step's state)?
     cause: str | None = None  # "data alone" | "data x model state" | "data x batch" (see docs)
     detail: str = ""
+    micro_batches: list[int] | None = None  # recorded micro-batches: each row's (rows: within it)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Rewind:
     sample_ids: list = field(default_factory=list)
     complete: bool = True  # False: the budget ran out before the search ended
     detail: str = ""
+    micro_batches: list[int] | None = None  # recorded micro-batches: each row's (rows: within it)
 
 
 @dataclass
@@ -316,8 +318,11 @@ def _searches(r: ReplayReport) -> str:
     """The deeper searches' sentences (search.py), empty when none ran."""
     out = ""
     c = r.culprit
-    if c is not None and c.rows:
-        who = ", ".join(f"row {x} (sample {i})" for x, i in zip(c.rows[:3], c.sample_ids[:3]))
+    same_rows = c is not None and sorted(map(str, c.sample_ids)) == sorted(str(s.sample_id) for s in r.samples)
+    if c is not None and c.rows and not (same_rows and not c.positions and c.cause is None and c.minimal):
+        mb = c.micro_batches if c.micro_batches and len(c.micro_batches) == len(c.rows) else None
+        where = [f"micro-batch {m} row {x}" for m, x in zip(mb, c.rows)] if mb else [f"row {x}" for x in c.rows]
+        who = ", ".join(f"{w} (sample {i})" for w, i in zip(where[:3], c.sample_ids[:3]))
         who += f" and {len(c.rows) - 3} more" if len(c.rows) > 3 else ""
         if c.positions:
             plural = "s" if len(c.positions) > 1 else ""

@@ -18,7 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from ckptlab.analysis.batches import batch_rows, python_leaves, replace_rows, select_rows, zip_leaves
+from ckptlab.analysis.batches import (
+    batch_rows,
+    micro_row,
+    micro_rows,
+    python_leaves,
+    replace_rows,
+    select_rows,
+    zip_leaves,
+)
 from ckptlab.replayer.findings import Culprit, Rewind, ranges
 
 DEFAULT_BUDGET = 32
@@ -77,7 +85,7 @@ def minimal_culprit(blame, budget: Budget) -> Culprit | None:
     rep, n = blame.report, blame.rows
     if not rep.samples or not n:
         return None
-    blamed = sorted({s.row for s in rep.samples if 0 <= s.row < n})
+    blamed = sorted({r for r in map(_batch_row, rep.samples) if 0 <= r < n})
     if not blamed:
         return None
 
@@ -96,12 +104,15 @@ def minimal_culprit(blame, budget: Budget) -> Culprit | None:
         return None
     if not alone:
         if len(blamed) < n:
-            return Culprit(
-                blamed,
-                [blame.sample_id(r) for r in blamed],
-                True,
-                detail="the blamed rows alone do not make the step fault: they need the rest of their batch",
-                cause="data x batch",
+            return _localize(
+                Culprit(
+                    blamed,
+                    [blame.sample_id(r) for r in blamed],
+                    True,
+                    detail="the blamed rows alone do not make the step fault: they need the rest of their batch",
+                    cause="data x batch",
+                ),
+                blame.rec.batch,
             )
     rows, minimal = ddmin(start, faults) if len(start) > 1 else (start, True)
     culprit = Culprit(rows, [blame.sample_id(r) for r in rows], minimal)
@@ -110,7 +121,21 @@ def minimal_culprit(blame, budget: Budget) -> Culprit | None:
     _transplant(blame, culprit, budget)
     culprit.cause = _cause(culprit, blame.older_fault)
     culprit.detail = _culprit_detail(culprit, blame)
-    return culprit
+    return _localize(culprit, blame.rec.batch)
+
+
+def _localize(found, batch):
+    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
+    them), as SampleBlame says them; unchanged for a plain batch."""
+    where = [micro_row(batch, r) for r in found.rows]
+    if where and all(w is not None for w in where):
+        found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
+    return found
+
+
+def _batch_row(s) -> int:
+    """A blamed row counted across the step's micro-batches (SampleBlame.row is within its own)."""
+    return s.batch_row if s.batch_row is not None else s.row
 
 
 def _sequence_length(batch, rows: int) -> int | None:
@@ -130,7 +155,7 @@ def _sequence_length(batch, rows: int) -> int | None:
 def _positions(blame, culprit: Culprit, faults, n: int) -> None:
     """Which positions of the culprit rows the fault needs: the others come from a healthy row
     (a row of the same batch that is not blamed), field by field along dimension 1."""
-    healthy = [r for r in range(n) if r not in {s.row for s in blame.report.samples}]
+    healthy = [r for r in range(n) if r not in set(map(_batch_row, blame.report.samples))]
     T = _sequence_length(blame.rec.batch, n)
     if not healthy or T is None:
         return
@@ -172,6 +197,8 @@ def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
     the same rows, and run it from the root step's state: does the fault follow the rows?"""
     run, n, root = blame.inv.run, blame.rows, blame.root
     m = blame.inv.metrics
+    if micro_rows(blame.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
+        return
     recorded_faults = {int(e["step"]) for e in run.events()}
     for s in sorted((s for s in run.steps if s < root), reverse=True)[:8]:
         i = m.index(s)
@@ -199,6 +226,12 @@ def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
         return
 
 
+def _where(blame_or_record, row: int) -> str:
+    rec = getattr(blame_or_record, "rec", blame_or_record)
+    w = micro_row(rec.batch, row)
+    return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
+
+
 def _cause(c: Culprit, older_fault: bool | None) -> str | None:
     if c.transplant_fault is False:
         return "data x batch"
@@ -210,7 +243,7 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
 
 
 def _culprit_detail(c: Culprit, blame) -> str:
-    rows = ", ".join(f"row {r} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    rows = ", ".join(f"{_where(blame, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
@@ -293,7 +326,8 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
         ids = rec.sample_ids
         rw.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = rw.rows and len(rw.rows) < (n or 0)
-    who = ", ".join(f"row {x} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
+    who = ", ".join(f"{_where(rec, x)} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
+    _localize(rw, rec.batch)
     rw.detail = (f"without {who} of step {lo}" if partial else f"without step {lo}") + f", step {root} does not fault"
     return rw
 

@@ -141,6 +141,9 @@ def test_accumulation_replays_bit_for_bit_and_blames_the_micro_batch_row(accum_r
         "sample_id": lm.FAULT_SAMPLE,
     }
     assert len(doc["samples"]) == 1 and f"micro-batch {ACCUM_MICRO} row {FAULT_ROW}" in doc["verdict"]
+    culprit = doc["culprit"]  # rows said as the samples say them: within their micro-batch
+    assert culprit["micro_batches"] == [ACCUM_MICRO] and culprit["rows"] == [FAULT_ROW]
+    assert culprit["sample_ids"] == [lm.FAULT_SAMPLE]
     assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
     steps = ckptlab.replay(accum_run, ACCUM_STEP, from_step=0, trace=False, counterfactuals=False).steps
     assert [c.step for c in steps] == list(range(ACCUM_STEP + 1)) and all(c.match for c in steps)
