@@ -66,7 +66,7 @@ SCENARIOS: list[Scenario] = [
     # script sets on the module class before step 15, outside step_fn: a transient made in `jitter`
     _s("unrecorded_noise", fm, 15, 15, "none", "jitter", reproduces=False),
     # tests/zoo_models.py (each section there explains its ground truth)
-    # Both overflow float16 only: the op that made the Inf is finite in float32 (replay checks).
+    # float16 overflows: in float32 (replay's counterfactual) the step stays finite
     _s("attention_logit_growth", zm, 19, 19, "precision", "attn", samples=[1902], new=True),
     _s("label_out_of_range", zm, 22, 22, "data", None, samples=[2202], new=True),
     _s("dead_relu", zm, 24, 24, "data", None, samples=[2403], new=True),

@@ -75,6 +75,8 @@ def test_float16_only_overflow_is_named_precision(fp16_run, capsys):
     assert origin["phase"] == "forward" and origin["op"] == "aten.addmm.default"
     assert "only in reduced precision" in doc["verdict"] and "2503" in doc["verdict"]
     assert any("float32" in c["question"] and c["fault"] is False for c in doc["counterfactuals"])
+    # one level up: fc1 run in float32 (autocast off there) keeps the step finite
+    assert origin["float32_module"] == "fc1" and "keep it in float32" in doc["verdict"]
     assert doc["start_checkpoint"] == 20  # the scaler's state came back from checkpoint 20
     assert doc["compiled"] is False and doc["trace_eager"] is False
 

@@ -82,3 +82,14 @@ def test_adam_second_moment_out_of_tune_is_an_optimizer_fault_named_and_proven(r
     proof = next(c for c in doc["counterfactuals"] if "second moment" in c["question"])
     assert proof["fault"] is False
     assert "exp_avg_sq" in doc["verdict"] and "fault vanishes" in doc["verdict"] and doc["samples"] == []
+
+
+def test_a_half_module_that_hands_float16_on_needs_the_whole_model_in_float32(run_dir):
+    """half_block.proj overflows float16, but the block hands its output on in float16: only
+    with the whole model in float32 does the step stay finite (the outlier row still spikes)."""
+    exp = fm.record_fp16_overflow(run_dir)
+    report = ckptlab.replay(run_dir, exp.symptom, budget=0)
+    assert report.origin.kind == "precision" and report.origin.float32_module == ""
+    asked = {c.question.split(" with ")[1]: c.fault for c in report.counterfactuals if "in float32?" in c.question}
+    assert asked == {"`half_block.proj` in float32?": True, "the whole model in float32?": False}
+    assert "whole model in float32 the step stays finite" in report.verdict

@@ -24,6 +24,7 @@ from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
 from ckptlab.replayer.optstate import SecondMomentGap, in_tune, second_moment_gaps
+from ckptlab.replayer.precision import in_float32
 from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
@@ -360,6 +361,44 @@ class Blame:
         )
         return o, ranked
 
+    def in_float32(self, o: Origin) -> list[Counterfactual]:
+        """The root step with the origin's module in float32, then (if that is not enough)
+        the whole model: which part must stay in float32 for the fault to go away."""
+        out = []
+        for path in dict.fromkeys([o.module, ""]):
+            what = f"`{path}`" if path else "the whole model"
+            t = self.replayer.build()
+            try:
+                restore_snapshot(self.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=self.replayer.rank)
+                with in_float32(t.model, path):
+                    h = self.replayer.run_step(t, self.rec)
+                found = self.fault(h)
+            except Exception as e:  # noqa: BLE001 - a model that cannot run this part in float32
+                out.append(Counterfactual(f"does step {self.root} still fail with {what} in float32?", None, str(e)))
+                continue
+            finally:
+                self.replayer.close(t)
+            # The fault here is the non-finite value; a spike that remains in float32 is an
+            # outlier's, which float32 survives.
+            nonfinite = [k for k in found if k.startswith("nonfinite")]
+            out.append(
+                Counterfactual(
+                    f"does step {self.root} still go non-finite with {what} in float32?",
+                    bool(nonfinite),
+                    f"in float32: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                    + (
+                        f" -> still {', '.join(nonfinite)}"
+                        if nonfinite
+                        else f" -> finite: keep {what} in float32"
+                        + (f" ({', '.join(found)} remain: an outlier)" if found else "")
+                    ),
+                )
+            )
+            if not nonfinite:
+                o.float32_module = path
+                break
+        return out
+
     def second_moment_gaps(self, h: StepHealth) -> list[SecondMomentGap]:
         """optstate.py's check, on the optimizer state the root step started in."""
         self.fresh()
@@ -455,6 +494,8 @@ class Blame:
                     f"in {o.dtype} it produced {o.produced}; in float32 it is finite -> a reduced-precision overflow",
                 )
             )
+        if o.kind == "precision" and o.module is not None:
+            out.extend(self.in_float32(o))
         if self.report.origin.state == "exp_avg_sq":
             name = self.report.origin.parameter
             param = dict(named_parameters(self.trainee.model)).get(name)

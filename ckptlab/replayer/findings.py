@@ -45,6 +45,9 @@ class Origin:
     detail: str | None = None
     dtype: str | None = None  # the dtype the origin op computed in ("float16" under autocast)
     state: str | None = None  # kind "optimizer": the optimizer state to blame (e.g. "exp_avg_sq")
+    # kind "precision": the module that, run in float32, makes the root step healthy ("" the
+    # whole model); None when neither was enough or it was not tried
+    float32_module: str | None = None
 
 
 @dataclass
@@ -265,8 +268,14 @@ def _verdict(r: ReplayReport) -> str:
         rows = f" for {who}{more}" if r.samples else ""
         s = (
             f"{lead}: {o.op}{at} overflowed {o.dtype or 'reduced precision'} ({produced} from finite inputs){rows}; "
-            "in float32 the same op is finite, so the fault exists only in reduced precision "
-            "(keep that module in float32, or train in bfloat16)."
+            "in float32 the same op is finite, so the fault exists only in reduced precision"
+            + (
+                f": with `{o.float32_module}` in float32 the step stays finite, so keep it in float32."
+                if o.float32_module
+                else ": with the whole model in float32 the step stays finite."
+                if o.float32_module == ""
+                else " (keep that module in float32, or train in bfloat16)."
+            )
         )
     elif o.kind == "optimizer" and o.state:
         proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
