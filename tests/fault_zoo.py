@@ -60,7 +60,7 @@ SCENARIOS: list[Scenario] = [
     # set the input scale: the rows to blame are step 21's (step 22's batch is harmless from any
     # other state). Expected.module in fault_models.py ("mlp.fc1", unasserted) is where the Inf
     # first meets a weight, not where it is made.
-    _s("delayed_scale", fm, 22, 22, "numeric", "", samples=[2100 + r for r in range(6)]),
+    _s("delayed_scale", fm, 22, 22, "precision", "", samples=[2100 + r for r in range(6)]),
     _s("late_feature", fm, 26, 25, "optimizer", None, parameter="late"),
     # noise from an unseeded numpy Generator (no replay matches the record) and a NaN scale the
     # script sets on the module class before step 15, outside step_fn: a transient made in `jitter`
