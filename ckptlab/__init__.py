@@ -34,6 +34,7 @@ _LAZY = {
     "replay": ("ckptlab.replayer", "replay"),
     "diff": ("ckptlab.analysis.diff", "diff"),
     "skip_samples": ("ckptlab.training.sampler", "skip_samples"),
+    "with_sample_ids": ("ckptlab.training.sampler", "with_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
 }

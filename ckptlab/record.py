@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ckptlab import trackers
 from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
@@ -62,18 +63,21 @@ from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter, io_error
+from ckptlab.trackers.live import live_log
+from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training import userfns
 from ckptlab.training.probe import UPDATE_MODES, PendingHealth, StepHealth, named_parameters
-from ckptlab.training.sharded import save_sharded
+from ckptlab.training.sharded import save_sharded, start_sharded_save
 from ckptlab.training.state import (
     capture_env,
     capture_rng,
     capture_train_state,
+    is_compiled,
     restore_checkpoint,
     rng_equal,
     snapshot,
 )
-from ckptlab.training.step import Trainee
+from ckptlab.training.step import Trainee, scaler_argument
 from ckptlab.training.world import World
 
 
@@ -105,10 +109,21 @@ class RecordConfig:
         data_info: facts about the data for `ckptlab dirty`, e.g. {"pad_id": 0, "vocab_size": 50257}.
         step_scheduler: call `scheduler.step()` after each step (False when step_fn, or the
             framework driving the loop, steps it itself; the scheduler is still checkpointed).
+        batch_ref_bytes: with a `batch_fn`, batches of at least this many bytes are stored by
+            reference (sample ids, sha256 of the content, size) instead of whole; replay
+            rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
+        async_sharded: FSDP2: stage each rank's shards to host memory and write them in the
+            background (`torch.distributed.checkpoint.async_save`), committed at the start of
+            the next step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) prints one warning line per anomaly episode naming the replay command;
             None is silent. Events are recorded either way.
+        trackers: MLflow / W&B runs that receive the health as it is recorded, batched off
+            the training thread, with an alert per anomaly episode: a list of
+            `ckptlab.trackers.MLflow(...)` / `WandB(...)` (or wandb runs), or "auto" (the
+            W&B / MLflow run already active in this process; the callbacks add the trainer's
+            loggers). See docs/integrations.md.
     """
 
     ckpt_every: int = 500
@@ -123,6 +138,9 @@ class RecordConfig:
     data_info: dict | None = None
     step_scheduler: bool = True
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
+    batch_ref_bytes: int = 1 << 20
+    async_sharded: bool = True
+    trackers: Any = ()
     update_ratio: str = "sampled"
     health_read: str = "auto"
 
@@ -157,11 +175,16 @@ class Recorder:
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
         build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
         scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
-        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one (its state is checkpointed).
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
+            `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
+            `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
+        batch_fn: module-level `batch_fn(sample_ids, step) -> batch` that rebuilds a step's
+            batch exactly (same data, transforms and seeds). With it, batches of at least
+            `batch_ref_bytes` are stored by reference, not whole (large images, video).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
-            step_scheduler, on_anomaly, update_ratio, health_read), as one RecordConfig or as
-            keywords (or both: the keywords win).
+            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, trackers, update_ratio,
+            health_read), as one RecordConfig or as keywords (or both: the keywords win).
     """
 
     def __init__(
@@ -174,11 +197,15 @@ class Recorder:
         build_fn: Callable,
         scheduler=None,
         scaler=None,
+        batch_fn: Callable | None = None,
         config: RecordConfig | None = None,
         **options,
     ):
         self.config = RecordConfig.of(config, **options)
+        scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
+        self.batch_fn = batch_fn
         self.run_dir = Path(run_dir)
+        self._trackers = trackers.resolve(self.config.trackers)  # a bad store fails here, before any work
         self.model, self.optimizer = model, optimizer
         self.step_fn, self.build_fn = step_fn, build_fn
         self.scheduler, self.scaler = scheduler, scaler
@@ -190,8 +217,11 @@ class Recorder:
         self._ckpt_steps: list[int] = []
         self._rng_after_prev: dict | None = None
         self._force_rng = True
+        self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
+        self._step_rng: dict | None = None  # the RNG states the running step began in
         self._closed = False
-        self._pending: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
+        self._pending = None  # a sharded checkpoint being written in the background
+        self._health_queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
         self.restored_step: int | None = None
 
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
@@ -257,6 +287,10 @@ class Recorder:
             self.next_step = self._resume(self.config.restore)
         else:
             self.next_step = 0
+        if exists and self.batch_fn is not None:  # (a resumed run may add or change it)
+            self.manifest.setdefault("functions", {})["batch_fn"] = userfns.describe(
+                self.batch_fn, "batch_fn", self.run_dir
+            )
         self.session = len(self.manifest["sessions"])
         self.manifest["sessions"].append(
             {
@@ -286,6 +320,7 @@ class Recorder:
             (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+        self.live = live_log(self._trackers, str(self.run_dir), self.manifest) if self.world.is_main else None
         if self.deferred and not self.world.distributed:  # (a collective at exit could hang)
             self._exit_hook = _settle_at_exit(self)
             atexit.register(self._exit_hook)
@@ -315,10 +350,16 @@ class Recorder:
                 "has_scaler": self.scaler is not None,
                 "update_ratio": self.config.update_ratio,
                 "health_read": "deferred" if self.deferred else "immediate",
+                "compiled": is_compiled(self.model) or is_compiled(self.step_fn),
             },
             functions={
                 "build_fn": userfns.describe(self.build_fn, "build_fn", self.run_dir),
                 "step_fn": userfns.describe(self.step_fn, "step_fn", self.run_dir),
+                **(
+                    {"batch_fn": userfns.describe(self.batch_fn, "batch_fn", self.run_dir)}
+                    if self.batch_fn is not None
+                    else {}
+                ),
             },
             parameters=[
                 {
@@ -409,19 +450,34 @@ class Recorder:
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
 
-    def begin_step(self, batch: Any, sample_ids=None) -> int:
+    def begin_step(self, batch: Any = None, sample_ids=None) -> int:
         """Record the batch of the step about to run (checkpointing first when one is due);
         returns its step number. The step's gradients and update are measured until
-        `end_step(loss)`."""
-        measure = self._record_batch(batch, sample_ids)
+        `end_step(loss)`.
+
+        With no batch (gradient accumulation: the micro-batches arrive one by one), the step
+        starts all the same (its checkpoint, its RNG states, the measuring) and
+        `record_batch(batch, sample_ids)` records its batch once it is known (before its last
+        micro-batch runs, so that a step that crashes there can be replayed)."""
+        measure = self._open_step()
+        if batch is not None:
+            self._append_batch(batch, sample_ids)
         self.trainee.begin(measure_update=measure)
         self._in_step = True
         return self.next_step
 
+    def record_batch(self, batch: Any, sample_ids=None) -> None:
+        """The batch of the step `begin_step()` began without one (once per step)."""
+        if not self._in_step or self._pending_rng is _WRITTEN:
+            raise RecordError("record_batch needs a step begun by begin_step() without a batch", path=self.run_dir)
+        self._append_batch(batch, sample_ids)
+
     def abort_step(self) -> None:
-        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded."""
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded
+        (a batch not yet given to `record_batch` is not recorded)."""
         self.trainee.abort()
         self._in_step = False
+        self._pending_rng = _WRITTEN
         self._settle_quietly()
 
     def end_step(self, loss) -> StepHealth | None:
@@ -430,6 +486,8 @@ class Recorder:
         Returns the step's health, or None when it is read later (`health_read`)."""
         if not self._in_step:
             raise RecordError("end_step called without begin_step", path=self.run_dir)
+        if self._pending_rng is not _WRITTEN:
+            raise RecordError("end_step called before record_batch: the step has no batch", path=self.run_dir)
         try:
             pending = self.trainee.finish(loss)
         finally:
@@ -448,33 +506,60 @@ class Recorder:
     def _record_batch(self, batch: Any, sample_ids) -> bool:
         """Before step `next_step` runs: a checkpoint when one is due, then its batch, sample
         ids and (when changed) RNG states. Returns whether this step measures its update."""
+        measure = self._open_step()
+        self._append_batch(batch, sample_ids)
+        return measure
+
+    def _open_step(self) -> bool:
+        """Before step `next_step` runs: a checkpoint when one is due, and the RNG states it
+        starts in (kept for its batch record when they changed). Returns whether this step
+        measures its update."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
             raise RecordError("begin_step called twice without end_step", path=self.run_dir)
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
-        if sample_ids is not None:
-            sample_ids = _plain_ids(sample_ids)
         rng = capture_rng()
-        self._ckpt_wait = 0.0
+        # A sharded checkpoint started at the previous step commits now: its write had a step.
+        self._ckpt_wait = self._finish_sharded()
         if n == self.session_start or n % self.config.ckpt_every == 0:
             self._settle()  # the segment and the checkpoint's "healthy" flag need every step before
             self.writer.roll(n)
             if n not in self._ckpt_steps:
-                self._ckpt_wait = self._checkpoint(n, "start" if n == self.session_start else "periodic")
+                self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
-        self.writer.append_batch(n, records.encode_batch(n, batch, sample_ids, rng if changed else None))
+        self._pending_rng = rng if changed else None
+        self._step_rng = rng
         self._force_rng = False
         return n % self.config.health_every == 0
+
+    def _append_batch(self, batch: Any, sample_ids) -> None:
+        """Step `next_step`'s batch, sample ids and the RNG states `_open_step` kept."""
+        if sample_ids is not None:
+            sample_ids = _plain_ids(sample_ids)
+        n = self.next_step
+        nbytes = records.batch_nbytes(batch) if self.batch_fn is not None else 0
+        if self.batch_fn is not None and nbytes >= self.config.batch_ref_bytes:
+            if sample_ids is None:
+                raise RecordError(
+                    f"step {n}: a batch stored by reference needs its sample_ids (batch_fn rebuilds it from them)",
+                    path=self.run_dir,
+                )
+            digest = records.batch_digest(batch)
+            payload = records.encode_batch_ref(n, digest, nbytes, sample_ids, self._pending_rng)
+        else:
+            payload = records.encode_batch(n, batch, sample_ids, self._pending_rng)
+        self.writer.append_batch(n, payload)
+        self._pending_rng = _WRITTEN
 
     def _after_step(self, pending: PendingHealth) -> StepHealth | None:
         """Step `next_step` ran: queue its health; record what is due (all of it when read at
         once, all but this step's when deferred). Returns this step's health when read."""
         n = self.next_step
         self._rng_after_prev = capture_rng()
-        self._pending.append((n, pending, self._ckpt_wait, time.time()))
+        self._health_queue.append((n, pending, self._ckpt_wait, time.time()))
         self.next_step = n + 1
         return self._settle(keep=1 if self.deferred else 0)
 
@@ -483,8 +568,8 @@ class Recorder:
         then NonFiniteLoss for the first non-finite loss among them (if asked to), once the
         steps after it are recorded too. Returns the last health recorded."""
         health, bad = None, None
-        while len(self._pending) > keep:
-            n, pending, wait, t = self._pending.pop(0)
+        while len(self._health_queue) > keep:
+            n, pending, wait, t = self._health_queue.pop(0)
             health = self._record_health(n, pending.result(grads_live=not self.deferred), wait, t)
             if bad is None and not health.loss_finite:
                 bad = (n, health.loss)
@@ -512,6 +597,8 @@ class Recorder:
             self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
+        if self.live is not None:  # queued: the trackers are sent to off this thread
+            self.live.step(n, scalars, health.arrays(), events)
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
@@ -531,6 +618,8 @@ class Recorder:
         clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
         if self.world.is_main:
             self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+            if self.live is not None:
+                self.live.validation(step, clean)
         value = clean.get(self.config.val_metric)
         if value is None or not math.isfinite(value):
             return
@@ -552,6 +641,11 @@ class Recorder:
         return self.next_step
 
     def _checkpoint(self, step: int, reason: str) -> float:
+        if self._in_step and self._pending_rng is None:
+            # Mid-step (a validation between two micro-batches): the weights are those the step
+            # began with, the RNG states are not. A replay can start here, so the step's batch,
+            # not yet written, carries the states it began in.
+            self._pending_rng = self._step_rng
         info = {
             "session": self.session,
             "reason": reason,
@@ -561,18 +655,35 @@ class Recorder:
         if self._best is not None and self._best[0] == step:
             info["validation"] = {self.config.val_metric: self._best[1]}
         self._ckpt_steps.append(step)
-        if self.world.sharded:  # FSDP: every rank writes its shards (DCP), on this thread
+        if self.world.sharded:  # FSDP: every rank writes its shards (DCP)
             t0 = time.perf_counter()
+            self._finish_sharded()  # the previous one first (its commit is collective)
             state = capture_train_state(self.optimizer, self.scheduler, self.scaler)
             state.pop("optimizer")  # its tensors go into DCP; param_groups with them
-            save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
-            if self.world.is_main:
-                apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+            if self.config.async_sharded:  # staged to host memory now, written in the background
+                self._pending = start_sharded_save(
+                    self.run_dir, step, self.world, self.model, self.optimizer, state, info
+                )
+            else:
+                save_sharded(self.run_dir, step, self.world, self.model, self.optimizer, state, info)
+                if self.world.is_main:
+                    apply_retention(self.run_dir, self.config.keep_last, *self._protected())
             return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
         return self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+
+    def _finish_sharded(self) -> float:
+        """Commit the sharded checkpoint being written in the background, if any (every rank,
+        at the same step: the commit is collective); the seconds waited for its write."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0.0
+        waited = pending.finish()
+        if self.world.is_main:
+            apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+        return waited
 
     def _protected(self) -> tuple[set[int], tuple[int, int] | None]:
         keep = {self._best[0]} if self._best else set()
@@ -603,7 +714,10 @@ class Recorder:
                 self._settle(0, raise_nonfinite=False)
             finally:
                 self.trainee.close()
+                self._finish_sharded()
                 self.writer.close()
+                if self.live is not None:
+                    self.live.close()
             if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk:
                 self.manifest["sessions"][-1]["closed"] = time.time()  # a torn tail now is damage
                 self._write_manifest(self.manifest)
@@ -617,22 +731,24 @@ class Recorder:
         self.close()
 
 
+_WRITTEN = object()  # `_pending_rng` when the running step's batch is written (or none runs)
+
+
 def _warn_anomaly(run_dir: str) -> Callable[[int, list[dict]], None]:
     """The default alert: one line on stderr per anomaly episode (steps more than 16 apart start
     a new one), naming what happened and the command that explains it."""
     last = [-(10**9)]
 
     def warn(step: int, events: list[dict]) -> None:
-        quiet = step - last[0] <= 16
+        quiet = step - last[0] <= ALERT_GAP
         last[0] = step
         if quiet:
             return
         from rich.console import Console
+        from rich.markup import escape
 
-        what = ", ".join(e["kind"].replace("_", " ") for e in events)
         Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[yellow]ckptlab:[/yellow] step {step}: {what}; explain it with "
-            f"[bold]ckptlab replay --run {run_dir} --step {step}[/bold]"
+            f"[yellow]ckptlab:[/yellow] {escape(alert_text(run_dir, step, events))}"
         )
 
     return warn

@@ -1,20 +1,40 @@
-"""Benchmark what the Recorder costs a training step on the CPU, each figure a ratio against a
-bare run measured in the same invocation (machines here are shared and noisy: compare the
-ratios, not the seconds).
+"""Benchmark the Recorder's overhead on a small transformer LM trained on the CPU (the LM of
+scripts/bench_replay.py: GPT-style, tied embeddings, vocabulary 4096).
 
-Cases (docs/performance.md gives the targets):
-  a  the 4-layer LM of scripts/bench_replay.py, 1 torch thread: bare, recorded with
-     health_every=1 and with the defaults, interleaved step by step (median step ratio);
-     plus where the remaining time goes (the Recorder's phases, timed inside the runs)
+Identical runs train side by side in one process, alternating step by step (in rotating
+order): bare, recorded with health every step, recorded with the default health_every, and
+recorded with the default health_every plus live trackers (`--trackers`, default: MLflow on a
+local file store and an offline W&B run, those installed; `--trackers none` leaves the case
+out): the cost of live logging is the last two rows' difference. Machines
+here are shared and noisy, so each mode sees the same slow and fast moments: compare the
+ratios, not the seconds. Each recorded run keeps every batch and the health of every step and
+checkpoints every 100 steps. Prints the median step-time ratio to bare, where the remaining
+cost goes (the Recorder's phases, timed inside the recorded runs), and the bytes stored per
+step against the raw batch.
+
+    PYTHONPATH=. python scripts/bench_record.py [--steps 300] [--layers 4] [--width 256]
+        [--batch 16] [--seq 128] [--ckpt-every 100] [--threads N] [--trackers mlflow,wandb|none]
+
+With `--accumulate K` (e.g. 8) it measures gradient accumulation instead (`accumulation()`):
+each step is K micro-batches of `--batch` rows, recorded as one step holding them all, the
+way the Lightning and Hugging Face integrations record it (begin_step, the micro-batches
+gathered, the batch written before the last one, end_step). Three copies take turns in one
+process: bare; recorded with the probe told which backward is the step's last (as the
+integrations do), so pre-clip gradient norms are measured once a step; and recorded without
+telling it, so they are measured after every micro-batch.
+
+With `--case` it measures the cases docs/performance.md sets targets for, each figure a ratio
+against a bare run in the same invocation (or a difference from it); the last line of output
+is one JSON object with every figure:
+  a  the 4-layer LM, 1 torch thread: bare, recorded with health_every=1 and with the
+     defaults, interleaved step by step (median step ratio), and where the time goes
   b  the same with all threads and a checkpoint inside the timed window (ratio of the totals)
-  c  a ~2 ms step (the LM at 1 layer x 64 wide): host time added per step, in ms
+  c  a ~2 ms step (the LM at 1 layer x 64 wide, batch 4 x 32): host time added per step, in ms
   e  peak RSS of a ~250M-parameter MLP (AdamW) recorded with health_every=1, over the steps
      after the first checkpoint, vs the same bare (one process each)
   f  in that run, the step that starts a checkpoint vs the median step
 
-    PYTHONPATH=. python scripts/bench_record.py [--case a,b,c,e,f] [--steps N] [--params 250e6]
-
-The last line of output is one JSON object with every figure.
+    PYTHONPATH=. python scripts/bench_record.py --case a,b,c,e,f [--steps N] [--params 250e6]
 """
 
 from __future__ import annotations
@@ -38,12 +58,13 @@ import torch.nn.functional as F
 import ckptlab
 from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
 from ckptlab import record
+from ckptlab.analysis.batches import MICRO_BATCHES
+from ckptlab.integrations._common import MicroBatches
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
-from ckptlab.training.probe import PendingHealth, StepProbe
-
-TARGETS = {"a": 1.02, "b": 1.04, "c": 0.25, "e": 1.10, "f": 1.5}
+from ckptlab.trackers.live import LiveLog
+from ckptlab.training.probe import PendingHealth, StepProbe, accumulating
 
 
 def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
@@ -75,6 +96,8 @@ PHASES = {
     ],
     "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
+    "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
+    "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],
 }
 spent: dict[tuple[str, str], float] = defaultdict(float)  # (mode, phase) -> seconds
 current = {"mode": ""}
@@ -100,6 +123,92 @@ def instrument() -> None:
                         spent[current["mode"], stack[-1]] -= dt
 
             setattr(owner, name, wraps(fn)(timed))
+
+
+# --- gradient accumulation: K micro-batches a step, as nanoGPT's train.py runs them ----------------
+
+
+def step_accumulating(model, opt, batch):
+    """The recorded step function: one optimizer step over the step's micro-batches."""
+    return accumulation_step(model, opt, [(part, None) for part in batch[MICRO_BATCHES]])
+
+
+def accumulation_step(model, opt, parts, rec=None, *, tell_probe: bool = True):
+    """One optimizer step of nanoGPT's loop over `parts` ((micro-batch, sample ids) pairs).
+    With `rec`, recorded as the framework integrations record it: begin_step, each micro-batch
+    joining the step's batch (with its RNG check), the batch written before the last one runs,
+    the probe told which backward is the last (`tell_probe`), end_step with the summed loss."""
+    micro = None
+    if rec is not None:
+        rec.begin_step()
+        micro = MicroBatches()
+    total = None
+    for i, (part, ids) in enumerate(parts):
+        last = i == len(parts) - 1
+        if micro is not None:
+            micro.add(part, ids)
+            if tell_probe:
+                accumulating(opt, not last)
+            if last:
+                micro.record(rec, {})
+        tokens = part["ids"]  # (B, T + 1)
+        logits = model(tokens[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)) / len(parts)
+        loss.backward()
+        if micro is not None:
+            micro.add_loss(loss)
+        total = loss.detach() if total is None else total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if rec is not None:
+        rec.end_step(total)
+    return total
+
+
+def accumulation(args) -> None:
+    """Bare vs recorded steps of `args.accumulate` micro-batches each, taking turns; prints the
+    median step-time ratios to bare and the Recorder's phases."""
+    batches = make_batches(args.steps * args.accumulate, args.batch)
+    steps = [batches[i : i + args.accumulate] for i in range(0, len(batches), args.accumulate)]
+    instrument()
+    times: dict[str, list[float]] = defaultdict(list)
+    tell = {"recorded (last backward measured)": True, "recorded (every backward)": False}
+    with tempfile.TemporaryDirectory() as tmp:
+        trained = {mode: build() for mode in ["bare", *tell]}
+        recorders = {
+            mode: ckptlab.Recorder(
+                Path(tmp) / f"told{told}",
+                *trained[mode],
+                step_fn=step_accumulating,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+            )
+            for mode, told in tell.items()
+        }
+        modes = list(trained)
+        for i, parts in enumerate(steps):
+            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate: no mode always runs first
+                current["mode"] = mode
+                t0 = time.perf_counter()
+                accumulation_step(*trained[mode], parts, recorders.get(mode), tell_probe=tell.get(mode, True))
+                if i:  # the first step warms caches up
+                    times[mode].append(time.perf_counter() - t0)
+        for rec in recorders.values():
+            rec.close()
+    bare = statistics.median(times["bare"])
+    print(
+        f"gradient accumulation: {args.accumulate} micro-batches of {args.batch} x {args.seq} tokens a step; "
+        f"{args.layers} layers x {args.width} wide; {torch.get_num_threads()} threads; {len(steps)} steps per mode"
+    )
+    print(f"{'mode':<38}{'median ms':>10}{'median ratio':>14}")
+    for mode, t in times.items():
+        print(f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.median(t) / bare:>13.3f}x")
+    for mode in recorders:
+        print_phases(mode, len(steps), bare)
+
+
+TARGETS = {"a": 1.02, "b": 1.04, "c": 0.25, "e": 1.10, "f": 1.5}  # docs/performance.md
 
 
 # --- cases a, b, c: bare and recorded runs of the LM, interleaved step by step ------------------
@@ -156,7 +265,6 @@ def table(times: dict[str, list[float]], steps: int) -> None:
 def case_a(args, tmp: Path) -> dict:
     torch.set_num_threads(1)
     CFG.update(layers=4, width=256, seq=128)
-    instrument()
     health = {"recorded, health_every=1": 1, "recorded, default": 10}
     times = interleaved(args.steps or 200, 16, 100, health, tmp / "a")
     print("\n(a) 4-layer LM, 1 thread, batch 16 x 128, checkpoint every 100 steps")
@@ -305,18 +413,11 @@ def case_ef(args, tmp: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="a,b,c,e,f", help="comma-separated cases (default: all)")
-    ap.add_argument("--steps", type=int, default=0, help="steps per mode (default: a, b 200; c 1000; e/f 8)")
-    ap.add_argument("--params", type=float, default=250e6, help="parameters of the e/f model (default 250e6)")
-    ap.add_argument("--worker", choices=("bare", "recorded"), help=argparse.SUPPRESS)
-    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        return worker(args.worker, args.steps, args.run_dir)
+def run_cases(args) -> None:
+    """The cases of `--case` (see the module docstring); one JSON line of figures last."""
     cases = set(args.case.split(","))
     figures: dict[str, float] = {}
+    instrument()
     with tempfile.TemporaryDirectory(prefix="ckptlab-bench-record-") as tmp:
         for name, fn in (("a", case_a), ("b", case_b), ("c", case_c)):
             if name in cases:
@@ -324,18 +425,166 @@ def main() -> None:
         if cases & {"e", "f"}:
             figures.update(case_ef(args, Path(tmp)))
     print("\nfigure                          value    target")
-    checks = {
-        "a_ratio_default": "a",
-        "b_ratio_total": "b",
-        "c_added_ms_default": "c",
-        "e_peak_rss_ratio": "e",
-        "f_ckpt_step_ratio": "f",
-    }
+    checks = {"a_ratio_default": "a", "b_ratio_total": "b", "c_added_ms_default": "c", "e_peak_rss_ratio": "e"}
+    checks["f_ckpt_step_ratio"] = "f"
     for key, value in figures.items():
         target = TARGETS.get(checks.get(key, ""))
         mark = "" if target is None else ("  ok" if value <= target else "  OVER")
         print(f"  {key:<30}{value:>8.3f}" + (f"  <= {target}{mark}" if target is not None else ""))
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--steps", type=int, default=None, help="steps per mode (default 300; --case: a, b 200, c 1000, e/f 8)"
+    )
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument(
+        "--trackers",
+        default="mlflow,wandb",
+        help="live trackers of the last case: mlflow, wandb (offline), both (default; those installed), or none",
+    )
+    ap.add_argument("--accumulate", type=int, default=0, help="measure steps of this many micro-batches instead")
+    ap.add_argument("--case", help="measure these cases instead (comma-separated: a,b,c,e,f)")
+    ap.add_argument("--params", type=float, default=250e6, help="parameters of the e/f model (default 250e6)")
+    ap.add_argument("--worker", choices=("bare", "recorded"), help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps, args.run_dir)
+    if args.case:
+        return run_cases(args)
+    args.steps = args.steps or 300
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    CFG.update(layers=args.layers, width=args.width, seq=args.seq)
+    if args.accumulate:
+        accumulation(args)
+        return
+    batches = make_batches(args.steps, args.batch)
+    instrument()
+    times: dict[str, list[float]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        bare_model, bare_opt = build()
+        recorders = {}
+        for mode, health_every in (("recorded, health_every=1", 1), ("recorded, health_every=10 (default)", 10)):
+            model, opt = build()
+            recorders[mode] = ckptlab.Recorder(
+                Path(tmp) / f"health{health_every}",
+                model,
+                opt,
+                step_fn=step,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+                health_every=health_every,
+            )
+        trackers = make_trackers(args.trackers, Path(tmp))
+        if trackers:
+            model, opt = build()
+            mode = f"recorded + {'+'.join(t.kind for t in trackers)}"
+            recorders[mode] = ckptlab.Recorder(
+                Path(tmp) / "trackers",
+                model,
+                opt,
+                step_fn=step,
+                build_fn=build,
+                ckpt_every=args.ckpt_every,
+                trackers=trackers,
+            )
+        modes = ["bare", *recorders]
+        for i, (batch, ids) in enumerate(batches):
+            k = i % len(modes)
+            for mode in modes[k:] + modes[:k]:  # rotate: no mode always runs first
+                current["mode"] = mode
+                t0 = time.perf_counter()
+                if mode == "bare":
+                    step(bare_model, bare_opt, batch)
+                else:
+                    recorders[mode].step(batch, sample_ids=ids)
+                if i:  # the first step warms caches up
+                    times[mode].append(time.perf_counter() - t0)
+            if (i + 1) % 50 == 0:
+                print(
+                    f"step {i + 1}/{args.steps}: "
+                    + ", ".join(f"{m} {statistics.median(t) * 1e3:.0f} ms" for m, t in times.items()),
+                    flush=True,
+                )
+        for rec in recorders.values():
+            rec.close()
+        run_dir = recorders["recorded, health_every=1"].run_dir
+        stored = {p: dir_size(run_dir / p) for p in ("batches", "journal", "checkpoints")}
+        n_ckpt = len(ckptlab.open_run(run_dir).checkpoints)
+    report(args, times, stored, n_ckpt)
+
+
+def make_trackers(names: str, tmp: Path) -> list:
+    """The live trackers asked for, those whose package is installed."""
+    import importlib.util
+    import os
+
+    out = []
+    wanted = set() if names == "none" else set(names.split(","))
+    if "mlflow" in wanted and importlib.util.find_spec("mlflow"):
+        from ckptlab.trackers import MLflow
+
+        out.append(MLflow(tmp / "mlruns", experiment="bench"))
+    if "wandb" in wanted and importlib.util.find_spec("wandb"):
+        from ckptlab.trackers import WandB
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        out.append(WandB(project="bench", dir=tmp / "wandb", mode="offline"))
+    return out
+
+
+def print_phases(mode: str, steps: int, bare: float) -> None:
+    """The Recorder's phases timed inside `mode`'s steps: the direct measurement of its cost,
+    steadier on a noisy machine than the ratio of step times."""
+    print(f"\nwhere the time goes, {mode} (mean per step; % of the bare median step):")
+    phases = {p: v for (m, p), v in spent.items() if m == mode}
+    for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
+        per = total / steps
+        print(f"  {phase:<36}{per * 1e3:>8.2f} ms {per / bare * 100:>6.2f}%")
+    total = sum(phases.values()) / steps
+    print(f"  {'sum':<36}{total * 1e3:>8.2f} ms {total / bare * 100:>6.2f}%")
+
+
+def report(args, times, stored, n_ckpt) -> None:
+    bare = statistics.median(times["bare"])
+    n_params = sum(p.numel() for p in build()[0].parameters())
+    print(
+        f"\nmodel: {args.layers} layers x {args.width} wide, vocab {VOCAB}, {n_params / 1e6:.2f}M parameters; "
+        f"batch {args.batch} x {args.seq} tokens; {torch.get_num_threads()} threads; {args.steps} steps per mode; "
+        f"checkpoint every {args.ckpt_every} steps"
+    )
+    print(f"{'mode':<38}{'median ms':>10}{'mean ms':>10}{'median ratio':>14}{'mean ratio':>12}")
+    for mode, t in times.items():
+        print(
+            f"{mode:<38}{statistics.median(t) * 1e3:>10.1f}{statistics.mean(t) * 1e3:>10.1f}"
+            f"{statistics.median(t) / bare:>13.3f}x{statistics.mean(t) / statistics.mean(times['bare']):>11.3f}x"
+        )
+    live = next((m for m in times if m.startswith("recorded + ")), None)
+    if live is not None:
+        base = times["recorded, health_every=10 (default)"]
+        print(
+            f"\nlive trackers ({live[len('recorded + ') :]}): median step {statistics.median(times[live]) / statistics.median(base):.3f}x, "
+            f"mean {statistics.mean(times[live]) / statistics.mean(base):.3f}x the recorded run without them "
+            "(the same health_every; the sending runs on a background thread)"
+        )
+    for mode in times:
+        if mode != "bare":
+            print_phases(mode, args.steps, bare)
+    raw = args.batch * (args.seq + 1) * 8  # int64 token ids
+    print(
+        f"\nstored per step: batch log {stored['batches'] / args.steps:,.0f} B (raw batch {raw:,} B: "
+        f"{stored['batches'] / args.steps / raw:.2f}x), journal {stored['journal'] / args.steps:,.0f} B; "
+        f"{n_ckpt} checkpoints kept, {stored['checkpoints'] / 2**20:.1f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -223,7 +224,9 @@ def record_fp16_overflow(run_dir) -> Expected:
             yield x, y
 
     _record(run_dir, build_half, step_mlp, batches())
-    return Expected(21, 21, "half_block.proj", [5])
+    # a float16 overflow: in float32 (the whole model: the block hands float16 on) the step
+    # stays finite, though the row still makes the loss spike (~700)
+    return Expected(21, 21, "half_block.proj", [5], kind="precision")
 
 
 # --- 6. a tiny transformer whose attention softmax gets a fully masked row -------------------------
@@ -460,7 +463,7 @@ def step_micro_gpt_pairs(model, opt, batch):
     return _accumulate(model, opt, batch, size=2)
 
 
-def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_rows=(2,)) -> Expected:
+def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_rows=(2,), **record) -> Expected:
     def batches():
         for s in range(30):
             g = torch.Generator().manual_seed(s)
@@ -472,7 +475,7 @@ def record_micro_batch_ignored_targets(run_dir, step_fn=step_micro_gpt, empty_ro
                 y[list(empty_rows)] = -100  # nothing to train on: its micro-batch's loss is 0/0
             yield {"x": seq[:, :-1], "y": y}
 
-    _record(run_dir, build_micro_gpt, step_fn, batches())
+    _record(run_dir, build_micro_gpt, step_fn, batches(), **record)
     return Expected(17, 17, "", list(empty_rows), kind="numeric", op="aten.nll_loss_forward.default")
 
 
@@ -482,3 +485,123 @@ def record_micro_batch_copied(run_dir) -> Expected:
 
 def record_micro_batch_pairs(run_dir) -> Expected:
     return record_micro_batch_ignored_targets(run_dir, step_micro_gpt_pairs, (2, 3))
+
+
+# --- delayed scaling (as in FP8 training): a blank batch at step 21 dooms step 22 ---------------
+
+
+class DelayedScaleMLP(nn.Module):
+    """Scales its input by the absolute maximum of the previous batch's, then casts to float16
+    (FP8-style delayed scaling, history of one). A near-blank batch sets that maximum near zero,
+    so the next, normal batch overflows float16: the fault shows a step after its cause, and the
+    faulting batch is harmless from any other state."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+        self.register_buffer("amax", torch.ones(()))
+
+    def forward(self, x):
+        scaled = (x / self.amax).half().float()  # > 65504 is Inf
+        self.amax = x.detach().abs().max()
+        return self.mlp(scaled)
+
+
+def build_delayed_scale():
+    torch.manual_seed(0)
+    m = DelayedScaleMLP()
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
+def record_delayed_scale(run_dir) -> Expected:
+    def batches():
+        for s in range(40):
+            x, y = _xy(s)
+            if s == 21:
+                x, y = x * 1e-7, y * 1e-7  # a blank batch (e.g. an all-padding shard)
+            yield x, y
+
+    _record(run_dir, build_delayed_scale, step_mlp, batches())
+    return Expected(22, 22, "mlp.fc1", [], kind="numeric")
+
+
+# --- Adam's second moment never grew: a feature that switches on late ------------------------
+
+
+class LateFeatureModel(nn.Module):
+    """A small MLP on the first 8 features, plus a large matrix on 128 non-negative features
+    (counts) that are zero until step 25 (a data source that comes online late). Adam's second moment of that matrix
+    stays 0 until its first real gradient, which then moves every element by ~lr at once: an
+    update far larger than the matrix, from clean data at a normal learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP(d_in=8, hidden=4)
+        self.late = nn.Parameter(torch.full((128, 128), 1e-4))
+
+    def forward(self, x):
+        return self.mlp(x[:, :8]) + (x[:, 8:] @ self.late).mean(1, keepdim=True)
+
+
+def build_late_feature():
+    torch.manual_seed(0)
+    m = LateFeatureModel()
+    return m, torch.optim.Adam(m.parameters(), lr=2e-2)
+
+
+def record_late_feature(run_dir) -> Expected:
+    def batches():
+        for s in range(40):
+            x, y = _xy(s)
+            g = torch.Generator().manual_seed(s)
+            late = torch.randn(B, 128, generator=g).abs() if s >= 25 else torch.zeros(B, 128)  # counts, >= 0
+            yield torch.cat([x, late], 1), y
+
+    losses = _record(run_dir, build_late_feature, step_mlp, batches())
+    symptom = next((i for i, v in enumerate(losses) if i > 25 and (not math.isfinite(v) or v > 10 * losses[24])), 26)
+    return Expected(25, symptom, None, [], kind="optimizer")
+
+
+# --- 12. noise from a generator no recording holds (an unseeded numpy Generator): every replay
+# differs from the record and from every other replay; the recorded NaN came from a global that
+# the training script changed between steps (code outside step_fn) --------------------------------
+
+_UNRECORDED = np.random.default_rng()  # seeded by the OS: in no checkpoint and no RNG state
+
+
+class Jitter(nn.Module):
+    scale = 1e-3  # the script sets it to NaN before step 15
+
+    def forward(self, x):
+        return x + torch.from_numpy(_UNRECORDED.standard_normal(tuple(x.shape))).float() * self.scale
+
+
+class JitterMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.jitter = Jitter()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return self.mlp(self.jitter(x))
+
+
+def build_jitter():
+    torch.manual_seed(0)
+    m = JitterMLP()
+    return m, torch.optim.SGD(m.parameters(), lr=1e-2)
+
+
+def record_unrecorded_noise(run_dir) -> Expected:
+    model, opt = build_jitter()
+    try:
+        with ckptlab.Recorder(run_dir, model, opt, step_fn=step_mlp, build_fn=build_jitter, ckpt_every=10) as rec:
+            for s in range(20):
+                Jitter.scale = float("nan") if s == 15 else 1e-3
+                try:
+                    rec.step(_xy(s), sample_ids=ids(s))
+                except ckptlab.NonFiniteLoss:
+                    break
+    finally:
+        Jitter.scale = 1e-3
+    return Expected(15, 15, "jitter", [])

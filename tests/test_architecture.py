@@ -15,6 +15,7 @@ LAYERS = {
     "ckptlab.run": 2,
     "ckptlab.analysis": 3,
     "ckptlab.training": 3,
+    "ckptlab.trackers": 3,
     "ckptlab.record": 4,
     "ckptlab.replayer": 4,
     "ckptlab.render": 5,

@@ -133,15 +133,19 @@ def test_fsdp_replay_is_bit_exact_per_rank_and_names_rank_1(fsdp_run):
 
 
 def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):
+    """Rank 1 dies just before step 11, while checkpoint 10 is still being written in the
+    background (sharded checkpoints commit at the next step): no half checkpoint is left
+    behind, the committed ones verify, and replay starts from checkpoint 5."""
     run_dir = tmp_path / "run"
-    done = torchrun(run_dir, "fsdp", kill_step=12)
+    done = torchrun(run_dir, "fsdp", kill_step=11)
     assert done.returncode != 0
     run = ckptlab.open_run(run_dir)
-    assert run.damaged == [] and 10 in run.checkpoints
+    assert run.damaged == [] and run.checkpoints == [0, 5]
     for c in run.checkpoints:
         run.checkpoint(c).verify()
-    assert set(range(10, 12)) <= set(run.steps_of(1))
-    assert ckptlab.replay(run, 11).deterministic
+    assert 10 in run.steps_of(1)
+    report = ckptlab.replay(run, 10)
+    assert report.deterministic and report.start_checkpoint == 5
     # Restart the job: every rank restores its shards of the latest checkpoint and goes on.
     again = torchrun(run_dir, "fsdp", kill_step="resume")
     assert again.returncode == 0, again.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Recorder hooks for loops it does not drive (begin_step/end_step) and anomaly alerts."""
 
 import pytest
+import torch
 
 import ckptlab
 from tests import fault_models as fm
@@ -59,3 +60,45 @@ def _nan_at(step):
         if s == step:
             x[0, 0] = float("nan")
         yield x, y
+
+
+def test_accumulated_step_measures_the_pre_clip_norm_once_on_the_last_backward(run_dir, monkeypatch):
+    """Gradient accumulation with begin_step() and record_batch(): the batch is recorded late
+    (with the RNG states of the step's start), and the gradient norms are those of the summed
+    gradient before clipping, measured on the last micro-batch's backward only."""
+    from ckptlab.training import probe
+    from ckptlab.training.probe import accumulating
+
+    model, opt = models.build_mlp()
+    micro = [b for b, _ in models.mlp_batches(4)]
+    norms = []
+    real_norm = torch.linalg.vector_norm
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
+        rec.begin_step()  # no batch yet: the micro-batches arrive one by one
+        batched = probe._norms  # the probe's one batched norm call per measured backward
+        monkeypatch.setattr(probe, "_norms", lambda ts: norms.append(len(ts)) or batched(ts))
+        for i, (x, y) in enumerate(micro):
+            accumulating(opt, i < len(micro) - 1)
+            if i == len(micro) - 1:
+                rec.record_batch({"micro_batches": micro, "micro_rows": [4] * 4}, list(range(16)))
+            (torch.nn.functional.mse_loss(model(x), y) / len(micro)).backward()
+        monkeypatch.setattr(probe, "_norms", batched)
+        expected = real_norm(torch.stack([real_norm(p.grad) for p in model.parameters()])).item()
+        assert norms == [len(list(model.parameters()))]  # every gradient once: the last backward only
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+        health = rec.end_step(torch.tensor(1.0))
+    assert health.grad_norm == pytest.approx(expected, rel=1e-6) and expected > 1e-3  # before the clip
+    batch, ids = ckptlab.open_run(run_dir).batch(0)
+    assert batch["micro_rows"] == [4] * 4 and ids == list(range(16))
+
+
+def test_record_batch_needs_a_step_begun_without_one(run_dir):
+    model, opt = models.build_mlp()
+    ((batch, ids),) = list(models.mlp_batches(1))
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
+        with pytest.raises(ckptlab.RecordError, match="record_batch needs a step"):
+            rec.record_batch(batch, ids)
+        rec.begin_step()
+        with pytest.raises(ckptlab.RecordError, match="before record_batch"):
+            rec.end_step(1.0)

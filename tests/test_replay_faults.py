@@ -108,6 +108,15 @@ def test_micro_batch_loop_blames_the_row_in_json_and_cli(run_dir):
     assert cli["verdict"] == doc["verdict"]
 
 
+def test_ignored_labels_are_not_out_of_range_token_ids(run_dir):
+    """With data_info's vocab_size known, a -100 label (the ignore_index) is not a bad token id:
+    the all-ignored row is blamed as empty, and no row is called out of range."""
+    exp = fm.record_micro_batch_ignored_targets(run_dir, data_info={"vocab_size": 32})
+    doc = ckptlab.replay(run_dir, exp.symptom).to_json()
+    assert doc["samples"][0]["row"] == exp.rows[0] and "empty" in doc["samples"][0]["reason"]
+    assert not any("outside [0" in s["reason"] for s in doc["samples"]), doc["samples"]
+
+
 def test_micro_batch_loop_without_trace_blames_the_row_that_fails_alone(run_dir):
     exp = fm.record_micro_batch_ignored_targets(run_dir)
     report = ckptlab.replay(run_dir, exp.symptom, trace=False)

@@ -5,7 +5,16 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame, StepCheck, verdict
+from ckptlab.replayer.findings import (
+    Counterfactual,
+    Culprit,
+    Origin,
+    ReplayReport,
+    Rewind,
+    SampleBlame,
+    StepCheck,
+    verdict,
+)
 
 maybe = st.none
 
@@ -46,6 +55,8 @@ origins = st.builds(
     produced=st.one_of(maybe(), st.sampled_from(["NaN", "Inf"])),
     inputs_finite=st.one_of(maybe(), st.booleans()),
     detail=st.one_of(maybe(), st.text(max_size=30)),
+    dtype=st.one_of(maybe(), st.sampled_from(["float16", "bfloat16", "float32"])),
+    state=st.one_of(maybe(), st.just("exp_avg_sq")),
 )
 samples = st.builds(
     SampleBlame,
@@ -74,6 +85,38 @@ divergences = st.one_of(
         optional={"loss": FLOATS, "recorded_loss": FLOATS, "abs_diff": FLOATS},
     ),
 )
+ROWS = st.lists(st.integers(0, 10_000), max_size=5)
+culprits = st.builds(
+    Culprit,
+    rows=ROWS,
+    sample_ids=st.lists(st.one_of(maybe(), st.integers(), st.text(max_size=8)), max_size=5),
+    minimal=st.booleans(),
+    fields=st.lists(st.sampled_from(["['ids']", "[0]", ".x", ""]), max_size=3),
+    positions=st.one_of(maybe(), st.lists(st.integers(0, 4096), max_size=6, unique=True).map(sorted)),
+    transplant_step=st.one_of(maybe(), st.integers(0, 10**6)),
+    transplant_fault=st.one_of(maybe(), st.booleans()),
+    cause=st.one_of(maybe(), st.sampled_from(["data alone", "data x model state", "data x batch", "other"])),
+    detail=st.text(max_size=20),
+)
+rewinds = st.builds(
+    Rewind,
+    searched=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(list),
+    step=st.one_of(maybe(), st.integers(0, 10**6)),
+    rows=ROWS,
+    sample_ids=st.lists(st.integers(), max_size=5),
+    complete=st.booleans(),
+    detail=st.text(max_size=30),
+)
+budgets = st.one_of(
+    maybe(),
+    st.fixed_dictionaries(
+        {
+            "replays": st.integers(0, 100),
+            "used": st.integers(0, 100),
+            "ran_out": st.lists(st.sampled_from(["culprit", "transplant", "rewind"]), max_size=3, unique=True),
+        }
+    ),
+)
 reports = st.builds(
     ReplayReport,
     run=st.just("run"),
@@ -92,6 +135,9 @@ reports = st.builds(
     steps=st.lists(checks, max_size=3),
     verdict=st.just(""),
     rank=st.one_of(maybe(), st.integers(0, 1024)),
+    culprit=st.one_of(maybe(), culprits),
+    rewind=st.one_of(maybe(), rewinds),
+    budget=budgets,
 )
 
 

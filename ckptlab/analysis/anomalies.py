@@ -5,6 +5,11 @@ A step is anomalous when its loss, a gradient or (when measured) a weight is non
 its loss or gradient norm spikes (analysis/spikes.py); or when its update moves the weights by
 more than UPDATE_EXPLOSION of their norm (measured every `health_every` steps while recording,
 every step near the fault while replaying).
+
+A step a GradScaler skipped (`scaler_skipped`: its gradients overflowed, the update was not
+applied and the scale backed off) is not anomalous for its gradients: that is how float16
+training finds its scale. Its loss still counts: a non-finite loss is a fault whatever the
+scaler does (backing off the scale cannot fix a forward pass that overflows).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
     events = []
     if not math.isfinite(h.loss):
         events.append({"kind": "nonfinite_loss", "value": h.loss})
-    if h.nonfinite_grads or not np.isfinite(h.param_grad_norm).all():
+    if not h.scaler_skipped and (h.nonfinite_grads or not np.isfinite(h.param_grad_norm).all()):
         events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
     if h.weight_norm is not None and not np.isfinite(h.weight_norm).all():
         events.append({"kind": "nonfinite_weight", "value": int((~np.isfinite(h.weight_norm)).sum())})

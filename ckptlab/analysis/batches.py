@@ -5,6 +5,11 @@ dirty, report and replay's blame share.
     n = batch_rows(batch, sample_ids)               # how many rows the batch has
     sub = select_rows(batch, [3, 5], n)             # the batch restricted to rows 3 and 5
     vocab = embedding_tables(run.manifest)          # rows of each embedding-like table
+
+A step with gradient accumulation is recorded as its micro-batches together,
+`{"micro_batches": [mb0, mb1, ...], "micro_rows": [rows of mb0, ...], ...}`, its rows (and
+sample ids) numbered across the micro-batches in order: `row_groups` and `micro_row` map
+between the two, and `batch_rows` / `select_rows` count and select across them.
 """
 
 from __future__ import annotations
@@ -77,10 +82,49 @@ def python_leaves(obj, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, obj
 
 
+MICRO_BATCHES, MICRO_ROWS = "micro_batches", "micro_rows"
+
+
+def micro_rows(batch) -> list[int] | None:
+    """The row count of each micro-batch, when `batch` records an accumulated step."""
+    if not isinstance(batch, dict):
+        return None
+    parts, sizes = batch.get(MICRO_BATCHES), batch.get(MICRO_ROWS)
+    if not isinstance(parts, list) or not isinstance(sizes, list) or len(parts) != len(sizes):
+        return None
+    return [int(n) for n in sizes]
+
+
+def row_groups(batch, rows: int | None) -> list[tuple[int, Any, int | None]]:
+    """(first row, the part of the batch that holds its rows, row count): one per micro-batch
+    of an accumulated step, else the batch itself."""
+    sizes = micro_rows(batch)
+    if sizes is None:
+        return [(0, batch, rows)]
+    firsts = np.cumsum([0, *sizes[:-1]]).tolist()
+    return list(zip(firsts, batch[MICRO_BATCHES], sizes))
+
+
+def micro_row(batch, row: int) -> tuple[int, int] | None:
+    """(micro-batch, row within it) of a row of an accumulated step's batch; None otherwise."""
+    sizes = micro_rows(batch)
+    if sizes is None:
+        return None
+    for m, n in enumerate(sizes):
+        if row < n:
+            return m, row
+        row -= n
+    return None
+
+
 def batch_rows(batch, ids) -> int | None:
-    """Rows in the batch: one per sample id, else the most common leading dimension."""
+    """Rows in the batch: one per sample id, else (across its micro-batches) the most common
+    leading dimension."""
     if ids is not None:
         return len(ids)
+    sizes = micro_rows(batch)
+    if sizes is not None:
+        return sum(sizes)
     dims = [
         leaf.shape[0] for _, leaf in python_leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim
     ]
@@ -88,7 +132,17 @@ def batch_rows(batch, ids) -> int | None:
 
 
 def select_rows(obj, rows: list[int], n: int):
-    """The batch restricted to `rows` (every leaf whose first dimension is the batch's)."""
+    """The batch restricted to `rows` (every leaf whose first dimension is the batch's; in an
+    accumulated step's batch, the micro-batches that keep a row, each restricted to its rows)."""
+    sizes = micro_rows(obj)
+    if sizes is not None and sum(sizes) == n:
+        parts, kept = [], []
+        for first, part, k in row_groups(obj, n):
+            mine = [r - first for r in rows if first <= r < first + k]
+            if mine:
+                parts.append(select_rows(part, mine, k))
+                kept.append(len(mine))
+        return {**obj, MICRO_BATCHES: parts, MICRO_ROWS: kept}
     if isinstance(obj, torch.Tensor):
         return obj[rows] if obj.dim() and obj.shape[0] == n else obj
     if isinstance(obj, np.ndarray):
@@ -102,3 +156,50 @@ def select_rows(obj, rows: list[int], n: int):
             return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
         return type(obj)(select_rows(v, rows, n) for v in obj)
     return obj
+
+
+def _is_row_list(obj) -> bool:
+    return isinstance(obj, (list, tuple)) and not any(
+        isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj
+    )
+
+
+def zip_leaves(fn, a, b):
+    """A batch shaped like `a` whose every array leaf (tensor, numpy array, or a per-row list
+    of plain values) is `fn(leaf of a, leaf of b at the same place)`. ValueError when the two
+    batches are not built alike."""
+    if isinstance(a, (torch.Tensor, np.ndarray)) or _is_row_list(a):
+        return fn(a, b)
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            raise ValueError("the batches have different fields")
+        return {k: zip_leaves(fn, v, b[k]) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            raise ValueError("the batches are nested differently")
+        out = [zip_leaves(fn, x, y) for x, y in zip(a, b)]
+        return type(a)(*out) if hasattr(type(a), "_fields") else type(a)(out)
+    return a
+
+
+def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
+    """`dst` (a batch of n_dst rows) with its rows `rows` replaced by the n_src = len(rows) rows
+    of `src`, in order. ValueError when a row leaf's shape or type differs between the two."""
+
+    def put(d, s):
+        if isinstance(d, (torch.Tensor, np.ndarray)):
+            if not d.ndim or d.shape[0] != n_dst:
+                return d
+            if type(s) is not type(d) or s.ndim != d.ndim or s.shape[0] != n_src or s.shape[1:] != d.shape[1:]:
+                raise ValueError(f"a field has rows of shape {tuple(s.shape[1:])} here and {tuple(d.shape[1:])} there")
+            out = d.clone() if isinstance(d, torch.Tensor) else d.copy()
+            out[rows] = s.to(d.dtype) if isinstance(d, torch.Tensor) else s.astype(d.dtype)
+            return out
+        if len(d) != n_dst:
+            return d
+        out = list(d)
+        for i, r in enumerate(rows):
+            out[r] = s[i]
+        return type(d)(out)
+
+    return zip_leaves(put, dst, src)

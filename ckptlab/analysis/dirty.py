@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.analysis.batches import embedding_tables, leaves
+from ckptlab.analysis.batches import batch_rows, embedding_tables, leaves, micro_rows, row_groups
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeRule, find_spikes
 from ckptlab.errors import CkptlabError
 from ckptlab.run import skiplist
@@ -265,6 +265,7 @@ class _StaticScan:
             self.vocab_source = "inferred from the embedding table" if self.vocab is not None else None
         self.ignore_index = int(info.get("ignore_index", rules.ignore_index))
         self.info_used: dict = {}
+        self.by_reference = False
 
     # one batch
     def add(self, step: int, rank: int | None = None) -> None:
@@ -275,14 +276,31 @@ class _StaticScan:
                 f"step {step}{'' if rank is None else f' (rank {rank})'}: batch unreadable ({e}); skipped"
             )
             return
-        fields = list(leaves(batch))
-        B = _batch_size(fields, ids)
+        if batch is None and not self.by_reference:  # stored by reference: the ids, no content
+            self.by_reference = True
+            self.notes.append(
+                "some batches were stored by reference (the Recorder's batch_fn): their content is not "
+                "in the run, so only their sample ids are checked"
+            )
+        # Gradient accumulation: the step's micro-batches, their rows numbered across them.
+        accumulated = micro_rows(batch) is not None
+        fields = None if accumulated else list(leaves(batch))
+        B = batch_rows(batch, ids) if accumulated else _batch_size(fields, ids)
         if B == 0:
             return
         first = self.n_rows
         for r in range(B):
             self.rows.append(_Row(step, r, ids[r] if ids is not None and r < len(ids) else None, rank))
         self.n_rows += B
+        if not accumulated:
+            self._content(fields, first, B)
+            return
+        for offset, part, n in row_groups(batch, B):
+            self._content(list(leaves(part)), first + offset, n)
+
+    def _content(self, fields: list[tuple[str, Any]], first: int, B: int) -> None:
+        """The checks of each field with one entry per row, and each row's content hash; the
+        rows are `first`, `first + 1`, ... among all scanned rows."""
         content: list[np.ndarray] = []  # per field: (B, bytes) -- a row's content is its bytes in every field
         for name, value in fields:
             if isinstance(value, list):
@@ -575,7 +593,9 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
         )
     # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
     # the weights go NaN one step later, so the step that got them is the one to look at.
-    for i in np.flatnonzero(np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0))):
+    # A step a GradScaler skipped overflowed on purpose (float16 finding its scale): not a flag.
+    bad_grads = np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
+    for i in np.flatnonzero(bad_grads):
         out.append(
             {
                 "step": int(m.step[i]),

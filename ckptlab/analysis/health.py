@@ -35,6 +35,9 @@ from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.run.reader import Metrics, Run
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+# A GradScaler that starts at 2**16 backs off a handful of times and then skips about one step
+# in its growth_interval (2000); skipping more than 5% of all steps loses real updates.
+SCALER_SKIP_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -668,7 +671,9 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
                 ],
             )
         )
-    bad = np.flatnonzero(m.nonfinite_grads > 0)
+    # A step the GradScaler skipped overflowed its scaled float16 gradients: routine, reported
+    # apart (below) and never as a non-finite-gradient error.
+    bad = np.flatnonzero((m.nonfinite_grads > 0) & ~m.scaler_skipped)
     if len(bad):
         cols = np.flatnonzero((m.param_nonfinite[bad] != 0).any(axis=0))  # -1: not counted
         out.append(
@@ -682,6 +687,24 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
                 remedies=[
                     f"find the op that produced it: ckptlab replay --step {int(m.step[bad[0]])}",
                     "with AMP: a GradScaler skips such steps; frequent ones mean a scale or a float16 overflow",
+                ],
+            )
+        )
+    skipped = np.flatnonzero(m.scaler_skipped)
+    if len(skipped):
+        # A few skips while the scale settles are how a GradScaler works; past SCALER_SKIP_SHARE
+        # of all steps the update is lost too often (a float16 overflow the scale cannot cure).
+        share = len(skipped) / max(len(m), 1)
+        out.append(
+            Finding(
+                kind="scaler_skips",
+                severity="warning" if share > SCALER_SKIP_SHARE else "info",
+                title=f"the GradScaler skipped {len(skipped)} step(s) ({share:.1%}) on overflowed gradients, first {int(m.step[skipped[0]])}",
+                steps=[int(s) for s in m.step[skipped[:50]]],
+                evidence={"skipped": len(skipped), "share": share, "first_step": int(m.step[skipped[0]])},
+                remedies=[
+                    "a few skips while the scale settles are normal",
+                    "frequent ones: lower the GradScaler's init_scale, or train in bfloat16",
                 ],
             )
         )

@@ -21,7 +21,8 @@ COMMANDS = {
     "dirty": ("ckptlab.cli.dirty", "Find dirty batches and samples; write a skip list."),
     "rollback": ("ckptlab.cli.rollback", "Roll back to the best-validation or last healthy checkpoint."),
     "report": ("ckptlab.cli.report", "Diagnose the training curves (terminal, JSON or HTML)."),
-    "export": ("ckptlab.cli.export", "Export the run's health as TensorBoard event files."),
+    "export": ("ckptlab.cli.export", "Export the run's health to TensorBoard, MLflow or Weights & Biases."),
+    "show": ("ckptlab.cli.show", "Summarize a dump file written by replay --dump."),
 }
 
 

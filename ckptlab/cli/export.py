@@ -15,8 +15,36 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     "--tensorboard",
     "tb_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    required=True,
+    default=None,
     help="Write TensorBoard event files into this folder (must hold none yet); view with `tensorboard --logdir`.",
+)
+@click.option(
+    "--mlflow",
+    "mlflow_uri",
+    default=None,
+    metavar="URI",
+    help="Log into an MLflow tracking store: a local folder or file: URI, or a server (http://host:5000). "
+    "The run is found again by its tag ckptlab.run on the next export.",
+)
+@click.option(
+    "--wandb",
+    "wandb_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write an offline Weights & Biases run into this folder (no network); upload it with the `wandb sync` command printed.",
+)
+@click.option(
+    "--experiment",
+    default="ckptlab",
+    show_default=True,
+    help="MLflow experiment / W&B project to log into.",
+)
+@click.option("--run-name", default=None, help="Name of the MLflow / W&B run (default: the run directory's name).")
+@click.option(
+    "--html/--no-html",
+    default=True,
+    show_default=True,
+    help="Attach `ckptlab report --html`'s page to the MLflow / W&B run.",
 )
 @click.option(
     "--grads/--no-grads",
@@ -26,22 +54,56 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
 )
 @trust_option
 @json_option
-def command(run_dir, tb_dir: Path, grads: bool, trust_code: bool, as_json: bool) -> None:
-    """Export the run's health as TensorBoard event files.
+def command(
+    run_dir,
+    tb_dir: Path | None,
+    mlflow_uri: str | None,
+    wandb_dir: Path | None,
+    experiment: str,
+    run_name: str | None,
+    html: bool,
+    grads: bool,
+    trust_code: bool,
+    as_json: bool,
+) -> None:
+    """Export the run's health to TensorBoard, MLflow or Weights & Biases.
 
     \b
-    Per step: loss, gradient norm (before clipping), learning rate, update ratio, step time,
-    per-parameter gradient norms / update ratios / weight norms; validation metrics; the
-    anomalies the Recorder flagged (as text). Per checkpoint: a histogram of every weight
-    tensor and, with --grads (default), of the gradients of the step that starts there.
-    Needs the tensorboard package: pip install 'ckptlab[tensorboard]'.
+    Per step: train/loss, train/grad_norm (before clipping), train/lr, train/update_ratio,
+    train/step_time, train/nonfinite_grads; per parameter grad_norm/<param>,
+    update_ratio/<param>, weight_norm/<param>; val/<metric> at each validation; anomaly/<kind>
+    and one alert line per anomaly episode (with the replay command). Per checkpoint: a
+    histogram of every weight tensor and, with --grads (default), of the gradients of the
+    step that starts there. MLflow and W&B also get the run's versions and config as params
+    and the report page (--html). Exporting to MLflow or W&B again sends only what is new.
+    Needs the viewer's package: pip install 'ckptlab[tensorboard]' / 'ckptlab[mlflow]' / 'ckptlab[wandb]'.
+    MLflow's file store is used with MLFLOW_ALLOW_FILE_STORE=true (set for a file: URI).
     """
-    from ckptlab.render.tensorboard import require_tensorboard, write_tensorboard
+    chosen = [t for t in (tb_dir, mlflow_uri, wandb_dir) if t is not None]
+    if len(chosen) != 1:
+        raise click.UsageError("choose one of --tensorboard DIR, --mlflow URI, --wandb DIR")
     from ckptlab.run.reader import open_run
 
     term = open_terminal(as_json)
-    require_tensorboard()  # before anything runs: a missing extra is one line, not a late failure
+    sink = None
+    # Before anything runs: a missing extra or an unreachable store is one line, not a late failure.
+    if tb_dir is not None:
+        from ckptlab.render.tensorboard import require_tensorboard
+
+        require_tensorboard()
+    elif wandb_dir is not None:
+        from ckptlab.render.trackers import check_wandb
+
+        check_wandb()
+    else:
+        from ckptlab.trackers.mlflow_tracker import require_mlflow
+
+        require_mlflow()
     run = open_run(find_run(run_dir, term))
+    if mlflow_uri is not None:
+        from ckptlab.render.trackers import open_mlflow
+
+        sink = open_mlflow(mlflow_uri, run=run, experiment=experiment, run_name=run_name)
     gradients = None
     if grads:
         from ckptlab.replayer.driver import Replayer
@@ -50,15 +112,39 @@ def command(run_dir, tb_dir: Path, grads: bool, trust_code: bool, as_json: bool)
         replayer = Replayer(run, trust_code=trust_code)
         gradients = lambda step: checkpoint_gradients(run, step, replayer=replayer)  # noqa: E731
     with term.progress("exporting checkpoints", total=len(run.checkpoints)) as advance:
-        summary = write_tensorboard(run, tb_dir, gradients=gradients, progress=advance)
+        if tb_dir is not None:
+            from ckptlab.render.tensorboard import write_tensorboard
+
+            summary = write_tensorboard(run, tb_dir, gradients=gradients, progress=advance)
+        elif sink is not None:
+            from ckptlab.render.trackers import write_mlflow
+
+            summary = write_mlflow(run, sink, html=html, gradients=gradients, progress=advance)
+        else:
+            from ckptlab.render.trackers import write_wandb
+
+            summary = write_wandb(
+                run, wandb_dir, project=experiment, run_name=run_name, html=html, gradients=gradients, progress=advance
+            )
     for note in summary.notes:
         term.warn(note)
     if as_json:
         term.json(summary)
         return
+    if summary.already_exported:
+        where = summary.target + (f" (run {summary.run_id})" if summary.run_id else "")
+        term.print(f"{where}: already holds everything in {run.path}; nothing new to export")
+        return
     term.print(
-        f"wrote [bold]{summary.logdir}[/bold]: {summary.steps} steps, {summary.scalars} scalar points, "
+        f"wrote [bold]{summary.target}[/bold]"
+        + (f" (run {summary.run_id})" if summary.run_id else "")
+        + f": {summary.steps} steps, {summary.scalars} scalar points, "
         f"{summary.histograms} histograms at checkpoints {summary.checkpoints}"
         + (f" (gradients at {summary.gradient_checkpoints})" if summary.gradient_checkpoints else "")
+        + (f", {summary.alerts} anomaly alerts" if summary.alerts else "")
     )
-    term.print(f"view it with: tensorboard --logdir {summary.logdir}")
+    if tb_dir is not None:
+        term.print(f"view it with: tensorboard --logdir {summary.target}")
+    elif wandb_dir is not None:
+        # --id: the fragments of one run id (one per export that found new points) go up in order
+        term.print(f"upload it with: wandb sync --id {summary.run_id} {summary.target}")

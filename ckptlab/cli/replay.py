@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ckptlab.cli.common import find_run, json_option, open_terminal, run_option, trust_option
@@ -37,8 +39,39 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
 @click.option(
     "--no-counterfactuals",
     is_flag=True,
-    help="Skip the counterfactual re-runs (without the blamed rows; from an older state).",
+    help="Skip the counterfactual re-runs (without the blamed rows; from an older state) and the --budget searches.",
 )
+@click.option(
+    "--budget",
+    type=click.IntRange(min=0),
+    default=32,
+    show_default=True,
+    help="Extra replays for the deeper searches: the minimal culprit (fewest rows, then positions, "
+    "that still fault), the transplant into a healthy batch, and the earlier step that doomed the "
+    "root step. 0 skips them; the report says when a search ran out.",
+)
+@click.option(
+    "--dump",
+    "dump_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the root step's tensors to this HDF5 file: the origin op's inputs and outputs, the batch, "
+    "the selected modules' outputs and gradients, with an index (docs/replay.md). Read it with `ckptlab show FILE`.",
+)
+@click.option(
+    "--dump-select",
+    metavar="REGEX",
+    default=None,
+    help="--dump: only the modules whose path matches this regular expression (re.search; default: every module).",
+)
+@click.option(
+    "--dump-max-bytes",
+    metavar="BYTES",
+    default=None,
+    show_default="1G",
+    help="--dump: at most this many bytes of tensors (uncompressed; 500M, 2G also work); the rest is listed as left out.",
+)
+@click.option("--force", is_flag=True, help="--dump: replace the file if it exists.")
 def command(
     run_dir,
     step: int,
@@ -50,13 +83,22 @@ def command(
     trust_code: bool,
     no_trace: bool,
     no_counterfactuals: bool,
+    budget: int,
+    dump_path: Path | None,
+    dump_select: str | None,
+    dump_max_bytes: str | None,
+    force: bool,
 ) -> None:
     """Replay a recorded step and explain what went wrong.
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
     re-runs the recorded steps with the recorded batches (checking every loss bit for bit),
     finds the root step, traces it per op, and names the layer, op, parameter and data
-    sample behind the fault -- or says that the fault did not reproduce.
+    sample behind the fault -- or says that the fault did not reproduce, and why: the first
+    step that left the record is replayed twice with a hash of every op's output, which names
+    the first nondeterministic op, or shows the state changed outside step_fn.
+
+    --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
     A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
     the CPU, NCCL on GPUs) and names the rank the fault came in on.
@@ -69,6 +111,7 @@ def command(
     from ckptlab.replayer import replay
     from ckptlab.run.reader import open_run
 
+    dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
     with term.progress(f"replaying up to step {step}") as update:
@@ -82,6 +125,8 @@ def command(
             rank=rank,
             nproc=nproc,
             trust_code=trust_code,
+            budget=budget,
+            dump=dump,
             log=lambda msg: update(description=msg),
             progress=lambda done, total: update(done, total=total),
         )
@@ -91,3 +136,40 @@ def command(
         term.json(report.to_json())
     else:
         render(report, term)
+
+
+def dump_request(path: Path | None, select: str | None, max_bytes: str | None, force: bool, no_trace: bool):
+    """The --dump options as a DumpRequest (None without --dump); bad values are usage errors."""
+    if path is None:
+        if select is not None or max_bytes is not None or force:
+            raise click.UsageError("--dump-select, --dump-max-bytes and --force go with --dump FILE.h5")
+        return None
+    if no_trace:
+        raise click.UsageError("--dump needs the per-op trace (it finds the origin op): drop --no-trace")
+    if select is not None:
+        import re
+
+        try:
+            re.compile(select)
+        except re.error as e:
+            raise click.BadParameter(f"not a regular expression: {e}", param_hint="--dump-select") from None
+    from ckptlab.replayer.dump import DumpRequest
+
+    sized = {"max_bytes": parse_bytes(max_bytes)} if max_bytes is not None else {}
+    return DumpRequest(path, select=select, force=force, **sized)
+
+
+def parse_bytes(text: str) -> int:
+    """'1000', '500M', '2G', '64k' (powers of 1000: as the default's "1G" = 10**9)."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    t = text.strip().upper().removesuffix("B")
+    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * units[unit]
+    except ValueError:
+        value = -1
+    if not value >= 0 or value != value or value > 2**62:
+        raise click.BadParameter(
+            f"{text!r} is not a size in bytes (e.g. 1000000, 500M, 2G)", param_hint="--dump-max-bytes"
+        )
+    return int(value)

@@ -11,11 +11,16 @@ from __future__ import annotations
 import numbers
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+from ckptlab import trackers
+from ckptlab.analysis.batches import MICRO_BATCHES, MICRO_ROWS, batch_rows
 from ckptlab.errors import NonFiniteLoss, ReplayError
+from ckptlab.training.state import capture_rng, restore_rng, rng_equal
 
 _REPLAY: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+MICRO_RNG = "rng"  # a micro-batch's own RNG states (see MicroBatches)
 
 
 def register(optimizer, **objects) -> None:
@@ -52,3 +57,68 @@ def end_step(rec, loss):
     except NonFiniteLoss:
         rec.close()
         raise
+
+
+def with_trackers(config, loggers=()):
+    """`config` with `trackers="auto"` resolved: the framework's W&B / MLflow loggers (and
+    the runs already active in this process), logged into under `ckptlab/` names."""
+    if config.trackers != "auto":
+        return config
+    return replace(config, trackers=tuple(trackers.resolve("auto", loggers)))
+
+
+class MicroBatches:
+    """One optimizer step's micro-batches under gradient accumulation, gathered as the framework
+    runs them: recorded together as the step's batch (`{"micro_batches": [...], "micro_rows":
+    [...], ...}`, analysis/batches.py) with their sample ids in order; the step's loss is the
+    sum of what the framework returned for each (already divided for the accumulation), added
+    in order, as the replayed step function adds them.
+
+    The step's RNG states are recorded when it begins. Code that runs between two micro-batches
+    (a validation run, which draws a DataLoader seed; a random transform loading the next
+    batch) can move them: then the micro-batch records the states it starts in under "rng",
+    and the replayed step function restores them before it (`restore_micro_rng`)."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.rows: list[int] = []
+        self.ids: list | None = []
+        self.loss = None
+        self.recorded = False
+        self._rng_after: dict | None = None  # the RNG states as the previous micro-batch left them
+
+    def add(self, part: dict, ids) -> None:
+        """A micro-batch about to run (its RNG states kept if they moved since the last one)."""
+        if self._rng_after is not None:
+            now = capture_rng()
+            if not rng_equal(now, self._rng_after):
+                part[MICRO_RNG] = now
+        if ids is not None and self.ids is not None:
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            self.ids.extend(ids)
+        else:
+            self.ids = None
+        self.parts.append(part)
+        self.rows.append(len(ids) if ids is not None else batch_rows(part, None) or 0)
+
+    def add_loss(self, loss) -> None:
+        """The micro-batch ran and returned `loss` (None: no loss)."""
+        if loss is not None:
+            self.loss = add_losses(self.loss, loss.detach())
+        self._rng_after = capture_rng()
+
+    def record(self, rec, extra: dict) -> None:
+        """`rec.record_batch` with the micro-batches so far and `extra` (how the step ends)."""
+        rec.record_batch({MICRO_BATCHES: self.parts, MICRO_ROWS: self.rows, **extra}, self.ids)
+        self.recorded = True
+
+
+def restore_micro_rng(part: dict) -> None:
+    """Replay: the RNG states a micro-batch started in, when they were recorded (MicroBatches)."""
+    if MICRO_RNG in part:
+        restore_rng(part[MICRO_RNG])
+
+
+def add_losses(total, loss):
+    """The running sum of an accumulated step's micro-batch losses (None: none yet)."""
+    return loss if total is None else total + loss

@@ -10,7 +10,9 @@
 
     if __name__ == "__main__":
         cb = ckl.CkptlabCallback("runs/lit", build_fn=build, sample_ids="idx", ckpt_every=500)
-        pl.Trainer(max_steps=10_000, gradient_clip_val=1.0, callbacks=[cb]).fit(LitModel(), loader)
+        pl.Trainer(max_steps=10_000, accumulate_grad_batches=8, gradient_clip_val=1.0, callbacks=[cb]).fit(
+            LitModel(), loader
+        )
     # then: ckptlab replay --run runs/lit --step 5432
 
 What is recorded from which hook:
@@ -18,16 +20,20 @@ What is recorded from which hook:
   (checkpointed; the trainer steps it, so `step_scheduler=False`);
 - `on_train_batch_start`: `begin_step` with the batch as `training_step` receives it (after the
   transfer to the device), its batch index, and how the trainer will finish the step (gradient
-  clipping, whether the scheduler steps after it, the precision); a checkpoint first when due;
-- `on_train_batch_end`: `end_step` with the loss `training_step` returned (health, anomalies,
-  `on_anomaly` alerts, NonFiniteLoss);
+  clipping, whether the scheduler steps after it, the precision); a checkpoint first when due.
+  With `accumulate_grad_batches=k` one step is one optimizer step: its first micro-batch begins
+  it, and its micro-batches are recorded together before the last one runs;
+- `on_train_batch_end`: `end_step` with the loss `training_step` returned (with accumulation,
+  after the last micro-batch, the sum of theirs) (health, anomalies, `on_anomaly` alerts,
+  NonFiniteLoss);
 - `on_validation_end`: `log_validation` with the trainer's metrics whose names start with
   `val_prefix` (not during the sanity check);
 - `on_train_end` / `on_exception`: close.
 
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
-optimizer step, scheduler step) for one batch. docs/integrations.md lists what replays exactly.
+optimizer step, scheduler step) for one batch, or for the k micro-batches of an accumulated
+step. docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from typing import Any
 
 import torch
 
+from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training.probe import accumulating
 
 try:
     import lightning.pytorch as pl
@@ -74,7 +82,8 @@ class CkptlabCallback(pl.Callback):
         val_prefix: validation metrics are the trainer's metrics whose names start with it.
         config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
             ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume). The trainer steps the LR scheduler, and
+            keep_best, data_info, resume, trackers: "auto" logs into the trainer's W&B / MLflow
+            logger). The trainer steps the LR scheduler, and
             with `resume` the Recorder restores nothing: the trainer restores its own checkpoint.
     """
 
@@ -92,6 +101,7 @@ class CkptlabCallback(pl.Callback):
         # The framework steps the scheduler, and on resume restores its own checkpoint.
         self.config = RecordConfig.of(config, **{**options, "step_scheduler": False, "restore": False})
         self.rec = None
+        self._micro: _common.MicroBatches | None = None  # the running step's, with accumulation
         self._scheduler_count: int | None = None
         self._warned_scheduler = False
 
@@ -103,12 +113,6 @@ class CkptlabCallback(pl.Callback):
                 "ckptlab: recording a multi-process Lightning run is not supported; recording nothing", stacklevel=2
             )
             return
-        if trainer.accumulate_grad_batches != 1:
-            raise RecordError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ckptlab records one optimizer step per "
-                "batch, so gradient accumulation cannot be recorded",
-                hint="train with accumulate_grad_batches=1",
-            )
         for problem in _replay_limits(trainer, pl_module):
             warnings.warn(
                 f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
@@ -124,7 +128,7 @@ class CkptlabCallback(pl.Callback):
             build_fn=self.build_fn,
             scheduler=configs[0].scheduler if configs else None,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
-            config=self.config,
+            config=_common.with_trackers(self.config, trainer.loggers),
         )
 
     # --- one step -------------------------------------------------------------------------
@@ -133,28 +137,50 @@ class CkptlabCallback(pl.Callback):
         if self.rec is None:
             return
         ids = _sample_ids(batch, self.sample_ids)
+        k = trainer.accumulate_grad_batches
+        if k == 1:  # one batch, one step
+            self.rec.begin_step(
+                {"batch": batch, "batch_idx": batch_idx, "lightning": self._config(trainer, batch_idx)}, ids
+            )
+            return
+        # Gradient accumulation: the step begins with its first micro-batch (its checkpoint and
+        # RNG states); its batch, the micro-batches together, is recorded before the last runs.
+        if not self.rec.in_step:
+            self.rec.begin_step()
+            self._micro = _common.MicroBatches()
+        self._micro.add({"batch": batch, "batch_idx": batch_idx}, ids)
+        last = not trainer.fit_loop._should_accumulate()  # the optimizer steps after this one
+        accumulating(self.rec.optimizer, not last)  # pre-clip gradient norms: measured once, on the last
+        if last:
+            self._micro.record(self.rec, {"lightning": self._config(trainer, batch_idx, k)})
+
+    def _config(self, trainer, batch_idx: int, accumulate: int = 1) -> dict:
+        """How the trainer finishes the step whose last batch is `batch_idx`."""
         scheduler = _scheduler_steps(trainer, batch_idx)
         self._scheduler_count = _scheduler_count(trainer)
-        algorithm, clip_val = trainer.gradient_clip_algorithm, trainer.gradient_clip_val
-        record = {
-            "batch": batch,
-            "batch_idx": batch_idx,
-            "lightning": {
-                "epoch": trainer.current_epoch,
-                # as the trainer passes them to configure_gradient_clipping (None: not set)
-                "gradient_clip_val": None if clip_val is None else float(clip_val),
-                "gradient_clip_algorithm": None if algorithm is None else str(getattr(algorithm, "value", algorithm)),
-                "scheduler_step": scheduler,
-                "precision": str(trainer.precision),
-            },
-        }
         self._predicted_scheduler_step = scheduler
-        self.rec.begin_step(record, ids)
+        algorithm, clip_val = trainer.gradient_clip_algorithm, trainer.gradient_clip_val
+        config = {
+            "epoch": trainer.current_epoch,
+            # as the trainer passes them to configure_gradient_clipping (None: not set)
+            "gradient_clip_val": None if clip_val is None else float(clip_val),
+            "gradient_clip_algorithm": None if algorithm is None else str(getattr(algorithm, "value", algorithm)),
+            "scheduler_step": scheduler,
+            "precision": str(trainer.precision),
+        }
+        if accumulate != 1:
+            config["accumulate_grad_batches"] = accumulate
+        return config
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.rec is None or not self.rec.in_step:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if trainer.accumulate_grad_batches != 1:
+            self._micro.add_loss(loss)  # already divided by accumulate_grad_batches
+            if not self._micro.recorded:
+                return  # more micro-batches to come
+            loss = self._micro.loss
         if loss is None:  # training_step returned None: Lightning skipped backward
             self.rec.abort_step()
             return
@@ -187,6 +213,9 @@ class CkptlabCallback(pl.Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.rec is not None and self.rec.in_step:
+            if self._micro is not None and not self._micro.recorded:  # crashed before its last micro-batch
+                cfg = self._config(trainer, self._micro.parts[-1]["batch_idx"], trainer.accumulate_grad_batches)
+                self._micro.record(self.rec, {"lightning": {**cfg, "optimizer_step": False}})
             self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
         self.close()
 
@@ -216,42 +245,68 @@ def build(module, optimizer=None, scheduler=None):
 
 
 def training_step(model, optimizer, batch):
-    """One step of Lightning's automatic optimization, as the recorded trainer ran it:
+    """One step of Lightning's automatic optimization, as the recorded trainer ran it, for each
+    of its batches (one; or, with accumulate_grad_batches=k, its micro-batches in order):
 
-    optimizer.step(closure), where the closure runs training_step (under autocast for
-    bf16-mixed), on_before_zero_grad + optimizer_zero_grad, on_before_backward + backward +
-    on_after_backward, then on_before_optimizer_step and configure_gradient_clipping; then the
-    LR scheduler's step when the trainer stepped it after this batch. Returns the loss.
+    training_step (under autocast for bf16-mixed), its loss divided by k; on the first batch,
+    on_before_zero_grad + optimizer_zero_grad; on_before_backward + backward + on_after_backward.
+    The last batch runs inside optimizer.step(closure), followed by on_before_optimizer_step and
+    configure_gradient_clipping; then the LR scheduler steps when the trainer stepped it after
+    this batch. Returns the loss (with accumulation, the sum of the micro-batches' losses).
     """
     cfg = batch["lightning"]
-    inputs, batch_idx, epoch = batch["batch"], batch["batch_idx"], cfg["epoch"]
+    parts = batch.get(MICRO_BATCHES) or [{"batch": batch["batch"], "batch_idx": batch["batch_idx"]}]
+    k = cfg.get("accumulate_grad_batches", 1)
+    steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
+    total = None
+    for i, part in enumerate(parts):
+        last = steps and i == len(parts) - 1
+        accumulating(optimizer, not last)  # the probe measures pre-clip gradient norms on the last only
+        _common.restore_micro_rng(part)  # when something between micro-batches moved them
+        # Lightning zeroes the gradients when batch_idx % k == 0: the first micro-batch of each step.
+        closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last)
+        if last:
+            with _quiet_log():
+                model.optimizer_step(cfg["epoch"], part["batch_idx"], optimizer, closure)
+        else:
+            closure()
+        if closure.loss is not None:
+            total = _common.add_losses(total, closure.loss)
+    if steps and cfg["scheduler_step"]:
+        scheduler = _common.registered(optimizer, "scheduler", required=True, hint=BUILD_HINT)
+        model.lr_scheduler_step(scheduler, None)
+    return total
+
+
+def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool):
+    """Lightning's closure for one batch: training_step, zero_grad (first batch of the step),
+    backward; on the step's last batch, the hooks before the update and gradient clipping.
+    `closure.loss` is the loss it returned (divided by k)."""
+    inputs, batch_idx, epoch = part["batch"], part["batch_idx"], cfg["epoch"]
     args = (inputs, batch_idx) if _takes_batch_idx(model) else (inputs,)
-    out: dict[str, torch.Tensor] = {}
 
     def closure():
         with _autocast(model, cfg["precision"]), _quiet_log():
             result = model.training_step(*args)
         loss = result.get("loss") if isinstance(result, dict) else result
-        model.on_before_zero_grad(optimizer)
-        model.optimizer_zero_grad(epoch, batch_idx, optimizer)
+        if first:
+            model.on_before_zero_grad(optimizer)
+            model.optimizer_zero_grad(epoch, batch_idx, optimizer)
         if loss is None:
             return None
-        loss = loss / 1  # ClosureResult normalizes by accumulate_grad_batches (1)
-        out["loss"] = loss.detach()
+        loss = loss / k  # ClosureResult normalizes by accumulate_grad_batches
+        closure.loss = loss.detach()
         model.on_before_backward(loss)
         model.backward(loss)
         model.on_after_backward()
-        model.on_before_optimizer_step(optimizer)
-        with _trainerless_clipping(model):
-            model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
+        if last:
+            model.on_before_optimizer_step(optimizer)
+            with _trainerless_clipping(model):
+                model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
         return loss
 
-    with _quiet_log():
-        model.optimizer_step(epoch, batch_idx, optimizer, closure)
-    if cfg["scheduler_step"]:
-        scheduler = _common.registered(optimizer, "scheduler", required=True, hint=BUILD_HINT)
-        model.lr_scheduler_step(scheduler, None)
-    return out.get("loss")
+    closure.loss = None
+    return closure
 
 
 def _clip(optimizer, gradient_clip_val, gradient_clip_algorithm) -> None:

@@ -4,7 +4,8 @@
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from ckptlab.integrations import transformers as ckt
 
-    ARGS = TrainingArguments("out", max_steps=10_000, max_grad_norm=1.0, report_to="none")
+    ARGS = TrainingArguments("out", max_steps=10_000, gradient_accumulation_steps=8, max_grad_norm=1.0,
+                             report_to="none")
 
     def build():                          # module level: replay imports it by name
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
@@ -23,16 +24,18 @@ also wraps `trainer.training_step`. What is recorded from which hook:
   (checkpointed; the Trainer steps the scheduler, so `step_scheduler=False`);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
-  (`sample_id_key`) before the model sees them;
+  (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
+  one optimizer step: its first micro-batch begins it, and its micro-batches are recorded
+  together before the last one (`accelerator.sync_gradients`) runs;
 - `on_step_end` (after clipping, the optimizer step, the scheduler step and zero_grad):
-  `end_step` with the loss `training_step` returned;
+  `end_step` with the loss `training_step` returned (summed over the micro-batches);
 - `on_evaluate`: `log_validation` with the `eval_*` metrics (timings left out);
 - `on_train_end`, or `train()` raising: close.
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
-Trainer built from the same arguments), then the optimizer half of its loop: clip to
-`max_grad_norm`, optimizer step, scheduler step, zero_grad. docs/integrations.md lists what
-replays exactly.
+Trainer built from the same arguments) on each micro-batch, then the optimizer half of its
+loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from dataclasses import replace
 
 import torch
 
+from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training.probe import accumulating
 
 try:
     import transformers
@@ -73,7 +78,8 @@ class CkptlabCallback(TrainerCallback):
             removal. None: no sample ids.
         config, **options: how to record, as for `ckptlab.Recorder` (`ckptlab.RecordConfig`:
             ckpt_every, health_every, keep_last, on_nonfinite, on_anomaly, val_metric, val_mode,
-            keep_best, data_info, resume) (val_metric: "eval_loss" by default here). The Trainer steps the LR scheduler, and
+            keep_best, data_info, resume, trackers: "auto" logs into the W&B / MLflow run that
+            `report_to` started) (val_metric: "eval_loss" by default here). The Trainer steps the LR scheduler, and
             with `resume` the Recorder restores nothing: the Trainer restores its own checkpoint.
     """
 
@@ -96,6 +102,7 @@ class CkptlabCallback(TrainerCallback):
         self.trainer = None
         self.rec = None
         self._loss = None
+        self._micro: _common.MicroBatches | None = None  # the running step's, with accumulation
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -120,6 +127,11 @@ class CkptlabCallback(TrainerCallback):
         trainer.train = train_and_close
         if self.sample_id_key is not None and trainer.args.remove_unused_columns:
             # The Trainer drops dataset columns its model's forward does not take; keep the ids.
+            # No public way keeps one column: a collator wrapper is too late (a datasets.Dataset
+            # loses its columns before any collator, any other dataset's collator is wrapped in
+            # RemoveColumnsCollator, which drops them first), `label_names` would hand the ids
+            # to compute_metrics as labels, callbacks never see inputs. With
+            # remove_unused_columns=False nothing private is touched (docs/integrations.md).
             trainer._set_signature_columns_if_needed()
             if self.sample_id_key not in trainer._signature_columns:
                 trainer._signature_columns.append(self.sample_id_key)
@@ -137,12 +149,6 @@ class CkptlabCallback(TrainerCallback):
                 "ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2
             )
             return
-        if args.gradient_accumulation_steps != 1:
-            raise RecordError(
-                f"gradient_accumulation_steps={args.gradient_accumulation_steps}: ckptlab records one optimizer step per "
-                "batch, so gradient accumulation cannot be recorded",
-                hint="train with gradient_accumulation_steps=1",
-            )
         for problem in _replay_limits(args):
             warnings.warn(
                 f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
@@ -162,7 +168,7 @@ class CkptlabCallback(TrainerCallback):
             step_fn=training_step,
             build_fn=self.build_fn,
             scheduler=_inner(lr_scheduler),
-            config=self.config,
+            config=_common.with_trackers(self.config),  # "auto": the runs report_to= started
         )
 
     # --- one step -------------------------------------------------------------------------
@@ -178,23 +184,49 @@ class CkptlabCallback(TrainerCallback):
                     hint="keep the column in the dataset and the collator",
                 )
             ids = inputs.pop(self.sample_id_key)  # the model never sees it
-        record = {
-            "inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs,
-            "transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)},
-        }
-        if num_items_in_batch is not None:
-            record["num_items_in_batch"] = num_items_in_batch
-        self.rec.begin_step(record, ids)
+        part = {"inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs}
+        how = {"transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)}}
+        if num_items_in_batch is not None:  # the same for every micro-batch of the step
+            how["num_items_in_batch"] = num_items_in_batch
+        if self.trainer.args.gradient_accumulation_steps == 1:  # one batch, one step
+            self._micro = None
+            self.rec.begin_step({**part, **how}, ids)
+        else:
+            self._accumulate(part, ids, how)
         try:
-            self._loss = original(model, inputs, num_items_in_batch)
+            loss = original(model, inputs, num_items_in_batch)
         except BaseException:
+            if self._micro is not None and not self._micro.recorded:  # crashed before its last micro-batch
+                how["transformers"]["optimizer_step"] = False
+                self._micro.record(self.rec, how)
             self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
             raise
-        return self._loss
+        if self._micro is not None:
+            self._micro.add_loss(loss)
+        else:
+            self._loss = loss
+        return loss
+
+    def _accumulate(self, part: dict, ids, how: dict) -> None:
+        """Gradient accumulation: the step begins with its first micro-batch (its checkpoint and
+        RNG states); its batch, the micro-batches together, is recorded before the last runs."""
+        trainer = self.trainer
+        if not self.rec.in_step:
+            self.rec.begin_step()
+            self._micro = _common.MicroBatches()
+        self._micro.add(part, ids)
+        # The loop sets sync_gradients for the micro-batch after which the optimizer steps.
+        last = trainer.accelerator.sync_gradients
+        accumulating(self.rec.optimizer, not last)  # pre-clip gradient norms: measured once, on the last
+        # How training_step scales each micro-batch's loss when the model does not normalize it
+        # by num_items_in_batch: by the micro-batches of this step (fewer at an epoch's end).
+        how["transformers"]["current_gradient_accumulation_steps"] = int(trainer.current_gradient_accumulation_steps)
+        if last:
+            self._micro.record(self.rec, how)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.rec is not None and self.rec.in_step:
-            _common.end_step(self.rec, self._loss)
+            _common.end_step(self.rec, self._micro.loss if self._micro is not None else self._loss)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.rec is None or self.rec.closed or not metrics:
@@ -233,31 +265,43 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
         trainer_kwargs.setdefault("eval_dataset", [])  # the Trainer insists on one; replay never evaluates
     trainer = trainer_cls(model=model, args=args, **trainer_kwargs)
     trainer.create_optimizer_and_scheduler(num_training_steps=steps)
-    # Set by the training loop for each optimizer step; one batch per step here.
-    trainer.current_gradient_accumulation_steps = 1
     _common.register(trainer.optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
     return trainer.model, trainer.optimizer, trainer.lr_scheduler
 
 
 def training_step(model, optimizer, batch):
-    """One optimizer step of the Trainer's loop (gradient_accumulation_steps=1), as recorded:
+    """One optimizer step of the Trainer's loop, as recorded, for each of its batches (one; or,
+    with gradient_accumulation_steps, its micro-batches in order):
 
     loss = trainer.training_step(model, inputs, num_items_in_batch)   # forward + backward
-    clip to max_grad_norm (or measure with an infinite bound, as the Trainer does at 0)
-    optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau); model.zero_grad()
+    then, after the last: clip to max_grad_norm (or measure with an infinite bound, as the
+    Trainer does at 0); optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau);
+    model.zero_grad(). Returns the loss (with accumulation, the sum of the micro-batches').
     """
     trainer = _common.registered(optimizer, "trainer", required=True, hint=BUILD_HINT)
     scheduler = _common.registered(optimizer, "scheduler", required=False, hint=BUILD_HINT)
-    max_grad_norm = batch["transformers"]["max_grad_norm"]
-    loss = trainer.training_step(model, batch["inputs"], batch.get("num_items_in_batch"))
+    cfg = batch["transformers"]
+    parts = batch.get(MICRO_BATCHES) or [{"inputs": batch["inputs"]}]
+    steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
+    # Set by the Trainer's loop for each optimizer step: how many micro-batches it has.
+    trainer.current_gradient_accumulation_steps = cfg.get("current_gradient_accumulation_steps", 1)
+    total = None
+    for i, part in enumerate(parts):
+        accumulating(optimizer, not (steps and i == len(parts) - 1))  # the probe measures the last backward
+        _common.restore_micro_rng(part)  # when something between micro-batches moved them
+        loss = trainer.training_step(model, part["inputs"], batch.get("num_items_in_batch"))
+        total = _common.add_losses(total, loss)
+    if not steps:
+        return total
     # Trainer._clip_grad_norm / _get_grad_norm: with max_grad_norm <= 0 it still "clips" to
     # inf, which multiplies every gradient by 1 -- or by NaN when the norm is NaN.
+    max_grad_norm = cfg["max_grad_norm"]
     trainer.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
     if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         scheduler.step()
     model.zero_grad()
-    return loss
+    return total
 
 
 def _inner(obj):

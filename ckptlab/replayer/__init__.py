@@ -31,28 +31,41 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.distributed import replay_distributed
 from ckptlab.replayer.findings import (
     Counterfactual,
+    Culprit,
+    DivergenceCheck,
+    DumpInfo,
     Origin,
     ParameterBlame,
     ReplayReport,
+    Rewind,
     SampleBlame,
     StepCheck,
 )
 from ckptlab.replayer.investigation import Investigation
+from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run, open_run
 from ckptlab.training.state import apply_env, capture_env
 from ckptlab.training.world import solo_world
 
+if TYPE_CHECKING:
+    from ckptlab.replayer.dump import DumpRequest
+
 __all__ = [
     "Counterfactual",
+    "Culprit",
+    "DivergenceCheck",
+    "DumpInfo",
     "Origin",
     "ParameterBlame",
     "ReplayReport",
+    "Rewind",
     "SampleBlame",
     "StepCheck",
     "attribute_rows",
@@ -73,6 +86,8 @@ def replay(
     rank: int | None = None,
     nproc: int | None = None,
     trust_code: bool = False,
+    budget: int = DEFAULT_BUDGET,
+    dump: DumpRequest | str | Path | None = None,
 ) -> ReplayReport:
     """Replay `step` of `run` and explain it. See the module docstring.
 
@@ -80,12 +95,29 @@ def replay(
     given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
     process: a quick look, not bit-exact (the other ranks' gradients are missing).
     `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps.
+    `budget` caps the extra replays of the deeper searches (the minimal culprit, the
+    transplant, the earlier step that doomed the root step); 0 skips them.
     The recorded build_fn/step_fn run only when they are your own code, unchanged since
-    recording; `trust_code=True` (or CKPTLAB_TRUST_RUN_CODE=1) runs them anyway."""
+    recording; `trust_code=True` (or CKPTLAB_TRUST_RUN_CODE=1) runs them anyway.
+    `dump="f.h5"` (or `dump.DumpRequest(path, select=..., max_bytes=..., force=...)`) also
+    writes the root step's tensors to an HDF5 file (dump.py; docs/replay.md, "The dump
+    file"); `report.dump` says what it holds."""
     run = open_run(run) if not isinstance(run, Run) else run
+    if dump is not None:  # imported only when asked: the plain replay does not load h5py
+        from ckptlab.replayer.dump import DumpRequest
+        from ckptlab.run.dumpfile import check_target
+
+        dump = dump if isinstance(dump, DumpRequest) else DumpRequest(Path(dump))
+        check_target(Path(dump.path), dump.force)  # before minutes of replay, not after
     saved_env = capture_env()
     try:
         if run.world_size > 1 and rank is None:
+            if dump is not None:
+                raise ReplayError(
+                    "--dump is not available for a distributed replay yet",
+                    path=run.path,
+                    hint="dump one rank's micro-batches with --rank R",
+                )
             return replay_distributed(
                 run,
                 step,
@@ -96,13 +128,22 @@ def replay(
                 log=log,
                 nproc=nproc,
                 trust_code=trust_code,
+                budget=budget,
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
         with solo_world(run.world_size > 1):
             inv = Investigation(
-                run, step, device=device, from_step=from_step, log=log, rank=rank or 0, trust_code=trust_code
+                run,
+                step,
+                device=device,
+                from_step=from_step,
+                log=log,
+                rank=rank or 0,
+                trust_code=trust_code,
+                dump=dump,
             )
+            inv.budget = Budget(budget)
             if progress is not None:
                 inv.progress = progress
             if run.world_size > 1:

@@ -13,19 +13,23 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
 
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
-from ckptlab.analysis.batches import batch_rows, python_leaves, select_rows
+from ckptlab.analysis.batches import batch_rows, micro_row, python_leaves, row_groups, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.replayer.optstate import SecondMomentGap, in_tune, second_moment_gaps
+from ckptlab.replayer.precision import in_float32
+from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.probe import StepHealth, named_parameters
 from ckptlab.training.state import restore_snapshot
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
@@ -33,6 +37,9 @@ from ckptlab.training.state import restore_snapshot
 ABSURD_RATIO = 1e3
 # A row dominates a step when its own gradient norm is this many times the median row's.
 DOMINANT_ROW_RATIO = 10.0
+# The anomalies of a step that its own update causes (spikes of its loss and gradient come
+# before the update).
+AFTER_AN_UPDATE = ("update_explosion", "nonfinite_weight")
 # The ignore_index of PyTorch's cross-entropy (and Hugging Face's label padding): a row whose
 # targets are all this value has nothing to train on, and a mean over it is 0/0.
 IGNORE_INDEX = -100
@@ -51,6 +58,7 @@ class Blame:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.trainee = self.replayer.build()
+        self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
 
     def close(self) -> None:
         self.replayer.close(self.trainee)
@@ -75,7 +83,9 @@ class Blame:
     def sample_id(self, row: int):
         return self.ids[row] if self.ids is not None and row < len(self.ids) else None
 
-    def explain(self, rep: ReplayReport, do_trace: bool, do_counterfactuals: bool) -> None:
+    def explain(self, rep: ReplayReport, do_trace: bool, do_counterfactuals: bool, dump=None) -> None:
+        """`dump`: a DumpRequest (dump.py): the root step replayed once more, its tensors kept
+        in `self.captured` for the investigation to write once the verdict is said."""
         self.report = rep
         t0 = time.perf_counter()
         tracer = None
@@ -83,6 +93,11 @@ class Blame:
             self.inv.log(f"tracing step {self.root} per op")
             tracer = Tracer(self.trainee.model, self.trainee.optimizer, rows=self.rows, batch=self.rec.batch)
             traced = self.step(tracer=tracer)
+            if self.replayer.compiled:  # the Tracer ran it with torch.compile off
+                rep.trace_eager = True
+                rep.notes.append(
+                    "the per-op trace ran eagerly: its dispatch modes cannot see inside torch.compile's graphs"
+                )
             if not same(traced.loss, rep.steps[self.root - rep.start_checkpoint].loss):
                 rep.notes.append(
                     "the traced step's loss differs from the plain replay (tracing changed the kernels used)"
@@ -96,6 +111,14 @@ class Blame:
         rep.origin, rep.samples = self.origin(tracer, base, data_rows, rows)
         if do_counterfactuals:
             rep.counterfactuals = self.counterfactuals(rep.samples)
+            self.search(rep)
+        if dump is not None:
+            from ckptlab.replayer.dump import capture_root_step
+
+            t1 = time.perf_counter()
+            self.inv.log(f"copying the tensors of step {self.root} for {dump.path}")
+            self.captured = capture_root_step(self, tracer.origin if tracer is not None else None, dump)
+            self.inv.timing["dump_capture_s"] = time.perf_counter() - t1
         self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
 
@@ -110,42 +133,33 @@ class Blame:
             return found
         info = self.inv.run.manifest.get("data_info") or {}
         pad, vocab = info.get("pad_id"), info.get("vocab_size")
+        ignore = info.get("ignore_index", IGNORE_INDEX)
         typical = _typical_row_absmax(self.inv.run, self.root)
-        for path, leaf in python_leaves(self.rec.batch):
-            if (
-                not isinstance(leaf, torch.Tensor)
-                or leaf.dim() == 0
-                or leaf.shape[0] != self.rows
-                or leaf.dtype == torch.bool
-            ):
-                continue
-            flat = leaf.detach().reshape(self.rows, -1)
+        for first, path, flat in _row_leaves(self.rec.batch, self.rows):
             if not flat.is_floating_point():
-                for row in range(self.rows):
-                    if pad is not None and flat.shape[1] and bool((flat[row] == pad).all()):
+                for row in range(first, first + flat.shape[0]):
+                    if pad is not None and flat.shape[1] and bool((flat[row - first] == pad).all()):
                         found["empty"].setdefault(row, f"batch{path} is empty (all padding, id {pad})")
-                    elif pad != IGNORE_INDEX and flat.shape[1] > 1 and bool((flat[row] == IGNORE_INDEX).all()):
+                    elif pad != ignore and flat.shape[1] > 1 and bool((flat[row - first] == ignore).all()):
                         found["empty"].setdefault(
-                            row, f"batch{path} is empty (every target is {IGNORE_INDEX}, the ignore_index)"
+                            row, f"batch{path} is empty (every target is {ignore}, the ignore_index)"
                         )
-                    if (
-                        vocab is not None
-                        and flat.shape[1]
-                        and (int(flat[row].max()) >= vocab or int(flat[row].min()) < 0)
-                    ):
+                    ids = flat[row - first][flat[row - first] != ignore]  # an ignored label is not a token id
+                    if vocab is not None and ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
                         found["out_of_range"].setdefault(row, f"batch{path} has token ids outside [0, {vocab})")
                 continue
             flat = flat.float()
             bad = (~torch.isfinite(flat)).sum(dim=1)
             finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
-            absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(self.rows)
-            for row in range(self.rows):
-                if int(bad[row]):
-                    found["nonfinite"].setdefault(row, f"{int(bad[row])} non-finite value(s) in batch{path}")
-                elif path in typical and typical[path] > 0 and float(absmax[row]) > ABSURD_RATIO * typical[path]:
+            absmax = finite.max(dim=1).values if flat.shape[1] else torch.zeros(flat.shape[0])
+            for i in range(flat.shape[0]):
+                row = first + i
+                if int(bad[i]):
+                    found["nonfinite"].setdefault(row, f"{int(bad[i])} non-finite value(s) in batch{path}")
+                elif path in typical and typical[path] > 0 and float(absmax[i]) > ABSURD_RATIO * typical[path]:
                     found["absurd"].setdefault(
                         row,
-                        f"batch{path} reaches |x|={float(absmax[row]):.3g}, {float(absmax[row]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
+                        f"batch{path} reaches |x|={float(absmax[i]):.3g}, {float(absmax[i]) / typical[path]:.3g}x the run's typical {typical[path]:.3g}",
                     )
         return found
 
@@ -165,11 +179,11 @@ class Blame:
         m = self.inv.metrics
         names = m.param_names
         hist = m.window(max(0, self.root - 128), self.root - 1)
-        typical = (
-            np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0)
-            if hist.stop > hist.start
-            else np.full(len(names), np.nan)
-        )
+        typical = np.full(len(names), np.nan)
+        if hist.stop > hist.start:
+            with warnings.catch_warnings():  # a parameter that never had a gradient: NaN, said below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                typical = np.nanmedian(np.where(m.param_grad_norm[hist] >= 0, m.param_grad_norm[hist], np.nan), axis=0)
         out = []
         for i, name in enumerate(names):
             g = float(h.param_grad_norm[i])
@@ -214,7 +228,7 @@ class Blame:
             if row in samples:
                 samples[row].reason += "; " + reason
             else:
-                samples[row] = SampleBlame(row, self.sample_id(row), reason)
+                samples[row] = SampleBlame(row, self.sample_id(row), reason, batch_row=row)
 
         ev: OpEvent | None = tracer.origin if tracer is not None else None
         nonfinite_in_batch, absurd = data_rows["nonfinite"], data_rows["absurd"]
@@ -254,6 +268,8 @@ class Blame:
                 kind = "data"
             elif ev.phase == "optimizer":
                 kind = "optimizer"
+            elif ev.fp32_finite:  # the op overflowed in float16/bfloat16 only (trace.py)
+                kind = "precision"
             o = Origin(
                 kind,
                 ev.phase,
@@ -265,7 +281,9 @@ class Blame:
                 produced="NaN" if ev.new_nan else "Inf",
                 inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
                 detail=f"{ev.op} produced {'NaN' if ev.new_nan else 'Inf'} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
-                f"({', '.join(s.describe() for s in ev.inputs[:3])})",
+                f"({', '.join(s.describe() for s in ev.inputs[:3])})"
+                + ("; in float32 the same op on the same inputs is finite" if kind == "precision" else ""),
+                dtype=ev.dtype,
             )
         else:
             # Nothing went non-finite in the root step itself: an explosion (finite) that breaks later.
@@ -277,7 +295,10 @@ class Blame:
             for r, ratio in dominant.items():
                 if r not in alone:
                     blame(r, f"its gradient norm is {ratio:.3g}x the median row's")
-            if absurd or dominant or alone:
+            repeated = {} if samples or lr_jump else _repeated_sample(self.ids, self.rows)
+            for r, why in repeated.items():
+                blame(r, why)
+            if absurd or dominant or alone or repeated:
                 o = Origin(
                     "data",
                     None if alone and not (absurd or dominant) else "backward",
@@ -289,8 +310,13 @@ class Blame:
                     if absurd
                     else "a row alone makes the step non-finite"
                     if alone
-                    else "one row dominates the update",
+                    else "one row dominates the update"
+                    if dominant
+                    else "one sample repeated across the batch is the whole update",
                 )
+            elif lr_jump is None and (gaps := self.second_moment_gaps(h)):
+                g = gaps[0]
+                o = Origin("optimizer", "optimizer", None, None, g.name, None, detail=g.describe(), state="exp_avg_sq")
             elif lr_jump is not None or "update_explosion" in self.fault(h):
                 detail = (
                     f"learning rate {lr_jump[1]:.3g} is {lr_jump[0]:.0f}x its recent value"
@@ -317,6 +343,10 @@ class Blame:
         for r, row_h in rows.items():
             if r in samples:
                 samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
+        for s in samples.values():  # an accumulated step: the row within its micro-batch
+            where = micro_row(self.rec.batch, s.row)
+            if where is not None:
+                s.batch_row, (s.micro_batch, s.row) = s.row, where
         ranked = sorted(
             samples.values(),
             key=lambda s: (
@@ -331,12 +361,94 @@ class Blame:
         )
         return o, ranked
 
+    def in_float32(self, o: Origin) -> list[Counterfactual]:
+        """The root step with the origin's module in float32, then (if that is not enough)
+        the whole model: which part must stay in float32 for the fault to go away."""
+        out = []
+        for path in dict.fromkeys([o.module, ""]):
+            what = f"`{path}`" if path else "the whole model"
+            t = self.replayer.build()
+            try:
+                restore_snapshot(self.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=self.replayer.rank)
+                with in_float32(t.model, path):
+                    h = self.replayer.run_step(t, self.rec)
+                found = self.fault(h)
+            except Exception as e:  # noqa: BLE001 - a model that cannot run this part in float32
+                out.append(Counterfactual(f"does step {self.root} still fail with {what} in float32?", None, str(e)))
+                continue
+            finally:
+                self.replayer.close(t)
+            # The fault here is the non-finite value; a spike that remains in float32 is an
+            # outlier's, which float32 survives.
+            nonfinite = [k for k in found if k.startswith("nonfinite")]
+            out.append(
+                Counterfactual(
+                    f"does step {self.root} still go non-finite with {what} in float32?",
+                    bool(nonfinite),
+                    f"in float32: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                    + (
+                        f" -> still {', '.join(nonfinite)}"
+                        if nonfinite
+                        else f" -> finite: keep {what} in float32"
+                        + (f" ({', '.join(found)} remain: an outlier)" if found else "")
+                    ),
+                )
+            )
+            if not nonfinite:
+                o.float32_module = path
+                break
+        return out
+
+    def second_moment_gaps(self, h: StepHealth) -> list[SecondMomentGap]:
+        """optstate.py's check, on the optimizer state the root step started in."""
+        self.fresh()
+        return second_moment_gaps(self.trainee.optimizer, named_parameters(self.trainee.model), h)
+
+    def update_and_after(self, around) -> tuple[StepHealth, list[str]]:
+        """The root step with its update changed by the context manager `around`, then the
+        recorded steps after it up to the requested one: the root step's health, and the
+        anomalies an update can cause (the root step's own update explosion or non-finite
+        weights; anything after it)."""
+        self.fresh()
+        dets = copy.deepcopy(self.dets)
+        with around:
+            h = self.replayer.run_step(self.trainee, self.rec)
+        found = [k for k in (e["kind"] for e in step_anomalies(h, dets)) if k in AFTER_AN_UPDATE]
+        for s in range(self.root + 1, self.inv.step + 1):
+            found += [
+                f"{k} at step {s}"
+                for k in self.inv.anomalies(self.replayer.run_step(self.trainee, self.replayer.batch(s)), dets)
+            ]
+        return h, found
+
+    # the deeper searches (search.py) ---------------------------------------------------------------
+
+    def search(self, rep: ReplayReport) -> None:
+        """Within the investigation's budget of replays: the minimal culprit of a fault with
+        blamed rows, and the earlier step that doomed a fault the batch alone does not explain
+        (it needs this model state, or no row is to blame)."""
+        budget = self.inv.budget
+        if budget.limit <= 0:
+            return
+        t0 = time.perf_counter()
+        self.inv.log(f"searching for the minimal culprit of step {self.root}")
+        rep.culprit = minimal_culprit(self, budget)
+        lr_cause = rep.origin.kind == "optimizer" and (
+            "learning rate" in (rep.origin.detail or "") or rep.origin.state is not None
+        )
+        doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not lr_cause)
+        if doomed and self.inv.run.world_size == 1:  # (one process replays one rank: no window)
+            self.inv.log(f"looking for an earlier step that doomed step {self.root}")
+            rep.rewind = doomed_earlier(self, budget)
+        rep.budget = budget.to_json()
+        self.inv.timing["search_s"] = time.perf_counter() - t0
+
     # counterfactuals ------------------------------------------------------------------------------------
 
     def counterfactuals(self, samples: list[SampleBlame]) -> list[Counterfactual]:
         out = []
         if samples and self.rows:
-            keep = [r for r in range(self.rows) if r not in {s.row for s in samples}]
+            keep = [r for r in range(self.rows) if r not in {s.batch_row for s in samples}]
             ids = ", ".join(str(s.sample_id) for s in samples[:5])
             if keep:
                 h = self.step(select_rows(self.rec.batch, keep, self.rows))
@@ -373,6 +485,36 @@ class Blame:
                     + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
                 )
             )
+        o = self.report.origin
+        if o.kind == "precision":  # answered by the trace: the origin op re-run in float32
+            out.append(
+                Counterfactual(
+                    f"does {o.op} still produce {o.produced} in float32 on the same inputs?",
+                    False,
+                    f"in {o.dtype} it produced {o.produced}; in float32 it is finite -> a reduced-precision overflow",
+                )
+            )
+        if o.kind == "precision" and o.module is not None:
+            out.extend(self.in_float32(o))
+        if self.report.origin.state == "exp_avg_sq":
+            name = self.report.origin.parameter
+            param = dict(named_parameters(self.trainee.model)).get(name)
+            if param is not None:
+                h, found = self.update_and_after(in_tune(self.trainee.optimizer, param))
+                last = self.inv.step
+                out.append(
+                    Counterfactual(
+                        f"does the fault {f'(to step {last}) ' if last > self.root else ''}remain with `{name}`'s "
+                        "second moment in tune with its gradient at the root step (exp_avg_sq = max(exp_avg_sq, grad^2))?",
+                        bool(found),
+                        f"in tune: update ratio {h.update_ratio_global or 0:.3g}"
+                        + (
+                            f" -> still {', '.join(found)}: the optimizer state is not the whole cause"
+                            if found
+                            else " -> no fault: the out-of-tune second moment is the cause"
+                        ),
+                    )
+                )
         older = [c for c in self.inv.run.checkpoints if c < self.root]
         if older and samples:
             c = older[0] if older[-1] == self.root else older[-1]
@@ -383,6 +525,7 @@ class Blame:
             h = self.replayer.run_step(t, self.rec)
             self.replayer.close(t)
             found = self.fault(h)
+            self.older_fault = bool(found)
             out.append(
                 Counterfactual(
                     f"does the same batch fail from the older model state at step {c}?",
@@ -408,15 +551,27 @@ def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str,
     per_field: dict[str, list[float]] = {}
     for s in steps:
         try:
-            batch, _ = run.batch(s)
+            batch, ids = run.batch(s)
         except CkptlabError:
             continue
-        for path, leaf in python_leaves(batch):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() and leaf.numel():
-                flat = leaf.detach().reshape(leaf.shape[0], -1).float()
+        for _, path, flat in _row_leaves(batch, batch_rows(batch, ids), of_any_rows=True):
+            if flat.is_floating_point() and flat.numel():
+                flat = flat.float()
                 finite = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
                 per_field.setdefault(path, []).extend(finite.max(dim=1).values.tolist())
     return {k: float(np.median(v)) for k, v in per_field.items() if v}
+
+
+def _row_leaves(batch, rows: int | None, *, of_any_rows: bool = False):
+    """(first row, path, tensor as (rows, -1)) for each non-boolean tensor leaf with one entry
+    per row (`of_any_rows`: of any first dimension), micro-batch by micro-batch when the batch
+    records an accumulated step; paths are within the micro-batch."""
+    for first, part, n in row_groups(batch, rows):
+        for path, leaf in python_leaves(part):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.dtype == torch.bool:
+                continue
+            if of_any_rows or leaf.shape[0] == n:
+                yield first, path, leaf.detach().reshape(leaf.shape[0], -1)
 
 
 def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:
@@ -430,6 +585,20 @@ def _dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:
         if not math.isfinite(v) or (med > 0 and v > DOMINANT_ROW_RATIO * med):
             out[r] = v / med if med > 0 and math.isfinite(v) else math.inf
     return out if len(out) < len(rows) / 2 else {}
+
+
+def _repeated_sample(ids, rows: int | None) -> dict[int, str]:
+    """The rows of one sample id that fills more than half of the batch (a sampler or collation
+    bug): no row stands out from the others, yet that one sample drives the whole update."""
+    if ids is None or not rows or rows < 3 or len(ids) != rows:
+        return {}
+    counts: dict = {}
+    for sid in ids:
+        counts[sid] = counts.get(sid, 0) + 1
+    sid, n = max(counts.items(), key=lambda kv: kv[1])
+    if n <= rows // 2:
+        return {}
+    return {r: f"sample {sid} fills {n} of the batch's {rows} rows" for r in range(rows) if ids[r] == sid}
 
 
 def _nonfinite_alone(rows: dict[int, StepHealth]) -> dict[int, str]:

@@ -19,6 +19,7 @@ import torch
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.findings import ReplayReport, StepCheck
 from ckptlab.replayer.investigation import Investigation, Window
+from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.checkpoint import commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_dir
 from ckptlab.run.reader import Run, open_run
@@ -26,7 +27,17 @@ from ckptlab.training.world import solo_world
 
 
 def replay_distributed(
-    run: Run, step: int, *, device, from_step, trace, counterfactuals, log, nproc, trust_code: bool = False
+    run: Run,
+    step: int,
+    *,
+    device,
+    from_step,
+    trace,
+    counterfactuals,
+    log,
+    nproc,
+    trust_code: bool = False,
+    budget: int = DEFAULT_BUDGET,
 ) -> ReplayReport:
     """Replay on the recorded world size (one process per rank, gloo on the CPU, NCCL on GPUs),
     then explain the root step in this process, on the rank whose batch brought the fault."""
@@ -55,6 +66,7 @@ def replay_distributed(
         inv = Investigation(run, step, device=device, from_step=k, log=log, rank=faulty or 0, trust_code=trust_code)
         inv.timing["replay_s"] = time.perf_counter() - t0
         inv.replayer.notes.extend(result["notes"])
+        inv.budget = Budget(budget)
         window = Window(k, checks, root)
         if root is not None:
             window.root_state = snapshot

@@ -19,10 +19,19 @@ import torch
 
 from ckptlab.errors import IntegrityError, ReplayError
 from ckptlab.run.reader import Run
+from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
 from ckptlab.training.probe import StepHealth
 from ckptlab.training.sharded import full_snapshot
-from ckptlab.training.state import apply_env, capture_train_state, restore_checkpoint, restore_rng, snapshot
+from ckptlab.training.state import (
+    apply_env,
+    capture_train_state,
+    is_compiled,
+    is_grad_scaler,
+    restore_checkpoint,
+    restore_rng,
+    snapshot,
+)
 from ckptlab.training.step import Trainee
 from ckptlab.training.world import World
 
@@ -73,9 +82,13 @@ class Replayer:
                         f"{fns[role].get('file')}); replay may not match"
                     )
         self.build_fn, self.step_fn = loaded["build_fn"], loaded["step_fn"]
+        self.batch_fn = None  # imported at the first batch stored by reference
+        self.trust_code = trust_code
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
+        self.has_scaler = bool(config.get("has_scaler"))
+        self.compiled: bool | None = None  # the model build_fn returns (or step_fn) is compiled
         # Measured as recorded, so replayed update ratios compare (runs before the option: exact).
         self.update_ratio = str(config.get("update_ratio", "exact"))
 
@@ -89,17 +102,26 @@ class Replayer:
         if not isinstance(built, (tuple, list)) or len(built) < 2:
             raise ReplayError("build_fn must return (model, optimizer[, scheduler])", path=self.run.path)
         model, optimizer = built[0], built[1]
-        scheduler = built[2] if len(built) > 2 else None
-        scaler = built[3] if len(built) > 3 else None
+        # After them, in any order: an LR scheduler and a GradScaler (told apart by type).
+        extras = [x for x in built[2:] if x is not None]
+        scaler = next((x for x in extras if is_grad_scaler(x)), None)
+        scheduler = next((x for x in extras if not is_grad_scaler(x)), None)
         if self.has_scheduler and scheduler is None:
             raise ReplayError(
                 "the run was recorded with an LR scheduler, but build_fn returns none",
                 path=self.run.path,
                 hint="return (model, optimizer, scheduler) from build_fn",
             )
+        if self.has_scaler and scaler is None:
+            raise ReplayError(
+                "the run was recorded with a GradScaler, but build_fn returns none",
+                path=self.run.path,
+                hint="return (model, optimizer, scheduler or None, scaler) from build_fn",
+            )
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)
+        self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         return Trainee(
             model,
             optimizer,
@@ -132,8 +154,37 @@ class Replayer:
 
     def batch(self, step: int):
         rec = self.run.batch_record(step, self.rank)
+        if rec.ref is not None:
+            rec.batch = self.rebuild(rec)
         rec.batch = _to_device(rec.batch, self.device)
         return rec
+
+    def rebuild(self, rec):
+        """A batch stored by reference: `batch_fn(sample_ids, step)`, the recorded function,
+        proven to be the recorded batch by its sha256."""
+        if self.batch_fn is None:
+            desc = self.run.manifest.get("functions", {}).get("batch_fn")
+            if desc is None:
+                raise ReplayError(
+                    f"step {rec.step}'s batch was stored by reference, but the manifest names no batch_fn",
+                    path=self.run.path,
+                )
+            with user_output():
+                self.batch_fn, unchanged = userfns.load(desc, "batch_fn", self.run.path, trust=self.trust_code)
+            if not unchanged:
+                self.notes.append(f"batch_fn is not the recorded code ({desc.get('file')}); its batches are checked")
+        with user_output():
+            batch = self.batch_fn(rec.sample_ids, rec.step)
+        digest = batch_digest(batch)
+        if digest != rec.ref["sha256"]:
+            raise ReplayError(
+                f"batch_fn rebuilt a different batch for step {rec.step} (sha256 {digest[:12]}, recorded "
+                f"{rec.ref['sha256'][:12]})",
+                path=self.run.path,
+                hint="batch_fn(sample_ids, step) must return exactly the batch that step trained on: "
+                "the same data, transforms and random seeds",
+            )
+        return batch
 
     def run_step(self, t: Trainee, rec, batch=None, *, tracer=None, measure_update: bool = True) -> StepHealth:
         """One recorded step (or `batch` in its place), exactly as the Recorder ran it: its

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlab.jsonable import plain
+from ckptlab.jsonable import NOT_IN_JSON, plain
 
 # The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
 STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
@@ -27,11 +27,13 @@ class StepCheck:
     rank_loss: list[float] | None = None  # distributed: each rank's loss, replayed ...
     recorded_rank_loss: list[float] | None = None  # ... and recorded
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    grad_scale: float | None = None  # with a GradScaler: the scale the step began with, replayed ...
+    recorded_grad_scale: float | None = None  # ... and recorded
 
 
 @dataclass
 class Origin:
-    kind: str  # data | numeric | optimizer | none
+    kind: str  # data | numeric | precision | optimizer | none
     phase: str | None  # forward | backward | optimizer
     module: str | None
     op: str | None
@@ -41,15 +43,26 @@ class Origin:
     produced: str | None = None  # "NaN" or "Inf", when an op produced it
     inputs_finite: bool | None = None  # all of that op's inputs were finite (else: NaN-free)
     detail: str | None = None
+    dtype: str | None = None  # the dtype the origin op computed in ("float16" under autocast)
+    state: str | None = None  # kind "optimizer": the optimizer state to blame (e.g. "exp_avg_sq")
+    # kind "precision": the module that, run in float32, makes the root step healthy ("" the
+    # whole model); None when neither was enough or it was not tried
+    float32_module: str | None = None
 
 
 @dataclass
 class SampleBlame:
-    row: int
+    row: int  # the row in the batch; in a step of several recorded micro-batches, in its micro-batch
     sample_id: Any
     reason: str
     loss: float | None = None
     grad_norm: float | None = None
+    micro_batch: int | None = None  # gradient accumulation: the micro-batch the row is in
+    batch_row: int | None = field(default=None, metadata=NOT_IN_JSON)  # the row counted across micro-batches
+
+    def where(self) -> str:
+        """Where the row is: `row 5`, or `micro-batch 2 row 1` in a step of recorded micro-batches."""
+        return f"row {self.row}" if self.micro_batch is None else f"micro-batch {self.micro_batch} row {self.row}"
 
 
 @dataclass
@@ -68,6 +81,68 @@ class Counterfactual:
     question: str
     fault: bool | None  # did the fault appear in this counterfactual run? None: not runnable
     detail: str
+
+
+@dataclass
+class Culprit:
+    """The smallest part of the root step's batch that still faults, and whether it needs its
+    batch and this model state (search.py)."""
+
+    rows: list[int]  # the fewest rows that, alone through the root step, still make it fault
+    sample_ids: list
+    minimal: bool  # no single row (or position) can be dropped; False: the budget ran out first
+    fields: list[str] = field(default_factory=list)  # the sequence fields `positions` index
+    positions: list[int] | None = None  # along those fields' dimension 1: the positions whose
+    # values the fault needs (the others taken from a healthy row); [] none; None: not searched
+    transplant_step: int | None = None  # the healthy step whose batch the rows were put into
+    transplant_fault: bool | None = None  # did they fault there (from the root step's state)?
+    cause: str | None = None  # "data alone" | "data x model state" | "data x batch" (see docs)
+    detail: str = ""
+    micro_batches: list[int] | None = None  # recorded micro-batches: each row's (rows: within it)
+
+
+@dataclass
+class Rewind:
+    """Doomed earlier: the earliest step whose removal prevents the fault (search.py)."""
+
+    searched: list[int]  # [first, last]: the steps that could be skipped (start..root-1)
+    step: int | None  # the step found; None: none alone (see detail)
+    rows: list[int] = field(default_factory=list)  # its rows whose removal alone prevents it
+    sample_ids: list = field(default_factory=list)
+    complete: bool = True  # False: the budget ran out before the search ended
+    detail: str = ""
+    micro_batches: list[int] | None = None  # recorded micro-batches: each row's (rows: within it)
+
+
+@dataclass
+class DumpInfo:
+    """`--dump FILE.h5`: what the file holds (docs/replay.md, "The dump file")."""
+
+    path: str
+    select: str | None  # the --dump-select regex; None: every module
+    max_bytes: int  # --dump-max-bytes
+    data_bytes: int  # the tensors written, uncompressed
+    file_bytes: int
+    datasets: int  # tensors written
+    omitted: list[dict]  # {"path", "bytes"} of each tensor left out: over max_bytes
+    origin_first_nonfinite: list[dict]  # {"dataset", "index"}: the origin's first non-finite outputs
+    origin_came_from: list[str]  # for those: the input elements they were computed from
+
+
+@dataclass
+class DivergenceCheck:
+    """A fault that did not reproduce: the first step off the record, replayed twice with a
+    hash of every op's output (divergence.py)."""
+
+    step: int  # the step replayed twice: left_record_step
+    replays_agree: bool  # the two replays match op for op, bit for bit
+    ops_compared: int
+    losses: list[float]  # the two replays' losses
+    recorded_loss: float | None
+    # The first op whose output (or name) differs between the replays: {"index", "op",
+    # "phase", "module", "call", "source"}; None when they agree.
+    first_nondeterministic_op: dict | None = None
+    detail: str = ""
 
 
 @dataclass
@@ -93,6 +168,21 @@ class ReplayReport:
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None
+    # How replay ran: torch.compile'd (the model build_fn returns) or eagerly, against the
+    # record; whether every replayed step, the faulty ones too, matched it bit for bit; and
+    # whether the per-op trace had to run eagerly (its dispatch modes cannot see inside
+    # compiled graphs).
+    compiled: bool | None = None
+    recorded_compiled: bool | None = None
+    bit_exact: bool | None = None
+    trace_eager: bool = False
+    # The deeper searches (search.py), each within `budget` extra replays of the root step or
+    # of the window: None when not run.
+    culprit: Culprit | None = None
+    rewind: Rewind | None = None
+    budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
+    dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
+    divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -116,6 +206,8 @@ def _verdict(r: ReplayReport) -> str:
         got = r.steps[-1].loss if r.steps else None
         where = (
             f"replay matched the record bit for bit until step {div - 1} and diverged at step {div}"
+            if div is not None and div > r.start_checkpoint
+            else f"replay diverged from the record at its first step, {div}"
             if div is not None
             else "every replayed step before it matched the record bit for bit"
         )
@@ -125,11 +217,11 @@ def _verdict(r: ReplayReport) -> str:
             else ""
         )
         left = f", and first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
-        return (
+        head = (
             f"The fault did not reproduce{began}: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} "
-            f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}. Suspect a transient fault: state changed "
-            "outside the recorded computation (hardware/memory error, non-determinism, or code outside step_fn)."
+            f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}."
         )
+        return head + " " + _why_not_reproduced(r.divergence)
     o = r.origin
     root = r.root_step if r.root_step is not None else r.requested_step
     lead = (
@@ -137,7 +229,7 @@ def _verdict(r: ReplayReport) -> str:
         + (f" on rank {r.rank}" if r.rank is not None else "")
         + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
     )
-    who = ", ".join(f"row {s.row} (sample {s.sample_id})" for s in r.samples[:3])
+    who = ", ".join(f"{s.where()} (sample {s.sample_id})" for s in r.samples[:3])
     more = f" and {len(r.samples) - 3} more" if len(r.samples) > 3 else ""
     produced = o.produced or "a non-finite value"
     at = ""
@@ -168,10 +260,32 @@ def _verdict(r: ReplayReport) -> str:
         fact = first_reason if ("is empty" in first_reason or "outside [" in first_reason) else None
         if fact:
             s0 = r.samples[0]
-            s = f"{lead}: row {s0.row} (sample {s0.sample_id}) {fact.split(' ', 1)[-1]}; {o.op}{at} produced {produced} from {inputs} on it."
+            s = f"{lead}: {s0.where()} (sample {s0.sample_id}) {fact.split(' ', 1)[-1]}; {o.op}{at} produced {produced} from {inputs} on it."
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
+    elif o.kind == "precision" and o.op is not None:
+        rows = f" for {who}{more}" if r.samples else ""
+        s = (
+            f"{lead}: {o.op}{at} overflowed {o.dtype or 'reduced precision'} ({produced} from finite inputs){rows}; "
+            "in float32 the same op is finite, so the fault exists only in reduced precision"
+            + (
+                f": with `{o.float32_module}` in float32 the step stays finite, so keep it in float32."
+                if o.float32_module
+                else ": with the whole model in float32 the step stays finite."
+                if o.float32_module == ""
+                else " (keep that module in float32, or train in bfloat16)."
+            )
+        )
+    elif o.kind == "optimizer" and o.state:
+        proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
+        s = (
+            f"{lead}: the optimizer's own state blew the weights up"
+            + (f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
+            + "; no sample is to blame"
+            + (", and with that second moment in tune with its gradient the fault vanishes" if proven else "")
+            + " (remedies: warm the learning rate up again, clip updates, a larger eps)."
+        )
     elif o.kind == "optimizer":
         s = (
             f"{lead}: the optimizer update blew the weights up"
@@ -192,6 +306,7 @@ def _verdict(r: ReplayReport) -> str:
         s = f"{lead}: the fault reproduced but no cause was found" + (f" ({who}{more} suspected)" if who else "") + "."
     if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
+    s += _searches(r)
     if not r.deterministic:
         s += (
             f" Note: replay diverged from the record at step {div}."
@@ -199,6 +314,72 @@ def _verdict(r: ReplayReport) -> str:
             else " Note: replay did not match the record bit for bit."
         )
     return s
+
+
+CAUSES = {
+    "data alone": "it faults in another batch and from an older model state too: the data alone",
+    "data x model state": "it faults in another batch but not from an older model state: data x this model state",
+    "data x batch": "it does not fault without the rest of its batch",
+}
+
+
+def _searches(r: ReplayReport) -> str:
+    """The deeper searches' sentences (search.py), empty when none ran."""
+    out = ""
+    c = r.culprit
+    same_rows = c is not None and sorted(map(str, c.sample_ids)) == sorted(str(s.sample_id) for s in r.samples)
+    if c is not None and c.rows and not (same_rows and not c.positions and c.cause is None and c.minimal):
+        mb = c.micro_batches if c.micro_batches and len(c.micro_batches) == len(c.rows) else None
+        where = [f"micro-batch {m} row {x}" for m, x in zip(mb, c.rows)] if mb else [f"row {x}" for x in c.rows]
+        who = ", ".join(f"{w} (sample {i})" for w, i in zip(where[:3], c.sample_ids[:3]))
+        who += f" and {len(c.rows) - 3} more" if len(c.rows) > 3 else ""
+        if c.positions:
+            plural = "s" if len(c.positions) > 1 else ""
+            who += f", position{plural} {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields[:3])}"
+        cause = f"; {CAUSES[c.cause]}" if c.cause in CAUSES else ""
+        out += f" Minimal culprit: {who}{'' if c.minimal else ' (not minimal: out of budget)'}{cause}."
+    w = r.rewind
+    if w is not None and w.detail:
+        out += f" {'Doomed earlier' if w.step is not None else 'Searching back'}: {w.detail}."
+    if r.budget and r.budget.get("ran_out"):
+        out += f" The {' and '.join(r.budget['ran_out'])} search ran out of its budget ({r.budget['used']} replays)."
+    return out
+
+
+def ranges(xs: list[int]) -> str:
+    """[2, 3, 4, 7] -> "2-4, 7"."""
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _why_not_reproduced(d: DivergenceCheck | None) -> str:
+    if d is not None and d.first_nondeterministic_op is not None:
+        op = d.first_nondeterministic_op
+        mod = op.get("module")
+        at = (f" in `{mod or '<root>'}`" if mod is not None else "") + (
+            f" ({op['source']})" if op.get("source") else ""
+        )
+        return (
+            f"The fault is transient: replaying step {d.step} twice from the same state gives different results; "
+            f"the first nondeterministic op is {op.get('op')}{at} ({op.get('phase')}, op {op.get('index')}): "
+            "a nondeterministic kernel, or an input the recording does not hold."
+        )
+    if d is not None and d.replays_agree:
+        return (
+            f"The fault is transient: two replays of step {d.step} agree op for op, bit for bit, but not with the "
+            "record, so the state changed outside the recorded computation (hardware or memory error, or code "
+            "outside step_fn)."
+        )
+    return (
+        "Suspect a transient fault: state changed outside the recorded computation (hardware/memory error, "
+        "non-determinism, or code outside step_fn)."
+    )
 
 
 def _divergence_step(r: ReplayReport) -> int | None:

@@ -24,8 +24,10 @@ from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, st
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
+from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run
 from ckptlab.training.probe import StepHealth
 
@@ -53,8 +55,11 @@ class Window:
 class Investigation:
     """One replay of one requested step: plan the window, replay it, judge it, explain it."""
 
-    def __init__(self, run: Run, step: int, *, device, from_step, log, rank: int = 0, trust_code: bool = False):
+    def __init__(
+        self, run: Run, step: int, *, device, from_step, log, rank: int = 0, trust_code: bool = False, dump=None
+    ):
         self.run, self.step, self.from_step = run, step, from_step
+        self.dump = dump  # a DumpRequest (dump.py) or None
         self.log = log or (lambda msg: None)
         self.progress: Callable[[int, int], None] = lambda done, total: None
         self.t0 = time.perf_counter()
@@ -64,6 +69,7 @@ class Investigation:
             raise ReplayError(run.missing_step(step), path=run.path)
         self.replayer = Replayer(run, device=device, log=self.log, rank=rank, trust_code=trust_code)
         self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
+        self.budget = Budget(DEFAULT_BUDGET)  # extra replays for the deeper searches (search.py)
 
     # 1. where to start -----------------------------------------------------------------------
 
@@ -164,6 +170,20 @@ class Investigation:
         snap, dets_before = kept.get(root, (None, None))
         return Window(k, checks, root, snap, dets_before)
 
+    def write_dump(self, report: ReplayReport, captured) -> None:
+        if captured is None:
+            report.notes.append(
+                f"no dump written to {self.dump.path}: no fault reproduced, so there is no root step to dump"
+            )
+            return
+        from ckptlab.replayer.dump import write
+
+        t0 = time.perf_counter()
+        entries, came_from, notes = captured
+        report.notes.extend(notes)
+        report.dump = write(report, entries, came_from, self.dump)
+        self.timing["dump_write_s"] = time.perf_counter() - t0
+
     def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
         m = self.metrics
         i = m.index(s)
@@ -171,10 +191,24 @@ class Investigation:
         rec_grad = float(m.grad_norm[i]) if i is not None else None
         match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
         rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
+        rec_scale = m.scalars[i].get("grad_scale") if i is not None else None
+        if rec_scale is not None or h.grad_scale is not None:  # the GradScaler's state replays too
+            match = match and same(h.grad_scale, rec_scale)
         if h.rank_loss is not None:
             match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
         return StepCheck(
-            s, h.loss, rec_loss, h.grad_norm, rec_grad, match, found, h.rank_loss, rec_ranks, h.rank_grad_norm
+            s,
+            h.loss,
+            rec_loss,
+            h.grad_norm,
+            rec_grad,
+            match,
+            found,
+            h.rank_loss,
+            rec_ranks,
+            h.rank_grad_norm,
+            h.grad_scale,
+            rec_scale,
         )
 
     def state_before(self, k: int, root: int):
@@ -201,6 +235,20 @@ class Investigation:
             window.root_state = self.state_before(window.start, window.root)
             window.root_detectors = self.detectors(window.root)
         return window
+
+    def execution(self, report: ReplayReport) -> None:
+        """How the replay ran against how the run was recorded: compiled or eager, and
+        whether every replayed step (the faulty ones too) matched the record bit for bit."""
+        recorded = self.run.manifest.get("config", {}).get("compiled")
+        report.compiled = self.replayer.compiled
+        report.recorded_compiled = recorded
+        report.bit_exact = all(c.match for c in report.steps) if report.steps else None
+        if recorded is not None and report.compiled is not None and bool(recorded) != report.compiled:
+            how = ("compiled", "eagerly") if recorded else ("eagerly", "compiled")
+            report.notes.append(
+                f"recorded {how[0]}, replayed {how[1]} (the model build_fn returns): "
+                + ("bit-exact all the same" if report.bit_exact else "kernels differ, so the numbers may too")
+            )
 
     # the whole investigation ---------------------------------------------------------------------
 
@@ -239,6 +287,9 @@ class Investigation:
                 "recorded_grad_norm": divergence.recorded_grad_norm,
                 "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
             }
+            if divergence.grad_scale is not None or divergence.recorded_grad_scale is not None:
+                first_div["grad_scale"] = divergence.grad_scale
+                first_div["recorded_grad_scale"] = divergence.recorded_grad_scale
         report = ReplayReport(
             run=str(self.run.path),
             requested_step=self.step,
@@ -259,11 +310,22 @@ class Investigation:
             notes=self.replayer.notes,
             rank=rank,
         )
+        self.execution(report)
         if root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
+            # One process only: a distributed run replayed in this process (one rank's share)
+            # never matches its record, so "the replays agree but not the record" would mislead.
+            if trace and report.left_record_step is not None and self.run.world_size == 1:
+                t0 = time.perf_counter()
+                report.divergence = check_divergence(self, report.left_record_step)
+                self.timing["divergence_s"] = time.perf_counter() - t0
+        blame = None
         if root is not None:
-            Blame(self, window).explain(report, trace, counterfactuals)
+            blame = Blame(self, window)
+            blame.explain(report, trace, counterfactuals, dump=self.dump)
         report.verdict = verdict(report)
+        if self.dump is not None:
+            self.write_dump(report, getattr(blame, "captured", None))
         self.timing["total_s"] = time.perf_counter() - self.t0
         report.timing = self.timing
         return report

@@ -13,12 +13,16 @@ How an op is placed:
   source); in backward, `torch._C._current_autograd_node()` finds that stamp, so a backward op
   is charged to the module whose forward created it;
 - the module path comes from global forward pre/post hooks (a stack of module names);
+- compiled code (torch.compile) runs eagerly while traced: the modes cannot see inside its
+  graphs (the report says so, `trace_eager`);
 - the rows an op works on: the batch's rows, unless `step_fn` runs the model on a slice of the
   batch (a micro-batch loop): each forward of the root model is matched to the rows of the
   recorded batch it was given (its input is a view into the batch: the view's offset says
   which rows; else micro-batches are taken in order), and the forward and backward ops until
   the next such forward map their elements into those rows. A scalar (a micro-batch's loss)
-  maps to its row when the micro-batch is one row.
+  maps to its row when the micro-batch is one row. A batch recorded as micro-batches
+  (gradient accumulation, analysis/batches.py) is matched the same way, micro-batch by
+  micro-batch: a forward on a whole micro-batch (or a part of one) names its rows.
 
 The origin rule. An op is an origin candidate when it
   - outputs NaN while none of its tensor inputs holds a NaN, or
@@ -27,22 +31,31 @@ So `masked_fill(mask, -inf)` (an Inf scalar in, on purpose) is not an origin, bu
 over a fully masked row (-inf in, NaN out) is; an overflowing matmul (finite in, Inf out) is,
 and so is a float16 cast of a value above 65504. Uninitialized outputs (`empty*`) are ignored.
 The first candidate in execution order is the origin.
+
+Reduced precision. A candidate that computed in float16 or bfloat16 (under autocast, or in a
+half module) is run once more on the same inputs cast to float32: `fp32_finite` says whether
+the op alone gives finite values there, i.e. whether the overflow exists only in the reduced
+precision. That re-runs one op, not the model: precision lost by earlier ops (a sum rounded
+to 0 before a log) is not seen here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ckptlab.analysis.batches import row_groups
 from ckptlab.training.world import local
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -51,6 +64,7 @@ _EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though
 _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
+REDUCED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -106,6 +120,13 @@ class OpEvent:
     new_nan: bool = False
     new_inf: bool = False
     bad_rows: dict[int, int] | None = None  # batch row -> non-finite output elements
+    fp32_finite: bool | None = None  # reduced-precision candidate: the op is finite in float32
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype of its first non-finite output (else of its first output)."""
+        bad = [o for o in self.outputs if not o.finite] or self.outputs
+        return bad[0].dtype if bad else None
 
     @property
     def is_origin_candidate(self) -> bool:
@@ -134,10 +155,13 @@ def user_source() -> tuple[str | None, str | None]:
     return None, None
 
 
-def batch_slice(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> tuple[int, int] | None:
+def batch_slice(
+    inputs: list, batch_leaves: list[torch.Tensor], rows: int | None, *, whole: bool = False
+) -> tuple[int, int] | None:
     """(first row, row count) of the recorded batch that a forward's inputs are a view into:
     `x[i : i + k]` (or `x[i : i + k, 1:]`) or `x[i]` of a batch leaf `x` whose first dimension
-    is the batch's `rows`. None when no input is such a view (a copy, or the whole batch)."""
+    is the batch's `rows`. None when no input is such a view (a copy, or -- unless `whole` --
+    the whole batch)."""
     if not rows:
         return None
     for t in inputs:
@@ -162,19 +186,26 @@ def batch_slice(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None
                 count = t.shape[0]
             else:
                 continue  # x[::2]: not a run of rows
-            if 0 <= first and 0 < count < rows and first + count <= rows:
+            if 0 <= first and 0 < count and (count < rows or whole) and first + count <= rows:
                 return first, count
     return None
 
 
-def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None) -> int | None:
+def _row_tensors(batch, rows: int | None) -> list[torch.Tensor]:
+    """The batch's tensors with `rows` rows."""
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows]
+
+
+def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None, *, whole: bool = False) -> int | None:
     """How many rows a forward's input holds when it looks like a copy of a part of the batch:
-    fewer rows than the batch, the rest of its shape and its dtype those of a batch leaf."""
+    fewer rows than the batch (or all of them, with `whole`), the rest of its shape and its
+    dtype those of a batch leaf."""
     for t in inputs:
         if not isinstance(t, torch.Tensor) or not t.dim():
             continue
         for leaf in batch_leaves:
-            if t.dtype == leaf.dtype and tuple(t.shape[1:]) == tuple(leaf.shape[1:]) and 0 < t.shape[0] < (rows or 0):
+            fits = 0 < t.shape[0] < (rows or 0) or (whole and t.shape[0] == rows)
+            if t.dtype == leaf.dtype and tuple(t.shape[1:]) == tuple(leaf.shape[1:]) and fits:
                 return t.shape[0]
     return None
 
@@ -201,6 +232,8 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tracer
+        if tr.paused:
+            return func(*args, **kwargs)
         outer = tr._call
         name = getattr(func, "__name__", None) or str(func)
         short, full = user_source()
@@ -222,13 +255,41 @@ class _DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         tr = self.tracer
         name = str(func)
-        record = not name.startswith(_IGNORE_PREFIXES) and name != "aten.detach.default"
+        record = not (tr.paused or name.startswith(_IGNORE_PREFIXES) or name == "aten.detach.default")
         flat_in = tree_flatten((args, kwargs))[0] if record else []
         inputs = [tr.summary(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
+        if record and tr.watch is not None:
+            tr.watch.before_op(len(tr.events), name, flat_in)
         out = func(*args, **kwargs)
         if record:
-            tr._record(name, flat_in, inputs, out)
+            ev = tr._record(name, flat_in, inputs, out, rerun=lambda: finite_in_float32(func, args, kwargs))
+            if ev is not None and tr.watch is not None:
+                tr.watch.after_op(ev, flat_in, out)
         return out
+
+
+def finite_in_float32(func, args, kwargs) -> bool | None:
+    """Whether `func` gives only finite values with its float16/bfloat16 inputs (and dtype
+    arguments) in float32; None when it cannot run so (an `out=` op, an op without a float32
+    kernel). Inputs are copied, never changed."""
+    if "out" in kwargs:
+        return None
+
+    def up(x):
+        if isinstance(x, torch.Tensor) and x.dtype in REDUCED_DTYPES:
+            return x.detach().float()
+        if isinstance(x, torch.dtype) and x in REDUCED_DTYPES:
+            return torch.float32
+        return x
+
+    args, kwargs = tree_map(up, (args, kwargs))
+    try:
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no float32 path for this op: no answer, not an error
+        return None
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return all(bool(torch.isfinite(local(t)).all()) for t in outs)
 
 
 class Tracer:
@@ -242,21 +303,25 @@ class Tracer:
         rows: int | None = None,
         batch=None,
         max_events: int = 200_000,
+        watch=None,
     ):
         from ckptlab.training.state import unwrap
 
         self.model = unwrap(model)
         self.optimizer = optimizer
         self.rows = rows
-        # The batch's tensors with `rows` rows: a forward's input that is a view into one of
-        # them names the micro-batch it runs on.
-        self._batch_leaves = [
-            t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
-        ]
+        # Per group of rows (the batch, or each recorded micro-batch): its first row, its row
+        # count and its tensors with that many rows. A forward's input that is a view into one
+        # of them names the micro-batch it runs on.
+        self._groups = [(first, n, _row_tensors(part, n)) for first, part, n in row_groups(batch, rows)]
         self.micro: tuple[int, int] | None = None  # (first row, rows) of the running micro-batch
         self.micro_batches = 0  # forwards of the root model on a slice of the batch
         self._micro_next = 0  # in-order fallback: the first row not yet given to a forward
         self.max_events = max_events
+        # Sees every traced op before and after it runs (`before_op(index, name, flat_inputs)`,
+        # `after_op(event, flat_inputs, output)`): the full-tensor dump (dump.py) hangs here.
+        self.watch = watch
+        self.paused = False  # while True, nothing is traced (a watcher's own copies)
         self.events: list[OpEvent] = []
         self.origin: OpEvent | None = None
         self.candidates: list[OpEvent] = []
@@ -286,6 +351,14 @@ class Tracer:
     # --- context ------------------------------------------------------------------------
 
     def __enter__(self) -> Tracer:
+        # Compiled code (torch.compile) runs graphs our dispatch modes cannot see into: the
+        # traced step runs eagerly. Only when dynamo is loaded (else nothing was compiled).
+        self._stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else None
+        # Our global module hooks make torch warn that they fire for the compiled wrapper too:
+        # they do, and the wrapper is not a module the tracer names, so it is ignored.
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
         nn = torch.nn.modules.module
         self._handles = [
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True),
@@ -306,6 +379,9 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._stance is not None:
+            self._stance.__exit__(*exc)
+        self._quiet.__exit__(*exc)
 
     def _set_opt(self, on: bool) -> None:
         self._in_optimizer = on
@@ -336,13 +412,23 @@ class Tracer:
         if not self.rows:
             return None
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        micro = batch_slice(inputs, self._batch_leaves, self.rows)
+        micro = None
+        recorded = len(self._groups) > 1  # the batch was recorded as micro-batches
+        for first, n, leaves in self._groups:
+            found = batch_slice(inputs, leaves, n, whole=recorded)
+            if found is not None:
+                micro = (first + found[0], found[1])
+                break
         if micro is None:
             # Not a view into the batch: a copy of a part of it (`x[i : i + k].to(device)`)
             # is taken to be the next micro-batch, in order.
-            lead = copied_rows(inputs, self._batch_leaves, self.rows)
-            if lead is not None and self._micro_next + lead <= self.rows:
-                micro = (self._micro_next, lead)
+            for first, n, leaves in self._groups:
+                if first + (n or 0) <= self._micro_next:
+                    continue
+                lead = copied_rows(inputs, leaves, n, whole=recorded)
+                if lead is not None and self._micro_next + lead <= first + n:
+                    micro = (self._micro_next, lead)
+                break
         if micro is not None:
             self._micro_next = micro[0] + micro[1]
             self.micro_batches += 1
@@ -359,6 +445,16 @@ class Tracer:
         name = self._names.get(id(module))
         if name is not None and self._stack and self._stack[-1] == name:
             self._stack.pop()
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Run something inside the traced step without tracing it (a watcher's copies): the
+        op indices stay those of the step alone."""
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
 
     def current_module(self) -> str | None:
         return self._stack[-1] if self._stack else None
@@ -389,10 +485,10 @@ class Tracer:
             return "optimizer"
         return "forward"
 
-    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out) -> None:
+    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out, rerun=None) -> OpEvent | None:
         if len(self.events) >= self.max_events:
             self.truncated = True
-            return
+            return None
         phase = self._phase()
         call = module = source = None
         if phase == "backward":
@@ -423,9 +519,12 @@ class Tracer:
         self.events.append(ev)
         if ev.is_origin_candidate and len(self.candidates) < 8:
             self._locate(ev, outs)
+            if rerun is not None and any(t.dtype in REDUCED_DTYPES for t in outs):
+                ev.fp32_finite = rerun()
             self.candidates.append(ev)
             if self.origin is None:
                 self.origin = ev
+        return ev
 
     def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
         """Element indices of the new non-finite values, mapped to batch rows (in a micro-batch:

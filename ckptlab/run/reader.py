@@ -45,6 +45,7 @@ class Metrics:
     step_time: np.ndarray  # float64[S], seconds
     nonfinite_grads: np.ndarray  # int64[S]
     stepped: np.ndarray  # bool[S]
+    scaler_skipped: np.ndarray  # bool[S]: a GradScaler skipped the update (overflowed gradients)
     param_grad_norm: np.ndarray  # float32[S, P]; -1 = no gradient
     update_ratio: np.ndarray  # float32[S, P]; NaN except every `health_every` steps
     weight_norm: np.ndarray  # float32[S, P]
@@ -251,6 +252,7 @@ class Run:
             step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),
             nonfinite_grads=np.array([int(r[0].get("nonfinite_grads", 0)) for _, r in rows], dtype=np.int64),
             stepped=np.array([bool(r[0].get("stepped", True)) for _, r in rows], dtype=bool),
+            scaler_skipped=np.array([bool(r[0].get("scaler_skipped", False)) for _, r in rows], dtype=bool),
             param_grad_norm=per_param(np.float32, np.nan),
             update_ratio=per_param(np.float32, np.nan),
             weight_norm=per_param(np.float32, np.nan),

@@ -7,6 +7,7 @@ frame can be opened by any safetensors reader; `docs/run-format.md` shows how.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zlib
@@ -112,14 +113,51 @@ class Compressor:
 @dataclass
 class BatchRecord:
     step: int
-    batch: Any
+    batch: Any  # None when stored by reference (`ref`): replay rebuilds it with batch_fn
     sample_ids: list | None
     rng: dict | None  # None: the RNG states were those at the end of the previous step
+    ref: dict | None = None  # {"sha256": digest of the batch, "bytes": its size}, by reference
+
+
+def batch_nbytes(batch: Any) -> int:
+    """The bytes of the batch's tensors and arrays (what storing it whole would cost)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, np.ndarray):
+        return int(batch.nbytes)
+    if isinstance(batch, dict):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    return 0
+
+
+def batch_digest(batch: Any) -> str:
+    """sha256 of a batch's content: its structure, dtypes, shapes and every tensor's bytes.
+    Two batches with the same digest are the same batch, bit for bit."""
+    spec, tensors = codec.encode(batch, prefix="batch")
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def encode_batch_ref(step: int, digest: str, nbytes: int, sample_ids: list | None, rng: dict | None) -> bytes:
+    """A batch stored by reference: its sample ids, digest and size; replay rebuilds it."""
+    return _encode_batch_meta({"step": step, "batch": None, "sample_ids": sample_ids}, rng, digest, nbytes)
 
 
 def encode_batch(step: int, batch: Any, sample_ids: list | None, rng: dict | None) -> bytes:
     spec, tensors = codec.encode(batch, prefix="batch", compact_ints=True)
-    meta: dict[str, Any] = {"step": step, "batch": spec, "sample_ids": sample_ids}
+    return _encode_batch_meta({"step": step, "batch": spec, "sample_ids": sample_ids}, rng, tensors=tensors)
+
+
+def _encode_batch_meta(meta: dict, rng: dict | None, digest=None, nbytes=0, tensors=None) -> bytes:
+    tensors = dict(tensors or {})
+    if digest is not None:
+        meta["ref"] = {"sha256": digest, "bytes": int(nbytes)}
     if rng is not None:
         meta["rng"], rng_tensors = codec.encode(rng, prefix="rng")
         tensors.update(rng_tensors)
@@ -129,12 +167,15 @@ def encode_batch(step: int, batch: Any, sample_ids: list | None, rng: dict | Non
 def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
     meta, tensors = unpack(payload, where=where)
     try:
-        batch = codec.decode(meta["batch"], tensors)
+        ref = meta.get("ref")
+        if ref is not None and not (isinstance(ref, dict) and isinstance(ref.get("sha256"), str)):
+            raise ValueError(f"malformed batch reference {str(ref)[:80]}")
+        batch = codec.decode(meta["batch"], tensors) if ref is None else None
         rng = codec.decode(meta["rng"], tensors) if meta.get("rng") is not None else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptFileError(f"malformed batch record for step {meta.get('step')}: {e}", path=where) from None
     try:
-        return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng)
+        return BatchRecord(int(meta["step"]), batch, meta.get("sample_ids"), rng, ref)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptFileError(f"malformed batch record ({type(e).__name__}: {e})", path=where) from None
 

@@ -18,14 +18,18 @@ Where each number is computed, and why there:
   gradients): that is the gradient *before* the user's `clip_grad_norm_` (after clipping the
   global norm is always <= max_norm, which hides every explosion). With gradient accumulation
   the last backward before the optimizer step holds the accumulated gradient, which is kept;
-  each micro-batch costs one batched call, not a kernel per parameter.
+  each micro-batch costs one batched call, not a kernel per parameter. A loop that knows
+  which backward is its last says so (`accumulating(optimizer, True)` before the others,
+  `False` before the last): then only the last backward is measured, one call per step.
 - learning rates, the norms of the pre-update weights and (for ||dw||, every `health_every`
   steps) a fixed sample of them in the optimizer's step pre-hook: the lr this update used
   and the weights it started from. By default the update norm is estimated from a strided
   sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
   <= MEMORY_SHARE of the parameter bytes); "exact" copies every parameter (+1x their bytes).
-- a GradScaler's scale at `begin`, as a device tensor: hook gradients are scaled; norms are
-  divided by it when read.
+- a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
+  scaled; norms are divided by it when read. A step the scaler skipped (non-finite
+  gradients: the optimizer did not step and the scale backed off) is `scaler_skipped`:
+  routine in float16 training, not a fault.
 
 The Recorder and replay use this same class through training/step.py, so replayed numbers
 compare bit for bit (the Recorder may read them a step later, replay reads them at once: the
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +68,7 @@ class StepHealth:
     step_time: float = 0.0
     rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    scaler_skipped: bool = False  # a GradScaler found non-finite gradients and skipped the update
 
     @property
     def loss_finite(self) -> bool:
@@ -79,6 +85,8 @@ class StepHealth:
         }
         if self.grad_scale is not None:
             out["grad_scale"] = self.grad_scale
+        if self.scaler_skipped:
+            out["scaler_skipped"] = True
         if self.weight_norm is not None:
             out["nonfinite_weights"] = int((~np.isfinite(self.weight_norm)).sum())
         if self.update_ratio_global is not None:
@@ -147,6 +155,19 @@ class PendingHealth:
         return self._health
 
 
+# The live probe on each optimizer: a step function that accumulates gradients reaches it here.
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def accumulating(optimizer, on: bool) -> None:
+    """Gradient accumulation: whether the backward about to run leaves the step's gradients
+    unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
+    (False: measured). Each step starts with every backward measured."""
+    probe = _PROBES.get(optimizer)
+    if probe is not None:
+        probe._accumulating = on
+
+
 class StepProbe:
     """Hooks on one model/optimizer; `world` (ckptlab.training.world.World) when running distributed.
     `update_ratio`: "sampled" (default) or "exact" (see the module docstring)."""
@@ -175,12 +196,15 @@ class StepProbe:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
         self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
+        _PROBES[optimizer] = self
         self._reset(False)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if _PROBES.get(self.optimizer) is self:
+            del _PROBES[self.optimizer]
 
     def _reset(self, measure_update: bool) -> None:
         self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm (0-d, device)
@@ -189,12 +213,13 @@ class StepProbe:
         self._before = None  # (norms of the weights, their sample or copy) before the update
         self._stepped = False
         self._measure_update = measure_update
+        self._accumulating = False  # see accumulating()
 
     # --- hooks ------------------------------------------------------------------------------
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """A gradient was accumulated: have the backward pass call us once when it ends."""
-        if self._active and not self._queued:
+        if self._active and not self._accumulating and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
@@ -260,15 +285,20 @@ class StepProbe:
 
     def begin(self, *, measure_update: bool = False) -> None:
         self._reset(measure_update)
-        self._scale = None
-        if self.scaler is not None and self.scaler.is_enabled():  # the tensor, not a float: no sync
-            get = getattr(self.scaler, "_get_scale_async", None)
-            scale = get() if get is not None else None
-            self._scale = scale.detach().reshape(1).float().clone() if scale is not None else None
-            if self._scale is None:  # not yet created (first step) or an old scaler
-                self._scale = torch.tensor([float(self.scaler.get_scale())])
+        self._scale = self._scale_now()
         self._t0 = time.perf_counter()
         self._active = True
+
+    def _scale_now(self) -> torch.Tensor | None:
+        """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
+        as a float would sync), or None without an enabled scaler."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        get = getattr(self.scaler, "_get_scale_async", None)
+        scale = get() if get is not None else None
+        if scale is None:  # not yet created (before the first scale()) or an old scaler
+            return torch.tensor(float(self.scaler.get_scale()))
+        return scale.detach().reshape(()).float().clone()
 
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
@@ -298,7 +328,8 @@ class StepProbe:
         add("loss", [value.reshape(())])
         add("grad", [self._norms[i] for i in idx])
         if self._scale is not None:
-            add("scale", [self._scale.reshape(())])
+            add("scale", [self._scale])
+            add("scale_after", [self._scale_now()])  # after the step's scaler.update()
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
@@ -354,6 +385,7 @@ class StepProbe:
             stepped=meta["stepped"],
             grad_scale=scale,
             step_time=meta["step_time"],
+            scaler_skipped=self._scaler_skipped(meta["stepped"], scale, values, parts),
         )
         if self.world.distributed:
             health.rank_loss = rows[:, 0].tolist()
@@ -366,6 +398,11 @@ class StepProbe:
                 health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         return health
+
+    def _scaler_skipped(self, stepped: bool, scale: float | None, values: np.ndarray, parts: dict) -> bool:
+        """The GradScaler skipped this step: the optimizer did not step, and `scaler.update()`
+        backed the scale off (what it does, and only does, after finding inf/NaN gradients)."""
+        return scale is not None and not stepped and "scale_after" in parts and values[parts["scale_after"]][0] < scale
 
     def _local_grads(self, norms: np.ndarray, meta: dict, scale: float | None, grads_live: bool):
         """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""

@@ -1,11 +1,17 @@
-"""`skip_samples`: on resume, the sample ids of a skip list never come out of the data again.
+"""Sample ids from the data: `with_sample_ids` gives each item its dataset index, and
+`skip_samples` keeps the ids of a skip list out of the data on resume.
+
+loader = DataLoader(ckptlab.with_sample_ids(ds), batch_size=32, num_workers=4)
+for ids, batch in loader:
+    rec.step(batch, sample_ids=ids)
 
 sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")   # from `ckptlab dirty --out`
-loader = DataLoader(ds, sampler=sampler, batch_size=32)
+loader = DataLoader(ckptlab.with_sample_ids(ds), sampler=sampler, batch_size=32)
 """
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,6 +19,50 @@ from typing import Any
 import torch.utils.data as tud
 
 from ckptlab.run import skiplist
+
+
+def with_sample_ids(dataset) -> WithSampleIds:
+    """A map-style dataset whose item `i` is `(i, dataset[i])`: a DataLoader over it yields
+    `(ids, batch)`, the ids collated into a tensor, whatever the batch's structure (tensors,
+    tuples, dicts, nested), sampler (shuffling, DistributedSampler, `skip_samples`) or workers.
+
+        loader = DataLoader(ckptlab.with_sample_ids(ds), batch_size=32, shuffle=True)
+        for ids, batch in loader:
+            rec.step(batch, sample_ids=ids)
+
+    The id is the item's index in the dataset underneath any `torch.utils.data.Subset`s (so
+    also under `skip_samples(dataset, ...)`): the id `ckptlab dirty` and `skip_samples` use.
+    """
+    if not _is_map_dataset(dataset):
+        raise TypeError(
+            f"with_sample_ids needs a map-style dataset (__getitem__ and __len__), not {type(dataset).__name__}"
+        )
+    return WithSampleIds(dataset)
+
+
+class WithSampleIds(tud.Dataset):
+    """`dataset` with each item's id: item i is (id, dataset[i]). See `with_sample_ids`."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return sample_id(self.dataset, i), self.dataset[i]
+
+
+def sample_id(dataset, i):
+    """Index `i` of `dataset`, as an index of the dataset underneath its Subsets (a key that is
+    not a position, from a custom sampler, is its own id)."""
+    try:
+        i = operator.index(i)
+    except TypeError:
+        return i
+    while isinstance(dataset, tud.Subset):
+        dataset, i = dataset.dataset, int(dataset.indices[i])
+    return i
 
 
 def skip_samples(source, skip, *, key: Callable[[Any], Any] | None = None):

@@ -1,12 +1,16 @@
 """FSDP2 (`fully_shard`) training state in and out of the live, sharded model.
 
     save_sharded(run_dir, step, world, model, optimizer, train_state, info)   # collective
+    pending = start_sharded_save(run_dir, step, world, model, optimizer, ...)  # staged, then
+    pending.finish()                                                           # commit later
     load_sharded(checkpoint, model, optimizer, train_state)                   # collective
     snap = full_snapshot(world, step, model, optimizer, train_state)           # whole, on rank 0
     set_full(model, optimizer, model_sd, optim_sd)                             # whole -> any model
 
-Saving runs on the training thread, since DCP's planning is collective (the training stalls
-for the write; DDP and single-process checkpoints are written in the background). The folder
+`save_sharded` writes on the training thread (the training stalls for the write).
+`start_sharded_save` stalls only for DCP's collective planning and the copy of each rank's
+shards to host memory (`dcp.async_save`); the files are written and hashed in the background,
+and `finish()`, called by every rank at the same later step, commits them. The folder
 and its atomic commit are run/sharded.py's.
 
 Reading never unpickles: DCP's `.metadata` goes through ckptlab.io.dcp's allowlist unpickler
@@ -16,8 +20,11 @@ the non-tensor optimizer state (param_groups) is kept out of DCP, in our own sta
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+from ckptlab.errors import RecordError
 from ckptlab.io.dcp import safe_planner, safe_reader
 from ckptlab.run import codec
 from ckptlab.run import sharded as on_disk
@@ -58,6 +65,76 @@ def save_sharded(run_dir: Path, step: int, world, model, optimizer, train_state:
             on_disk.abandon(tmp)
         raise
     world.barrier()
+
+
+class PendingSave:
+    """A sharded checkpoint being written in the background (`start_sharded_save`): the state
+    was staged to host memory before training went on; `finish()`, which every rank calls at
+    the same step, waits for the write and commits it (collective). Each rank hashes its own
+    shards on the writing thread as soon as they are written."""
+
+    def __init__(self, world, run_dir: Path, step: int, tmp: Path, info: dict, main_state: dict, future):
+        self.world, self.run_dir, self.step, self.tmp, self.info = world, run_dir, step, tmp, info
+        self._main_state = main_state
+        self._files: dict | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        future.add_done_callback(self._written)
+
+    def _written(self, future) -> None:
+        try:
+            future.result()
+            self._files = on_disk.rank_files(self.tmp, self.world.rank)
+            if self.world.is_main:
+                self._files.update(on_disk.write_main_files(self.tmp, self.step, self._main_state))
+        except BaseException as e:  # noqa: BLE001 - raised again by finish(), on the training thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def finish(self) -> float:
+        """Wait for this rank's write, gather every rank's file records, commit (rank 0).
+        Returns the seconds this rank waited for its write."""
+        t0 = time.perf_counter()
+        self._done.wait()
+        waited = time.perf_counter() - t0
+        failed = self.world.gather_objects(repr(self._error) if self._error is not None else None)
+        parts = self.world.gather_objects(self._files or {})
+        try:
+            if any(failed):
+                raise RecordError(
+                    f"the background write of sharded checkpoint {self.step} failed: "
+                    + "; ".join(f"rank {r}: {e}" for r, e in enumerate(failed) if e),
+                    path=self.tmp,
+                )
+            if self.world.is_main:
+                files: dict = {}
+                for part in parts:
+                    files.update(part)
+                on_disk.commit(self.tmp, self.step, files, self.info, self.world.size)
+        except BaseException:
+            if self.world.is_main:
+                on_disk.abandon(self.tmp)
+            raise
+        return waited
+
+
+def start_sharded_save(run_dir: Path, step: int, world, model, optimizer, train_state: dict, info: dict) -> PendingSave:
+    """Every rank calls this at the same step: DCP's collective planning and the copy of this
+    rank's shards to host memory happen now; the write runs in the background, on a process
+    group of its own (`World.checkpoint_group`). Commit with `PendingSave.finish()`."""
+    dcp, sd = _dcp()
+    tmp = on_disk.temp_folder(run_dir, step, info.get("session", 0))
+    if world.is_main:
+        on_disk.prepare(tmp)
+    world.barrier()
+    optim = sd.get_optimizer_state_dict(model, optimizer)
+    future = dcp.async_save(
+        {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
+        storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
+        process_group=world.checkpoint_group(),
+    )
+    return PendingSave(world, run_dir, step, tmp, info, {**train_state, "param_groups": optim["param_groups"]}, future)
 
 
 def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:

@@ -42,6 +42,27 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def is_compiled(model) -> bool:
+    """The model runs through torch.compile: wrapped (`torch.compile(model)`, an
+    OptimizedModule, possibly inside DDP) or compiled in place (`model.compile()`); or, for a
+    function (a step_fn), it is the `torch.compile`d one."""
+    if not isinstance(model, torch.nn.Module):
+        return getattr(model, "_torchdynamo_orig_callable", None) is not None
+    for _ in range(4):
+        if type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None:
+            return True
+        inner = getattr(model, "module", None)  # DDP / DataParallel
+        if not isinstance(inner, torch.nn.Module):
+            return False
+        model = inner
+    return False
+
+
+def is_grad_scaler(obj) -> bool:
+    """A `torch.amp.GradScaler` (or the older `torch.cuda.amp.GradScaler`, a subclass)."""
+    return isinstance(obj, torch.amp.GradScaler)
+
+
 # --- model ---------------------------------------------------------------------------------
 
 

@@ -14,8 +14,9 @@ numbers compare with recorded ones bit for bit.
     ...
     health = pending.result()
 
-In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs; the probe queues
-what its hooks measured (loss, pre-clip gradient norms, lr, update) for the host; the hooks go
+In order: the probe's hooks go live; `step_fn(model, optimizer, batch)` runs (with `scaler=`
+the GradScaler too, when step_fn has a `scaler` parameter); the probe queues what its hooks
+measured (loss, pre-clip gradient norms, lr, update) for the host; the hooks go
 quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler` is False
 (the framework steps it). Read at once or a step later, the numbers are the same: replay
 reads at once and compares with what the Recorder read later. RNG states are the caller's
@@ -25,12 +26,14 @@ business: the Recorder captures them before the step, replay restores them befor
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ckptlab.errors import RecordError
 from ckptlab.training.probe import PendingHealth, StepHealth, StepProbe
 from ckptlab.training.world import World
 
@@ -90,10 +93,11 @@ class Trainee:
         """(what step_fn returned, the step's health); with `deferred`, a PendingHealth in its
         place. `around`, a context manager not yet entered, is entered for the duration of
         `step_fn` only (replay's tracer, its redirect of the user's prints)."""
+        extra = scaler_argument(step_fn, self.scaler)
         self.begin(measure_update=measure_update)
         try:
             with around if around is not None else contextlib.nullcontext():
-                loss = step_fn(self.model, self.optimizer, batch)
+                loss = step_fn(self.model, self.optimizer, batch, **extra)
         except BaseException:
             self.abort()
             raise
@@ -101,3 +105,21 @@ class Trainee:
 
     def close(self) -> None:
         self.probe.close()
+
+
+def scaler_argument(step_fn: Callable, scaler) -> dict:
+    """`{"scaler": scaler}` for a `step_fn(model, optimizer, batch, scaler)`: it is handed the
+    GradScaler (the Recorder's `scaler=`, and in replay the one build_fn returns, whose state
+    the checkpoint restored); RecordError when it needs one and none was given."""
+    try:
+        param = inspect.signature(step_fn).parameters.get("scaler")
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        param = None
+    if param is None:
+        return {}
+    if scaler is None and param.default is inspect.Parameter.empty:
+        raise RecordError(
+            "step_fn takes a `scaler` but no GradScaler was given",
+            hint="pass it as Recorder(..., scaler=scaler), and return it from build_fn",
+        )
+    return {"scaler": scaler} if scaler is not None else {}

@@ -42,7 +42,9 @@ def describe(fn: Callable, role: str, run_dir: Path) -> dict:
     mod = sys.modules.get(module)
     if _resolve(mod, qualname) is not fn:
         raise RecordError(f"{role} {module}.{qualname} cannot be found again by its name")
-    file = inspect.getsourcefile(fn) or getattr(mod, "__file__", None)
+    # Through decorators to the user's own def: a torch.compile'd step_fn's wrapper is defined in
+    # torch, but the code that runs, and is hashed, is the user's file.
+    file = inspect.getsourcefile(inspect.unwrap(fn)) or getattr(mod, "__file__", None)
     desc = {"module": module, "qualname": qualname, "file": None, "file_rel": None, "sha256": None}
     if file and os.path.isfile(file):
         path = Path(file).resolve()

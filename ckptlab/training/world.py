@@ -21,7 +21,7 @@ Two layouts of parameters:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ class World:
     sharded: bool = False
     group: Any = None
     backend: str | None = None
+    _ckpt_group: Any = field(default=None, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +66,18 @@ class World:
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
         return World(dist.get_rank(), dist.get_world_size(), sharded, group, backend)
+
+    def checkpoint_group(self) -> Any:
+        """A gloo group of its own for background checkpoint writes (their collectives run on
+        another thread, and must not interleave with the training's). Collective, the first
+        time: every rank asks at the same step."""
+        if not self.distributed:
+            return None
+        if self._ckpt_group is None:
+            import torch.distributed as dist
+
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def gather(self, vec: np.ndarray) -> np.ndarray:
         """Every rank's `vec` (float64, same length on all ranks), as rows, on every rank."""

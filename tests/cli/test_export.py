@@ -85,29 +85,26 @@ def test_anomalies_and_a_nan_loss_are_exported(tmp_path):
     acc = read(tmp_path / "tb")
     assert math.isnan(acc.Scalars("train/loss")[-1].value)
     text = acc.Tensors("anomalies/text_summary")[-1]
-    assert text.step == exp.step and b"nonfinite_loss" in text.tensor_proto.string_val[0]
+    assert text.step == exp.step and b"nonfinite loss" in text.tensor_proto.string_val[0]
 
 
 def test_nonfinite_values_are_counted_beside_the_histogram():
     import torch
 
-    from ckptlab.render.tensorboard import _histogram
+    from ckptlab.render.export import _histograms
+    from ckptlab.trackers.points import Row
 
-    class Writer:
-        def __init__(self):
-            self.calls = []
-
-        def add_scalar(self, tag, value, global_step):
-            self.calls.append(("scalar", tag, value, global_step))
-
-        def add_histogram(self, tag, values, global_step):
-            self.calls.append(("histogram", tag, len(values), global_step))
-
-    w = Writer()
-    t = torch.tensor([1.0, float("nan"), float("inf"), -2.0])
-    assert _histogram(w, "weights/w", t, 7, "nonfinite/weights/w") == 1
-    assert w.calls == [("scalar", "nonfinite/weights/w", 2, 7), ("histogram", "weights/w", 2, 7)]
-    assert _histogram(w, "weights/n", torch.full((3,), float("nan")), 7, "nonfinite/weights/n") == 0
+    row = Row(7)
+    _histograms(
+        row,
+        "weights",
+        {"w": torch.tensor([1.0, float("nan"), float("inf"), -2.0]), "n": torch.full((3,), float("nan"))},
+    )
+    assert row.scalars == {"nonfinite/weights/w": 2.0, "nonfinite/weights/n": 3.0}
+    h = row.histograms["weights/w"]
+    assert list(row.histograms) == ["weights/w"] and h.num == 2 and sum(h.counts) == 2
+    assert (h.min, h.max, h.sum, h.sum_squares) == (-2.0, 1.0, -1.0, 5.0)
+    assert len(h.edges) == len(h.counts) + 1 and h.edges[0] == -2.0 and h.edges[-1] == 1.0
 
 
 def test_progress_bar_counts_on_a_terminal_and_is_silent_otherwise():

@@ -7,6 +7,7 @@ value can be planted in one sample's input.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -17,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ckptlab.integrations import transformers as ckt  # noqa: E402
@@ -57,9 +58,36 @@ def config() -> GPT2Config:
     )
 
 
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)  # the same initial weights every time
+    return GPT2LMHeadModel(config())
+
+
 def build():
     torch.manual_seed(0)
     return ckt.build(GPT2LMHeadModel(config()), ARGS)
+
+
+# Gradient accumulation across an epoch's end (tests/integrations/test_transformers.py): the LR
+# schedule is laid out over max_steps, as in the recorded Trainer.
+EPOCH_ARGS = dataclasses.replace(ARGS, gradient_accumulation_steps=3, eval_strategy="no", max_steps=8)
+
+
+class UnnormalizedTrainer(Trainer):
+    """A Trainer that takes its model not to normalize the loss by num_items_in_batch: it then
+    divides each micro-batch's loss by the step's micro-batch count."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model_accepts_loss_kwargs = False
+
+
+def build_epoch():
+    return ckt.build(model(), EPOCH_ARGS)
+
+
+def build_epoch_unnormalized():
+    return ckt.build(model(), EPOCH_ARGS, trainer_cls=UnnormalizedTrainer)
 
 
 class Sequences(torch.utils.data.Dataset):

@@ -1,6 +1,8 @@
 """The Lightning callback records a real Trainer's run; replay re-runs its steps bit for bit
 and names the planted sample (and, for an overflow, the layer)."""
 
+import json
+
 import pytest
 
 pytest.importorskip("lightning")
@@ -8,7 +10,6 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import ckptlab  # noqa: E402
-from ckptlab.errors import RecordError  # noqa: E402
 from ckptlab.integrations import lightning as ckl  # noqa: E402
 from tests.integrations import lit_models as lm  # noqa: E402
 
@@ -96,11 +97,97 @@ def test_on_anomaly_reaches_the_recorder(tmp_path):
     assert seen and seen[0][0] == FAULT_STEP and "nonfinite_loss" in seen[0][1]
 
 
-def test_gradient_accumulation_is_refused(tmp_path):
-    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build)
+# --- gradient accumulation ---------------------------------------------------------------------
+
+ACCUM = 2  # micro-batches per optimizer step
+ACCUM_STEP, ACCUM_MICRO = divmod(lm.FAULT_SAMPLE // lm.BATCH, ACCUM)  # step 4, its micro-batch 1
+
+
+@pytest.fixture(scope="module")
+def accum_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lit-accum")
+    cb = ckl.CkptlabCallback(tmp / "run", build_fn=lm.build, sample_ids="idx", ckpt_every=3)
+    train, _ = lm.loaders("nan")
+    torch.manual_seed(0)
+    with pytest.raises(ckptlab.NonFiniteLoss) as e:
+        lm.trainer(tmp, callbacks=[cb], accumulate_grad_batches=ACCUM, limit_val_batches=0).fit(lm.LitMLP(), train)
+    assert e.value.step == ACCUM_STEP  # one recorded step per optimizer step
+    return tmp / "run"
+
+
+def test_accumulation_records_one_step_per_optimizer_step_with_its_micro_batches(accum_run):
+    run = ckptlab.open_run(accum_run)
+    assert run.steps == list(range(ACCUM_STEP + 1))
+    batch, ids = run.batch(ACCUM_STEP)
+    assert ids == list(range(32, 40)) and batch["micro_rows"] == [4, 4]
+    assert [p["batch_idx"] for p in batch["micro_batches"]] == [8, 9]
+    assert batch["lightning"]["accumulate_grad_batches"] == ACCUM
+    assert (run.metrics().grad_norm[:ACCUM_STEP] > 0).all()
+
+
+def test_accumulation_replays_bit_for_bit_and_blames_the_micro_batch_row(accum_run, capsys):
+    from ckptlab.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(accum_run), "--step", str(ACCUM_STEP), "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["root_step"] == ACCUM_STEP and doc["reproduced"] and doc["deterministic"]
+    assert doc["samples"][0] == {
+        **doc["samples"][0],
+        "micro_batch": ACCUM_MICRO,
+        "row": FAULT_ROW,
+        "sample_id": lm.FAULT_SAMPLE,
+    }
+    assert len(doc["samples"]) == 1 and f"micro-batch {ACCUM_MICRO} row {FAULT_ROW}" in doc["verdict"]
+    culprit = doc["culprit"]  # rows said as the samples say them: within their micro-batch
+    assert culprit["micro_batches"] == [ACCUM_MICRO] and culprit["rows"] == [FAULT_ROW]
+    assert culprit["sample_ids"] == [lm.FAULT_SAMPLE]
+    assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
+    steps = ckptlab.replay(accum_run, ACCUM_STEP, from_step=0, trace=False, counterfactuals=False).steps
+    assert [c.step for c in steps] == list(range(ACCUM_STEP + 1)) and all(c.match for c in steps)
+
+
+def test_dirty_scans_each_micro_batch_of_an_accumulated_step(accum_run):
+    from ckptlab.analysis.dirty import scan
+
+    top = scan(ckptlab.open_run(accum_run)).flagged[0]
+    assert (top.step, top.row, top.sample_id, top.reason) == (ACCUM_STEP, 4 + FAULT_ROW, lm.FAULT_SAMPLE, "nonfinite")
+
+
+def test_a_step_that_raises_before_its_last_micro_batch_keeps_the_micro_batches_that_ran(tmp_path):
+    class RaisesOn37(lm.LitMLP):
+        def training_step(self, batch, batch_idx):
+            if lm.FAULT_SAMPLE in batch["idx"].tolist():
+                raise RuntimeError("bad sample")
+            return super().training_step(batch, batch_idx)
+
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, sample_ids="idx")
     train, _ = lm.loaders()
-    with pytest.raises(RecordError, match="accumulate_grad_batches=2"):
-        lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=2, limit_val_batches=0).fit(lm.LitMLP(), train)
+    with pytest.raises(RuntimeError, match="bad sample"):  # batch 9: the first of step 3's three
+        lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=3, limit_val_batches=0).fit(RaisesOn37(), train)
+    batch, ids = ckptlab.open_run(tmp_path / "run").batch(3)
+    assert batch["micro_rows"] == [4] and ids == [36, 37, 38, 39]
+    assert batch["lightning"]["optimizer_step"] is False  # replay runs it without the update
+
+
+def test_accumulation_across_an_epoch_end_and_validations_replays_bit_for_bit(tmp_path):
+    """16 batches an epoch, 3 per step: the epoch's last step has one micro-batch (still divided
+    by 3, as Lightning does), and the next epoch starts a fresh accumulation. Validation runs
+    every 4 batches, between two micro-batches of a step (it draws a DataLoader seed from the
+    RNG), and its best-so-far checkpoints are taken there: replay from each is exact too."""
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, sample_ids="idx", ckpt_every=100)
+    train, val = lm.loaders()
+    torch.manual_seed(0)
+    lm.trainer(tmp_path, callbacks=[cb], accumulate_grad_batches=3, max_steps=8).fit(lm.LitMLP(), train, val)
+    run = ckptlab.open_run(tmp_path / "run")
+    assert [run.batch(s)[0]["micro_rows"] for s in (4, 5, 6)] == [[4, 4, 4], [4], [4, 4, 4]]
+    assert "rng" in run.batch(1)[0]["micro_batches"][1]  # validation after batch 4 moved the RNG
+    assert len(run.checkpoints) > 1
+    for start in run.checkpoints:
+        report = ckptlab.replay(tmp_path / "run", 7, from_step=start, trace=False, counterfactuals=False)
+        assert [c.step for c in report.steps] == list(range(start, 8)) and all(c.match for c in report.steps)
 
 
 def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path):
@@ -111,3 +198,19 @@ def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path)
     assert (cb.config.step_scheduler, cb.config.restore) == (False, False)  # the trainer does both
     with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
         ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build, ckpt_evry=3)
+
+
+def test_bf16_mixed_records_and_replays_bit_exactly(tmp_path):
+    """precision="bf16-mixed": the recorded step runs under the trainer's CPU bfloat16
+    autocast, and replay applies the same autocast, bit for bit."""
+    run_dir = tmp_path / "run"
+    cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build, sample_ids="idx", ckpt_every=5)
+    train, val = lm.loaders("nan")
+    torch.manual_seed(0)
+    with pytest.raises(ckptlab.NonFiniteLoss):
+        lm.trainer(tmp_path, callbacks=[cb], precision="bf16-mixed").fit(lm.LitMLP(), train, val)
+    assert ckptlab.open_run(run_dir).batch(FAULT_STEP)[0]["lightning"]["precision"] == "bf16-mixed"
+    report = ckptlab.replay(run_dir, FAULT_STEP, from_step=4, counterfactuals=False)
+    assert report.bit_exact and len(report.steps) == FAULT_STEP - 4 + 1
+    assert report.root_step == FAULT_STEP
+    assert [(s.row, s.sample_id) for s in report.samples] == [(FAULT_ROW, lm.FAULT_SAMPLE)]

@@ -1,6 +1,9 @@
 """The Hugging Face callback records a real Trainer's run (a tiny GPT-2 built from a config);
 replay re-runs its steps bit for bit and names the planted sample and the layer."""
 
+import json
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -83,11 +86,73 @@ def test_replay_names_the_layer_an_absurd_sample_overflows(tmp_path):
     assert [s.sample_id for s in report.samples] == [hm.FAULT_SAMPLE]
 
 
-def test_gradient_accumulation_is_refused(tmp_path):
-    from dataclasses import replace
+# --- gradient accumulation ---------------------------------------------------------------------
 
-    with pytest.raises(RecordError, match="gradient_accumulation_steps=2"):
-        train(tmp_path, None, args=replace(hm.ARGS, gradient_accumulation_steps=2))
+ACCUM = 2  # micro-batches per optimizer step
+ACCUM_STEP, ACCUM_MICRO = divmod(hm.FAULT_SAMPLE // hm.BATCH, ACCUM)  # step 4, its micro-batch 1
+
+
+@pytest.fixture(scope="module")
+def accum_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf-accum")
+    args = replace(hm.ARGS, gradient_accumulation_steps=ACCUM, eval_strategy="no")
+    trainer = Trainer(model=hm.model(), args=args, train_dataset=hm.Sequences(fault="nan"))
+    ckt.record(trainer, tmp / "run", build_fn=hm.build, sample_id_key="idx", ckpt_every=3)
+    with pytest.raises(ckptlab.NonFiniteLoss) as e:
+        trainer.train()
+    assert e.value.step == ACCUM_STEP  # one recorded step per optimizer step
+    return tmp / "run"
+
+
+def test_accumulation_records_one_step_per_optimizer_step_with_its_micro_batches(accum_run):
+    run = ckptlab.open_run(accum_run)
+    assert run.steps == list(range(ACCUM_STEP + 1))
+    batch, ids = run.batch(ACCUM_STEP)
+    assert ids == list(range(32, 40)) and batch["micro_rows"] == [4, 4]
+    assert [set(p["inputs"]) for p in batch["micro_batches"]] == [{"inputs_embeds", "labels"}] * 2
+    # the Trainer's loss normalization: the label tokens of the whole step, not of one micro-batch
+    assert int(batch["num_items_in_batch"]) == ACCUM * hm.BATCH * hm.SEQ
+    assert batch["transformers"]["current_gradient_accumulation_steps"] == ACCUM
+    assert (run.metrics().grad_norm[:ACCUM_STEP] > 0).all()
+
+
+def test_accumulation_replays_bit_for_bit_and_blames_the_micro_batch_row(accum_run, capsys):
+    from ckptlab.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(accum_run), "--step", str(ACCUM_STEP), "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["root_step"] == ACCUM_STEP and doc["reproduced"] and doc["deterministic"]
+    assert doc["samples"][0] == {
+        **doc["samples"][0],
+        "micro_batch": ACCUM_MICRO,
+        "row": FAULT_ROW,
+        "sample_id": hm.FAULT_SAMPLE,
+    }
+    assert len(doc["samples"]) == 1 and f"micro-batch {ACCUM_MICRO} row {FAULT_ROW}" in doc["verdict"]
+    assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
+    steps = ckptlab.replay(accum_run, ACCUM_STEP, from_step=3, trace=False, counterfactuals=False).steps
+    assert [c.step for c in steps] == [3, ACCUM_STEP] and all(c.match for c in steps)
+
+
+@pytest.mark.parametrize("model_normalizes", [True, False])
+def test_accumulation_across_an_epoch_end_replays_bit_for_bit(tmp_path, model_normalizes):
+    """16 batches an epoch, 3 per step: the epoch's last step has one micro-batch. The loss is
+    normalized by num_items_in_batch (a model that takes it) or by the step's micro-batch count
+    (one, at the epoch's end)."""
+    trainer_cls = Trainer if model_normalizes else hm.UnnormalizedTrainer
+    trainer = trainer_cls(model=hm.model(), args=hm.EPOCH_ARGS, train_dataset=hm.Sequences())
+    build = hm.build_epoch if model_normalizes else hm.build_epoch_unnormalized
+    ckt.record(trainer, tmp_path / "run", build_fn=build, sample_id_key="idx", ckpt_every=100)
+    trainer.train()
+    run = ckptlab.open_run(tmp_path / "run")
+    assert [run.batch(s)[0]["micro_rows"] for s in (4, 5, 6)] == [[4, 4, 4], [4], [4, 4, 4]]
+    assert run.batch(5)[0]["transformers"]["current_gradient_accumulation_steps"] == 1
+    assert ("num_items_in_batch" in run.batch(5)[0]) == model_normalizes
+    report = ckptlab.replay(tmp_path / "run", 7, from_step=0, trace=False, counterfactuals=False)
+    assert [c.step for c in report.steps] == list(range(8)) and all(c.match for c in report.steps)
 
 
 def test_a_callback_that_was_not_attached_says_how(tmp_path):

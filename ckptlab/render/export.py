@@ -1,0 +1,198 @@
+"""What `ckptlab export` sends, whatever the viewer: one plan, three writers.
+
+    summary = export_run(run, sink, gradients=checkpoint_gradients, progress=advance)
+
+`rows(run, ...)` lays the run out as one `Row` per step, in step order (a W&B run takes steps
+in increasing order only): the step's health (trackers/points.py names it), its validation
+metrics, the anomalies recorded there (`anomaly/<kind>` points, and one alert per episode:
+the one-line verdict and the replay command), and at each checkpoint the histograms of every
+weight tensor and, with `gradients`, of the gradients of the step that starts there. A sink
+(render/tensorboard.py, trackers.MLflow, trackers.WandB) writes rows; exports that can be
+resumed keep a cursor (how far each stream was sent), so exporting twice sends every point
+once, and exporting a run that went on sends only what is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckptlab.errors import CkptlabError
+from ckptlab.io.base import expand_aliases
+from ckptlab.run.reader import Run
+from ckptlab.trackers.points import (
+    ALERT_GAP,
+    MAX_PARAM_SCALARS,
+    Row,
+    alert,
+    anomaly_points,
+    health_points,
+    histogram,
+    validation_points,
+)
+
+STREAMS = ("health", "validation", "events", "checkpoints")
+ROWS_PER_CALL = 100  # rows per sink call (and per saved cursor)
+
+
+@dataclass
+class ExportSummary:
+    target: str  # the folder or run written
+    steps: int  # health rows written (steps)
+    scalars: int  # scalar points written
+    histograms: int
+    checkpoints: list[int]
+    gradient_checkpoints: list[int]
+    alerts: int = 0
+    run_id: str | None = None  # the MLflow / W&B run written
+    already_exported: bool = False  # nothing new since the previous export
+    notes: list[str] = field(default_factory=list)
+
+
+def run_key(run: Run) -> str:
+    """A name for this run that survives copying and renaming its folder."""
+    m = run.manifest
+    return hashlib.sha256(f"{m.get('host')}:{m.get('created')}".encode()).hexdigest()[:16]
+
+
+def pending(run: Run, cursor: dict) -> bool:
+    """Whether `run` has anything that an export at `cursor` has not sent yet."""
+    last = {k: cursor.get(k, -1) for k in STREAMS}
+    steps = run.metrics().step
+    return bool(
+        (len(steps) and steps[-1] > last["health"])
+        or any(v["step"] > last["validation"] for v in run.validation())
+        or any(e["step"] > last["events"] for e in run.events())
+        or any(c > last["checkpoints"] for c in run.checkpoints)
+    )
+
+
+def rows(
+    run: Run,
+    out: ExportSummary,
+    *,
+    cursor: dict | None = None,
+    gradients: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[tuple[Row, dict]]:
+    """(row, the cursor once it is written), step by step; `out` counts what was laid out."""
+    last = {k: (cursor or {}).get(k, -1) for k in STREAMS}
+    m = run.metrics()
+    names = m.param_names
+    per_param = len(names) <= MAX_PARAM_SCALARS
+    if not per_param:
+        out.notes.append(f"{len(names)} parameters: per-parameter curves left out (limit {MAX_PARAM_SCALARS})")
+    health = {int(s): i for i, s in enumerate(m.step.tolist()) if s > last["health"]}
+    validation: dict[int, dict] = {}
+    for v in run.validation():
+        if v["step"] > last["validation"]:
+            validation.setdefault(int(v["step"]), {}).update(v.get("metrics", {}))
+    events: dict[int, list[dict]] = {}
+    for e in run.events():
+        if e["step"] > last["events"]:
+            events.setdefault(int(e["step"]), []).append(e)
+    checkpoints = [c for c in run.checkpoints if c > last["checkpoints"]]
+    keys = ("param_grad_norm", "update_ratio", "weight_norm")
+    previous_anomaly = max((e["step"] for e in run.events() if e["step"] <= last["events"]), default=-(10**9))
+    done = 0
+    for step in sorted({*health, *validation, *events, *checkpoints}):
+        row = Row(step)
+        if step in health:
+            i = health[step]
+            row.time = m.scalars[i].get("time")
+            row.scalars.update(
+                health_points(m.scalars[i], {k: getattr(m, k)[i] for k in keys}, names, per_param=per_param)
+            )
+            last["health"] = step
+            out.steps += 1
+        if step in validation:
+            row.scalars.update(validation_points(validation[step]))
+            last["validation"] = step
+        if step in events:
+            row.scalars.update(anomaly_points(events[step]))
+            if step - previous_anomaly > ALERT_GAP:
+                row.alerts.append(alert(str(run.path), step, events[step]))
+                out.alerts += 1
+            previous_anomaly = step
+            last["events"] = step
+        if step in checkpoints:
+            _checkpoint(run, step, row, gradients, out)
+            last["checkpoints"] = step
+            done += 1
+            if progress is not None:
+                progress(done, len(checkpoints))
+        out.scalars += len(row.scalars)
+        out.histograms += len(row.histograms)
+        yield row, dict(last)
+
+
+def _checkpoint(run: Run, step: int, row: Row, gradients, out: ExportSummary) -> None:
+    tensors, aliases = run.checkpoint(step).load_model()  # verifies the hashes
+    full = expand_aliases(tensors, aliases)
+    _histograms(row, "weights", {n: full[n] for n in run.param_names if n in full})
+    out.checkpoints.append(step)
+    if gradients is None or step not in run.steps:
+        return
+    try:
+        grads = gradients(step)
+    except CkptlabError as e:  # e.g. the recorded build_fn cannot be imported here
+        out.notes.append(f"no gradient histograms at step {step}: {e}")
+        return
+    _histograms(row, "grads", grads)
+    out.gradient_checkpoints.append(step)
+
+
+def _histograms(row: Row, group: str, tensors: dict[str, torch.Tensor]) -> None:
+    """`group/<name>` of the finite values; `nonfinite/group/<name>` counts the others
+    (no viewer can bin NaN)."""
+    for name, t in tensors.items():
+        h, bad = histogram(t)
+        if bad:
+            row.scalars[f"nonfinite/{group}/{name}"] = float(bad)
+        if h is not None:
+            row.histograms[f"{group}/{name}"] = h
+
+
+def export_run(run: Run, sink, out: ExportSummary, *, cursor=None, save_cursor=None, **kw) -> ExportSummary:
+    """Write every row of `run` (after `cursor`) through `sink.log_rows`, ROWS_PER_CALL at a
+    time; `save_cursor(cursor)` after each batch, so an interrupted export resumes."""
+    batch: list[Row] = []
+    reached = None
+    for row, reached in rows(run, out, cursor=cursor, **kw):
+        batch.append(row)
+        if len(batch) == ROWS_PER_CALL:
+            sink.log_rows(batch)
+            batch = []
+            if save_cursor is not None:
+                save_cursor(reached)
+    if batch:
+        sink.log_rows(batch)
+    if reached is not None and save_cursor is not None:
+        save_cursor(reached)
+    return out
+
+
+def report_html(run: Run, folder: Path) -> Path:
+    """`ckptlab report --html` for `run`, written into `folder` (for an artifact)."""
+    from ckptlab.analysis.health import diagnose
+    from ckptlab.render.html import report_page
+
+    path = Path(folder) / "ckptlab-report.html"
+    path.write_text(report_page(diagnose(run, plots=True)))
+    return path
+
+
+def with_report(run: Run, sink, out: ExportSummary) -> None:
+    """Attach the report page to `sink` (a note, not a failure, when it cannot be made)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = report_html(run, Path(tmp))
+        except CkptlabError as e:
+            out.notes.append(f"no report page: {e}")
+            return
+        sink.log_file(path)

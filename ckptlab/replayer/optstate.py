@@ -1,0 +1,98 @@
+"""Optimizer-state blame: Adam's second moment out of tune with the gradient that arrives.
+
+An Adam-style optimizer divides each gradient by the square root of its running mean square
+(`exp_avg_sq`). When a parameter's gradients were near zero for a long time, that mean square
+decays toward zero (or never grew: a parameter whose inputs were all zero); when a normal
+gradient then arrives, the update is as large as Adam ever makes it, for every element at
+once: a huge step with clean data and a normal learning rate.
+
+    gaps = second_moment_gaps(optimizer, named, health)   # before the root step's update
+    with in_tune(optimizer, param):                        # the counterfactual replay
+        ...
+
+`second_moment_gaps` reads the optimizer's state as the root step found it (the blame restores
+that state first) and the root step's replayed health (gradient and update per parameter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ckptlab.analysis.anomalies import UPDATE_EXPLOSION
+from ckptlab.run.records import NO_GRAD
+from ckptlab.training.probe import StepHealth
+
+# The new gradient's RMS over the second moment's (bias-corrected) RMS above which the
+# optimizer was not expecting that gradient.
+OUT_OF_TUNE = 10.0
+
+
+@dataclass
+class SecondMomentGap:
+    index: int  # into the run's parameter arrays
+    name: str
+    grad_rms: float  # the root step's gradient, root mean square per element
+    second_moment_rms: float  # sqrt(mean(exp_avg_sq) / (1 - beta2^t)) before the update
+    update_ratio: float  # ||update|| / ||weights|| of the root step
+
+    @property
+    def ratio(self) -> float:
+        return self.grad_rms / self.second_moment_rms if self.second_moment_rms > 0 else math.inf
+
+    def describe(self) -> str:
+        return (
+            f"`{self.name}`'s exp_avg_sq (Adam's second moment) had an RMS of {self.second_moment_rms:.3g} "
+            f"when a gradient of RMS {self.grad_rms:.3g} arrived "
+            f"({'infinitely' if math.isinf(self.ratio) else f'{self.ratio:.3g}x'} larger), "
+            f"so the update moved it by {self.update_ratio:.3g}x its norm"
+        )
+
+
+def second_moment_gaps(
+    optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]], h: StepHealth
+) -> list[SecondMomentGap]:
+    """The parameters whose root-step update exploded while their new gradient was far above
+    what their second moment expected; the largest gap first. Empty for optimizers without an
+    `exp_avg_sq` state, and when the step's update ratios were not measured."""
+    if h.update_ratio is None:
+        return []
+    betas = {id(p): g.get("betas", (0.9, 0.999)) for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for i, (name, p) in enumerate(named):
+        state = optimizer.state.get(p, {})
+        v = state.get("exp_avg_sq")
+        if not isinstance(v, torch.Tensor) or i >= len(h.update_ratio) or not p.numel():
+            continue
+        update, g = float(h.update_ratio[i]), float(h.param_grad_norm[i])
+        if g == NO_GRAD or not (math.isfinite(g) and g > 0) or not update > UPDATE_EXPLOSION:
+            continue
+        t = float(state.get("step", 0))
+        beta2 = float(betas.get(id(p), (0.9, 0.999))[1])
+        correction = 1 - beta2**t if t > 0 else 1.0
+        v_rms = math.sqrt(max(float(v.detach().float().mean()), 0.0) / correction) if correction > 0 else 0.0
+        gap = SecondMomentGap(i, name, g / math.sqrt(p.numel()), v_rms, update)
+        if gap.ratio > OUT_OF_TUNE:
+            out.append(gap)
+    return sorted(out, key=lambda x: -x.ratio)
+
+
+@contextlib.contextmanager
+def in_tune(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter):
+    """For the steps inside, `param`'s second moment is brought up to its new gradient's square
+    just before the update (exp_avg_sq = max(exp_avg_sq, grad^2)): the update Adam would make if
+    its state had kept up with the gradient."""
+
+    def raise_floor(opt, args, kwargs):
+        v = opt.state.get(param, {}).get("exp_avg_sq")
+        if isinstance(v, torch.Tensor) and param.grad is not None:
+            torch.maximum(v, param.grad.detach().to(v.dtype).square(), out=v)
+
+    handle = optimizer.register_step_pre_hook(raise_floor)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,0 +1,340 @@
+"""The deeper searches after blame, each within a budget of extra replays:
+
+    budget = Budget(32)
+    culprit = minimal_culprit(blame, budget)   # fewest rows, then positions, that still fault;
+                                               # moved into a healthy batch: do they still?
+    rewind = doomed_earlier(blame, budget)     # the earliest step whose removal prevents it
+
+A culprit test replays the root step from the state it started in (one replay each); a rewind
+test replays the window from its checkpoint with some steps (or rows) left out (one replay
+each, of every step from the checkpoint to the requested one). A search that runs out of budget
+keeps the best answer so far and says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ckptlab.analysis.batches import (
+    batch_rows,
+    micro_row,
+    micro_rows,
+    python_leaves,
+    replace_rows,
+    select_rows,
+    zip_leaves,
+)
+from ckptlab.replayer.findings import Culprit, Rewind, ranges
+
+DEFAULT_BUDGET = 32
+
+
+class Budget:
+    """How many more replays the deeper searches may spend, and which ones it cut short."""
+
+    def __init__(self, replays: int):
+        self.limit, self.used = max(0, int(replays)), 0
+        self.ran_out: list[str] = []
+
+    def take(self, search: str) -> bool:
+        if self.used >= self.limit:
+            if search not in self.ran_out:
+                self.ran_out.append(search)
+            return False
+        self.used += 1
+        return True
+
+    def to_json(self) -> dict:
+        return {"replays": self.limit, "used": self.used, "ran_out": list(self.ran_out)}
+
+
+def ddmin(items: list, test: Callable[[list], bool | None]) -> tuple[list, bool]:
+    """Zeller's delta debugging: a 1-minimal sublist of `items` for which `test` is true
+    (`test(items)` is taken to be true). `test` returns None when it may not run any more
+    (budget): the smallest list found so far comes back, with complete=False."""
+    c, n = list(items), 2
+    while len(c) >= 2:
+        size = -(-len(c) // n)
+        chunks = [c[i : i + size] for i in range(0, len(c), size)]
+        for candidate in chunks + ([[x for x in c if x not in ch] for ch in chunks] if len(chunks) > 2 else []):
+            found = test(candidate)
+            if found is None:
+                return c, False
+            if found:
+                n = 2 if candidate in chunks else max(n - 1, 2)
+                c = candidate
+                break
+        else:
+            if n >= len(c):
+                break
+            n = min(2 * n, len(c))
+    return c, True
+
+
+# --- the minimal culprit ------------------------------------------------------------------------
+
+
+def minimal_culprit(blame, budget: Budget) -> Culprit | None:
+    """Shrink the blamed rows to the fewest that, alone through the root step, still make it
+    fault; then, where the batch has a sequence dimension, the fewest positions of those rows
+    whose values the fault needs (every other position taken from a healthy row of the batch);
+    then put the rows into a healthy nearby step's batch, in place of the same rows."""
+    rep, n = blame.report, blame.rows
+    if not rep.samples or not n:
+        return None
+    blamed = sorted({r for r in map(_batch_row, rep.samples) if 0 <= r < n})
+    if not blamed:
+        return None
+
+    def faults(rows: list[int], batch=None) -> bool | None:
+        if not budget.take("culprit"):
+            return None
+        try:
+            h = blame.step(batch if batch is not None else select_rows(blame.rec.batch, rows, n))
+        except Exception:  # noqa: BLE001 - a model that cannot take this many rows (BatchNorm...)
+            return False
+        return bool(blame.fault(h))
+
+    start = blamed
+    alone = faults(blamed) if len(blamed) < n else True
+    if alone is None:
+        return None
+    if not alone:
+        if len(blamed) < n:
+            return _localize(
+                Culprit(
+                    blamed,
+                    [blame.sample_id(r) for r in blamed],
+                    True,
+                    detail="the blamed rows alone do not make the step fault: they need the rest of their batch",
+                    cause="data x batch",
+                ),
+                blame.rec.batch,
+            )
+    rows, minimal = ddmin(start, faults) if len(start) > 1 else (start, True)
+    culprit = Culprit(rows, [blame.sample_id(r) for r in rows], minimal)
+    if minimal:
+        _positions(blame, culprit, faults, n)
+    _transplant(blame, culprit, budget)
+    culprit.cause = _cause(culprit, blame.older_fault)
+    culprit.detail = _culprit_detail(culprit, blame)
+    return _localize(culprit, blame.rec.batch)
+
+
+def _localize(found, batch):
+    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
+    them), as SampleBlame says them; unchanged for a plain batch."""
+    where = [micro_row(batch, r) for r in found.rows]
+    if where and all(w is not None for w in where):
+        found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
+    return found
+
+
+def _batch_row(s) -> int:
+    """A blamed row counted across the step's micro-batches (SampleBlame.row is within its own)."""
+    return s.batch_row if s.batch_row is not None else s.row
+
+
+def _sequence_length(batch, rows: int) -> int | None:
+    """The most common dimension 1 (> 1) of the row-shaped tensors: the sequence length."""
+    dims = [
+        leaf.shape[1]
+        for _, leaf in python_leaves(batch)
+        if isinstance(leaf, torch.Tensor)
+        and leaf.dim() >= 2
+        and leaf.shape[0] == rows
+        and leaf.shape[1] > 1
+        and leaf.dtype != torch.bool
+    ]
+    return Counter(dims).most_common(1)[0][0] if dims else None
+
+
+def _positions(blame, culprit: Culprit, faults, n: int) -> None:
+    """Which positions of the culprit rows the fault needs: the others come from a healthy row
+    (a row of the same batch that is not blamed), field by field along dimension 1."""
+    healthy = [r for r in range(n) if r not in set(map(_batch_row, blame.report.samples))]
+    T = _sequence_length(blame.rec.batch, n)
+    if not healthy or T is None:
+        return
+    k = len(culprit.rows)
+    bad = select_rows(blame.rec.batch, culprit.rows, n)
+    donor = select_rows(blame.rec.batch, [healthy[0]] * k, n)
+    fields = [
+        path
+        for path, leaf in python_leaves(bad)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == k and leaf.shape[1] == T
+    ]
+
+    def keeping(positions: list[int]):
+        def mix(b, d):
+            if not isinstance(b, torch.Tensor) or b.dim() < 2 or b.shape[0] != k or b.shape[1] != T:
+                return b
+            if b.dtype == torch.bool:
+                return b
+            out = d.clone()
+            out[:, positions] = b[:, positions]
+            return out
+
+        return zip_leaves(mix, bad, donor)
+
+    none_needed = faults(culprit.rows, keeping([]))
+    if none_needed is None:
+        culprit.minimal = False
+        return
+    if none_needed:
+        culprit.fields, culprit.positions = fields, []
+        return
+    positions, complete = ddmin(list(range(T)), lambda p: faults(culprit.rows, keeping(p)))
+    culprit.fields, culprit.positions = fields, sorted(positions)
+    culprit.minimal = complete
+
+
+def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
+    """Put the culprit rows into the batch of the nearest healthy earlier step, in place of
+    the same rows, and run it from the root step's state: does the fault follow the rows?"""
+    run, n, root = blame.inv.run, blame.rows, blame.root
+    m = blame.inv.metrics
+    if micro_rows(blame.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
+        return
+    recorded_faults = {int(e["step"]) for e in run.events()}
+    for s in sorted((s for s in run.steps if s < root), reverse=True)[:8]:
+        i = m.index(s)
+        if s in recorded_faults or i is None or not torch.isfinite(torch.tensor(float(m.loss[i]))):
+            continue
+        try:
+            other = blame.replayer.batch(s)
+        except Exception:  # noqa: BLE001 - a damaged or foreign batch: try the one before
+            continue
+        if other.sample_ids is not None and len(other.sample_ids) != n:
+            continue
+        try:
+            batch = replace_rows(
+                other.batch, n, culprit.rows, select_rows(blame.rec.batch, culprit.rows, n), len(culprit.rows)
+            )
+        except ValueError:
+            continue
+        if not budget.take("transplant"):
+            return
+        try:
+            culprit.transplant_fault = bool(blame.fault(blame.step(batch)))
+        except Exception:  # noqa: BLE001
+            return
+        culprit.transplant_step = s
+        return
+
+
+def _where(blame_or_record, row: int) -> str:
+    rec = getattr(blame_or_record, "rec", blame_or_record)
+    w = micro_row(rec.batch, row)
+    return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
+
+
+def _cause(c: Culprit, older_fault: bool | None) -> str | None:
+    if c.transplant_fault is False:
+        return "data x batch"
+    if c.transplant_fault and older_fault is False:
+        return "data x model state"
+    if c.transplant_fault and older_fault:
+        return "data alone"
+    return None
+
+
+def _culprit_detail(c: Culprit, blame) -> str:
+    rows = ", ".join(f"{_where(blame, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    out = f"{rows} alone still faults"
+    if c.positions:
+        out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
+    elif c.positions == []:
+        out += "; with every position's values taken from a healthy row it still faults"
+    if c.transplant_step is not None:
+        out += f"; put into step {c.transplant_step}'s batch it {'faults' if c.transplant_fault else 'does not fault'}"
+    return out
+
+
+# --- doomed earlier -----------------------------------------------------------------------------
+
+
+def doomed_earlier(blame, budget: Budget) -> Rewind | None:
+    """Replay the window with earlier steps left out (bisection over the steps since the
+    checkpoint, the earlier half first) and name the earliest step whose removal prevents the
+    fault, then the fewest of its rows whose removal does."""
+    inv, r = blame.inv, blame.replayer
+    start, root, last = blame.start, blame.root, inv.step
+    if root <= start:
+        return None
+    rw = Rewind([start, root - 1], None)
+
+    def faults(skip: range | set = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
+        if not budget.take("rewind"):
+            rw.complete = False
+            return None
+        t = r.build()
+        try:
+            r.load_checkpoint(t, start)
+            dets = inv.detectors(start)
+            for s in range(start, last + 1):
+                if s in skip:
+                    continue
+                rec = r.batch(s)
+                batch = None
+                if drop is not None and drop[0] == s:
+                    rows = blame_rows(rec)
+                    batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
+                h = r.run_step(t, rec, batch, measure_update=s >= root)
+                if inv.anomalies(h, dets) and s >= root:
+                    return True
+            return False
+        finally:
+            r.close(t)
+
+    everything = faults(range(start, root))
+    if everything is None:
+        return rw
+    if everything:
+        rw.detail = f"leaving out every step from {start} to {root - 1} does not prevent it: step {root}'s batch faults from checkpoint {start}'s state"
+        return rw
+    lo, hi = start, root  # leaving out steps lo..hi-1 prevents the fault
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = faults(range(lo, mid))
+        if first is None:
+            break
+        if not first:
+            hi = mid
+            continue
+        second = faults(range(mid, hi))
+        if second is None:
+            break
+        if not second:
+            lo = mid
+            continue
+        rw.detail = f"no single step: leaving out steps {lo}..{hi - 1} together prevents it, neither half does"
+        return rw
+    if hi - lo > 1:
+        rw.detail = f"leaving out steps {lo}..{hi - 1} prevents it (the budget ran out before one step was found)"
+        return rw
+    rw.step = lo
+    rec = r.batch(lo)
+    n = blame_rows(rec)
+    if n and n > 1:
+        rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(lo, d)) if len(d) < n else False))
+        rw.complete = rw.complete and complete
+        rw.rows = rows
+        ids = rec.sample_ids
+        rw.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
+    partial = rw.rows and len(rw.rows) < (n or 0)
+    who = ", ".join(f"{_where(rec, x)} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
+    _localize(rw, rec.batch)
+    rw.detail = (f"without {who} of step {lo}" if partial else f"without step {lo}") + f", step {root} does not fault"
+    return rw
+
+
+def _negate(x: bool | None) -> bool | None:
+    return None if x is None else not x
+
+
+def blame_rows(rec) -> int | None:
+    return batch_rows(rec.batch, rec.sample_ids)

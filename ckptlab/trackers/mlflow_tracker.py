@@ -1,0 +1,210 @@
+"""MLflow: ckptlab's points as metrics, anomalies as tagged events, through `MlflowClient`.
+
+    tracker = MLflow("file:./mlruns", experiment="exp1")      # or http://host:5000, databricks, ...
+    rec = ckptlab.Recorder(..., trackers=[tracker])
+
+Steps are the ckptlab step (MLflow keeps each metric's history by step). An anomaly becomes the
+point `anomaly/<kind>` and a run tag `ckptlab.anomaly.<step>` whose value is the one-line
+verdict with the replay command (MLflow has no alerts; tags are what its UI searches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+from ckptlab.errors import CkptlabError
+from ckptlab.trackers.points import Alert, Row
+
+# MLflow's log_batch limits: 1000 metrics, 100 params and 100 tags per call.
+METRICS_PER_CALL, PARAMS_PER_CALL = 1000, 100
+# The reachability check must answer in seconds: MLflow's own client retries a failing
+# server for minutes (7 retries with exponential back-off) before it gives up.
+CHECK_TIMEOUT_S = 10
+
+
+def require_mlflow():
+    try:
+        import mlflow  # noqa: F401 - mlflow-skinny provides it
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise CkptlabError(
+            "logging to MLflow needs the mlflow (or mlflow-skinny) package", hint="pip install 'ckptlab[mlflow]'"
+        ) from None
+    return MlflowClient
+
+
+def tracking_uri(uri: str | os.PathLike) -> str:
+    """A URI MLflow takes: a plain local path becomes `file:<absolute path>`. MLflow 3 keeps
+    its file store only on an opt-in (MLFLOW_ALLOW_FILE_STORE): a `file:` URI given here is
+    that opt-in."""
+    text = os.fspath(uri)
+    if "://" not in text and not text.startswith(("file:", "databricks", "sqlite:", "postgresql:", "mysql:")):
+        text = Path(text).resolve().as_uri()
+    if text.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return text
+
+
+@contextlib.contextmanager
+def _quick_requests():
+    """MLflow's HTTP client without retries and with a short timeout (for the check only)."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_TIMEOUT_S)}
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class MLflow:
+    """One MLflow run that ckptlab logs into.
+
+    Args:
+        uri: the tracking URI (`file:./mlruns` or a plain folder, `http(s)://host:port`, ...);
+            None: MLflow's own default (MLFLOW_TRACKING_URI).
+        experiment: the experiment (created when missing).
+        run_name: the new run's name.
+        run_id: log into this existing run instead of creating one (it is not ended on close).
+        client: an `MlflowClient` to use (e.g. Lightning's `MLFlowLogger.experiment`).
+        prefix: put before every name; "ckptlab/" by default when logging into a run that
+            someone else owns (`run_id`), so ckptlab's `train/loss` never mixes with yours.
+        tags: tags of a new run.
+
+    The store is checked (and the run created) here: a missing package or an unreachable
+    tracking server is one CkptlabError before training starts.
+    """
+
+    kind = "mlflow"
+
+    def __init__(
+        self,
+        uri: str | os.PathLike | None = None,
+        *,
+        experiment: str = "ckptlab",
+        run_name: str | None = None,
+        run_id: str | None = None,
+        client=None,
+        prefix: str | None = None,
+        tags: dict[str, str] | None = None,
+    ):
+        client_cls = require_mlflow()
+        self.uri = tracking_uri(uri) if uri is not None else None
+        self.client = client or client_cls(self.uri)
+        self.owned = run_id is None
+        self.prefix = ("" if self.owned else "ckptlab/") if prefix is None else prefix
+        where = self.uri or getattr(self.client, "tracking_uri", None) or "the MLflow tracking store"
+        try:
+            with _quick_requests():
+                if run_id is None:
+                    found = self.client.get_experiment_by_name(experiment)
+                    exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+                    run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+                else:
+                    self.client.get_run(run_id)
+        except CkptlabError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the store raised: one line, before any work
+            raise CkptlabError(f"cannot reach the MLflow tracking store: {_first_line(e)}", path=where) from None
+        self.run_id = run_id
+        self.where = where
+
+    # --- what the Recorder and the exports send ------------------------------------------
+
+    def log_rows(self, rows: list[Row]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        # The step's own recording time: MLflow's "relative time" axis is training time, and
+        # the same point sent again is the same metric row.
+        metrics = [
+            Metric(self.prefix + k, float(v), int(r.time * 1000) if r.time else now, r.step)
+            for r in rows
+            for k, v in r.scalars.items()
+        ]
+        for i in range(0, len(metrics), METRICS_PER_CALL):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + METRICS_PER_CALL])
+        for r in rows:
+            for a in r.alerts:
+                self.alert(a)
+            if r.histograms:
+                self.client.log_dict(self.run_id, _histograms_doc(r), f"histograms/step_{r.step:08d}.json")
+
+    def alert(self, a: Alert) -> None:
+        self.client.set_tag(self.run_id, f"ckptlab.anomaly.{a.step:08d}", a.text)
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        # A param logged again with the same value is accepted (a re-export sends the same
+        # manifest's); reading the run first would read every metric file of it.
+        new = [Param(k, str(v)) for k, v in params.items()]
+        for i in range(0, len(new), PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=new[i : i + PARAMS_PER_CALL])
+
+    def log_file(self, path: Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def close(self) -> None:
+        if self.owned:
+            self.client.set_terminated(self.run_id)
+
+    # --- exports: where the previous export stopped --------------------------------------
+
+    CURSOR_TAG = "ckptlab.export_cursor"
+
+    def cursor(self) -> dict:
+        tags = self.client.get_run(self.run_id).data.tags
+        return json.loads(tags.get(self.CURSOR_TAG, "{}"))
+
+    def save_cursor(self, cursor: dict) -> None:
+        self.client.set_tag(self.run_id, self.CURSOR_TAG, json.dumps(cursor, sort_keys=True))
+
+    @classmethod
+    def for_export(cls, uri, *, experiment: str, run_name: str, run_key: str) -> MLflow:
+        """The run that holds this ckptlab run's export (tag `ckptlab.run` = `run_key`):
+        the one a previous export created, else a new one."""
+        client_cls = require_mlflow()
+        uri = tracking_uri(uri)
+        client = client_cls(uri)
+        try:
+            with _quick_requests():
+                found = client.get_experiment_by_name(experiment)
+                runs = (
+                    client.search_runs(
+                        [found.experiment_id], filter_string=f"tags.`ckptlab.run` = '{run_key}'", max_results=1
+                    )
+                    if found is not None
+                    else []
+                )
+        except Exception as e:  # noqa: BLE001
+            raise CkptlabError(f"cannot reach the MLflow tracking store: {_first_line(e)}", path=uri) from None
+        if runs:
+            out = cls(uri, client=client, run_id=runs[0].info.run_id, prefix="")
+            out.owned = True
+            out.client.update_run(out.run_id, status="RUNNING")
+            return out
+        return cls(uri, client=client, experiment=experiment, run_name=run_name, tags={"ckptlab.run": run_key})
+
+
+def _histograms_doc(row: Row) -> dict:
+    return {
+        "step": row.step,
+        "histograms": {
+            name: {"edges": h.edges, "counts": h.counts, "min": h.min, "max": h.max, "num": h.num}
+            for name, h in row.histograms.items()
+        },
+    }
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

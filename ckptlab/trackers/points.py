@@ -1,0 +1,175 @@
+"""What ckptlab sends to a tracker: one step's health as named points, the alert of an anomaly.
+
+    row = health_points(scalars, arrays, param_names)   # {"train/loss": 2.3, "grad_norm/fc.weight": 0.4, ...}
+    text = alert_text("runs/exp1", 9, events)           # "step 9: nonfinite loss; explain it with ckptlab replay ..."
+
+The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export --tensorboard
+/ --mlflow / --wandb`) name points here, so a curve has one name wherever it is shown:
+
+    train/loss, train/grad_norm (before clipping), train/lr (train/lr/group{i} with several
+    parameter groups), train/step_time, train/nonfinite_grads, train/update_ratio
+    grad_norm/<param>, update_ratio/<param>, weight_norm/<param>     per parameter
+    val/<metric>                                                       validation
+    anomaly/<kind>                                                     an anomaly's value
+    weights/<param>, grads/<param>                                     histograms (exports)
+
+`scalars` and `arrays` are what the Recorder stores for a step (`StepHealth.scalars()` /
+`.arrays()`, or a row of `Run.metrics()`): NaN marks a value not measured that step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ckptlab.run.records import NO_GRAD
+
+# Per-parameter curves multiply the point count by the parameter count; past this many
+# parameter tensors only the global curves (and the histograms) are sent: trackers list every
+# name in their UI, and a 7B model has ~300 parameter tensors.
+MAX_PARAM_SCALARS = 512
+PER_PARAM = ("grad_norm", "update_ratio", "weight_norm")
+# Anomalous steps at most this far apart are one episode, alerted once: a NaN that persists,
+# or a burst of spikes, pages once, not once per step.
+ALERT_GAP = 16
+
+
+@dataclass
+class Hist:
+    """A histogram of a tensor's finite values (`counts[i]` in [edges[i], edges[i+1]))."""
+
+    counts: list[int]
+    edges: list[float]
+    min: float
+    max: float
+    num: int
+    sum: float
+    sum_squares: float
+
+
+@dataclass
+class Alert:
+    step: int
+    kinds: list[str]
+    text: str  # the one-line verdict and the replay command
+
+
+@dataclass
+class Row:
+    """Everything sent at one step, in one call (a W&B run takes steps in increasing order only)."""
+
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+    time: float | None = None  # when the step was recorded (epoch seconds), if known
+    histograms: dict[str, Hist] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)
+
+
+def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_param: bool | None = None) -> dict:
+    """The named points of one recorded step (see the module docstring)."""
+    out = {
+        "train/loss": _f(scalars.get("loss")),
+        "train/grad_norm": _f(scalars.get("grad_norm")),
+        "train/step_time": _f(scalars.get("step_time")),
+        "train/nonfinite_grads": _f(scalars.get("nonfinite_grads", 0)),
+    }
+    lr = [x for x in scalars.get("lr", []) if x is not None and not math.isnan(x)]
+    for g, value in enumerate(lr):
+        out["train/lr" if len(lr) == 1 else f"train/lr/group{g}"] = float(value)
+    if scalars.get("update_ratio_global") is not None:
+        out["train/update_ratio"] = float(scalars["update_ratio_global"])
+    if per_param is None:
+        per_param = len(param_names) <= MAX_PARAM_SCALARS
+    if not per_param:
+        return out
+    names = _per_param_names(tuple(param_names))
+    for key in PER_PARAM:
+        values = arrays.get("param_grad_norm" if key == "grad_norm" else key)
+        if values is None or len(values) != len(param_names):
+            continue
+        for name, v in zip(names[key], np.asarray(values, dtype=np.float64).tolist()):
+            if not math.isnan(v) and not (key == "grad_norm" and v == NO_GRAD):
+                out[name] = v
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _per_param_names(param_names: tuple[str, ...]) -> dict[str, list[str]]:
+    """`grad_norm/<param>`, ... built once per run, not once per step."""
+    return {key: [f"{key}/{n}" for n in param_names] for key in PER_PARAM}
+
+
+def validation_points(metrics: dict) -> dict:
+    return {f"val/{name}": float(value) for name, value in metrics.items()}
+
+
+def anomaly_points(events: list[dict]) -> dict:
+    return {f"anomaly/{e['kind']}": _f(e.get("value")) for e in events}
+
+
+def alert_text(run_dir: str, step: int, events: list[dict]) -> str:
+    """The one line that names what happened at `step` and the command that explains it."""
+    what = ", ".join(e["kind"].replace("_", " ") for e in events)
+    return f"step {step}: {what}; explain it with {replay_command(run_dir, step)}"
+
+
+def replay_command(run_dir: str, step: int) -> str:
+    return f"ckptlab replay --run {run_dir} --step {step}"
+
+
+def alert(run_dir: str, step: int, events: list[dict]) -> Alert:
+    return Alert(step, [e["kind"] for e in events], alert_text(run_dir, step, events))
+
+
+def histogram(values, bins: int = 64) -> tuple[Hist | None, int]:
+    """(the histogram of the finite values of a float tensor, the count of non-finite ones);
+    None when nothing finite is left (or the tensor is not floating point)."""
+    import torch
+
+    t = values
+    if t.is_sparse:
+        t = t.to_dense()
+    if not t.is_floating_point():
+        return None, 0
+    x = t.detach().reshape(-1).double()
+    finite = torch.isfinite(x)
+    bad = int((~finite).sum())
+    x = x[finite] if bad else x
+    if x.numel() == 0:
+        return None, bad
+    lo, hi = float(x.min()), float(x.max())
+    if lo == hi:  # one value: one bin around it
+        lo, hi = lo - 0.5, hi + 0.5
+    counts = torch.histc(x, bins=bins, min=lo, max=hi)
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    return (
+        Hist(
+            counts=[int(c) for c in counts.tolist()],
+            edges=edges.tolist(),
+            min=float(x.min()),
+            max=float(x.max()),
+            num=int(x.numel()),
+            sum=float(x.sum()),
+            sum_squares=float((x * x).sum()),
+        ),
+        bad,
+    )
+
+
+def run_params(manifest: dict) -> dict[str, str]:
+    """The run's versions and recording config, flat, as tracker params."""
+    out = {f"ckptlab.{k}": str(v) for k, v in sorted(manifest.get("config", {}).items())}
+    out.update({f"versions.{k}": str(v) for k, v in sorted(manifest.get("versions", {}).items())})
+    for role, fn in sorted(manifest.get("functions", {}).items()):
+        if isinstance(fn, dict) and fn.get("qualname"):
+            out[f"ckptlab.{role}"] = f"{fn.get('module', '')}:{fn['qualname']}"
+    out["ckptlab.world_size"] = str(manifest.get("world_size", 1))
+    out["ckptlab.parameters"] = str(len(manifest.get("parameters", [])))
+    return out
+
+
+def _f(x) -> float:
+    return float("nan") if x is None else float(x)

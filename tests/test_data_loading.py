@@ -1,0 +1,78 @@
+"""Data loading end to end: sample ids from the dataset (`with_sample_ids`) through worker
+processes, shuffling and distributed samplers, for tuple, dict and nested batches; replay
+names the planted step and dataset item, and `skip_samples` keeps that item out afterwards."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+
+import ckptlab
+from ckptlab.cli import main
+from tests import data_models as dm
+
+BS = 4
+
+
+def sampler_of(kind: str, skip=()):
+    """The loader's sampler, and the order in which it yields dataset indices."""
+    if kind == "distributed":  # rank 0 of 2, no process group needed when both are given
+        s = DistributedSampler(range(dm.N), num_replicas=2, rank=0, shuffle=True, seed=3)
+    else:
+        s = RandomSampler(range(dm.N), generator=torch.Generator().manual_seed(3))
+    if skip:
+        s = ckptlab.skip_samples(s, skip)
+    return s
+
+
+def loader_of(kind: str, ds, skip=()) -> DataLoader:
+    sampler = sampler_of(kind, skip)
+    data = ckptlab.with_sample_ids(ds)
+    if kind == "batch_sampler":
+        return DataLoader(data, batch_sampler=BatchSampler(sampler, BS, drop_last=False))
+    workers = {"num_workers": 2, "persistent_workers": True} if kind == "workers" else {}
+    return DataLoader(data, sampler=sampler, batch_size=BS, **workers)
+
+
+CASES = [("tuple", "workers"), ("dict", "distributed"), ("nested", "batch_sampler")]
+
+
+@pytest.mark.parametrize(("structure", "kind"), CASES)
+def test_replay_names_the_planted_dataset_item_and_skip_samples_drops_it(structure, kind, run_dir, capsys):
+    order = list(sampler_of(kind))
+    root, row = 5, 1
+    bad = int(order[root * BS + row])  # lands at step 5, row 1
+    model, opt = dm.build()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=dm.step, build_fn=dm.build, ckpt_every=3) as rec:
+        with pytest.raises(ckptlab.NonFiniteLoss) as stopped:
+            for ids, batch in loader_of(kind, dm.Points(structure, bad=bad)):
+                rec.step(batch, sample_ids=ids)
+    assert stopped.value.step == root
+    run = ckptlab.open_run(run_dir)
+    batch, ids = run.batch(root)
+    assert ids == [int(i) for i in order[root * BS : root * BS + BS]]
+    if structure == "nested":  # the structure round-trips: dicts, the namedtuple, strings
+        assert type(batch["target"]).__name__ == "Target" and batch["inputs"]["name"][row] == f"p{bad}"
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(run_dir), "--step", str(root), "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["root_step"] == root and doc["reproduced"] and doc["deterministic"]
+    assert doc["origin"]["kind"] == "data"
+    assert [(s["row"], s["sample_id"]) for s in doc["samples"]] == [(row, bad)]
+
+    kept = [int(i) for ids, _ in loader_of(kind, dm.Points(structure), skip=[bad]) for i in ids]
+    assert bad not in kept and sorted(kept) == sorted(int(i) for i in order if int(i) != bad)
+
+
+def test_with_sample_ids_gives_the_index_under_skip_samples_of_a_dataset():
+    ds = ckptlab.skip_samples(dm.Points("dict"), [0, 5])  # a Subset: positions shift ...
+    data = ckptlab.with_sample_ids(ds)
+    ids = [data[i][0] for i in range(len(data))]
+    assert len(ids) == dm.N - 2 and ids[:5] == [1, 2, 3, 4, 6]  # ... the ids do not
+    assert torch.equal(data[4][1]["x"], dm.Points("dict").x[6])
+    with pytest.raises(TypeError, match="map-style dataset"):
+        ckptlab.with_sample_ids(iter(range(3)))
