@@ -19,8 +19,6 @@ FIELDS = ("root_step", "kind", "module", "parameter", "samples", "reproduced")
 MISSES = {
     ("bad_weight_init", "parameter"): "a forward origin names its module and op, not the parameter "
     "whose values made the op overflow",
-    ("corrupted_embedding_row", "parameter"): "a fault that does not reproduce names no parameter, "
-    "though the record shows which weight went non-finite",
 }
 
 

@@ -217,6 +217,8 @@ def _verdict(r: ReplayReport) -> str:
             else ""
         )
         left = f", and first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
+        if r.origin.parameter and r.origin.detail:  # what the record itself shows
+            left += f"; {r.origin.detail}"
         head = (
             f"The fault did not reproduce{began}: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} "
             f"gives loss {_fmt(got)} (recorded {_fmt(rec)}); {where}{left}."

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
@@ -184,6 +186,28 @@ class Investigation:
         report.dump = write(report, entries, came_from, self.dump)
         self.timing["dump_write_s"] = time.perf_counter() - t0
 
+    def recorded_weights(self, step: int) -> Origin:
+        """A fault that did not reproduce: the parameters whose weights the record shows going
+        non-finite at `step` (when their norms were measured there, and only some went)."""
+        i = self.metrics.index(step)
+        if i is None:
+            return Origin("none", None, None, None, None, None)
+        norms = self.metrics.weight_norm[i]
+        finite = np.isfinite(norms)
+        if not finite.any() or finite.all():  # not measured at that step (all NaN), or all fine
+            return Origin("none", None, None, None, None, None)
+        names = [n for n, ok in zip(self.metrics.param_names, finite) if not ok]
+        return Origin(
+            "none",
+            None,
+            None,
+            None,
+            names[0],
+            None,
+            detail=f"the record shows the weights of {', '.join(f'`{n}`' for n in names[:3])}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} going non-finite at step {step}",
+        )
+
     def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
         m = self.metrics
         i = m.index(s)
@@ -313,6 +337,7 @@ class Investigation:
         self.execution(report)
         if root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
+            report.origin = self.recorded_weights(plan.episode)
             # One process only: a distributed run replayed in this process (one rank's share)
             # never matches its record, so "the replays agree but not the record" would mislead.
             if trace and report.left_record_step is not None and self.run.world_size == 1:
