@@ -39,6 +39,13 @@ class Expected:
 
 
 def _record(run_dir, build, step, batches, **kw) -> list[float]:
+    """Record `batches` (sample ids from `ids(step)`); the losses, stopping at the first NaN."""
+    return record_pairs(run_dir, build, step, ((b, ids(s)) for s, b in enumerate(batches)), **kw)[0]
+
+
+def record_pairs(run_dir, build, step, batches, **kw) -> tuple[list[float], nn.Module]:
+    """Record (batch, sample_ids) pairs with ckpt_every=10; stops at the first non-finite loss.
+    Returns the losses and the trained model."""
     built = build()
     model, opt = built[0], built[1]
     sched = built[2] if len(built) > 2 else None
@@ -46,13 +53,13 @@ def _record(run_dir, build, step, batches, **kw) -> list[float]:
     with ckptlab.Recorder(
         run_dir, model, opt, step_fn=step, build_fn=build, scheduler=sched, ckpt_every=10, **kw
     ) as rec:
-        for s, batch in enumerate(batches):
+        for batch, sample_ids in batches:
             try:
-                losses.append(rec.step(batch, sample_ids=ids(s)).item())
+                losses.append(rec.step(batch, sample_ids=sample_ids).item())
             except ckptlab.NonFiniteLoss:
                 losses.append(math.nan)
                 break
-    return losses
+    return losses, model
 
 
 def _xy(step: int, d: int = 8):

@@ -20,29 +20,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
+from tests import fault_models as fm
 from tests.fault_models import MLP, Expected, TinyTransformer, _xy, build_sgd_mlp, ids, step_mlp, step_plain
 from tests.fault_models import B as B
 
 VOCAB = 32
 
 
-def _record(run_dir, build, step, batches, **kw) -> tuple[list[float], nn.Module]:
-    """Record (batch, sample_ids) pairs with ckpt_every=10; stops at the first non-finite loss.
-    Returns the losses and the trained model."""
-    built = build()
-    model, opt = built[0], built[1]
-    sched = built[2] if len(built) > 2 else None
-    losses = []
-    with ckptlab.Recorder(
-        run_dir, model, opt, step_fn=step, build_fn=build, scheduler=sched, ckpt_every=10, **kw
-    ) as rec:
-        for batch, sample_ids in batches:
-            try:
-                losses.append(rec.step(batch, sample_ids=sample_ids).item())
-            except ckptlab.NonFiniteLoss:
-                losses.append(math.nan)
-                break
-    return losses, model
+_record = fm.record_pairs
 
 
 def _symptom(losses: list[float], root: int) -> int:

@@ -433,10 +433,11 @@ class Blame:
         t0 = time.perf_counter()
         self.inv.log(f"searching for the minimal culprit of step {self.root}")
         rep.culprit = minimal_culprit(self, budget)
-        lr_cause = rep.origin.kind == "optimizer" and (
-            "learning rate" in (rep.origin.detail or "") or rep.origin.state is not None
+        # an optimizer origin already explained: a learning-rate jump, or its own state
+        explained = rep.origin.kind == "optimizer" and (
+            rep.origin.state is not None or _lr_jump(self.inv.metrics, self.root, self.base) is not None
         )
-        doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not lr_cause)
+        doomed = self.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
         if doomed and self.inv.run.world_size == 1:  # (one process replays one rank: no window)
             self.inv.log(f"looking for an earlier step that doomed step {self.root}")
             rep.rewind = doomed_earlier(self, budget)

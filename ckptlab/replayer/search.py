@@ -13,6 +13,7 @@ keeps the best answer so far and says so.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -202,7 +203,7 @@ def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
     recorded_faults = {int(e["step"]) for e in run.events()}
     for s in sorted((s for s in run.steps if s < root), reverse=True)[:8]:
         i = m.index(s)
-        if s in recorded_faults or i is None or not torch.isfinite(torch.tensor(float(m.loss[i]))):
+        if s in recorded_faults or i is None or not math.isfinite(float(m.loss[i])):
             continue
         try:
             other = blame.replayer.batch(s)
@@ -226,9 +227,8 @@ def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
         return
 
 
-def _where(blame_or_record, row: int) -> str:
-    rec = getattr(blame_or_record, "rec", blame_or_record)
-    w = micro_row(rec.batch, row)
+def _where(batch, row: int) -> str:
+    w = micro_row(batch, row)
     return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
 
 
@@ -243,7 +243,7 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
 
 
 def _culprit_detail(c: Culprit, blame) -> str:
-    rows = ", ".join(f"{_where(blame, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    rows = ", ".join(f"{_where(blame.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
@@ -281,7 +281,7 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
                 rec = r.batch(s)
                 batch = None
                 if drop is not None and drop[0] == s:
-                    rows = blame_rows(rec)
+                    rows = batch_rows(rec.batch, rec.sample_ids)
                     batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
                 h = r.run_step(t, rec, batch, measure_update=s >= root)
                 if inv.anomalies(h, dets) and s >= root:
@@ -318,7 +318,7 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
         return rw
     rw.step = lo
     rec = r.batch(lo)
-    n = blame_rows(rec)
+    n = batch_rows(rec.batch, rec.sample_ids)
     if n and n > 1:
         rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(lo, d)) if len(d) < n else False))
         rw.complete = rw.complete and complete
@@ -326,7 +326,7 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
         ids = rec.sample_ids
         rw.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = rw.rows and len(rw.rows) < (n or 0)
-    who = ", ".join(f"{_where(rec, x)} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
+    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
     _localize(rw, rec.batch)
     rw.detail = (f"without {who} of step {lo}" if partial else f"without step {lo}") + f", step {root} does not fault"
     return rw
@@ -334,7 +334,3 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
 
 def _negate(x: bool | None) -> bool | None:
     return None if x is None else not x
-
-
-def blame_rows(rec) -> int | None:
-    return batch_rows(rec.batch, rec.sample_ids)
