@@ -593,12 +593,13 @@ class Recorder:
         scalars = {"step": n, "time": t, **health.scalars()}
         if ckpt_wait:
             scalars["ckpt_wait"] = ckpt_wait
+        arrays = health.arrays()
         if self.world.is_main:
-            self.writer.append_step(n, records.encode_step(scalars, health.arrays()))
+            self.writer.append_step(n, records.encode_step(scalars, arrays))
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
         if self.live is not None:  # queued: the trackers are sent to off this thread
-            self.live.step(n, scalars, health.arrays(), events)
+            self.live.step(n, scalars, arrays, events)
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
