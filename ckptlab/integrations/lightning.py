@@ -6,18 +6,18 @@
 
     def build():                          # module level: replay imports it by name
         torch.manual_seed(0)
-        return ckl.build(LitModel())      # -> (module, optimizer[, scheduler]) from configure_optimizers
+        return ckl.build(LitModel(), precision="16-mixed")  # -> (module, optimizer[, scheduler], scaler)
 
     if __name__ == "__main__":
         cb = ckl.CkptlabCallback("runs/lit", build_fn=build, sample_ids="idx", ckpt_every=500)
-        pl.Trainer(max_steps=10_000, accumulate_grad_batches=8, gradient_clip_val=1.0, callbacks=[cb]).fit(
-            LitModel(), loader
-        )
+        pl.Trainer(max_steps=10_000, accumulate_grad_batches=8, gradient_clip_val=1.0, precision="16-mixed",
+                   callbacks=[cb]).fit(LitModel(), loader)
     # then: ckptlab replay --run runs/lit --step 5432
 
 What is recorded from which hook:
-- `on_train_start`: the Recorder is created on the trainer's module, optimizer and LR scheduler
-  (checkpointed; the trainer steps it, so `step_scheduler=False`);
+- `on_train_start`: the Recorder is created on the trainer's module, optimizer, LR scheduler
+  and, with 16-mixed, the precision plugin's GradScaler (checkpointed; the trainer steps the
+  scheduler, so `step_scheduler=False`);
 - `on_train_batch_start`: `begin_step` with the batch as `training_step` receives it (after the
   transfer to the device), its batch index, and how the trainer will finish the step (gradient
   clipping, whether the scheduler steps after it, the precision); a checkpoint first when due.
@@ -32,8 +32,8 @@ What is recorded from which hook:
 
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
-optimizer step, scheduler step) for one batch, or for the k micro-batches of an accumulated
-step. docs/integrations.md lists what replays exactly.
+optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss
+scaling) for one batch, or for the k micro-batches of an accumulated step. docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations

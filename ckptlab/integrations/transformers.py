@@ -5,7 +5,7 @@
     from ckptlab.integrations import transformers as ckt
 
     ARGS = TrainingArguments("out", max_steps=10_000, gradient_accumulation_steps=8, max_grad_norm=1.0,
-                             report_to="none")
+                             bf16=True, report_to="none")
 
     def build():                          # module level: replay imports it by name
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
@@ -20,8 +20,9 @@
 
 HF callbacks are not given the batch or the loss, so `record` (or `CkptlabCallback.attach`)
 also wraps `trainer.training_step`. What is recorded from which hook:
-- `on_train_begin`: the Recorder is created on the trainer's model, optimizer and LR scheduler
-  (checkpointed; the Trainer steps the scheduler, so `step_scheduler=False`);
+- `on_train_begin`: the Recorder is created on the trainer's model, optimizer, LR scheduler
+  and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
+  `step_scheduler=False`);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -33,8 +34,9 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 - `on_train_end`, or `train()` raising: close.
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
-Trainer built from the same arguments) on each micro-batch, then the optimizer half of its
-loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
+does: accelerate's bf16/fp16 autocast and GradScaler) on each micro-batch, then the optimizer
+half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
 docs/integrations.md lists what replays exactly.
 """
 
