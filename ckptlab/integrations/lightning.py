@@ -246,7 +246,7 @@ def build(module, optimizer=None, scheduler=None, *, precision: str | None = Non
             first = schedulers[0]
             scheduler = first["scheduler"] if isinstance(first, dict) else first
     scaler = None
-    if precision is not None and str(precision) == "16-mixed":
+    if precision is not None and str(precision) in ("16-mixed", "16"):  # 16: the older spelling
         scaler = torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu")
     _common.register(optimizer, scheduler=scheduler, scaler=scaler)
     return (module, optimizer, *(x for x in (scheduler, scaler) if x is not None))
