@@ -253,3 +253,20 @@ def test_fp16_skipped_step_leaves_the_lr_schedule_and_replays(tmp_path):
     assert m.lr[3, 0] > 0  # the first update that happened moved the schedule on
     report = ckptlab.replay(tmp_path / "run", 3, from_step=0, trace=False, counterfactuals=False)
     assert len(report.steps) == 4 and all(c.match for c in report.steps) and report.bit_exact
+
+
+def test_whole_model_in_float32_undoes_accelerates_autocast():
+    """The precision counterfactual's last resort, the whole model in float32: the Trainer's
+    bf16 autocast lives in accelerate's wrapper around the model's forward, which would turn
+    it back on inside; the float32 run goes around it."""
+    from ckptlab.replayer.precision import in_float32
+
+    model = hm.build_bf16()[0]
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    sample = hm.Sequences()[0]
+    inputs = {"inputs_embeds": sample["inputs_embeds"][None], "labels": sample["labels"][None]}
+    with in_float32(model, ""):
+        model(**inputs)
+    model(**inputs)  # restored: accelerate's autocast again
+    assert seen == [torch.float32, torch.bfloat16]
