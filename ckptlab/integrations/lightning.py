@@ -6,18 +6,18 @@
 
     def build():                          # module level: replay imports it by name
         torch.manual_seed(0)
-        return ckl.build(LitModel())      # -> (module, optimizer[, scheduler]) from configure_optimizers
+        return ckl.build(LitModel(), precision="16-mixed")  # -> (module, optimizer[, scheduler], scaler)
 
     if __name__ == "__main__":
         cb = ckl.CkptlabCallback("runs/lit", build_fn=build, sample_ids="idx", ckpt_every=500)
-        pl.Trainer(max_steps=10_000, accumulate_grad_batches=8, gradient_clip_val=1.0, callbacks=[cb]).fit(
-            LitModel(), loader
-        )
+        pl.Trainer(max_steps=10_000, accumulate_grad_batches=8, gradient_clip_val=1.0, precision="16-mixed",
+                   callbacks=[cb]).fit(LitModel(), loader)
     # then: ckptlab replay --run runs/lit --step 5432
 
 What is recorded from which hook:
-- `on_train_start`: the Recorder is created on the trainer's module, optimizer and LR scheduler
-  (checkpointed; the trainer steps it, so `step_scheduler=False`);
+- `on_train_start`: the Recorder is created on the trainer's module, optimizer, LR scheduler
+  and, with 16-mixed, the precision plugin's GradScaler (checkpointed; the trainer steps the
+  scheduler, so `step_scheduler=False`);
 - `on_train_batch_start`: `begin_step` with the batch as `training_step` receives it (after the
   transfer to the device), its batch index, and how the trainer will finish the step (gradient
   clipping, whether the scheduler steps after it, the precision); a checkpoint first when due.
@@ -32,8 +32,8 @@ What is recorded from which hook:
 
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
-optimizer step, scheduler step) for one batch, or for the k micro-batches of an accumulated
-step. docs/integrations.md lists what replays exactly.
+optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss
+scaling) for one batch, or for the k micro-batches of an accumulated step. docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
@@ -63,11 +63,13 @@ except ImportError:  # the standalone package
         ) from None
 
 # Precisions whose training step this module reproduces: full float32 (Lightning's default),
-# and bf16 autocast (no grad scaler). "16-mixed" adds a GradScaler whose unscale/skip logic
-# is not replayed; float64 / true-half ("64-true", "bf16-true") convert the module and the
-# batch, which build_fn would have to mirror.
-EXACT_PRECISIONS = {"32-true", "32", "bf16-mixed"}
+# bf16 autocast, and float16 autocast with its GradScaler ("16-mixed": build(..., precision=
+# "16-mixed") makes the scaler, whose state is checkpointed). float64 / true-half ("64-true",
+# "bf16-true") convert the module and the batch, which build_fn would have to mirror.
+EXACT_PRECISIONS = {"32-true", "32", "bf16-mixed", "16-mixed"}
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 BUILD_HINT = "return ckptlab.integrations.lightning.build(module) from build_fn"
+SCALER_HINT = 'return ckptlab.integrations.lightning.build(module, precision="16-mixed") from build_fn'
 
 
 class CkptlabCallback(pl.Callback):
@@ -227,10 +229,13 @@ class CkptlabCallback(pl.Callback):
 # --- build and replay ----------------------------------------------------------------------
 
 
-def build(module, optimizer=None, scheduler=None):
-    """`(module, optimizer[, scheduler])` for build_fn, from `module.configure_optimizers()`
-    (the same parsing the trainer does) unless you pass them. Registers the scheduler, which
-    `training_step` steps where the recorded trainer did."""
+def build(module, optimizer=None, scheduler=None, *, precision: str | None = None):
+    """`(module, optimizer[, scheduler][, scaler])` for build_fn, from
+    `module.configure_optimizers()` (the same parsing the trainer does) unless you pass them.
+    Registers the scheduler, which `training_step` steps where the recorded trainer did.
+
+    `precision="16-mixed"`, as the trainer was given it (or its MixedPrecision plugin): also a
+    GradScaler, as Lightning makes one; its scale and settings come from the checkpoint."""
     if optimizer is None:
         parse = importlib.import_module(f"{pl.__name__}.core.optimizer")._configure_optimizers  # the trainer's parser
         optimizers, schedulers, _ = parse(module.configure_optimizers())
@@ -240,34 +245,44 @@ def build(module, optimizer=None, scheduler=None):
         if schedulers:
             first = schedulers[0]
             scheduler = first["scheduler"] if isinstance(first, dict) else first
-    _common.register(optimizer, scheduler=scheduler)
-    return (module, optimizer, scheduler) if scheduler is not None else (module, optimizer)
+    scaler = None
+    if precision is not None and str(precision) in ("16-mixed", "16"):  # 16: the older spelling
+        scaler = torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu")
+    _common.register(optimizer, scheduler=scheduler, scaler=scaler)
+    return (module, optimizer, *(x for x in (scheduler, scaler) if x is not None))
 
 
 def training_step(model, optimizer, batch):
     """One step of Lightning's automatic optimization, as the recorded trainer ran it, for each
     of its batches (one; or, with accumulate_grad_batches=k, its micro-batches in order):
 
-    training_step (under autocast for bf16-mixed), its loss divided by k; on the first batch,
-    on_before_zero_grad + optimizer_zero_grad; on_before_backward + backward + on_after_backward.
-    The last batch runs inside optimizer.step(closure), followed by on_before_optimizer_step and
-    configure_gradient_clipping; then the LR scheduler steps when the trainer stepped it after
-    this batch. Returns the loss (with accumulation, the sum of the micro-batches' losses).
+    training_step (under autocast for bf16-mixed and 16-mixed), its loss divided by k; on the
+    first batch, on_before_zero_grad + optimizer_zero_grad; on_before_backward + backward +
+    on_after_backward (16-mixed: of the loss the GradScaler scaled). The last batch runs inside
+    optimizer.step(closure), followed by on_before_optimizer_step and configure_gradient_clipping
+    (16-mixed: on the gradients the scaler unscaled, then the scaler's step, which skips the
+    update on inf/NaN gradients, and its update); then the LR scheduler steps when the trainer
+    stepped it after this batch. Returns the loss (with accumulation, the sum of the
+    micro-batches' losses).
     """
     cfg = batch["lightning"]
     parts = batch.get(MICRO_BATCHES) or [{"batch": batch["batch"], "batch_idx": batch["batch_idx"]}]
     k = cfg.get("accumulate_grad_batches", 1)
     steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
+    scaler = None
+    if cfg["precision"] == "16-mixed":
+        scaler = _common.registered(optimizer, "scaler", required=True, hint=SCALER_HINT)
     total = None
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
         accumulating(optimizer, not last)  # the probe measures pre-clip gradient norms on the last only
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
         # Lightning zeroes the gradients when batch_idx % k == 0: the first micro-batch of each step.
-        closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last)
+        closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last, scaler=scaler)
         if last:
+            stepping = optimizer if scaler is None else _ScaledOptimizer(optimizer, scaler)
             with _quiet_log():
-                model.optimizer_step(cfg["epoch"], part["batch_idx"], optimizer, closure)
+                model.optimizer_step(cfg["epoch"], part["batch_idx"], stepping, closure)
         else:
             closure()
         if closure.loss is not None:
@@ -278,9 +293,10 @@ def training_step(model, optimizer, batch):
     return total
 
 
-def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool):
+def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool, scaler=None):
     """Lightning's closure for one batch: training_step, zero_grad (first batch of the step),
-    backward; on the step's last batch, the hooks before the update and gradient clipping.
+    backward (of the scaled loss, with a GradScaler); on the step's last batch, the hooks
+    before the update and gradient clipping (after unscaling, with a GradScaler).
     `closure.loss` is the loss it returned (divided by k)."""
     inputs, batch_idx, epoch = part["batch"], part["batch_idx"], cfg["epoch"]
     args = (inputs, batch_idx) if _takes_batch_idx(model) else (inputs,)
@@ -296,10 +312,16 @@ def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, la
             return None
         loss = loss / k  # ClosureResult normalizes by accumulate_grad_batches
         closure.loss = loss.detach()
+        if scaler is not None:
+            loss = scaler.scale(loss)  # MixedPrecision.pre_backward: the hooks see the scaled loss
         model.on_before_backward(loss)
         model.backward(loss)
         model.on_after_backward()
         if last:
+            # MixedPrecision.optimizer_step unscales before the hooks and the clipping, unless
+            # the optimizer unscales in its own step (fused: Lightning then refuses to clip).
+            if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
+                scaler.unscale_(optimizer)
             model.on_before_optimizer_step(optimizer)
             with _trainerless_clipping(model):
                 model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
@@ -333,11 +355,34 @@ def _trainerless_clipping(model):
         model.__dict__.pop("clip_gradients", None)
 
 
+class _ScaledOptimizer:
+    """The optimizer `optimizer_step` steps under precision="16-mixed": `step(closure)` is
+    Lightning's MixedPrecision.optimizer_step (the closure runs forward, scaled backward,
+    unscale, hooks and clipping; then the GradScaler's step, which skips the update when the
+    gradients hold inf/NaN, and its update). Anything else is the optimizer's."""
+
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler = optimizer, scaler
+
+    def step(self, closure=None, **kwargs):
+        result = closure() if closure is not None else None
+        if result is None:  # no backward ran (training_step returned None): nothing to step
+            return None
+        out = self.scaler.step(self.optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
 def _autocast(model, precision: str):
-    if precision == "bf16-mixed":
-        device = next((p.device.type for p in model.parameters()), "cpu")
-        return torch.autocast(device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    """MixedPrecision.forward_context: autocast to the precision's dtype, cache off."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return torch.autocast(device, dtype=dtype, cache_enabled=False)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@
     from ckptlab.integrations import transformers as ckt
 
     ARGS = TrainingArguments("out", max_steps=10_000, gradient_accumulation_steps=8, max_grad_norm=1.0,
-                             report_to="none")
+                             bf16=True, report_to="none")
 
     def build():                          # module level: replay imports it by name
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, vocab_size=512))
@@ -20,8 +20,9 @@
 
 HF callbacks are not given the batch or the loss, so `record` (or `CkptlabCallback.attach`)
 also wraps `trainer.training_step`. What is recorded from which hook:
-- `on_train_begin`: the Recorder is created on the trainer's model, optimizer and LR scheduler
-  (checkpointed; the Trainer steps the scheduler, so `step_scheduler=False`);
+- `on_train_begin`: the Recorder is created on the trainer's model, optimizer, LR scheduler
+  and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
+  `step_scheduler=False`);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -33,8 +34,9 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 - `on_train_end`, or `train()` raising: close.
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
-Trainer built from the same arguments) on each micro-batch, then the optimizer half of its
-loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
+does: accelerate's bf16/fp16 autocast and GradScaler) on each micro-batch, then the optimizer
+half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
 docs/integrations.md lists what replays exactly.
 """
 
@@ -168,6 +170,7 @@ class CkptlabCallback(TrainerCallback):
             step_fn=training_step,
             build_fn=self.build_fn,
             scheduler=_inner(lr_scheduler),
+            scaler=self.trainer.accelerator.scaler,  # fp16 (on a GPU): the GradScaler accelerate made
             config=_common.with_trackers(self.config),  # "auto": the runs report_to= started
         )
 
@@ -252,9 +255,12 @@ def record(trainer: Trainer, run_dir, *, build_fn: Callable, **kwargs) -> Ckptla
 
 
 def build(model, args, *, num_training_steps: int | None = None, trainer_cls: type = Trainer, **trainer_kwargs):
-    """`(model, optimizer, scheduler)` for build_fn: a `trainer_cls(model=model, args=args,
-    **trainer_kwargs)` creates them as `train()` does (`create_optimizer_and_scheduler`), and
-    is kept for `training_step` to run the same training step.
+    """`(model, optimizer, scheduler[, scaler])` for build_fn: a `trainer_cls(model=model,
+    args=args, **trainer_kwargs)` creates and prepares them as `train()` does, and is kept for
+    `training_step` to run the same training step: its optimizer, then `accelerator.prepare`
+    of the model and optimizer (which wraps the model's forward in the bf16/fp16 autocast, and
+    the optimizer's step in the fp16 GradScaler's), then its LR scheduler. The scaler, when
+    the accelerator has one (fp16 on a GPU), comes last: ckptlab checkpoints its state.
 
     `num_training_steps` is what the LR schedule is laid out over: `args.max_steps` unless you
     train by epochs (the callback warns with the number to pass)."""
@@ -264,9 +270,15 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
         trainer_kwargs.setdefault("eval_dataset", [])  # the Trainer insists on one; replay never evaluates
     trainer = trainer_cls(model=model, args=args, **trainer_kwargs)
-    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
-    _common.register(trainer.optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
-    return trainer.model, trainer.optimizer, trainer.lr_scheduler
+    # Trainer._prepare_for_training, in its order. Without the prepare, a bf16 run's forward
+    # would replay in float32 (the autocast is accelerate's wrapper around model.forward).
+    trainer.create_optimizer()
+    trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    trainer.create_scheduler(num_training_steps=steps, optimizer=trainer.optimizer)
+    optimizer, scaler = _inner(trainer.optimizer), trainer.accelerator.scaler
+    _common.register(optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
+    built = (trainer.model, optimizer, trainer.lr_scheduler)
+    return (*built, scaler) if scaler is not None else built
 
 
 def training_step(model, optimizer, batch):
@@ -275,11 +287,14 @@ def training_step(model, optimizer, batch):
 
     loss = trainer.training_step(model, inputs, num_items_in_batch)   # forward + backward
     then, after the last: clip to max_grad_norm (or measure with an infinite bound, as the
-    Trainer does at 0); optimizer.step(); lr_scheduler.step() (not ReduceLROnPlateau);
+    Trainer does at 0), which unscales fp16 gradients first; the accelerated optimizer's step
+    (with fp16, the GradScaler's step and update, which skips it on inf/NaN gradients);
+    lr_scheduler.step() unless that step was skipped (and not ReduceLROnPlateau);
     model.zero_grad(). Returns the loss (with accumulation, the sum of the micro-batches').
     """
     trainer = _common.registered(optimizer, "trainer", required=True, hint=BUILD_HINT)
     scheduler = _common.registered(optimizer, "scheduler", required=False, hint=BUILD_HINT)
+    accelerator = trainer.accelerator
     cfg = batch["transformers"]
     parts = batch.get(MICRO_BATCHES) or [{"inputs": batch["inputs"]}]
     steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
@@ -287,7 +302,11 @@ def training_step(model, optimizer, batch):
     trainer.current_gradient_accumulation_steps = cfg.get("current_gradient_accumulation_steps", 1)
     total = None
     for i, part in enumerate(parts):
-        accumulating(optimizer, not (steps and i == len(parts) - 1))  # the probe measures the last backward
+        last = steps and i == len(parts) - 1
+        accumulating(optimizer, not last)  # the probe measures the last backward
+        # The loop marks the micro-batch after which the optimizer steps; the accelerated
+        # optimizer does nothing on the others (the flag is process-wide: set it every time).
+        accelerator.gradient_state._set_sync_gradients(last)
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
         loss = trainer.training_step(model, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
@@ -296,9 +315,10 @@ def training_step(model, optimizer, batch):
     # Trainer._clip_grad_norm / _get_grad_norm: with max_grad_norm <= 0 it still "clips" to
     # inf, which multiplies every gradient by 1 -- or by NaN when the norm is NaN.
     max_grad_norm = cfg["max_grad_norm"]
-    trainer.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
-    optimizer.step()
-    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+    accelerator.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    trainer.optimizer.step()  # accelerate's wrapper around `optimizer` (build prepared it)
+    skipped = accelerator.optimizer_step_was_skipped  # the GradScaler found inf/NaN gradients
+    if scheduler is not None and not skipped and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         scheduler.step()
     model.zero_grad()
     return total
@@ -315,8 +335,6 @@ def _inner(obj):
 
 def _replay_limits(args) -> list[str]:
     problems = []
-    if args.fp16:
-        problems.append("fp16 uses a grad scaler whose skipped steps are not replayed")
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         problems.append("DeepSpeed/FSDP steps are not replayed")
     return problems

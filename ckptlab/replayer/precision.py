@@ -67,7 +67,10 @@ def in_float32(model: torch.nn.Module, path: str):
             kept.append((t, t.data))
             t.data = t.data.float()
     own = module.__dict__.get("forward")  # an instance's own forward (rare), else the class's
-    forward = module.forward
+    # accelerate's prepare (the HF Trainer with bf16/fp16) wraps the forward in an autocast of
+    # its own, which would turn reduced precision back on inside ours; it keeps the forward it
+    # wrapped as `_original_forward`.
+    forward = module.__dict__.get("_original_forward", module.forward)
     device = next((t.device.type for t in module.parameters()), "cpu")
 
     def widened(*args, **kwargs):

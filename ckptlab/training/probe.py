@@ -28,7 +28,8 @@ Where each number is computed, and why there:
   <= MEMORY_SHARE of the parameter bytes); "exact" copies every parameter (+1x their bytes).
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
-  gradients: the optimizer did not step and the scale backed off) is `scaler_skipped`:
+  gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
+  inf flag stepped without updating, and the scale backed off) is `scaler_skipped`:
   routine in float16 training, not a fault.
 
 The Recorder and replay use this same class through training/step.py, so replayed numbers
@@ -400,9 +401,13 @@ class StepProbe:
         return health
 
     def _scaler_skipped(self, stepped: bool, scale: float | None, values: np.ndarray, parts: dict) -> bool:
-        """The GradScaler skipped this step: the optimizer did not step, and `scaler.update()`
-        backed the scale off (what it does, and only does, after finding inf/NaN gradients)."""
-        return scale is not None and not stepped and "scale_after" in parts and values[parts["scale_after"]][0] < scale
+        """The GradScaler skipped this step: `scaler.update()` backed the scale off (what it does,
+        and only does, after finding inf/NaN gradients), and the optimizer did not step -- or
+        it did, but is one (fused AdamW: the HF Trainer's default) that `scaler.step` calls with
+        the inf flag, to skip the update itself."""
+        if scale is None or "scale_after" not in parts or not values[parts["scale_after"]][0] < scale:
+            return False
+        return not stepped or bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     def _local_grads(self, norms: np.ndarray, meta: dict, scale: float | None, grads_live: bool):
         """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""

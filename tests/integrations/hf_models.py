@@ -107,3 +107,54 @@ class Sequences(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"inputs_embeds": self.x[i], "labels": self.labels[i], "idx": i}
+
+
+# --- mixed precision ---------------------------------------------------------------------------
+#
+# accelerate keeps one AcceleratorState per process, fixed by the first Trainer made after
+# TrainingArguments set up their device (which resets it). A script trains with one precision;
+# these tests mix them in one process, so each Trainer gets a fresh copy of its arguments.
+
+
+def fresh(args: TrainingArguments) -> TrainingArguments:
+    return dataclasses.replace(args)
+
+
+# bf16=True: accelerate wraps the model's forward in CPU bfloat16 autocast.
+BF16_ARGS = dataclasses.replace(ARGS, bf16=True, eval_strategy="no", gradient_accumulation_steps=2)
+
+
+def build_bf16():
+    return ckt.build(model(), fresh(BF16_ARGS))
+
+
+# Too high for the first steps' scaled float16 gradients: the scaler skips them and backs off.
+FP16_INIT_SCALE = 2.0**20
+FP16_ARGS = dataclasses.replace(ARGS, fp16=True, eval_strategy="no")
+
+
+class CpuFp16Trainer(Trainer):
+    """fp16=True as accelerate runs it on a GPU, here on the CPU: float16 autocast around the
+    model's forward, a GradScaler scaling the backward, unscaling in clip_grad_norm_ and
+    stepping in the accelerated optimizer. On the CPU accelerate leaves fp16=True without
+    either (native_amp False, no scaler: the run is float32); these two attributes are the
+    only difference, and torch's CPU autocast and GradScaler("cpu") run the same logic."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accelerator.native_amp = True
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE)
+
+
+def build_fp16():
+    return ckt.build(model(), fresh(FP16_ARGS), trainer_cls=CpuFp16Trainer)
+
+
+# A non-fused AdamW: the GradScaler skips its step, accelerate reports the skip and the Trainer
+# then leaves the LR schedule where it was (the default fused AdamW steps, skipping the update
+# itself: accelerate does not see the skip, the schedule moves on).
+FP16_UNFUSED_ARGS = dataclasses.replace(FP16_ARGS, optim="adamw_torch", max_steps=4)
+
+
+def build_fp16_unfused():
+    return ckt.build(model(), fresh(FP16_UNFUSED_ARGS), trainer_cls=CpuFp16Trainer)

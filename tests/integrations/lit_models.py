@@ -30,6 +30,8 @@ class Regression(torch.utils.data.Dataset):
             self.x[FAULT_SAMPLE, 2] = float("nan")
         elif fault == "overflow":
             self.x[FAULT_SAMPLE] = 3e38  # finite, absurd: fc1's matmul sums to Inf
+        elif fault == "fp16":
+            self.x[FAULT_SAMPLE] = FP16_ROW_VALUE  # LitWide's fc1 overflows float16, not float32
 
     def __len__(self):
         return len(self.x)
@@ -93,3 +95,37 @@ def loaders(fault: str | None = None):
     train = torch.utils.data.DataLoader(Regression(fault=fault), batch_size=BATCH, shuffle=False)
     val = torch.utils.data.DataLoader(Regression(16, seed=2), batch_size=BATCH)
     return train, val
+
+
+class LitWide(LitMLP):
+    """fc1's activations reach ~1e3 on typical rows: fine in float16 (max 65504), until a row
+    ~150x larger than typical (finite, not absurd: FP16_ROW_VALUE) makes them ~1e5."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        self.fc1 = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(32, 1)
+        with torch.no_grad():
+            self.fc1.weight.mul_(200.0)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))) / 1000.0)
+
+
+FP16_ROW_VALUE = 400.0
+# Too high for the first steps' scaled float16 gradients: the scaler skips them and backs off.
+FP16_INIT_SCALE = 2.0**20
+
+
+def build_fp16():
+    torch.manual_seed(0)
+    return ckl.build(LitWide(), precision="16-mixed")
+
+
+def fp16_plugin():
+    """precision="16-mixed" on the CPU: the Trainer flag turns it into bf16-mixed there (with a
+    warning), the plugin with a CPU GradScaler is accepted and runs Lightning's own AMP code."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE))

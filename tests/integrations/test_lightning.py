@@ -214,3 +214,48 @@ def test_bf16_mixed_records_and_replays_bit_exactly(tmp_path):
     assert report.bit_exact and len(report.steps) == FAULT_STEP - 4 + 1
     assert report.root_step == FAULT_STEP
     assert [(s.row, s.sample_id) for s in report.samples] == [(FAULT_ROW, lm.FAULT_SAMPLE)]
+
+
+@pytest.mark.filterwarnings("ignore:.*lr_scheduler.step.*before.*optimizer.step")  # the first step is skipped
+def test_16_mixed_with_accumulation_records_scaler_skips_and_names_a_float16_overflow(tmp_path, capsys):
+    """precision="16-mixed" through Lightning's MixedPrecision plugin (the Trainer flag turns
+    16-mixed into bf16-mixed on the CPU; on a GPU the flag makes this same plugin): the steps the
+    GradScaler skips are recorded as skipped, replay restores the scaler's state, and a row that
+    overflows float16 only is named, with its micro-batch, as a precision fault."""
+    run_dir = tmp_path / "run"
+    cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build_fp16, sample_ids="idx", ckpt_every=3)
+    train, _ = lm.loaders("fp16")
+    trainer = lm.trainer(
+        tmp_path, callbacks=[cb], accumulate_grad_batches=ACCUM, limit_val_batches=0, plugins=[lm.fp16_plugin()]
+    )
+    torch.manual_seed(0)
+    with pytest.raises(ckptlab.NonFiniteLoss) as e:
+        trainer.fit(lm.LitWide(), train)
+    assert e.value.step == ACCUM_STEP
+    run = ckptlab.open_run(run_dir)
+    assert run.batch(ACCUM_STEP)[0]["lightning"]["precision"] == "16-mixed"
+    m = run.metrics()
+    assert [int(s) for s in m.step[m.scaler_skipped]][:3] == [0, 1, 2]  # the initial scale backs off
+    assert m.scalars[0]["grad_scale"] == lm.FP16_INIT_SCALE and m.scalars[3]["grad_scale"] == lm.FP16_INIT_SCALE / 8
+    assert [(e["step"], e["kind"]) for e in run.events()] == [(ACCUM_STEP, "nonfinite_loss")]  # skips are no fault
+
+    capsys.readouterr()
+    from ckptlab.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(run_dir), "--step", str(ACCUM_STEP), "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["root_step"] == ACCUM_STEP and doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
+    origin = doc["origin"]
+    assert (origin["kind"], origin["module"], origin["dtype"], origin["phase"]) == (
+        "precision",
+        "fc1",
+        "float16",
+        "forward",
+    )
+    assert doc["samples"][0] == {**doc["samples"][0], "micro_batch": ACCUM_MICRO, "row": FAULT_ROW, "sample_id": 37}
+    assert "only in reduced precision" in doc["verdict"] and origin["float32_module"] == "fc1"
+    steps = ckptlab.replay(run_dir, ACCUM_STEP, from_step=0, trace=False, counterfactuals=False).steps
+    assert [c.step for c in steps] == list(range(ACCUM_STEP + 1)) and all(c.match for c in steps[:-1])
+    assert [c.grad_scale for c in steps] == [s["grad_scale"] for s in m.scalars]  # the scaler, step by step

@@ -175,3 +175,98 @@ def test_callback_takes_the_recorders_options_and_refuses_unknown_ones(tmp_path)
     assert given.config.val_metric == "eval_loss"  # the Trainer never reports a "val_loss"
     with pytest.raises(ckptlab.RecordError, match="unknown Recorder option"):
         ckt.CkptlabCallback(tmp_path / "run", build_fn=hm.build, keep_lst=2)
+
+
+# --- mixed precision ---------------------------------------------------------------------------
+
+
+def replay_json(run_dir, step, capsys) -> dict:
+    from ckptlab.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(run_dir), "--step", str(step), "--json"])
+    assert done.value.code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bf16_with_accumulation_replays_bit_for_bit(tmp_path, capsys):
+    """bf16=True: accelerate's autocast wraps the model's forward. build() prepares the model
+    as train() does, so replay runs the same bfloat16 forward: every loss equal to the bit."""
+    trainer = Trainer(model=hm.model(), args=hm.fresh(hm.BF16_ARGS), train_dataset=hm.Sequences(fault="nan"))
+    ckt.record(trainer, tmp_path / "run", build_fn=hm.build_bf16, sample_id_key="idx", ckpt_every=3)
+    with pytest.raises(ckptlab.NonFiniteLoss):
+        trainer.train()
+    doc = replay_json(tmp_path / "run", ACCUM_STEP, capsys)
+    assert doc["root_step"] == ACCUM_STEP and doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
+    assert (doc["samples"][0]["micro_batch"], doc["samples"][0]["sample_id"]) == (ACCUM_MICRO, hm.FAULT_SAMPLE)
+    steps = ckptlab.replay(tmp_path / "run", ACCUM_STEP, from_step=0, trace=False, counterfactuals=False).steps
+    assert [c.step for c in steps] == list(range(ACCUM_STEP + 1))
+    # bit for bit, not close (before: ~2e-5 apart, with the forward replayed in float32)
+    assert [repr((c.loss, c.grad_norm)) for c in steps] == [
+        repr((c.recorded_loss, c.recorded_grad_norm)) for c in steps
+    ]
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf-fp16")
+    trainer = hm.CpuFp16Trainer(model=hm.model(), args=hm.fresh(hm.FP16_ARGS), train_dataset=hm.Sequences(fault="nan"))
+    ckt.record(trainer, tmp / "run", build_fn=hm.build_fp16, sample_id_key="idx", ckpt_every=5)
+    with pytest.raises(ckptlab.NonFiniteLoss) as e:
+        trainer.train()
+    assert e.value.step == FAULT_STEP
+    return tmp / "run"
+
+
+def test_fp16_scaler_skips_are_recorded_as_skipped_and_replayed_with_the_scale(fp16_run):
+    """The Trainer's default fused AdamW: the GradScaler hands it the inf flag and it skips
+    the update itself. The first steps overflow at the initial scale: skipped, not faults."""
+    run = ckptlab.open_run(fp16_run)
+    m = run.metrics()
+    assert [int(s) for s in m.step[m.scaler_skipped]][:2] == [0, 1]
+    scales = [s["grad_scale"] for s in m.scalars]
+    assert scales[:3] == [hm.FP16_INIT_SCALE, hm.FP16_INIT_SCALE / 2, hm.FP16_INIT_SCALE / 4]
+    assert [(e["step"], e["kind"]) for e in run.events()] == [(FAULT_STEP, "nonfinite_loss")]
+    report = ckptlab.replay(fp16_run, FAULT_STEP, from_step=0, trace=False, counterfactuals=False)
+    assert [c.step for c in report.steps] == list(range(FAULT_STEP + 1)) and report.bit_exact
+    assert [c.grad_scale for c in report.steps] == scales  # the scaler's state, step by step
+    assert all(c.match for c in report.steps[:-1])
+
+
+def test_fp16_replay_names_the_nan_sample(fp16_run, capsys):
+    doc = replay_json(fp16_run, FAULT_STEP, capsys)
+    assert doc["root_step"] == FAULT_STEP and doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
+    assert doc["start_checkpoint"] == 5  # the scaler's state came back from checkpoint 5
+    assert doc["origin"]["kind"] == "data"
+    assert [(s["row"], s["sample_id"]) for s in doc["samples"]] == [(FAULT_ROW, hm.FAULT_SAMPLE)]
+
+
+def test_fp16_skipped_step_leaves_the_lr_schedule_and_replays(tmp_path):
+    """A non-fused optimizer: the scaler skips its step, and the Trainer does not step the LR
+    schedule after it (warm-up stays at 0); replay does the same."""
+    trainer = hm.CpuFp16Trainer(model=hm.model(), args=hm.fresh(hm.FP16_UNFUSED_ARGS), train_dataset=hm.Sequences())
+    ckt.record(trainer, tmp_path / "run", build_fn=hm.build_fp16_unfused, sample_id_key="idx", ckpt_every=100)
+    trainer.train()
+    m = ckptlab.open_run(tmp_path / "run").metrics()
+    assert m.scaler_skipped[:2].tolist() == [True, True] and m.lr[:3, 0].tolist() == [0.0, 0.0, 0.0]
+    assert m.lr[3, 0] > 0  # the first update that happened moved the schedule on
+    report = ckptlab.replay(tmp_path / "run", 3, from_step=0, trace=False, counterfactuals=False)
+    assert len(report.steps) == 4 and all(c.match for c in report.steps) and report.bit_exact
+
+
+def test_whole_model_in_float32_undoes_accelerates_autocast():
+    """The precision counterfactual's last resort, the whole model in float32: the Trainer's
+    bf16 autocast lives in accelerate's wrapper around the model's forward, which would turn
+    it back on inside; the float32 run goes around it."""
+    from ckptlab.replayer.precision import in_float32
+
+    model = hm.build_bf16()[0]
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    sample = hm.Sequences()[0]
+    inputs = {"inputs_embeds": sample["inputs_embeds"][None], "labels": sample["labels"][None]}
+    with in_float32(model, ""):
+        model(**inputs)
+    model(**inputs)  # restored: accelerate's autocast again
+    assert seen == [torch.float32, torch.bfloat16]
