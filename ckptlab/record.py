@@ -56,7 +56,7 @@ from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
-from ckptlab.run.checkpoint import clean_stale, list_checkpoints
+from ckptlab.run.checkpoint import CapturedState, clean_stale, list_checkpoints
 from ckptlab.run.layout import MANIFEST, is_first_leftover
 from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
@@ -112,6 +112,14 @@ class RecordConfig:
         batch_ref_bytes: with a `batch_fn`, batches of at least this many bytes are stored by
             reference (sample ids, sha256 of the content, size) instead of whole; replay
             rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
+        ckpt_snapshot: "live" (default): on a CPU model, a checkpoint is written from the
+            parameters and the optimizer's state themselves, in the background, and the
+            optimizer's next `step()` waits until their bytes are written (usually long
+            done: the forward and backward passes come first); no copy of the state is made.
+            A tensor changed in place before it is written (outside the optimizer's step)
+            is detected, the checkpoint is taken again at the next step by copy, and copies
+            are used from then on. "copy": copy the state when checkpointing (always, on a
+            GPU: it is staged to host memory).
         async_sharded: FSDP2: stage each rank's shards to host memory and write them in the
             background (`torch.distributed.checkpoint.async_save`), committed at the start of
             the next step; False writes them on the training thread.
@@ -140,6 +148,7 @@ class RecordConfig:
     on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
     batch_ref_bytes: int = 1 << 20
     async_sharded: bool = True
+    ckpt_snapshot: str = "live"
     trackers: Any = ()
     update_ratio: str = "sampled"
     health_read: str = "auto"
@@ -151,6 +160,8 @@ class RecordConfig:
             raise RecordError(f"update_ratio must be 'sampled' or 'exact', not {self.update_ratio!r}")
         if self.health_read not in ("auto", "deferred", "immediate"):
             raise RecordError(f"health_read must be 'auto', 'deferred' or 'immediate', not {self.health_read!r}")
+        if self.ckpt_snapshot not in ("live", "copy"):
+            raise RecordError(f"ckpt_snapshot must be 'live' or 'copy', not {self.ckpt_snapshot!r}")
         if self.on_nonfinite not in ("raise", "record"):
             raise RecordError(f"on_nonfinite must be 'raise' or 'record', not {self.on_nonfinite!r}")
         if self.val_mode not in ("min", "max"):
@@ -183,8 +194,8 @@ class Recorder:
             `batch_ref_bytes` are stored by reference, not whole (large images, video).
         config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
             on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
-            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, trackers, update_ratio,
-            health_read), as one RecordConfig or as keywords (or both: the keywords win).
+            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, ckpt_snapshot, trackers,
+            update_ratio, health_read), as one RecordConfig or as keywords (or both: the keywords win).
     """
 
     def __init__(
@@ -221,6 +232,9 @@ class Recorder:
         self._step_rng: dict | None = None  # the RNG states the running step began in
         self._closed = False
         self._pending = None  # a sharded checkpoint being written in the background
+        self._live_snap: CapturedState | None = None  # a checkpoint written from live tensors
+        self._retake = False  # a live checkpoint was torn: take one at the next step
+        self._snap_hook = None
         self._health_queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
         self.restored_step: int | None = None
 
@@ -320,6 +334,16 @@ class Recorder:
             (_warn_anomaly(str(self.run_dir)) if self.world.is_main else None) if warn else self.config.on_anomaly
         )
         self.writer = RunWriter(self.run_dir, self.session, rank=self.world.rank, journal=self.world.is_main)
+        # Live checkpoints need the optimizer's step to wait for them (it is what changes the
+        # tensors they are written from). Sharded ones go through DCP (staged copies).
+        self._live_ok = (
+            self.config.ckpt_snapshot == "live"
+            and not self.world.sharded
+            and self.world.is_main
+            and hasattr(self.optimizer, "register_step_pre_hook")
+        )
+        if self._live_ok:
+            self._snap_hook = self.optimizer.register_step_pre_hook(lambda *_: self._await_snapshot())
         self.live = live_log(self._trackers, str(self.run_dir), self.manifest) if self.world.is_main else None
         if self.deferred and not self.world.distributed:  # (a collective at exit could hang)
             self._exit_hook = _settle_at_exit(self)
@@ -350,6 +374,7 @@ class Recorder:
                 "has_scaler": self.scaler is not None,
                 "update_ratio": self.config.update_ratio,
                 "health_read": "deferred" if self.deferred else "immediate",
+                "ckpt_snapshot": self.config.ckpt_snapshot,
                 "compiled": is_compiled(self.model) or is_compiled(self.step_fn),
             },
             functions={
@@ -442,6 +467,7 @@ class Recorder:
             loss, pending = self.trainee.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
         except BaseException:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
+            self._await_snapshot()
             self._settle_quietly()
             raise
         self._in_step = False
@@ -478,6 +504,7 @@ class Recorder:
         self.trainee.abort()
         self._in_step = False
         self._pending_rng = _WRITTEN
+        self._await_snapshot()
         self._settle_quietly()
 
     def end_step(self, loss) -> StepHealth | None:
@@ -519,16 +546,22 @@ class Recorder:
         if self._in_step:
             raise RecordError("begin_step called twice without end_step", path=self.run_dir)
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
+        self._await_snapshot()
         n = self.next_step
         rng = capture_rng()
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         self._ckpt_wait = self._finish_sharded()
+        retake, self._retake = self._retake, False
         if n == self.session_start or n % self.config.ckpt_every == 0:
             self._settle()  # the segment and the checkpoint's "healthy" flag need every step before
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
             self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
+        elif retake and n not in self._ckpt_steps:
+            self._settle()
+            self._ckpt_wait += self._checkpoint(n, "retake")
+            self._force_rng = True
         changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
         self._pending_rng = rng if changed else None
         self._step_rng = rng
@@ -558,6 +591,7 @@ class Recorder:
         """Step `next_step` ran: queue its health; record what is due (all of it when read at
         once, all but this step's when deferred). Returns this step's health when read."""
         n = self.next_step
+        self._await_snapshot()
         self._rng_after_prev = capture_rng()
         self._health_queue.append((n, pending, self._ckpt_wait, time.time()))
         self.next_step = n + 1
@@ -672,8 +706,38 @@ class Recorder:
             return time.perf_counter() - t0
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
-        captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info)
-        return self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+        self._await_snapshot()
+        captured = snapshot(step, self.model, self.optimizer, self.scheduler, self.scaler, info, live=self._live_ok)
+        waited = self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+        if captured.live:
+            self._live_snap = captured
+        return waited
+
+    def _await_snapshot(self) -> None:
+        """Before anything may change the tensors a live checkpoint is written from (the
+        optimizer's step, the end of the step, the next checkpoint): wait for their bytes to
+        be written. Usually long done; the wait counts in the step's `ckpt_wait`.
+
+        A checkpoint whose tensors changed before they were written (in place, outside the
+        optimizer's step) is not committed: it is taken again at the next step, and by copy
+        from then on."""
+        snap, self._live_snap = self._live_snap, None
+        if snap is None:
+            return
+        if not snap.released.is_set():
+            t0 = time.perf_counter()
+            snap.released.wait()
+            self._ckpt_wait += time.perf_counter() - t0
+        if snap.intact is False:
+            if snap.step in self._ckpt_steps:
+                self._ckpt_steps.remove(snap.step)
+            self._retake, self._live_ok = True, False
+            warnings.warn(
+                f"{self.run_dir}: the checkpoint of step {snap.step} was not committed: a parameter or optimizer "
+                "state changed in place while it was written (outside optimizer.step); it is taken again at the "
+                "next step, and checkpoints copy the state from now on (ckpt_snapshot='copy')",
+                stacklevel=2,
+            )
 
     def _finish_sharded(self) -> float:
         """Commit the sharded checkpoint being written in the background, if any (every rank,
@@ -714,6 +778,9 @@ class Recorder:
             try:  # the last step's health (a non-finite loss there is recorded and warned of, not raised)
                 self._settle(0, raise_nonfinite=False)
             finally:
+                if self._snap_hook is not None:
+                    self._snap_hook.remove()
+                self._await_snapshot()
                 self.trainee.close()
                 self._finish_sharded()
                 self.writer.close()

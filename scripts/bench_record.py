@@ -348,16 +348,25 @@ def reset_peak() -> None:
 
 def worker(mode: str, steps: int, run_dir: str) -> None:
     """One process: `steps` steps; the peak RSS over steps 2.. (after the first checkpoint is
-    committed); then one more step that starts a checkpoint (recorded), timed."""
+    committed); then one more step that starts a checkpoint (recorded), timed, and the step after
+    it (the checkpoint's commit, hashing and fsync, runs in the background meanwhile)."""
     torch.set_num_threads(os.cpu_count() or 1)
     model, opt = build_big()
     width = model[0].in_features
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)) for _ in range(steps + 1)]
+    batches = [(torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)) for _ in range(steps + 2)]
     rec = None
     if mode == "recorded":
         rec = ckptlab.Recorder(
-            run_dir, model, opt, step_fn=step_big, build_fn=build_big, ckpt_every=steps, health_every=1, on_anomaly=None
+            run_dir,
+            model,
+            opt,
+            step_fn=step_big,
+            build_fn=build_big,
+            ckpt_every=steps,
+            health_every=1,
+            on_anomaly=None,
+            ckpt_snapshot=os.environ.get("CKPTLAB_BENCH_SNAPSHOT", "live"),
         )
     run = rec.step if rec is not None else (lambda b: step_big(model, opt, b))
     times = []
@@ -373,18 +382,32 @@ def worker(mode: str, steps: int, run_dir: str) -> None:
     t0 = time.perf_counter()
     run(batches[steps])  # step `steps`: a checkpoint step when recorded
     ckpt_step = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run(batches[steps + 1])
+    next_step = time.perf_counter() - t0
     if rec is not None:
         rec.close()
     n_params = sum(p.numel() for p in model.parameters())
     print(
         json.dumps(
-            {"peak_kib": peak, "median_step": statistics.median(times[2:]), "ckpt_step": ckpt_step, "params": n_params}
+            {
+                "peak_kib": peak,
+                "median_step": statistics.median(times[2:]),
+                "ckpt_step": ckpt_step,
+                "next_step": next_step,
+                "params": n_params,
+            }
         )
     )
 
 
 def case_ef(args, tmp: Path) -> dict:
-    env = {**os.environ, "CKPTLAB_BENCH_PARAMS": str(args.params), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {
+        **os.environ,
+        "CKPTLAB_BENCH_PARAMS": str(args.params),
+        "CKPTLAB_BENCH_SNAPSHOT": args.ckpt_snapshot,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
     steps = max(args.steps or 8, 4)
     out = {}
     for mode in ("bare", "recorded"):
@@ -405,11 +428,12 @@ def case_ef(args, tmp: Path) -> dict:
     )
     print(
         f"  median step {rec['median_step']:.3f} s (bare {bare['median_step']:.3f} s); "
-        f"the step that starts a checkpoint {rec['ckpt_step']:.3f} s"
+        f"the step that starts a checkpoint {rec['ckpt_step']:.3f} s, the step after it {rec['next_step']:.3f} s"
     )
     return {
         "e_peak_rss_ratio": rec["peak_kib"] / bare["peak_kib"],
         "f_ckpt_step_ratio": rec["ckpt_step"] / rec["median_step"],
+        "f_next_step_ratio": rec["next_step"] / rec["median_step"],
     }
 
 
@@ -444,6 +468,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument(
+        "--ckpt-snapshot", default="live", choices=["live", "copy"], help="(e, f): the Recorder's ckpt_snapshot"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument(
         "--trackers",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -47,7 +48,12 @@ from ckptlab.run.records import META_KEY
 
 @dataclass
 class CapturedState:
-    """A training state copied off the device, ready to be written in the background."""
+    """A training state ready to be written in the background: copied off the device, or
+    (`live`) partly the training's own tensors, written before training may change them.
+
+    `live` lists (tensor, version) pairs: tensors of the running training that the files are
+    written from directly, with their version counters when captured. Training waits for
+    `released` (set by `release()`, once their bytes are written) before it changes them."""
 
     step: int
     model: dict[str, torch.Tensor]
@@ -55,24 +61,53 @@ class CapturedState:
     state_spec: Any
     state_tensors: dict[str, torch.Tensor]
     info: dict = field(default_factory=dict)  # reason, session, health... -> COMMIT.json
+    live: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    released: threading.Event = field(default_factory=threading.Event)
+    intact: bool | None = None
+
+    def release(self) -> bool:
+        """The live tensors are written (or never will be): training may go on. Returns
+        whether none of them changed in place since it was captured (a change outside the
+        optimizer's step, which waits for this: the files would not hold step `step`).
+        Idempotent; the version check is made at the first call."""
+        if self.intact is None:
+            self.intact = all(t._version == v for t, v in self.live)
+            self.live = []
+        self.released.set()
+        return self.intact
+
+
+class TornSnapshot(Exception):
+    """A live tensor changed in place before it was written: the checkpoint was not committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step}: a tensor changed in place while the checkpoint was written from it")
+        self.step = step
 
 
 def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
-    """Write and atomically commit one checkpoint; returns its COMMIT record."""
-    root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{checkpoint_name(captured.step)}-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
+    """Write and atomically commit one checkpoint; returns its COMMIT record. The captured
+    state is released (training may change its live tensors) as soon as its bytes are in the
+    files, before they are hashed and synced; TornSnapshot if a live tensor changed first."""
     try:
-        safetensors.torch.save_file(
-            captured.model, tmp / MODEL_FILE, metadata={"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
-        )
-        write_state_file(tmp, captured)
-        files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
-        return finish_commit(tmp, captured.step, files, captured.info)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        root = checkpoints_dir(run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{checkpoint_name(captured.step)}-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
+        try:
+            safetensors.torch.save_file(
+                captured.model, tmp / MODEL_FILE, metadata={"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
+            )
+            write_state_file(tmp, captured)
+            if not captured.release():
+                raise TornSnapshot(captured.step)
+            files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+            return finish_commit(tmp, captured.step, files, captured.info)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        captured.release()  # never leave training waiting, whatever failed
 
 
 def write_state_file(folder: Path, captured: CapturedState) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,9 +58,13 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown torch dtype {name!r}") from None
 
 
-def encode(obj: Any, *, prefix: str, compact_ints: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Encode `obj`; tensors come back contiguous, on the CPU, ready for safetensors."""
-    enc = _Encoder(compact_ints)
+def encode(
+    obj: Any, *, prefix: str, compact_ints: bool = False, share: Callable[[str, torch.Tensor], bool] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Encode `obj`; tensors come back contiguous, on the CPU, ready for safetensors: copies,
+    except a contiguous CPU tensor for which `share(path, tensor)` says to keep the tensor
+    itself (it is written before its owner changes it: see training/state.py)."""
+    enc = _Encoder(compact_ints, share)
     spec = enc.node(obj, prefix)
     return spec, enc.tensors
 
@@ -77,8 +82,9 @@ def decode(spec: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 class _Encoder:
-    def __init__(self, compact_ints: bool):
+    def __init__(self, compact_ints: bool, share: Callable[[str, torch.Tensor], bool] | None = None):
         self.compact_ints = compact_ints
+        self.share = share
         self.tensors: dict[str, torch.Tensor] = {}
 
     def ref(self, path: str) -> str:
@@ -161,10 +167,12 @@ class _Encoder:
             if stored is not None:
                 node["stored"] = dtype_name(stored)
         ref = self.ref(path)
-        # clone: the caller (training) goes on to mutate its tensors; we keep a snapshot.
-        self.tensors[ref] = (
-            data.clone(memory_format=torch.contiguous_format) if data.data_ptr() == t.data_ptr() else data.contiguous()
-        )
+        if data.data_ptr() != t.data_ptr():  # already a copy (moved to the CPU, compacted)
+            data = data.contiguous()
+        elif not (self.share is not None and data.is_contiguous() and self.share(path, data)):
+            # clone: the caller (training) goes on to mutate its tensors; we keep a snapshot.
+            data = data.clone(memory_format=torch.contiguous_format)
+        self.tensors[ref] = data
         node["ref"] = ref
         return node
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ckptlab.errors import RecordError
 from ckptlab.run import framelog, records
-from ckptlab.run.checkpoint import CapturedState, commit_checkpoint
+from ckptlab.run.checkpoint import CapturedState, TornSnapshot, commit_checkpoint
 from ckptlab.run.layout import batches_dir, fsync_path, journal_dir, segment_name
 from ckptlab.run.retention import apply_retention
 
@@ -165,6 +165,8 @@ class RunWriter:
                     _, captured, retention = job
                     try:
                         commit_checkpoint(self.run_dir, captured)
+                    except TornSnapshot:  # not committed: the Recorder saw it and takes another
+                        retention = None
                     finally:
                         self._ckpt_slot.release()
                     if retention is not None:

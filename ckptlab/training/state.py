@@ -66,15 +66,25 @@ def is_grad_scaler(obj) -> bool:
 # --- model ---------------------------------------------------------------------------------
 
 
-def capture_model(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def capture_model(model: torch.nn.Module, *, live: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, aliases): CPU copies of the state dict, each shared tensor stored once.
 
     `aliases` maps a tied name to the name it shares storage with (GPT's `lm_head.weight` ->
     `transformer.wte.weight`); safetensors refuses to save the same storage twice.
+    `live`: large CPU parameters are the parameters themselves, not copies (see `snapshot`);
+    buffers are always copied (a forward pass may update them: BatchNorm's running stats).
     """
-    state = {n: t for n, t in unwrap(model).state_dict().items() if isinstance(t, torch.Tensor)}
+    target = unwrap(model)
+    state = {n: t for n, t in target.state_dict().items() if isinstance(t, torch.Tensor)}
     first, aliases = split_tied(state)
-    return {n: t.detach().to("cpu", copy=True).contiguous() for n, t in first.items()}, aliases
+    params = {p.data_ptr() for p in target.parameters()} if live else set()
+
+    def shared(t: torch.Tensor) -> bool:
+        return t.data_ptr() in params and _live_candidate(t)
+
+    return {
+        n: t.detach() if shared(t) else t.detach().to("cpu", copy=True).contiguous() for n, t in first.items()
+    }, aliases
 
 
 def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
@@ -241,16 +251,48 @@ def restore_grads(model, grads: dict[str, torch.Tensor]) -> None:
         p.grad = None if g is None else g.detach().to(p.device, copy=True)
 
 
-def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None):
+# A live snapshot shares tensors of at least this size (smaller ones cost little to copy).
+LIVE_MIN_BYTES = 256 << 10
+
+
+def _live_candidate(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= LIVE_MIN_BYTES
+
+
+def _live_state(path: str, t: torch.Tensor) -> bool:
+    """The optimizer's per-parameter state (Adam's moments): changed only by its step."""
+    return path.startswith("state/optimizer/state/") and _live_candidate(t)
+
+
+def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None, *, live=False):
     """Copy the whole training state off the device: a CapturedState a checkpoint commit can
-    write, or replay can keep in memory and load again (bit-exact either way)."""
-    tensors, aliases = capture_model(model)
+    write, or replay can keep in memory and load again (bit-exact either way).
+
+    `live`: the large CPU tensors that only the optimizer's step changes (parameters, its
+    per-parameter state) are not copied: the CapturedState holds them themselves, with their
+    version counters, and the caller must keep the optimizer from stepping until the commit
+    has written them (`CapturedState.released`). Gradients, buffers and small tensors are
+    copied as always. On a CPU model this takes the copy of the state (gigabytes into fresh
+    memory, page by page) off the step that checkpoints."""
+    tensors, aliases = capture_model(model, live=live)
     state = capture_train_state(optimizer, scheduler, scaler)
     grads = capture_grads(model)
     if grads:
         state["grads"] = grads
-    spec, state_tensors = codec.encode(state, prefix="state")
-    return CapturedState(step, tensors, aliases, spec, state_tensors, dict(info or {}))
+    spec, state_tensors = codec.encode(state, prefix="state", share=_live_state if live else None)
+    captured = CapturedState(step, tensors, aliases, spec, state_tensors, dict(info or {}))
+    if live:
+        owned = {p.data_ptr() for p in unwrap(model).parameters()}
+        owned |= {
+            t.data_ptr()
+            for per_param in getattr(optimizer, "state", {}).values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor)
+        }
+        captured.live = [(t, t._version) for t in (*tensors.values(), *state_tensors.values()) if t.data_ptr() in owned]
+    if not captured.live:
+        captured.release()  # a copy: nothing to wait for
+    return captured
 
 
 def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
