@@ -116,7 +116,8 @@ class Replayer:
             raise ReplayError(
                 "the run was recorded with a GradScaler, but build_fn returns none",
                 path=self.run.path,
-                hint="return (model, optimizer, scheduler or None, scaler) from build_fn",
+                hint="return (model, optimizer, scheduler or None, scaler) from build_fn; with Lightning's "
+                '16-mixed: ckptlab.integrations.lightning.build(module, precision="16-mixed")',
             )
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
