@@ -417,7 +417,9 @@ def wasserstein1(a: Sketch, b: Sketch) -> float:
     vb, cb = b.finite
     if not len(va) or not len(vb):
         return math.nan
-    xs = np.union1d(va, vb)
+    xs = np.concatenate((va, vb))  # their union (not np.union1d: it imports numpy.ma, ~40 ms of start-up)
+    xs.sort()
+    xs = xs[np.concatenate(([True], xs[1:] != xs[:-1]))]
     fa = np.concatenate([[0], np.cumsum(ca)])[np.searchsorted(va, xs, side="right")] / ca.sum()
     fb = np.concatenate([[0], np.cumsum(cb)])[np.searchsorted(vb, xs, side="right")] / cb.sum()
     return float(np.sum(np.abs(fa - fb)[:-1] * np.diff(xs)))
