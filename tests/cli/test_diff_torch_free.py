@@ -36,6 +36,11 @@ def test_safetensors_diff_runs_without_importing_torch(tmp_path):
     bad.write_bytes(path_b.read_bytes()[:-50])  # truncated
     foreign = tmp_path / "foreign.safetensors"
     foreign.write_bytes(struct.pack("<Q", 4) + b"{no}")  # not JSON
+    text = tmp_path / "text.safetensors"
+    text.write_text("hello, not a checkpoint at all")
+    header = b'{"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 4]}}'
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))  # 4 bfloat16 need 8 bytes
     calls = [
         ["diff", "--help"],
         ["diff", str(path_a), str(path_b)],
@@ -43,18 +48,26 @@ def test_safetensors_diff_runs_without_importing_torch(tmp_path):
         ["diff", str(path_b)],
         ["diff", str(path_a), str(bad)],
         ["diff", str(foreign), str(path_b)],
+        ["diff", str(text), str(path_b)],
+        ["diff", str(short), str(path_b)],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(ROOT), json.dumps(calls)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.splitlines()[-1])
-    helped, diffed, as_json, alone, truncated, not_json = doc["results"]
+    helped, diffed, as_json, alone, *failed = doc["results"]
     assert helped[0] == 0 and "Compare checkpoint A with B" in helped[1]
     assert diffed[0] == 0 and "offending parameter: blocks.2.attn.weight" in diffed[1]
     assert as_json[0] == 0 and json.loads(as_json[1])["verdict"]["parameter"] == "blocks.2.attn.weight"
     assert alone[0] == 0 and "nonfinite" in alone[1]
-    for (code, out, err), path, words in ((truncated, bad, "truncated: tensor"), (not_json, foreign, "not JSON")):
+    expected = [
+        (bad, "truncated: tensor"),
+        (foreign, "not JSON"),
+        (text, "corrupt safetensors header: claims"),
+        (short, "tensor 'w' (BF16[4]) should take 8 bytes, its offsets span 4"),
+    ]
+    for (code, out, err), (path, words) in zip(failed, expected, strict=True):
         assert code == 1 and out == "" and err.count("\n") == 1
         assert err.startswith(f"ckptlab: error: {path}: ") and words in err
     assert doc["torch"] is False, "a safetensors diff imported torch"
