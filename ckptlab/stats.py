@@ -10,6 +10,11 @@ Big tensors stream: `StatsAccumulator` and `PairAccumulator` take a tensor piece
 is never in memory whole and its pieces can be counted on several threads at once
 (`ckptlab.io.stream` does that for `ckptlab diff`).
 
+Only numpy, so that a diff of safetensors files never imports torch: pieces are numpy arrays
+in their dtype's storage type (`ckptlab.dtypes`: bfloat16 and float8 as their raw bits), and a
+torch tensor given instead is viewed as one without a copy. numpy releases the GIL inside each
+op, so pieces counted on several threads run on several cores.
+
 One pass, fused: each piece is walked in cache-sized chunks (`CHUNK` elements); per chunk a
 handful of vectorised numpy ops produce every number (sum and sum of squares in float64, min,
 max, and for pairs ||B-A||^2, max |B-A| and how many elements did not change). NaN and Inf are
