@@ -116,7 +116,7 @@ def _values32(name: str) -> np.ndarray:
 
 def largest(name: str) -> float | None:
     """The largest finite value of a 16- or 8-bit float (None for wider floats and integers)."""
-    if name not in ("float16",) and name not in BITS:
+    if name != "float16" and name not in BITS:
         return None
     v = pattern_values(name)
     return float(v[np.isfinite(v)].max())
