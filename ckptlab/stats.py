@@ -10,8 +10,13 @@ Big tensors stream: `StatsAccumulator` and `PairAccumulator` take a tensor piece
 is never in memory whole and its pieces can be counted on several threads at once
 (`ckptlab.io.stream` does that for `ckptlab diff`).
 
+Only numpy, so that a diff of safetensors files never imports torch: pieces are numpy arrays
+in their dtype's storage type (`ckptlab.dtypes`: bfloat16 and float8 as their raw bits), and a
+torch tensor given instead is viewed as one without a copy. numpy releases the GIL inside each
+op, so pieces counted on several threads run on several cores.
+
 One pass, fused: each piece is walked in cache-sized chunks (`CHUNK` elements); per chunk a
-handful of vectorised torch ops produce every number (sum and sum of squares in float64, min,
+handful of vectorised numpy ops produce every number (sum and sum of squares in float64, min,
 max, and for pairs ||B-A||^2, max |B-A| and how many elements did not change). NaN and Inf are
 counted in a slow exact pass only for a chunk whose float64 sum of squares is not finite.
 
@@ -37,7 +42,8 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from ckptlab import dtypes
 
 DECADES = 10  # magnitudes 1e-10 .. 1e10
 BINS_PER_DECADE = 4
@@ -48,7 +54,7 @@ QUANTILES = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
 # them; 32K costs ~25% more in per-op overhead, 512K spills to L3 (scripts/bench_diff.py).
 CHUNK = 1 << 17
 # Patterns are counted per block: one bincount of 1M codes amortises zeroing its 65536 bins;
-# blocks under SMALL codes are counted with torch.unique instead.
+# blocks under SMALL codes are counted with np.unique instead.
 BLOCK = 1 << 20
 SMALL = 1 << 14
 
@@ -124,8 +130,9 @@ def _ratio(x: float, y: float) -> float:
     return math.nan if x == 0 or math.isnan(x) else math.inf
 
 
-def symlog(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.clamp(torch.log10(x.abs().clamp_min(1e-30)) + DECADES, min=0.0)
+def symlog(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return np.sign(x) * np.maximum(np.log10(np.maximum(np.abs(x), 1e-30)) + DECADES, 0.0)
 
 
 _MID = 2 * DECADES * BINS_PER_DECADE  # 80: the bin of 0 and of |v| < 1e-10
@@ -162,50 +169,37 @@ class Codec:
 
 @functools.cache
 def _codec(name: str, exact: bool) -> Codec:
-    dtype = getattr(torch, name)
-    size = 1 << (8 * torch.empty((), dtype=dtype).element_size())
-    bits = torch.arange(size, dtype=torch.int32).to(torch.uint8 if size == 256 else torch.uint16)
-    values = bits.view(dtype).to(torch.float64).numpy()
+    values = dtypes.pattern_values(name)
     finite = np.isfinite(values)
     bins = np.where(finite, hist_bins(np.where(finite, values, 0.0)), 0)
-    return Codec(name, size, exact, values, finite, bins)
+    return Codec(name, len(values), exact, values, finite, bins)
 
 
-_EXACT = {torch.bfloat16, torch.float16} | {
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, n)
-}
+_EXACT = {"float16"} | dtypes.BITS  # 16- and 8-bit floats
 
 
-def codec_for(dtype: torch.dtype) -> Codec:
+def codec_for(dtype) -> Codec:
     """16- and 8-bit floats are their own patterns; everything else is read as float32 and
     counted by its bfloat16 prefix."""
-    if dtype in _EXACT:
-        return _codec(str(dtype).removeprefix("torch."), True)
+    name = dtypes.name_of(dtype)
+    if name in _EXACT:
+        return _codec(name, True)
     return _codec("bfloat16", False)
 
 
-_INTEGERS = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64} | {
-    getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)
-}
-
-
-def supported(dtype: torch.dtype) -> bool:
+def supported(dtype) -> bool:
     """Real numbers: floats (not packed sub-byte ones), integers and bool. Not complex or
     quantized tensors."""
-    if dtype.is_floating_point:
-        return "float4" not in str(dtype) and "_x2" not in str(dtype)
-    return dtype in _INTEGERS
+    return dtypes.name_of(dtype) in dtypes.STORAGE
 
 
 class _Workspace:
     """Per-thread scratch buffers, reused across pieces (no allocation in the hot loop)."""
 
     def __init__(self):
-        self.f64 = [torch.empty(CHUNK, dtype=torch.float64) for _ in range(2)]
-        self.f32 = [torch.empty(CHUNK, dtype=torch.float32) for _ in range(2)]
-        self.codes = [torch.empty(BLOCK, dtype=torch.int32) for _ in range(2)]
+        self.f64 = [np.empty(CHUNK, dtype=np.float64) for _ in range(2)]
+        self.f32 = [np.empty(CHUNK, dtype=np.float32) for _ in range(3)]
+        self.same = np.empty(CHUNK, dtype=np.bool_)
 
 
 _local = threading.local()
@@ -218,12 +212,26 @@ def _workspace() -> _Workspace:
     return ws
 
 
-def _write_codes(x: torch.Tensor, codec: Codec, out: torch.Tensor) -> None:
-    """Pattern codes (0 .. codec.size-1) of the 1-D piece x into out[:len(x)]."""
+def _codes(x: np.ndarray, codec: Codec) -> np.ndarray:
+    """The pattern code (0 .. codec.size-1) of each element of the 1-D piece x, as a view
+    where it can be one: the raw bits of a 16/8-bit float, the high half of a float32 word."""
     if codec.exact:
-        out.copy_(x.view(torch.uint8 if codec.size == 256 else torch.uint16))
-    else:  # float32: the high half of each word is its bfloat16 prefix
-        torch.bitwise_right_shift(x.view(torch.int32), 16, out=out).bitwise_and_(0xFFFF)
+        return x.view(np.uint8 if codec.size == 256 else np.uint16)
+    if x.dtype != np.float32:  # float64 (integers are float32 by now): rounded to float32 first
+        x = x.astype(np.float32)
+    return x.view(np.uint16)[dtypes.HIGH_HALF :: 2]
+
+
+_ROW = 8192  # OpenBLAS runs a dot product of more than 10000 elements on all its threads:
+# threads that spin against our own workers on a busy machine made `@` ~100x slower.
+_vecdot = getattr(np, "vecdot", None) or (lambda x, y: np.einsum("ij,ij->i", x, y))  # numpy < 2
+
+
+def _sumsq(x: np.ndarray) -> float:
+    """sum(x * x) of a float64 1-D array, with BLAS kept to one thread (rows of _ROW)."""
+    n = x.size - x.size % _ROW
+    head = float(_vecdot(x[:n].reshape(-1, _ROW), x[:n].reshape(-1, _ROW)).sum()) if n else 0.0
+    return head + float(np.dot(x[n:], x[n:]))
 
 
 # --- one tensor -----------------------------------------------------------------------------
@@ -232,10 +240,10 @@ def _write_codes(x: torch.Tensor, codec: Codec, out: torch.Tensor) -> None:
 class StatsAccumulator:
     """Statistics of one tensor, fed piece by piece (`add`) and combinable (`merge`)."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.codec = codec_for(dtype)
-        self.counts = torch.zeros(self.codec.size, dtype=torch.int64)  # elements per pattern
+    def __init__(self, dtype):
+        self.dtype = dtypes.name_of(dtype)  # a name ("bfloat16"), or a torch or numpy dtype
+        self.codec = codec_for(self.dtype)
+        self.counts = np.zeros(self.codec.size, dtype=np.int64)  # elements per pattern
         self.numel = 0
         # Only when the patterns are not the values (float32 and wider, ints): exact sums.
         self.finite = 0
@@ -243,61 +251,57 @@ class StatsAccumulator:
         self.lo, self.hi = math.inf, -math.inf
         self.nan = self.posinf = self.neginf = self.zeros = 0
 
-    def add(self, x: torch.Tensor) -> None:
-        """Count the 1-D contiguous piece x (any length)."""
+    def add(self, x) -> None:
+        """Count the 1-D piece x (any length): a numpy array in the dtype's storage type
+        (`dtypes.storage`), or a torch tensor."""
+        x = _as_counted(self.dtype, _array(x))
         ws = _workspace()
-        for start in range(0, x.numel(), BLOCK):
-            block = _as_counted(x[start : start + BLOCK])
-            codes = ws.codes[0][: block.numel()]
-            if self.codec.exact:
-                _write_codes(block, self.codec, codes)
-            else:
-                for i in range(0, block.numel(), CHUNK):
-                    chunk = block[i : i + CHUNK]
-                    x64 = ws.f64[0][: chunk.numel()].copy_(chunk)
-                    _write_codes(
-                        chunk if chunk.dtype == torch.float32 else chunk.float(), self.codec, codes[i : i + CHUNK]
-                    )
-                    self._add_moments(chunk, x64, _float_scalars(x64))
-            self._count(block, codes)
+        with np.errstate(all="ignore"):  # NaN and Inf are counted, not warned about
+            self._add(x, ws)
 
-    def _count(self, block: torch.Tensor, codes: torch.Tensor) -> None:
-        if codes.numel() < SMALL:  # a bias or a gain: a 65536-bin bincount would cost more than it
-            present, counts = torch.unique(codes, return_counts=True)
-            self.counts.index_add_(0, present.long(), counts)
+    def _add(self, x: np.ndarray, ws: _Workspace) -> None:
+        for start in range(0, x.size, BLOCK):
+            block = x[start : start + BLOCK]
+            if not self.codec.exact:  # float32, float64 (and integers, as float32)
+                for i in range(0, block.size, CHUNK):
+                    chunk = block[i : i + CHUNK]
+                    self._add_moments(chunk, chunk if chunk.dtype == np.float64 else ws.f64[0][: chunk.size])
+            self._count(block, _codes(block, self.codec))
+
+    def _count(self, block: np.ndarray, codes: np.ndarray) -> None:
+        if codes.size < SMALL:  # a bias or a gain: a 65536-bin bincount would cost more than it
+            present, counts = np.unique(codes, return_counts=True)
+            self.counts[present] += counts
             suspect = not self.codec.exact and bool(((present == 0) | (present == 0x8000)).any())
         else:
-            counts = torch.bincount(codes, minlength=self.codec.size)
+            counts = np.bincount(codes, minlength=self.codec.size)
             self.counts += counts
             suspect = not self.codec.exact and int(counts[0]) + int(counts[0x8000]) > 0
-        self.numel += block.numel()
+        self.numel += block.size
         if suspect:  # the bfloat16 prefix of zeros (and of denormals): count exact zeros
-            self.zeros += block.numel() - int(torch.count_nonzero(block))
+            self.zeros += block.size - int(np.count_nonzero(block))
 
-    def _add_moments(
-        self,
-        chunk: torch.Tensor,
-        x64: torch.Tensor | None,
-        scalars: list[torch.Tensor],
-        values: list[float] | None = None,
-    ) -> None:
-        s1, s2, lo, hi = values if values is not None else torch.stack(scalars).tolist()
+    def _add_moments(self, chunk: np.ndarray, x64: np.ndarray, copied: bool = False) -> None:
+        """chunk: float32/float64 values; x64: float64, where they are (copied=True) or are
+        to be copied."""
+        if x64 is not chunk and not copied:
+            np.copyto(x64, chunk)
+        s2 = _sumsq(x64)
         if math.isfinite(s2):
-            self.finite += chunk.numel()
-            self.s1 += s1
+            self.finite += chunk.size
+            self.s1 += float(np.add.reduce(x64))
             self.s2 += s2
-            self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+            self.lo, self.hi = min(self.lo, float(chunk.min())), max(self.hi, float(chunk.max()))
             return
         # The slow, exact pass: only for a chunk that holds a NaN or an Inf.
-        x64 = chunk.double() if x64 is None else x64
-        self.nan += int(torch.isnan(x64).sum())
-        self.posinf += int(torch.isposinf(x64).sum())
-        self.neginf += int(torch.isneginf(x64).sum())
-        fin = x64[torch.isfinite(x64)]
-        if fin.numel():
-            self.finite += fin.numel()
-            self.s1 += float(fin.sum())
-            self.s2 += float(torch.dot(fin, fin))
+        self.nan += int(np.count_nonzero(np.isnan(x64)))
+        self.posinf += int(np.count_nonzero(np.isposinf(x64)))
+        self.neginf += int(np.count_nonzero(np.isneginf(x64)))
+        fin = x64[np.isfinite(x64)]
+        if fin.size:
+            self.finite += fin.size
+            self.s1 += float(np.add.reduce(fin))
+            self.s2 += _sumsq(fin)
             self.lo, self.hi = min(self.lo, float(fin.min())), max(self.hi, float(fin.max()))
 
     def merge(self, other: StatsAccumulator) -> StatsAccumulator:
@@ -351,19 +355,20 @@ class StatsAccumulator:
         )
 
 
-def _as_counted(x: torch.Tensor) -> torch.Tensor:
+def _array(x) -> np.ndarray:
+    """A 1-D numpy piece, from a numpy array or a torch tensor (converted without a copy)."""
+    return x.reshape(-1) if isinstance(x, np.ndarray) else dtypes.to_numpy(x)[1]
+
+
+def _as_counted(name: str, x: np.ndarray) -> np.ndarray:
     """Integers and bools are counted as float32 (their patterns and sums are then exact
     enough; float64 keeps its own float64 sums)."""
-    if x.dtype.is_floating_point:
-        return x
-    return x.to(torch.float32)
+    return x if name in dtypes.FLOATS else x.astype(np.float32)
 
 
-def _float_scalars(x64: torch.Tensor) -> list[torch.Tensor]:
-    """Sum, sum of squares, min, max: float64 0-d tensors, read back with one .tolist().
-    (Extremes of the float64 copy, not of the float32 original: converting two 0-d results
-    costs ~20 us a chunk, more than the wider aminmax.)"""
-    return [x64.sum(), torch.dot(x64, x64), *torch.aminmax(x64)]
+def _counted(name: str) -> str:
+    """The dtype of a piece after `_as_counted`."""
+    return name if name in dtypes.FLOATS else "float32"
 
 
 @dataclass
@@ -378,9 +383,9 @@ class Sketch:
     counts: np.ndarray  # int64[k]: elements with each
 
     @classmethod
-    def of(cls, codec: Codec, dense: torch.Tensor) -> Sketch:
-        patterns = torch.nonzero(dense).reshape(-1)
-        return cls(codec, patterns.numpy(), dense[patterns].numpy())
+    def of(cls, codec: Codec, dense: np.ndarray) -> Sketch:
+        patterns = np.flatnonzero(dense)
+        return cls(codec, patterns, dense[patterns])
 
     def where(self, mask: np.ndarray) -> int:
         """How many elements have a pattern for which `mask` (over all patterns) is true."""
@@ -417,7 +422,9 @@ def wasserstein1(a: Sketch, b: Sketch) -> float:
     vb, cb = b.finite
     if not len(va) or not len(vb):
         return math.nan
-    xs = np.union1d(va, vb)
+    xs = np.concatenate((va, vb))  # their union (not np.union1d: it imports numpy.ma, ~40 ms of start-up)
+    xs.sort()
+    xs = xs[np.concatenate(([True], xs[1:] != xs[:-1]))]
     fa = np.concatenate([[0], np.cumsum(ca)])[np.searchsorted(va, xs, side="right")] / ca.sum()
     fb = np.concatenate([[0], np.cumsum(cb)])[np.searchsorted(vb, xs, side="right")] / cb.sum()
     return float(np.sum(np.abs(fa - fb)[:-1] * np.diff(xs)))
@@ -429,7 +436,7 @@ def wasserstein1(a: Sketch, b: Sketch) -> float:
 class PairAccumulator:
     """Statistics of A, B and B - A, fed aligned pieces of both (`add`), combinable (`merge`)."""
 
-    def __init__(self, dtype_a: torch.dtype, dtype_b: torch.dtype):
+    def __init__(self, dtype_a, dtype_b):
         self.a = StatsAccumulator(dtype_a)
         self.b = StatsAccumulator(dtype_b)
         # Two 16/8-bit tensors: their difference is exact in float32 (8/11-bit significands).
@@ -440,77 +447,68 @@ class PairAccumulator:
         self.max_index = -1
         self.max_a = self.max_b = math.nan
 
-    def add(self, a: torch.Tensor, b: torch.Tensor, offset: int = 0) -> None:
-        """Count the aligned 1-D pieces a, b (same length), which start at flat index `offset`."""
-        if a.numel() != b.numel():
-            raise ValueError(f"pieces differ in length: {a.numel()} != {b.numel()}")
+    def add(self, a, b, offset: int = 0) -> None:
+        """Count the aligned 1-D pieces a, b (same length; numpy arrays in their dtypes' storage
+        types, or torch tensors), which start at flat index `offset`."""
+        a, b = _as_counted(self.a.dtype, _array(a)), _as_counted(self.b.dtype, _array(b))
+        if a.size != b.size:
+            raise ValueError(f"pieces differ in length: {a.size} != {b.size}")
         ws = _workspace()
-        for start in range(0, a.numel(), BLOCK):
-            xa, xb = _as_counted(a[start : start + BLOCK]), _as_counted(b[start : start + BLOCK])
-            codes_a, codes_b = ws.codes[0][: xa.numel()], ws.codes[1][: xb.numel()]
-            if self.a.codec.exact:
-                _write_codes(xa, self.a.codec, codes_a)
-            if self.b.codec.exact:
-                _write_codes(xb, self.b.codec, codes_b)
-            for i in range(0, xa.numel(), CHUNK):
-                self._add_chunk(
-                    xa[i : i + CHUNK],
-                    xb[i : i + CHUNK],
-                    offset + start + i,
-                    codes_a[i : i + CHUNK],
-                    codes_b[i : i + CHUNK],
-                    ws,
-                )
-            self.a._count(xa, codes_a)
-            self.b._count(xb, codes_b)
+        with np.errstate(all="ignore"):  # NaN and Inf are counted, not warned about
+            self._add(a, b, offset, ws)
 
-    def _add_chunk(self, x, y, offset, codes_x, codes_y, ws) -> None:
-        n = x.numel()
-        scalars: list[torch.Tensor] = []
-        if self.narrow:
-            xa, xb = ws.f32[0][:n].copy_(x), ws.f32[1][:n].copy_(y)
+    def _add(self, a: np.ndarray, b: np.ndarray, offset: int, ws: _Workspace) -> None:
+        for start in range(0, a.size, BLOCK):
+            xa, xb = a[start : start + BLOCK], b[start : start + BLOCK]
+            for i in range(0, xa.size, CHUNK):
+                self._add_chunk(xa[i : i + CHUNK], xb[i : i + CHUNK], offset + start + i, ws)
+            self.a._count(xa, _codes(xa, self.a.codec))
+            self.b._count(xb, _codes(xb, self.b.codec))
+
+    def _add_chunk(self, x: np.ndarray, y: np.ndarray, offset: int, ws: _Workspace) -> None:
+        n = x.size
+        ta, tb = _counted(self.a.dtype), _counted(self.b.dtype)
+        if self.narrow:  # float32 values; the moments of A and B come from their pattern counts
+            xa, xb = dtypes.widen(ta, x, ws.f32[0]), dtypes.widen(tb, y, ws.f32[1])
         else:  # float64: exact differences and sums for float32 and wider
-            xa, xb = ws.f64[0][:n].copy_(x), ws.f64[1][:n].copy_(y)
-            for side, src, wide, codes in ((self.a, x, xa, codes_x), (self.b, y, xb, codes_y)):
+            xa, xb = dtypes.widen(ta, x, ws.f64[0]), dtypes.widen(tb, y, ws.f64[1])
+            for side, src, wide in ((self.a, x, xa), (self.b, y, xb)):
                 if not side.codec.exact:
-                    _write_codes(src if src.dtype == torch.float32 else src.float(), side.codec, codes)
-                    scalars += _float_scalars(wide)
-        d = xb.sub_(xa)  # (n,) B - A, in place: xb is not needed any more
+                    side._add_moments(src, wide, copied=True)
+        same = int(np.count_nonzero(np.equal(xa, xb, out=ws.same[:n])))  # (NaN != NaN)
+        d = np.subtract(xb, xa, out=xb)  # (n,) B - A, in place: xb is not needed any more
         # ||B - A||^2 accumulates in float64 (a float32 dot drifts ~1e-5 relative over a chunk)
-        d64 = d if d.dtype == torch.float64 else ws.f64[0][:n].copy_(d)
-        scalars.append(torch.dot(d64, d64))
-        d.abs_()
-        values = torch.stack(scalars).tolist() + torch.stack(torch.aminmax(d)).tolist()  # (one read-back per dtype)
-        k = 0
-        for side, src, wide in ((self.a, x, xa), (self.b, y, None)):  # (xb now holds |B - A|)
-            if not side.codec.exact:
-                side._add_moments(src, wide, [], values[k : k + 4])
-                k += 4
-        dd, dmin, dmax = values[k:]
+        d64 = d
+        if d.dtype != np.float64:
+            d64 = ws.f64[0][:n]
+            np.copyto(d64, d)
+        dd = _sumsq(d64)
         if not math.isfinite(dd):  # a NaN or Inf in A or B: compare only where both are finite
-            self._add_nonfinite_chunk(x, y, offset)
+            self._add_nonfinite_chunk(x, y, offset, ta, tb)
             return
+        np.abs(d, out=d)
+        dmax = float(d.max())
         self.compared += n
         self.dd += dd
+        self.unchanged += same
         if dmax > self.max_abs:
-            i = int(torch.argmax(d))
+            i = int(np.argmax(d))
             self.max_abs, self.max_index = dmax, offset + i
-            self.max_a, self.max_b = float(x[i]), float(y[i])
-        if dmin == 0:  # d = |B - A| >= 0: sign() is 1 where changed (2x faster than count_nonzero)
-            self.unchanged += n - int(d.sign_().sum())
+            self.max_a, self.max_b = dtypes.value(ta, x, i), dtypes.value(tb, y, i)
 
-    def _add_nonfinite_chunk(self, x, y, offset) -> None:
-        x64, y64 = x.double(), y.double()
-        both = torch.isfinite(x64) & torch.isfinite(y64)
-        self.unchanged += int((x64 == y64).sum())
-        d = torch.where(both, y64 - x64, 0.0)
-        self.compared += int(both.sum())
-        self.dd += float(torch.dot(d, d))
-        d = torch.where(both, d.abs(), -1.0)
-        i = int(torch.argmax(d))
+    def _add_nonfinite_chunk(self, x: np.ndarray, y: np.ndarray, offset: int, ta: str, tb: str) -> None:
+        x64 = dtypes.widen(ta, x, np.empty(x.size))
+        y64 = dtypes.widen(tb, y, np.empty(y.size))
+        both = np.isfinite(x64) & np.isfinite(y64)
+        self.unchanged += int(np.count_nonzero(x64 == y64))
+        d = np.where(both, y64 - x64, 0.0)
+        self.compared += int(np.count_nonzero(both))
+        self.dd += _sumsq(d)
+        d = np.where(both, np.abs(d), -1.0)
+        i = int(np.argmax(d))
         if bool(both[i]) and float(d[i]) > self.max_abs:
             self.max_abs, self.max_index = float(d[i]), offset + i
-            self.max_a, self.max_b = float(x[i]), float(y[i])
+            self.max_a, self.max_b = float(x64[i]), float(y64[i])
 
     def merge(self, other: PairAccumulator) -> PairAccumulator:
         self.a.merge(other.a)
@@ -544,15 +542,17 @@ class PairAccumulator:
 # --- whole tensors ------------------------------------------------------------------------------
 
 
-def tensor_stats(t: torch.Tensor) -> TensorStats:
-    """Statistics of any float/int tensor (sums in float64: exact-enough moments)."""
-    acc = StatsAccumulator(t.dtype)
-    acc.add(t.detach().cpu().reshape(-1).contiguous())
+def tensor_stats(t) -> TensorStats:
+    """Statistics of any float/int tensor, torch or numpy (sums in float64: exact-enough moments)."""
+    name, flat = dtypes.to_numpy(t)
+    acc = StatsAccumulator(name)
+    acc.add(np.ascontiguousarray(flat))
     return acc.result()
 
 
-def pair_stats(a: torch.Tensor, b: torch.Tensor) -> PairStats:
-    """Statistics of A, B and B - A for two tensors with the same number of elements."""
-    acc = PairAccumulator(a.dtype, b.dtype)
-    acc.add(a.detach().cpu().reshape(-1).contiguous(), b.detach().cpu().reshape(-1).contiguous())
+def pair_stats(a, b) -> PairStats:
+    """Statistics of A, B and B - A for two tensors (torch or numpy) with the same number of elements."""
+    (name_a, flat_a), (name_b, flat_b) = dtypes.to_numpy(a), dtypes.to_numpy(b)
+    acc = PairAccumulator(name_a, name_b)
+    acc.add(np.ascontiguousarray(flat_a), np.ascontiguousarray(flat_b))
     return acc.result()

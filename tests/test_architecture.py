@@ -9,7 +9,13 @@ import ckptlab
 ROOT = Path(ckptlab.__file__).parent
 
 # Lower layers never import higher ones; packages on one layer never import each other.
-BASE = ("ckptlab", "ckptlab.errors", "ckptlab.jsonable", "ckptlab.stats")  # the root: version, lazy names
+BASE = (
+    "ckptlab",
+    "ckptlab.dtypes",
+    "ckptlab.errors",
+    "ckptlab.jsonable",
+    "ckptlab.stats",
+)  # the root: version, lazy names
 LAYERS = {
     "ckptlab.io": 1,
     "ckptlab.run": 2,

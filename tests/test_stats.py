@@ -55,7 +55,7 @@ def test_16_bit_histograms_and_quantiles_are_exact(dtype):
 
 def test_histogram_bins_follow_symlog():
     values = np.array([0.0, 1e-12, -1e-12, 1e-10, 1.0, -1.0, 0.5, -0.5, 3e-4, 1e12, -1e12, 10.0, 1.7783e0])
-    expected = np.histogram(symlog(torch.tensor(values)).clamp(-20, 20).numpy(), HIST_EDGES)[0]
+    expected = np.histogram(np.clip(symlog(values), -20, 20), HIST_EDGES)[0]
     assert (np.bincount(hist_bins(values), minlength=len(HIST_EDGES) - 1) == expected).all()
     assert hist_bins(np.array([1.0]))[0] == 120 and hist_bins(np.array([-1.0]))[0] == 40  # decades land on edges
 

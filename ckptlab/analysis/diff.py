@@ -34,9 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from ckptlab import stats
+from ckptlab import dtypes, stats
 from ckptlab.errors import CkptlabError
 from ckptlab.io import LazyStateDict, open_checkpoint
 from ckptlab.io.stream import Job, default_workers, stream
@@ -476,12 +475,11 @@ def _finding(p: Pair, r, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Ten
 
 def _trainable(dtype: str) -> bool:
     """A floating-point (or complex) dtype, by its name as findings carry it."""
-    dt = getattr(torch, dtype, None)
-    return isinstance(dt, torch.dtype) and (dt.is_floating_point or dt.is_complex)
+    return dtypes.is_float(dtype)
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _dt(dtype) -> str:
+    return dtypes.name_of(dtype)
 
 
 # --- ranking ----------------------------------------------------------------------------------------
@@ -584,10 +582,7 @@ def _rank_single(findings: list[TensorFinding]) -> None:
 
 
 def _overflow_limit(dtype: str) -> float | None:
-    dt = getattr(torch, dtype, None)
-    if isinstance(dt, torch.dtype) and dt.is_floating_point and dt.itemsize <= 2:
-        return float(torch.finfo(dt).max)
-    return None
+    return dtypes.largest(dtype)
 
 
 def role(name: str) -> str:

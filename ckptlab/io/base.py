@@ -1,9 +1,12 @@
 """What every reader returns: a lazy state dict of tensor references.
 
 A `TensorRef` knows a tensor's shape and dtype without reading it, and reads it whole
-(`load`) or as flat pieces (`segment`, then `release`) so that a diff can stream a
-multi-GB tensor without holding it. `LazyStateDict` maps names to them like a state dict:
+(`load`, a torch tensor) or as flat pieces (`segment`, a numpy array, then `release`) so that
+a diff can stream a multi-GB tensor without holding it, and without torch for a file that
+numpy can read (safetensors). `LazyStateDict` maps names to them like a state dict:
 `sd["fc.weight"]` reads that tensor, `sd.info("fc.weight")` only looks.
+
+Nothing here imports torch at import time: `ckptlab diff` of safetensors files never loads it.
 """
 
 from __future__ import annotations
@@ -13,10 +16,15 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import PurePosixPath, PureWindowsPath
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from ckptlab import dtypes
 from ckptlab.errors import CkptlabError, CorruptFileError, UnsafeFileError
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_TORCH = "2.10"  # older weights_only unpicklers have published CVEs (e.g. CVE-2025-32434)
 # How far a stride-0 view (`expand`) may claim more bytes than its storage holds. Reading such a
@@ -27,6 +35,7 @@ MAX_EXPANDED = 16 << 20
 
 def require_safe_torch() -> None:
     """Refuse to unpickle anything with a torch whose weights_only loader is known unsafe."""
+    import torch
     from torch.torch_version import TorchVersion
 
     if TorchVersion(torch.__version__) < MIN_TORCH:
@@ -52,6 +61,8 @@ def check_extent(t: torch.Tensor, *, name: str, path: os.PathLike | str) -> None
     """CorruptFileError unless a loaded tensor is backed by its storage: every element it
     addresses lies inside the storage, and its logical size exceeds the storage's bytes (a
     stride-0 expansion) by at most MAX_EXPANDED. So reading it costs what the file holds."""
+    import torch
+
     if t.layout != torch.strided or t.device.type == "meta":
         return
     numel = t.numel()
@@ -79,7 +90,8 @@ class TensorRef(ABC):
     """One stored tensor, before any of its data is read."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # its name, as torch names it without "torch.": "float32", "bfloat16" (ckptlab.dtypes)
+    itemsize: int
     splittable = False  # can `segment` read a part without reading the whole?
 
     @property
@@ -88,19 +100,20 @@ class TensorRef(ABC):
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.itemsize
 
     @abstractmethod
     def load(self) -> torch.Tensor:
-        """The whole tensor (every reader implements this)."""
+        """The whole tensor, as a torch tensor (every reader implements this)."""
 
-    def segment(self, start: int, count: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Flat elements [start, start + count) in row-major order, as a 1-D contiguous tensor.
+    def segment(self, start: int, count: int, scratch: np.ndarray | None = None) -> np.ndarray:
+        """Flat elements [start, start + count) in row-major order, as a 1-D contiguous numpy
+        array in the dtype's storage type (`dtypes.storage`: bfloat16 as its uint16 bits).
 
         `scratch` (uint8, at least count * itemsize bytes) may be used to hold the data; the
         result is then only valid until the scratch is reused.
         """
-        return self.load().reshape(-1)[start : start + count]
+        return np.ascontiguousarray(dtypes.to_numpy(self.load())[1][start : start + count])
 
     def release(self, start: int, count: int) -> None:  # noqa: B027 - a no-op unless a reader maps memory
         """Done with elements [start, start + count): let their memory go (no-op by default)."""
@@ -117,14 +130,17 @@ class MemoryTensor(TensorRef):
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor.detach()
         self.shape = tuple(tensor.shape)
-        self.dtype = tensor.dtype
+        self.dtype = dtypes.name_of(tensor.dtype)
+        self.itemsize = tensor.element_size()
         self.splittable = tensor.is_contiguous() and tensor.device.type == "cpu"
 
     def load(self) -> torch.Tensor:
         return self.tensor
 
     def segment(self, start, count, scratch=None):
-        return self.tensor.cpu().reshape(-1)[start : start + count]
+        if not self.splittable:
+            return super().segment(start, count, scratch)
+        return dtypes.to_numpy(self.tensor)[1][start : start + count]
 
     @property
     def identity(self):
@@ -141,9 +157,10 @@ def storage_identity(t: torch.Tensor) -> tuple:
 class LazyTensor(TensorRef):
     """A tensor that must be assembled to be read (e.g. from DCP chunks): read on `load`."""
 
-    def __init__(self, shape, dtype, loader: Callable[[], torch.Tensor]):
+    def __init__(self, shape, dtype: torch.dtype, loader: Callable[[], torch.Tensor]):
         self.shape = tuple(shape)
-        self.dtype = dtype
+        self.dtype = dtypes.name_of(dtype)
+        self.itemsize = dtype.itemsize
         self._loader = loader
 
     def load(self) -> torch.Tensor:
@@ -239,6 +256,8 @@ def from_tensors(
     tensors: Mapping[str, torch.Tensor], *, label: str = "<memory>", format: str = "memory", notes=None
 ) -> LazyStateDict:
     """Wrap an in-memory state dict; names sharing storage become aliases of the first one."""
+    import torch
+
     plain, skipped = {}, {}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):

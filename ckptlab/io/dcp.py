@@ -206,9 +206,9 @@ def _chunk_loader(folder: Path, fqn: str, size: tuple[int, ...], dtype: torch.dt
     def load() -> torch.Tensor:
         out = None
         for chunk, file, info in infos:
-            blob = file.read(info.offset, info.length, torch.uint8)
+            blob = file.read(info.offset, info.length, "uint8")
             try:
-                part = torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
+                part = torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
                 raise UnsafeFileError(
                     f"refused a DCP chunk of {fqn!r} ({str(e).splitlines()[-1][:120]})", path=file.path

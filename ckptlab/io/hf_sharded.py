@@ -15,7 +15,6 @@ from pathlib import Path
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.base import TensorRef, safe_member
 from ckptlab.io.safetensors_file import open_safetensors
-from ckptlab.io.torch_file import open_torch
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -54,6 +53,8 @@ def open_sharded(index_path: Path, *, sequential: bool = False):
             closers.append(file.close)
             skipped.update(shard_skipped)
         else:
+            from ckptlab.io.torch_file import open_torch  # (imports torch: only for .bin shards)
+
             shard_refs, shard_aliases, shard_notes, shard_closers = open_torch(path, sequential=sequential)
             aliases.update(shard_aliases)
             notes += shard_notes

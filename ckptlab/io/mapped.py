@@ -15,8 +15,9 @@ import os
 import threading
 from pathlib import Path
 
-import torch
+import numpy as np
 
+from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.base import TensorRef
 
@@ -38,30 +39,27 @@ class MappedFile:
         if self._mm is None:
             with self._lock:
                 if self._mm is None:
-                    # ACCESS_COPY (private, writable) rather than ACCESS_READ: torch.frombuffer
-                    # warns on read-only buffers. Nothing writes; a write would stay private.
+                    # ACCESS_COPY (private, writable) rather than ACCESS_READ: torch.from_numpy
+                    # warns on read-only arrays. Nothing writes; a write would stay private.
                     self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)
         return self._mm
 
-    def read(self, offset: int, nbytes: int, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Bytes [offset, offset + nbytes) as a 1-D tensor of `dtype`."""
+    def read(self, offset: int, nbytes: int, dtype: np.dtype, scratch: np.ndarray | None = None) -> np.ndarray:
+        """Bytes [offset, offset + nbytes) as a 1-D numpy array of `dtype`."""
+        dtype = np.dtype(dtype)
         count = nbytes // dtype.itemsize
         if offset < 0 or nbytes < 0:
             raise CorruptFileError(f"invalid byte range {offset}+{nbytes}", path=self.path)
         if nbytes == 0:
-            return torch.empty(0, dtype=dtype)
+            return np.empty(0, dtype=dtype)
         if offset + nbytes > self.size:
             raise CorruptFileError(
                 f"truncated: needs bytes up to {offset + nbytes}, the file has {self.size}", path=self.path
             )
         if not self.sequential:
-            return torch.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset)
-        buf = (
-            scratch[:nbytes]
-            if scratch is not None and scratch.numel() >= nbytes
-            else torch.empty(nbytes, dtype=torch.uint8)
-        )
-        view = memoryview(buf.numpy())
+            return np.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset)
+        buf = scratch[:nbytes] if scratch is not None and scratch.size >= nbytes else np.empty(nbytes, dtype=np.uint8)
+        view = memoryview(buf)
         done = 0
         while done < nbytes:  # pread releases the GIL; a short read means the file shrank
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -90,25 +88,29 @@ class MappedFile:
 
 
 class FileTensor(TensorRef):
-    """A contiguous tensor at a byte offset of a MappedFile."""
+    """A contiguous tensor at a byte offset of a MappedFile; `dtype` is its name
+    (`ckptlab.dtypes`), which `segment` reads in its numpy storage type without torch."""
 
     splittable = True
 
-    def __init__(self, file: MappedFile, offset: int, shape, dtype: torch.dtype):
+    def __init__(self, file: MappedFile, offset: int, shape, dtype: str):
         self.file = file
         self.offset = offset
         self.shape = tuple(shape)
         self.dtype = dtype
+        self.itemsize = dtypes.itemsize(dtype)
 
-    def load(self) -> torch.Tensor:
-        return self.file.read(self.offset, self.nbytes, self.dtype).view(self.shape)
+    def load(self):
+        """A torch tensor viewing the bytes (torch is imported here, when a caller wants one)."""
+        raw = self.file.read(self.offset, self.nbytes, np.uint8)
+        return dtypes.to_torch(self.dtype, raw).view(self.shape)
 
     def segment(self, start, count, scratch=None):
-        size = self.dtype.itemsize
-        return self.file.read(self.offset + start * size, count * size, self.dtype, scratch)
+        size = self.itemsize
+        return self.file.read(self.offset + start * size, count * size, dtypes.storage(self.dtype), scratch)
 
     def release(self, start, count):
-        size = self.dtype.itemsize
+        size = self.itemsize
         self.file.release(self.offset + start * size, count * size)
 
     @property

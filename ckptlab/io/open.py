@@ -12,13 +12,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError, CorruptFileError, UnknownFormatError
-from ckptlab.io.base import LazyStateDict, from_tensors
-from ckptlab.io.dcp import METADATA, open_dcp
+from ckptlab.io.base import LazyStateDict
 from ckptlab.io.hf_sharded import find_index, open_sharded
-from ckptlab.io.nested import describe, find_state_dict
 from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors
-from ckptlab.io.torch_file import open_torch
 from ckptlab.run.layout import is_run
+
+# torch is imported only for what needs it (.pt files, DCP folders, in-memory state dicts):
+# the readers of those are imported where they are used, so that a diff of safetensors
+# files starts without it.
+DCP_METADATA = ".metadata"  # (ckptlab.io.dcp.METADATA, which imports torch)
 
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")  # an unsharded save_pretrained folder
 EXPECTED = (
@@ -38,6 +40,9 @@ def open_checkpoint(ref, *, sequential: bool = False, verify: bool = True) -> La
     if isinstance(ref, LazyStateDict):
         return ref
     if isinstance(ref, Mapping):
+        from ckptlab.io.base import from_tensors
+        from ckptlab.io.nested import describe, find_state_dict
+
         flat, where = find_state_dict(ref)
         return from_tensors(flat, notes=[n for n in [describe(ref, where)] if n])
     text = os.fspath(ref)
@@ -73,6 +78,8 @@ def _open_file(path: Path, label: str, *, sequential: bool, aliases=None, notes=
             closers=[file.close],
         )
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # a torch.save zip, or a (legacy) pickle
+        from ckptlab.io.torch_file import open_torch
+
         refs, tied, torch_notes, closers = open_torch(path, sequential=sequential)
         return LazyStateDict(
             refs,
@@ -94,7 +101,9 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
         return LazyStateDict(
             refs, label=label, format="hf-sharded", aliases=aliases, notes=notes, skipped=skipped, closers=closers
         )
-    if (path / METADATA).is_file():
+    if (path / DCP_METADATA).is_file():
+        from ckptlab.io.dcp import open_dcp
+
         refs, notes, skipped, closers = open_dcp(path)
         return LazyStateDict(refs, label=label, format="dcp", notes=notes, skipped=skipped, closers=closers)
     for name in SINGLE_FILES:
@@ -121,6 +130,8 @@ def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: b
     if verify:
         ck.verify()  # IntegrityError if a file no longer matches its recorded sha256
     if ck.sharded:  # FSDP training: a DCP folder of shards
+        from ckptlab.io.dcp import open_dcp
+
         refs, notes, skipped, closers = open_dcp(ck.model_path)
         return LazyStateDict(
             refs, label=f"{run_dir}@{number}", format="ckptlab-run (dcp)", notes=notes, skipped=skipped, closers=closers

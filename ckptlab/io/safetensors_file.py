@@ -15,8 +15,7 @@ import os
 import struct
 from pathlib import Path
 
-import torch
-
+from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnknownFormatError
 from ckptlab.io.mapped import FileTensor, MappedFile
 
@@ -24,35 +23,30 @@ MAX_HEADER = 100_000_000  # the safetensors format's own limit
 # Metadata key of ckptlab's own files (run checkpoints): tied names, {"lm_head.weight": "wte.weight"}.
 ALIASES_KEY = "ckptlab.aliases"
 
+# The format's dtype codes -> ckptlab.dtypes names (all of them readable with numpy alone).
 DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    **{
-        k: getattr(torch, v)
-        for k, v in {
-            "U16": "uint16",
-            "U32": "uint32",
-            "U64": "uint64",
-            "F8_E4M3": "float8_e4m3fn",
-            "F8_E5M2": "float8_e5m2",
-            "F8_E8M0": "float8_e8m0fnu",
-        }.items()
-        if hasattr(torch, v)
-    },
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 
-# dtypes of the safetensors format that this torch (or ckptlab) cannot hold: a file with one is
-# refused, not read without it (a diff would call that tensor "only in B", or "identical").
-SPEC_DTYPES = {"C64", "F4", "F6_E2M3", "F6_E3M2", "F8_E8M0", "U16", "U32", "U64"}
+# dtypes of the safetensors format that ckptlab cannot hold: a file with one is refused, not
+# read without it (a diff would call that tensor "only in B", or "identical").
+SPEC_DTYPES = {"C64", "F4", "F6_E2M3", "F6_E3M2"}
 
 
 def looks_like_safetensors(head: bytes) -> bool:
@@ -107,17 +101,15 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
             )
         dtype = DTYPES.get(dtype_name)
         if dtype is None and dtype_name in SPEC_DTYPES:
-            raise UnknownFormatError(
-                f"tensor {name!r} has dtype {dtype_name}, which ckptlab cannot read with this torch", path=path
-            )
+            raise UnknownFormatError(f"tensor {name!r} has dtype {dtype_name}, which ckptlab cannot read", path=path)
         if dtype is None:
             raise CorruptFileError(
                 f"corrupt safetensors header: tensor {name!r} has unknown dtype {dtype_name[:40]!r}", path=path
             )
-        if (end - begin) != math.prod(shape) * dtype.itemsize:
+        if (end - begin) != math.prod(shape) * dtypes.itemsize(dtype):
             raise CorruptFileError(
                 f"corrupt safetensors header: tensor {name!r} ({dtype_name}{list(shape)}) "
-                f"should take {math.prod(shape) * dtype.itemsize} bytes, its offsets span {end - begin}",
+                f"should take {math.prod(shape) * dtypes.itemsize(dtype)} bytes, its offsets span {end - begin}",
                 path=path,
             )
         entries.append((begin, end, name, shape, dtype))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnsafeFileError
 from ckptlab.io.base import MemoryTensor, TensorRef, check_extent, require_safe_torch, split_tied
 from ckptlab.io.mapped import FileTensor, MappedFile
@@ -88,8 +89,11 @@ def open_torch(path: str | Path, *, sequential: bool = False):
     first, aliases = split_tied(flat)  # tied weights: one storage, several names
     refs: dict[str, TensorRef] = {}
     for name, t in first.items():
-        offset = locate(t) if locate and t.is_contiguous() and t.numel() else None
-        refs[name] = FileTensor(file, offset, t.shape, t.dtype) if offset is not None else MemoryTensor(t)
+        raw = dtypes.name_of(t.dtype) in dtypes.STORAGE  # (complex, quantized...: torch's mapping)
+        offset = locate(t) if locate and raw and t.is_contiguous() and t.numel() else None
+        refs[name] = (
+            FileTensor(file, offset, t.shape, dtypes.name_of(t.dtype)) if offset is not None else MemoryTensor(t)
+        )
     return refs, aliases, notes, ([file.close] if file else [])
 
 

@@ -1,5 +1,6 @@
 """Every format reads back exactly, lazily, from real files written here."""
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -48,11 +49,11 @@ def test_info_reads_nothing_and_tensors_stream_in_segments(tmp_path):
     for sequential in (False, True):
         sd = open_checkpoint(path, sequential=sequential)
         ref = sd.info("w")
-        assert isinstance(ref, FileTensor) and ref.shape == (1000,) and ref.dtype == torch.float32
-        scratch = torch.empty(4096, dtype=torch.uint8)
-        assert torch.equal(ref.segment(990, 10, scratch), t[990:])
+        assert isinstance(ref, FileTensor) and ref.shape == (1000,) and ref.dtype == "float32"
+        scratch = np.empty(4096, dtype=np.uint8)
+        assert (ref.segment(990, 10, scratch) == t[990:].numpy()).all()
         ref.release(990, 10)
-        assert torch.equal(ref.segment(0, 3), t[:3])  # readable again after a release
+        assert (ref.segment(0, 3) == t[:3].numpy()).all()  # readable again after a release
         sd.close()
 
 
@@ -66,7 +67,7 @@ def test_pt_tensors_are_located_in_the_zip_and_strided_views_still_read(tmp_path
         assert isinstance(sd.info("w"), FileTensor) and isinstance(sd.info("part"), FileTensor)
         for name, t in sd_in.items():
             assert torch.equal(sd[name], t), name
-        assert torch.equal(sd.info("part").segment(1, 3), torch.tensor([4.0, 5.0, 6.0]))
+        assert (sd.info("part").segment(1, 3) == np.array([4.0, 5.0, 6.0])).all()
 
 
 def test_nested_checkpoints_yield_the_model(tmp_path):
