@@ -41,6 +41,7 @@ import contextlib
 import math
 import os
 import socket
+import sys
 import time
 import warnings
 import weakref
@@ -66,6 +67,7 @@ from ckptlab.run.writer import Retention, RunWriter, io_error
 from ckptlab.trackers.live import live_log
 from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training import userfns
+from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.probe import UPDATE_MODES, PendingHealth, StepHealth, named_parameters
 from ckptlab.training.sharded import save_sharded, start_sharded_save
 from ckptlab.training.state import (
@@ -465,10 +467,11 @@ class Recorder:
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
             loss, pending = self.trainee.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
-        except BaseException:
+        except BaseException as e:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
             self._await_snapshot()
             self._settle_quietly()
+            self._record_error(e)
             raise
         self._in_step = False
         self._after_step(pending)
@@ -498,14 +501,20 @@ class Recorder:
             raise RecordError("record_batch needs a step begun by begin_step() without a batch", path=self.run_dir)
         self._append_batch(batch, sample_ids)
 
-    def abort_step(self) -> None:
+    def abort_step(self, error: BaseException | None = None) -> None:
         """The step begun by `begin_step` failed: stop measuring; its batch stays recorded
-        (a batch not yet given to `record_batch` is not recorded)."""
+        (a batch not yet given to `record_batch` is not recorded). `error`: the exception
+        (default: the one being handled), recorded as an `exception` event when the step's
+        own code raised it."""
+        written = self._pending_rng is _WRITTEN
         self.trainee.abort()
         self._in_step = False
         self._pending_rng = _WRITTEN
         self._await_snapshot()
         self._settle_quietly()
+        error = error if error is not None else sys.exc_info()[1]
+        if error is not None and written:
+            self._record_error(error)
 
     def end_step(self, loss) -> StepHealth | None:
         """Finish the step begun by `begin_step`: record its health (and any anomaly), step
@@ -637,6 +646,22 @@ class Recorder:
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
+
+    def _record_error(self, error: BaseException) -> None:
+        """Step `next_step` raised: an `exception` event (what, and where in the user's code),
+        when its own code raised it (not ckptlab, not a KeyboardInterrupt). Never raises over
+        the error on its way."""
+        if not is_step_error(error):
+            return
+        n = self.next_step
+        event = {"kind": "exception", **describe(error, self.model)}
+        with contextlib.suppress(Exception):
+            if self._first_anomaly is None:
+                self._first_anomaly = n
+            if self.world.is_main:
+                self.writer.append_json(framelog.EVENT, n, event)
+            if self.on_anomaly is not None:
+                self.on_anomaly(n, [event])
 
     def _anomalies(self, n: int, h: StepHealth) -> list[dict]:
         events = step_anomalies(h, self._spikes)

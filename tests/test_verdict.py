@@ -45,7 +45,7 @@ NAMES = st.one_of(
 
 origins = st.builds(
     Origin,
-    kind=st.sampled_from(["none", "data", "numeric", "optimizer", "precision"]),
+    kind=st.sampled_from(["none", "data", "numeric", "optimizer", "precision", "exception"]),
     phase=st.one_of(maybe(), st.sampled_from(["forward", "backward", "optimizer"])),
     module=NAMES,
     op=NAMES,
@@ -77,6 +77,7 @@ checks = st.builds(
     grad_norm=st.floats(allow_nan=True, allow_infinity=True),
     recorded_grad_norm=FLOATS,
     match=st.booleans(),
+    error=st.one_of(maybe(), st.just("IndexError: index out of range in self")),
 )
 divergences = st.one_of(
     maybe(),
@@ -138,6 +139,7 @@ reports = st.builds(
     culprit=st.one_of(maybe(), culprits),
     rewind=st.one_of(maybe(), rewinds),
     budget=budgets,
+    recorded_error=st.one_of(maybe(), st.sampled_from(["OSError: gone", "RuntimeError: expected 4 rows"])),
 )
 
 
@@ -147,7 +149,7 @@ def test_verdict_is_one_nonempty_line_for_every_report(report):
     v = verdict(report)
     assert isinstance(v, str) and v.strip()
     assert len(v.splitlines()) == 1, v
-    assert v.startswith(("Step ", "The fault did not reproduce")), v
+    assert v.startswith(("Step ", "The fault did not reproduce", "The crash did not reproduce")), v
 
 
 def test_verdict_of_a_reproduced_fault_with_no_rows_and_no_op_says_so():

@@ -213,6 +213,7 @@ def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = Tr
     stop = early_stopping(val, metric, mode, rules.patience)
     loss_findings += _overfitting(m, stop, rules)
     findings += loss_findings
+    findings += _crashes(run)
     findings += _gradients(run, m, rules)
     findings += _parameters(run, m, rules, snapshots)
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.steps[0] if f.steps else -1))
@@ -348,6 +349,35 @@ def _nonfinite_loss(m: Metrics) -> list[Finding]:
             ],
         )
     ]
+
+
+def _crashes(run: Run) -> list[Finding]:
+    """Steps whose own code raised (the Recorder's `exception` events)."""
+    out = []
+    for e in run.events():
+        if e.get("kind") != "exception":
+            continue
+        step, where = int(e["step"]), ""
+        if e.get("module") is not None:
+            where += f" in `{e['module'] or '<root>'}`"
+        if e.get("source"):
+            where += f" at {e['source']}"
+        out.append(
+            Finding(
+                kind="crash",
+                severity="error",
+                title=f"step {step} raised {e.get('error', 'an exception')}{where}",
+                steps=[step],
+                evidence={k: e[k] for k in ("error", "source", "call", "module", "phase") if e.get(k) is not None},
+                remedies=[
+                    f"replay it: ckptlab replay --step {step} (does it raise again, and on which rows?)",
+                    "a crash that does not reproduce is transient (out of memory, hardware, I/O): resume with "
+                    "Recorder(..., resume=True)",
+                    "a row that raises alone: skip it and resume from the checkpoint before it (ckptlab rollback)",
+                ],
+            )
+        )
+    return out
 
 
 def _loss_spikes(m: Metrics, rules: HealthRules) -> list[Finding]:

@@ -218,7 +218,7 @@ class CkptlabCallback(pl.Callback):
             if self._micro is not None and not self._micro.recorded:  # crashed before its last micro-batch
                 cfg = self._config(trainer, self._micro.parts[-1]["batch_idx"], trainer.accumulate_grad_batches)
                 self._micro.record(self.rec, {"lightning": {**cfg, "optimizer_step": False}})
-            self.rec.abort_step()  # the batch stays recorded: a crashing step can be replayed
+            self.rec.abort_step(exception)  # the batch stays recorded: a crashing step can be replayed
         self.close()
 
     def close(self) -> None:

@@ -59,13 +59,16 @@ def render(r, term) -> None:
             for x in (
                 f"module [bold]{safe(o.module or '<root>')}[/bold]" if o.module is not None else "",
                 f"op [bold]{safe(o.op)}[/bold]" if o.op else "",
-                f"at {safe(o.source)}" if o.source else "",
+                f"at {safe(o.source)}" + (f" in {safe(o.call)}" if o.call and o.kind == "exception" else "")
+                if o.source
+                else "",
                 f"parameter [bold]{safe(o.parameter)}[/bold]" if o.parameter else "",
             )
             if x
         )
         dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
-        term.print(f"origin     [bold]{o.kind}[/bold] ({o.phase}{dtype}) {where}")
+        phase = f" ({o.phase}{dtype})" if o.phase or dtype else ""
+        term.print(f"origin     [bold]{o.kind}[/bold]{phase} {where}")
         if o.detail:
             term.print(f"           {safe(o.detail)}")
     if r.chain:

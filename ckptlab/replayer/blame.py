@@ -29,6 +29,7 @@ from ckptlab.replayer.search import doomed_earlier, minimal_culprit
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
+from ckptlab.training.crash import is_step_error
 from ckptlab.training.probe import StepHealth, named_parameters
 from ckptlab.training.state import restore_snapshot
 
@@ -121,6 +122,79 @@ class Blame:
             self.inv.timing["dump_capture_s"] = time.perf_counter() - t1
         self.replayer.close(self.trainee)
         self.inv.timing["blame_s"] = time.perf_counter() - t0
+
+    def explain_crash(self, rep: ReplayReport, crash: dict) -> None:
+        """The root step raised (`crash`: training/crash.py's description): the origin is the
+        exception where the user's code raised it; a row is blamed when its content is wrong
+        (empty, token ids out of range, non-finite) or when it raises the same exception
+        alone through the step; then: does the step run without the blamed rows?"""
+        self.report = rep
+        t0 = time.perf_counter()
+        rep.origin = Origin(
+            "exception",
+            crash.get("phase"),
+            crash.get("module"),
+            crash.get("type"),
+            None,
+            crash.get("source"),
+            call=crash.get("call"),
+            detail=crash.get("message"),
+        )
+        samples: dict[int, SampleBlame] = {}
+        content = self.data_rows()
+        for category in ("out_of_range", "empty", "nonfinite", "absurd"):
+            for r, why in content[category].items():
+                samples.setdefault(r, SampleBlame(r, self.sample_id(r), why, batch_row=r))
+        alone: dict[int, bool] = {}
+        if self.rows and self.rows > 1:
+            for r in range(self.rows):
+                alone[r] = self.raises_like(crash, select_rows(self.rec.batch, [r], self.rows))
+            if all(alone.values()):
+                rep.notes.append(
+                    f"every row raises {crash.get('type')} alone: no row is to blame (the code, the batch's "
+                    "shape or the model state is)"
+                )
+            elif not any(alone.values()):
+                rep.notes.append(
+                    f"no row raises {crash.get('type')} alone: the step fails on the batch as a whole (its size or "
+                    "shape), not on one sample"
+                )
+            else:
+                for r in (r for r, raised in alone.items() if raised):
+                    why = f"raises {crash.get('type')} alone through the step"
+                    if r in samples:
+                        samples[r].reason += "; " + why
+                    else:
+                        samples[r] = SampleBlame(r, self.sample_id(r), why, batch_row=r)
+        for sb in samples.values():  # an accumulated step: the row within its micro-batch
+            where = micro_row(self.rec.batch, sb.row)
+            if where is not None:
+                sb.batch_row, (sb.micro_batch, sb.row) = sb.row, where
+        rep.samples = sorted(samples.values(), key=lambda sb: (not alone.get(sb.batch_row, False), sb.batch_row))
+        keep = [r for r in range(self.rows or 0) if r not in {sb.batch_row for sb in rep.samples}]
+        if rep.samples and keep:
+            ids = ", ".join(str(sb.sample_id) for sb in rep.samples[:5])
+            raised = self.raises_like(crash, select_rows(self.rec.batch, keep, self.rows), any_error=True)
+            rep.counterfactuals.append(
+                Counterfactual(
+                    f"does step {self.root} still raise without the blamed rows ({ids})?",
+                    raised,
+                    "without them the step still raises" if raised else "without them the step runs",
+                )
+            )
+        self.replayer.close(self.trainee)
+        self.inv.timing["blame_s"] = time.perf_counter() - t0
+
+    def raises_like(self, crash: dict, batch, *, any_error: bool = False) -> bool:
+        """Does the root step, on `batch` from the root's state, raise the step's own
+        exception (of the same type, unless `any_error`)?"""
+        try:
+            self.step(batch)
+        except Exception as e:  # noqa: BLE001 - the user's code raising is what is measured
+            if not is_step_error(e):
+                raise
+            return any_error or type(e).__qualname__ == crash.get("type")
+        return False
 
     # rows ------------------------------------------------------------------------------------------
 

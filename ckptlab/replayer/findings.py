@@ -29,11 +29,13 @@ class StepCheck:
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
     grad_scale: float | None = None  # with a GradScaler: the scale the step began with, replayed ...
     recorded_grad_scale: float | None = None  # ... and recorded
+    error: str | None = None  # the step raised on replay ("Type: message"); loss and grad norm are NaN
+    recorded_error: str | None = None  # the step raised when recorded (its `exception` event)
 
 
 @dataclass
 class Origin:
-    kind: str  # data | numeric | precision | optimizer | none
+    kind: str  # data | numeric | precision | optimizer | exception | none
     phase: str | None  # forward | backward | optimizer
     module: str | None
     op: str | None
@@ -183,6 +185,7 @@ class ReplayReport:
     budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
     dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
     divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record
+    recorded_error: str | None = None  # the requested step raised when recorded ("Type: message")
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""
@@ -201,6 +204,21 @@ def _verdict(r: ReplayReport) -> str:
     div = _divergence_step(r)
     if not r.fault_recorded and r.root_step is None:
         return f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint {r.start_checkpoint}: nothing to explain."
+    if not r.reproduced and r.recorded_error:
+        last = r.steps[-1] if r.steps else None
+        ran = f" (loss {_fmt(last.loss)})" if last is not None and last.error is None else ""
+        det = (
+            "every replayed step before it matched the record bit for bit"
+            if r.deterministic
+            else f"replay left the record at step {div}"
+            if div is not None
+            else "replay did not match the record"
+        )
+        return (
+            f"The crash did not reproduce: step {r.requested_step} raised {r.recorded_error} when recorded, but "
+            f"replayed from checkpoint {r.start_checkpoint} it runs{ran}; {det}. Suspect a transient failure "
+            "(out of memory, a hardware, I/O or network error, a signal) or code outside step_fn."
+        )
     if not r.reproduced:
         rec = r.steps[-1].recorded_loss if r.steps else None
         got = r.steps[-1].loss if r.steps else None
@@ -237,7 +255,9 @@ def _verdict(r: ReplayReport) -> str:
     at = ""
     if o.module is not None:
         at = f" in `{o.module or '<root>'}`" + (f" ({o.source})" if o.source else "")
-    if o.kind == "data" and o.module is None and o.op is None and r.samples and "non-finite" in r.samples[0].reason:
+    if o.kind == "exception":
+        s = _crash_verdict(r, lead, who, more)
+    elif o.kind == "data" and o.module is None and o.op is None and r.samples and "non-finite" in r.samples[0].reason:
         s = f"{lead}: the batch itself carries non-finite values: {who}{more}."
     elif o.kind == "data" and o.op is not None and r.samples:
         s = f"{lead}: {who}{more} carries absurd values that make {o.op}{at} overflow."
@@ -315,6 +335,34 @@ def _verdict(r: ReplayReport) -> str:
             if div is not None
             else " Note: replay did not match the record bit for bit."
         )
+    return s
+
+
+def _crash_verdict(r: ReplayReport, lead: str, who: str, more: str) -> str:
+    o = r.origin
+    error = f"{o.op}: {o.detail}" if o.detail else str(o.op)
+    where = ""
+    if o.module is not None:
+        where += f" in `{o.module or '<root>'}`"
+    if o.phase:
+        where += f" ({o.phase})"
+    if o.source:
+        where += f" at {o.source}" + (f" in {o.call}" if o.call else "")
+    again = (
+        " on replay, as when recorded"
+        if r.recorded_error == error
+        else f" on replay (recorded: {r.recorded_error})"
+        if r.recorded_error
+        else " on replay"
+    )
+    s = f"{lead}: step_fn raised {error}{where}{again}."
+    if r.samples:
+        why = r.samples[0].reason.split("; ")[0]
+        why = why.split(" ", 1)[-1] if why.startswith("batch") else why  # "batch['ids'] has ..." -> "has ..."
+        s += f" {who}{more}: {why}."
+        cf = next((c for c in r.counterfactuals if "still raise" in c.question), None)
+        if cf is not None and cf.fault is False:
+            s += " Without those rows the step runs: skip them and resume from a checkpoint before it."
     return s
 
 

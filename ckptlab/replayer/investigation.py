@@ -31,6 +31,7 @@ from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run
+from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.probe import StepHealth
 
 
@@ -52,6 +53,7 @@ class Window:
     root: int | None  # the first step of the replayed anomaly episode; None: no fault
     root_state: Any = None  # a snapshot of the state the root step started in
     root_detectors: dict[str, SpikeDetector] | None = None  # spike detectors primed up to the root
+    crash: dict | None = None  # the step that raised on replay (the window ends there): training/crash.py
 
 
 class Investigation:
@@ -153,13 +155,22 @@ class Investigation:
         dets = self.detectors(k)
         checks: list[StepCheck] = []
         kept: dict[int, tuple] = {}
+        crash = None
         for s in range(k, self.step + 1):
             self.progress(s - k, self.step - k + 1)
             rec = r.batch(s)
             suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
             snap = r.snapshot(t, s) if suspect else None
             dets_before = copy.deepcopy(dets)
-            h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
+            try:
+                h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
+            except Exception as e:
+                if not is_step_error(e):
+                    raise
+                crash = {"step": s, **describe(e, t.model)}
+                checks.append(self.crashed(s, crash))
+                kept[s] = (snap, dets_before)
+                break
             found = self.anomalies(h, dets)
             checks.append(self.compare(s, h, found))
             if found:
@@ -168,9 +179,12 @@ class Investigation:
                     del kept[old]  # bounded memory: only the recent episode matters
         r.close(t)
         replayed = {c.step: c.anomalies for c in checks if c.anomalies}
-        root = episode_start(replayed, self.step) if self.step in replayed else None
+        last = checks[-1].step if checks else self.step  # the requested step, or one that raised
+        root = episode_start(replayed, last) if last in replayed else None
+        if crash is not None:  # a crash is its own root: what came before did not raise
+            root = crash["step"]
         snap, dets_before = kept.get(root, (None, None))
-        return Window(k, checks, root, snap, dets_before)
+        return Window(k, checks, root, snap, dets_before, crash)
 
     def write_dump(self, report: ReplayReport, captured) -> None:
         if captured is None:
@@ -208,6 +222,31 @@ class Investigation:
             f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} going non-finite at step {step}",
         )
 
+    def recorded_error(self, step: int) -> str | None:
+        """The exception step `step` raised when recorded (its `exception` event), if any."""
+        return next(
+            (e.get("error") for e in self.run.events() if e.get("kind") == "exception" and int(e["step"]) == step),
+            None,
+        )
+
+    def crashed(self, s: int, crash: dict) -> StepCheck:
+        """Step s raised on replay: it matches the record when the record has it raising too
+        (no health recorded, and an exception event of the same type when there is one)."""
+        i = self.metrics.index(s)
+        recorded = self.recorded_error(s)
+        same_error = recorded is None or recorded.split(":", 1)[0] == crash.get("type")
+        return StepCheck(
+            s,
+            math.nan,
+            float(self.metrics.loss[i]) if i is not None else None,
+            math.nan,
+            float(self.metrics.grad_norm[i]) if i is not None else None,
+            i is None and same_error,
+            ["exception"],
+            error=crash.get("error"),
+            recorded_error=recorded,
+        )
+
     def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
         m = self.metrics
         i = m.index(s)
@@ -233,6 +272,7 @@ class Investigation:
             h.rank_grad_norm,
             h.grad_scale,
             rec_scale,
+            recorded_error=self.recorded_error(s) if i is None else None,
         )
 
     def state_before(self, k: int, root: int):
@@ -335,7 +375,10 @@ class Investigation:
             rank=rank,
         )
         self.execution(report)
-        if root is None and plan.fault_recorded:
+        report.recorded_error = self.recorded_error(report.root_step if report.root_step is not None else self.step)
+        if root is None and plan.fault_recorded and report.recorded_error is not None:
+            report.left_record_step = next((c.step for c in checks if not c.match), None)
+        elif root is None and plan.fault_recorded:
             report.left_record_step = next((c.step for c in checks if not c.match), None)
             report.origin = self.recorded_weights(plan.episode)
             # One process only: a distributed run replayed in this process (one rank's share)
@@ -345,11 +388,15 @@ class Investigation:
                 report.divergence = check_divergence(self, report.left_record_step)
                 self.timing["divergence_s"] = time.perf_counter() - t0
         blame = None
-        if root is not None:
+        if root is not None and window.crash is not None:
+            if self.dump is not None:
+                report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
+            Blame(self, window).explain_crash(report, window.crash)
+        elif root is not None:
             blame = Blame(self, window)
             blame.explain(report, trace, counterfactuals, dump=self.dump)
         report.verdict = verdict(report)
-        if self.dump is not None:
+        if self.dump is not None and window.crash is None:
             self.write_dump(report, getattr(blame, "captured", None))
         self.timing["total_s"] = time.perf_counter() - self.t0
         report.timing = self.timing

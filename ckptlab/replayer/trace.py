@@ -56,11 +56,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
+from ckptlab.training.crash import TORCH_DIR, ours
 from ckptlab.training.world import local
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_CKPTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: ours
-_EXAMPLES_DIR = os.path.join(_CKPTLAB_DIR, "examples")  # user code, even though it ships with us
 _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
@@ -146,10 +144,10 @@ def user_source() -> tuple[str | None, str | None]:
     f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
-        ours = fn.startswith(_CKPTLAB_DIR) and not fn.startswith(_EXAMPLES_DIR)
-        if not (fn.startswith(_TORCH_DIR) or ours or fn.startswith("<")):
+        mine = ours(fn)
+        if not (fn.startswith(TORCH_DIR) or mine or fn.startswith("<")):
             return f"{os.path.basename(fn)}:{f.f_lineno}", f"{fn}:{f.f_lineno}"
-        if ours and f.f_code.co_name == "run_step":  # reached the replay driver: no user frame
+        if mine and f.f_code.co_name == "run_step":  # reached the replay driver: no user frame
             return None, None
         f = f.f_back
     return None, None

@@ -112,7 +112,7 @@ def anomaly_points(events: list[dict]) -> dict:
 
 def alert_text(run_dir: str, step: int, events: list[dict]) -> str:
     """The one line that names what happened at `step` and the command that explains it."""
-    what = ", ".join(e["kind"].replace("_", " ") for e in events)
+    what = ", ".join(e.get("error") or e["kind"].replace("_", " ") for e in events)  # error: a step that raised
     return f"step {step}: {what}; explain it with {replay_command(run_dir, step)}"
 
 

@@ -1,0 +1,90 @@
+"""A step that raised: where in the user's code, and whether it was the user's code at all.
+
+The Recorder records a step that raised as an `exception` event; replay runs that step again
+and, when it raises again, names what `describe` finds. An exception is the step's own (the
+user's code, or torch under it) when, walking the traceback from the call of `step_fn`
+inward, the stack leaves ckptlab and never comes back into it: ckptlab code running *under*
+the user's (a hook of the probe) that raised is ckptlab's own failure, not the step's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import types
+
+import torch
+
+from ckptlab.errors import CkptlabError
+
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+CKPTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
+EXAMPLES_DIR = os.path.join(CKPTLAB_DIR, "examples") + os.sep  # user code, even though it ships with us
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+MAX_MESSAGE = 500
+
+
+def ours(filename: str) -> bool:
+    """ckptlab's own code (not the examples, which are the user's)."""
+    return filename.startswith(CKPTLAB_DIR) and not filename.startswith(EXAMPLES_DIR)
+
+
+def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return out
+
+
+def is_step_error(exc: BaseException) -> bool:
+    """The exception came from the step itself (the user's code or torch under it), not from
+    ckptlab: once its traceback leaves ckptlab's code it does not come back into it."""
+    if isinstance(exc, CkptlabError) or not isinstance(exc, Exception):
+        return False
+    left = False
+    for f in _frames(exc.__traceback__):
+        if not ours(os.path.abspath(f.f_code.co_filename)):
+            left = True
+        elif left:
+            return False
+    return left
+
+
+def describe(exc: BaseException, model: torch.nn.Module | None = None) -> dict:
+    """{"error": "Type: message", "type", "message", "source": "file.py:line" (the innermost
+    frame in the user's code), "call": its function, "module": the model's submodule whose
+    forward was running (by name; "" the model itself), "phase": forward, backward or
+    optimizer when the traceback tells}. Only the keys that are known."""
+    message = " ".join(str(exc).split())[:MAX_MESSAGE]
+    name = type(exc).__qualname__
+    out: dict = {"error": f"{name}: {message}" if message else name, "type": name, "message": message}
+    frames = _frames(exc.__traceback__)
+    for f in reversed(frames):
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not (ours(fn) or fn.startswith(TORCH_DIR) or fn.startswith(_STDLIB_DIR) or fn.startswith("<")):
+            out["source"] = f"{os.path.basename(fn)}:{f.f_lineno}"
+            out["call"] = f.f_code.co_name
+            break
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    for f in reversed(frames):
+        module = f.f_locals.get("self") if f.f_code.co_name != "<module>" else None
+        if isinstance(module, torch.nn.Module) and id(module) in names:
+            out["module"] = names[id(module)]
+            break
+    codes = {f.f_code.co_name for f in frames}
+    files = [os.path.abspath(f.f_code.co_filename) for f in frames]
+    if any(fn.startswith(os.path.join(TORCH_DIR, "optim")) for fn in files):
+        out["phase"] = "optimizer"
+    elif any(fn.startswith(os.path.join(TORCH_DIR, "autograd")) for fn in files) or "backward" in codes:
+        out["phase"] = "backward"
+    elif "module" in out or "forward" in codes:
+        out["phase"] = "forward"
+    return out
+
+
+def current_step_error(model: torch.nn.Module | None = None) -> dict | None:
+    """`describe` the exception being handled, when it is the step's own (else None)."""
+    exc = sys.exc_info()[1]
+    return describe(exc, model) if exc is not None and is_step_error(exc) else None
