@@ -73,6 +73,13 @@ def test_live_snapshot_shares_parameters_and_optimizer_state_and_copies_the_rest
     assert not snap.released.is_set()
     assert snap.release() and snap.released.is_set()
 
+    flat = torch.zeros(200)  # parameters that are views into one flat buffer: copied
+    model.fc1.weight.data = flat[:128].view(16, 8)
+    model.fc2.weight.data = flat[128:144].view(1, 16)
+    views = state_mod.snapshot(2, model, opt, live=True)
+    assert views.model["fc1.weight"].data_ptr() != flat.data_ptr()
+    views.release()
+
     copied = state_mod.snapshot(2, model, opt)  # the default: copies, nothing to wait for
     assert not copied.live and copied.released.is_set()
     assert copied.model["fc1.weight"].data_ptr() != model.fc1.weight.data_ptr()

@@ -256,7 +256,15 @@ LIVE_MIN_BYTES = 256 << 10
 
 
 def _live_candidate(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() >= LIVE_MIN_BYTES
+    """Large, contiguous, on the CPU, and its storage's only tensor (safetensors refuses to
+    write two tensors that share memory: a view into a flat buffer is copied)."""
+    nbytes = t.numel() * t.element_size()
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and nbytes >= LIVE_MIN_BYTES
+        and t.untyped_storage().nbytes() == nbytes
+    )
 
 
 def _live_state(path: str, t: torch.Tensor) -> bool:
