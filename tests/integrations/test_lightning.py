@@ -170,6 +170,9 @@ def test_a_step_that_raises_before_its_last_micro_batch_keeps_the_micro_batches_
     batch, ids = ckptlab.open_run(tmp_path / "run").batch(3)
     assert batch["micro_rows"] == [4] and ids == [36, 37, 38, 39]
     assert batch["lightning"]["optimizer_step"] is False  # replay runs it without the update
+    (event,) = ckptlab.open_run(tmp_path / "run").events()  # on_exception hands the error on
+    assert event["step"] == 3 and event["error"] == "RuntimeError: bad sample"
+    assert event["call"] == "training_step" and event["source"].startswith("test_lightning.py:")
 
 
 def test_accumulation_across_an_epoch_end_and_validations_replays_bit_for_bit(tmp_path):
