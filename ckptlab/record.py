@@ -74,7 +74,7 @@ from ckptlab.training.state import (
     capture_train_state,
     is_compiled,
     restore_checkpoint,
-    rng_equal,
+    rng_fingerprint,
     snapshot,
 )
 from ckptlab.training.step import Trainee, scaler_argument
@@ -215,7 +215,7 @@ class Recorder:
         self._first_anomaly: int | None = None
         self._best: tuple[int, float] | None = None
         self._ckpt_steps: list[int] = []
-        self._rng_after_prev: dict | None = None
+        self._rng_after_prev: tuple | None = None  # rng_fingerprint() when the previous step ended
         self._force_rng = True
         self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
         self._step_rng: dict | None = None  # the RNG states the running step began in
@@ -459,7 +459,7 @@ class Recorder:
         starts all the same (its checkpoint, its RNG states, the measuring) and
         `record_batch(batch, sample_ids)` records its batch once it is known (before its last
         micro-batch runs, so that a step that crashes there can be replayed)."""
-        measure = self._open_step()
+        measure = self._open_step(keep_start=batch is None)
         if batch is not None:
             self._append_batch(batch, sample_ids)
         self.trainee.begin(measure_update=measure)
@@ -510,29 +510,35 @@ class Recorder:
         self._append_batch(batch, sample_ids)
         return measure
 
-    def _open_step(self) -> bool:
+    def _open_step(self, keep_start: bool = False) -> bool:
         """Before step `next_step` runs: a checkpoint when one is due, and the RNG states it
-        starts in (kept for its batch record when they changed). Returns whether this step
-        measures its update."""
+        starts in (kept for its batch record when they changed; `keep_start`: kept anyway, for
+        a checkpoint taken before the batch is recorded). Returns whether this step measures
+        its update."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
             raise RecordError("begin_step called twice without end_step", path=self.run_dir)
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         n = self.next_step
-        rng = capture_rng()
+        due = n == self.session_start or n % self.config.ckpt_every == 0
+        # A segment (and a replay) can start at a checkpoint: its first batch carries its RNG
+        # states whatever they are. Otherwise they are recorded when the loop drew random
+        # numbers since the last step ended: two fingerprints compared (~10 us), the states
+        # themselves captured only when they are recorded (or kept, `keep_start`).
+        forced = due or self._force_rng or self._rng_after_prev is None
+        changed = forced or rng_fingerprint() != self._rng_after_prev
+        rng = capture_rng() if changed or keep_start else None
+        self._pending_rng = rng if changed else None
+        self._step_rng = rng
+        self._force_rng = False
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         self._ckpt_wait = self._finish_sharded()
-        if n == self.session_start or n % self.config.ckpt_every == 0:
+        if due:
             self._settle()  # the segment and the checkpoint's "healthy" flag need every step before
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
-            self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
-        changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
-        self._pending_rng = rng if changed else None
-        self._step_rng = rng
-        self._force_rng = False
         return n % self.config.health_every == 0
 
     def _append_batch(self, batch: Any, sample_ids) -> None:
@@ -558,7 +564,7 @@ class Recorder:
         """Step `next_step` ran: queue its health; record what is due (all of it when read at
         once, all but this step's when deferred). Returns this step's health when read."""
         n = self.next_step
-        self._rng_after_prev = capture_rng()
+        self._rng_after_prev = rng_fingerprint()
         self._health_queue.append((n, pending, self._ckpt_wait, time.time()))
         self.next_step = n + 1
         return self._settle(keep=1 if self.deferred else 0)

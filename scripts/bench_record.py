@@ -94,7 +94,7 @@ PHASES = {
         (RunWriter, "append_step"),
         (record.Recorder, "_anomalies"),
     ],
-    "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
+    "RNG fingerprint + capture": [(record, "rng_fingerprint"), (record, "capture_rng")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
     "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
     "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],

@@ -205,7 +205,7 @@ def _dense_permutation(t: torch.Tensor) -> list[int] | None:
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = (int(v) for v in torch.aminmax(t))
     for dtype, dmin, dmax in _COMPACT:
         if dmin <= lo and hi <= dmax:
             if torch.iinfo(dtype).bits >= torch.iinfo(t.dtype).bits:
