@@ -402,11 +402,19 @@ class StepProbe:
             # read on a GPU); it counts as at least one element in the total.
             nonfinite_all = np.where(nonfinite < 0, -1, np.where(nonfinite > 0, nonfinite, 0)).astype(np.int64)
             update_sq = updates
-        norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
-        present = combined[any_grad]
+        total = grad_sq.sum() if ranks is None and len(meta["idx"]) == P > 0 else math.nan
+        if math.isfinite(total):
+            # One rank, every parameter with a gradient, every norm finite (the usual step): the
+            # same numbers as below in fewer calls (the masks select everything, the counts are 0).
+            norms = np.sqrt(grad_sq).astype(np.float32)
+            grad_norm = math.sqrt(total)
+        else:
+            norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
+            present = combined[any_grad]
+            grad_norm = float(np.sqrt(present.sum())) if present.size else float("nan")
         health = StepHealth(
             loss=ranks[0] if ranks is not None else value,
-            grad_norm=float(np.sqrt(present.sum())) if present.size else float("nan"),
+            grad_norm=grad_norm,
             param_grad_norm=norms,
             nonfinite_grads=int(np.abs(nonfinite_all).sum()),
             param_nonfinite=nonfinite_all if nonfinite_all.any() or not np.isfinite(norms).all() else None,
