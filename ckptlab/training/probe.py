@@ -391,33 +391,38 @@ class StepProbe:
             d_sq = values[parts["d"]].astype(np.float64) ** 2 * meta["d_scale"] if "d" in parts else np.zeros(P)
             updates = [values[parts["w"]].astype(np.float64) ** 2, d_sq, values[parts["b"]].astype(np.float64) ** 2]
         ranks = None  # distributed: (the mean loss, each rank's loss, each rank's local gradient norm)
-        if self.world.distributed:
-            any_grad, combined, nonfinite_all, update_sq, ranks = self._combine_ranks(
-                value, grad_sq, nonfinite, updates
-            )
-        else:  # one rank: the same numbers without the rows (the mean of one row is that row)
-            any_grad = grad_sq >= 0  # NO_GRAD is negative
-            combined = np.where(any_grad, grad_sq, 0.0)
-            # -1: non-finite, but the gradient was gone before it could be counted (a deferred
-            # read on a GPU); it counts as at least one element in the total.
-            nonfinite_all = np.where(nonfinite < 0, -1, np.where(nonfinite > 0, nonfinite, 0)).astype(np.int64)
-            update_sq = updates
-        total = grad_sq.sum() if ranks is None and len(meta["idx"]) == P > 0 else math.nan
+        total = grad_sq.sum() if not self.world.distributed and len(meta["idx"]) == P > 0 else math.nan
         if math.isfinite(total):
-            # One rank, every parameter with a gradient, every norm finite (the usual step): the
-            # same numbers as below in fewer calls (the masks select everything, the counts are 0).
+            # One rank, every parameter with a gradient, every norm finite (the usual step): what
+            # the general case computes, in fewer calls (its masks select all, its counts are 0).
             norms = np.sqrt(grad_sq).astype(np.float32)
-            grad_norm = math.sqrt(total)
+            grad_norm, update_sq = math.sqrt(total), updates
+            nonfinite_all = np.zeros(P, dtype=np.int64) if not np.isfinite(norms).all() else None
+            counted = 0
         else:
+            if self.world.distributed:
+                any_grad, combined, nonfinite_all, update_sq, ranks = self._combine_ranks(
+                    value, grad_sq, nonfinite, updates
+                )
+            else:  # one rank: the same numbers without the rows (the mean of one row is that row)
+                any_grad = grad_sq >= 0  # NO_GRAD is negative
+                combined = np.where(any_grad, grad_sq, 0.0)
+                # -1: non-finite, but the gradient was gone before it could be counted (a deferred
+                # read on a GPU); it counts as at least one element in the total.
+                nonfinite_all = np.where(nonfinite < 0, -1, np.where(nonfinite > 0, nonfinite, 0)).astype(np.int64)
+                update_sq = updates
             norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
             present = combined[any_grad]
             grad_norm = float(np.sqrt(present.sum())) if present.size else float("nan")
+            counted = int(np.abs(nonfinite_all).sum())
+            if not (nonfinite_all.any() or not np.isfinite(norms).all()):
+                nonfinite_all = None  # recorded only for a step with something non-finite
         health = StepHealth(
             loss=ranks[0] if ranks is not None else value,
             grad_norm=grad_norm,
             param_grad_norm=norms,
-            nonfinite_grads=int(np.abs(nonfinite_all).sum()),
-            param_nonfinite=nonfinite_all if nonfinite_all.any() or not np.isfinite(norms).all() else None,
+            nonfinite_grads=counted,
+            param_nonfinite=nonfinite_all,
             lr=meta["lr"],
             stepped=meta["stepped"],
             grad_scale=scale,
@@ -522,7 +527,7 @@ def _to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
     # non-blocking copy down into memory that is read before it lands).
     on = _on_one_device(pieces)
     first = on[0].device
-    values = torch.cat([p.float() for p in on])
+    values = torch.cat([p if p.dtype == torch.float32 else p.float() for p in on])
     if first.type != "cuda":
         return values.cpu(), None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
