@@ -198,15 +198,17 @@ class _PythonRandomState:
         self._ok: bool | None = None
 
     def fingerprint(self):
-        inst = random._inst
         if self._ok is None:
             self._ok = self._check()
-        if not self._ok or type(inst) is not random.Random:
+        inst = random._inst if self._ok else None
+        if type(inst) is not random.Random:
             return random.getstate()
         return ctypes.string_at(id(inst) + object.__basicsize__, self._BYTES), inst.gauss_next
 
     def _check(self) -> bool:
         try:
+            if random.getstate.__self__ is not random._inst:  # the module's functions are its methods
+                return False
             r = random.Random(12345)
             for draw in (None, r.random, r.gauss, lambda: r.getrandbits(20000)):
                 if draw is not None:
@@ -235,22 +237,24 @@ class _NumpyLegacyState:
         self._offset: int | None | bool = False  # False: not looked for yet; None: not found
 
     def fingerprint(self):
-        rs = np.random.mtrand._rand
-        bits = rs._bit_generator
         if self._offset is False:
-            self._offset = self._locate(type(rs))
-        if self._offset is None or type(bits) is not np.random.MT19937:
-            state = np.random.get_state()
-            return state[0], state[1].tobytes(), *state[2:]
+            self._offset = self._locate()
+        rs = np.random.mtrand._rand if self._offset is not None else None
+        bits = getattr(rs, "_bit_generator", None)
+        if type(rs) is not np.random.RandomState or type(bits) is not np.random.MT19937:
+            return _comparable(np.random.get_state())
         aug = ctypes.string_at(id(rs) + self._offset, 16)  # int has_gauss, (padding), double gauss
         return ctypes.string_at(bits.ctypes.state_address, self._KEY_BYTES) + aug[:4] + aug[8:]
 
-    def _locate(self, cls) -> int | None:
+    def _locate(self) -> int | None:
         """The offset of `has_gauss` in a RandomState, or None. The RandomState holds a copy
         of its bit generator's `bitgen_t` (whose first field points at the MT19937 state) and
         then `aug_bitgen_t {bitgen_t *bit_generator; int has_gauss; double gauss}`, whose
         first field points at that copy: both pointers are searched for, then checked."""
         try:
+            if np.random.get_state.__self__ is not np.random.mtrand._rand:  # the global RandomState
+                return None
+            cls = np.random.RandomState
             rs = cls(12345)
             size = cls.__basicsize__
             state = rs._bit_generator.ctypes.state_address
@@ -276,6 +280,18 @@ class _NumpyLegacyState:
             return offset
         except Exception:  # noqa: BLE001 - any surprise means: use get_state
             return None
+
+
+def _comparable(state):
+    """A numpy state (a tuple, or a dict for another bit generator) with `==` that compares
+    arrays by their bytes."""
+    if isinstance(state, np.ndarray):
+        return state.dtype.str, state.shape, state.tobytes()
+    if isinstance(state, dict):
+        return tuple((k, _comparable(v)) for k, v in state.items())
+    if isinstance(state, (tuple, list)):
+        return tuple(_comparable(v) for v in state)
+    return state
 
 
 _PYTHON = _PythonRandomState()
