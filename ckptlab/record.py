@@ -218,7 +218,9 @@ class Recorder:
         self._rng_after_prev: tuple | None = None  # rng_fingerprint() when the previous step ended
         self._force_rng = True
         self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
-        self._step_rng: dict | None = None  # the RNG states the running step began in
+        # The RNG states the running step began in, when changed or when its batch comes later
+        # (begin_step without one: a checkpoint before record_batch gives them to the batch).
+        self._step_rng: dict | None = None
         self._closed = False
         self._pending = None  # a sharded checkpoint being written in the background
         self._health_queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
@@ -531,7 +533,6 @@ class Recorder:
         rng = capture_rng() if changed or keep_start else None
         self._pending_rng = rng if changed else None
         self._step_rng = rng
-        self._force_rng = False
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         self._ckpt_wait = self._finish_sharded()
         if due:
@@ -539,6 +540,7 @@ class Recorder:
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
+        self._force_rng = False
         return n % self.config.health_every == 0
 
     def _append_batch(self, batch: Any, sample_ids) -> None:

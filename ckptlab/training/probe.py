@@ -243,7 +243,7 @@ class StepProbe:
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
-        if grads and grads[0].device.type == "cpu" and not math.isfinite(sum(self._grad_norms.tolist())):
+        if grads and self._grad_norms.device.type == "cpu" and not math.isfinite(sum(self._grad_norms.tolist())):
             for i, g, n in zip(idx, grads, norms):
                 if not torch.isfinite(n):
                     self._nonfinite[i] = _count_nonfinite(g)
