@@ -35,6 +35,8 @@ is one JSON object with every figure:
   f  in that run, the step that starts a checkpoint vs the median step
 
     PYTHONPATH=. python scripts/bench_record.py --case a,b,c,e,f [--steps N] [--params 250e6]
+
+Where the time of case c's recorded step goes, phase by phase: scripts/profile_record_step.py.
 """
 
 from __future__ import annotations
