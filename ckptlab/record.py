@@ -76,7 +76,7 @@ from ckptlab.training.state import (
     capture_train_state,
     is_compiled,
     restore_checkpoint,
-    rng_equal,
+    rng_fingerprint,
     snapshot,
 )
 from ckptlab.training.step import Trainee, scaler_argument
@@ -228,10 +228,12 @@ class Recorder:
         self._first_anomaly: int | None = None
         self._best: tuple[int, float] | None = None
         self._ckpt_steps: list[int] = []
-        self._rng_after_prev: dict | None = None
+        self._rng_after_prev: tuple | None = None  # rng_fingerprint() when the previous step ended
         self._force_rng = True
         self._pending_rng: Any = _WRITTEN  # the RNG states of a step whose batch is not yet written
-        self._step_rng: dict | None = None  # the RNG states the running step began in
+        # The RNG states the running step began in, when changed or when its batch comes later
+        # (begin_step without one: a checkpoint before record_batch gives them to the batch).
+        self._step_rng: dict | None = None
         self._closed = False
         self._pending = None  # a sharded checkpoint being written in the background
         self._live_snap: CapturedState | None = None  # a checkpoint written from live tensors
@@ -488,7 +490,7 @@ class Recorder:
         starts all the same (its checkpoint, its RNG states, the measuring) and
         `record_batch(batch, sample_ids)` records its batch once it is known (before its last
         micro-batch runs, so that a step that crashes there can be replayed)."""
-        measure = self._open_step()
+        measure = self._open_step(keep_start=batch is None)
         if batch is not None:
             self._append_batch(batch, sample_ids)
         self.trainee.begin(measure_update=measure)
@@ -546,10 +548,11 @@ class Recorder:
         self._append_batch(batch, sample_ids)
         return measure
 
-    def _open_step(self) -> bool:
+    def _open_step(self, keep_start: bool = False) -> bool:
         """Before step `next_step` runs: a checkpoint when one is due, and the RNG states it
-        starts in (kept for its batch record when they changed). Returns whether this step
-        measures its update."""
+        starts in (kept for its batch record when they changed; `keep_start`: kept anyway, for
+        a checkpoint taken before the batch is recorded). Returns whether this step measures
+        its update."""
         if self._closed:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
@@ -557,23 +560,28 @@ class Recorder:
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         self._await_snapshot()
         n = self.next_step
-        rng = capture_rng()
+        due = n == self.session_start or n % self.config.ckpt_every == 0
+        retake, self._retake = self._retake, False  # a live checkpoint that was torn: again, here
+        retake = retake and not due and n not in self._ckpt_steps
+        # A segment (and a replay) can start at a checkpoint: its first batch carries its RNG
+        # states whatever they are. Otherwise they are recorded when the loop drew random
+        # numbers since the last step ended: two fingerprints compared (~10 us), the states
+        # themselves captured only when they are recorded (or kept, `keep_start`).
+        forced = due or retake or self._force_rng or self._rng_after_prev is None
+        changed = forced or rng_fingerprint() != self._rng_after_prev
+        rng = capture_rng() if changed or keep_start else None
+        self._pending_rng = rng if changed else None
+        self._step_rng = rng
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         self._ckpt_wait = self._finish_sharded()
-        retake, self._retake = self._retake, False
-        if n == self.session_start or n % self.config.ckpt_every == 0:
+        if due:
             self._settle()  # the segment and the checkpoint's "healthy" flag need every step before
             self.writer.roll(n)
             if n not in self._ckpt_steps:
                 self._ckpt_wait += self._checkpoint(n, "start" if n == self.session_start else "periodic")
-            self._force_rng = True  # a segment (and a replay) can start here: self-contained RNG
-        elif retake and n not in self._ckpt_steps:
+        elif retake:
             self._settle()
             self._ckpt_wait += self._checkpoint(n, "retake")
-            self._force_rng = True
-        changed = self._force_rng or self._rng_after_prev is None or not rng_equal(rng, self._rng_after_prev)
-        self._pending_rng = rng if changed else None
-        self._step_rng = rng
         self._force_rng = False
         return n % self.config.health_every == 0
 
@@ -601,7 +609,7 @@ class Recorder:
         once, all but this step's when deferred). Returns this step's health when read."""
         n = self.next_step
         self._await_snapshot()
-        self._rng_after_prev = capture_rng()
+        self._rng_after_prev = rng_fingerprint()
         self._health_queue.append((n, pending, self._ckpt_wait, time.time()))
         self.next_step = n + 1
         return self._settle(keep=1 if self.deferred else 0)

@@ -35,6 +35,8 @@ is one JSON object with every figure:
   f  in that run, the step that starts a checkpoint vs the median step
 
     PYTHONPATH=. python scripts/bench_record.py --case a,b,c,e,f [--steps N] [--params 250e6]
+
+Where the time of case c's recorded step goes, phase by phase: scripts/profile_record_step.py.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ PHASES = {
         (RunWriter, "append_step"),
         (record.Recorder, "_anomalies"),
     ],
-    "RNG capture + compare": [(record, "capture_rng"), (record, "rng_equal")],
+    "RNG fingerprint + capture": [(record, "rng_fingerprint"), (record, "capture_rng")],
     "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
     "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
     "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],

@@ -102,3 +102,25 @@ def test_record_batch_needs_a_step_begun_without_one(run_dir):
         rec.begin_step()
         with pytest.raises(ckptlab.RecordError, match="before record_batch"):
             rec.end_step(1.0)
+
+
+def test_a_checkpoint_before_record_batch_gives_the_batch_the_states_its_step_began_in(run_dir):
+    """A step begun without its batch, whose RNG states did not change since the last step (so
+    none were due), checkpoints mid-step (a best validation) after drawing random numbers: the
+    batch, recorded after that, carries the states the step began in, not the ones at the
+    checkpoint, so a replay from there starts right."""
+    model, opt = models.build_mlp()
+    batches = list(models.mlp_batches(3))
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
+        for i, (batch, ids) in enumerate(batches):
+            rec.begin_step()
+            began = torch.get_rng_state()
+            if i == 2:
+                torch.rand(5)  # the validation's data loading draws
+                rec.log_validation(val_loss=1.0 / (i + 1))  # a new best: checkpointed here, mid-step
+            rec.record_batch(batch, ids)
+            rec.end_step(models.step_mlp(model, opt, batch))
+    run = ckptlab.open_run(run_dir)
+    assert 2 in run.checkpoints
+    assert run.batch_record(1).rng is None  # unchanged since step 0 ended: nothing recorded
+    assert torch.equal(run.batch_record(2).rng["torch"], began)

@@ -48,7 +48,13 @@ _NP_VIA_TORCH = set("?bBhHiIlLqQefd")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_NAMES: dict[torch.dtype, str] = {}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -149,11 +155,13 @@ class _Encoder:
         if t.is_complex():
             raise RecordError(f"{path}: complex tensors cannot be recorded yet")
         node: dict[str, Any] = {"t": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        if t.device.type != "cpu":
-            node["device"] = t.device.type
+        device = t.device.type
+        if device != "cpu":
+            node["device"] = device
+        data = t
         if t.requires_grad:
             node["requires_grad"] = True
-        data = t.detach()
+            data = t.detach()
         perm = _dense_permutation(data)
         if perm is None:
             node["strides_lost"] = True  # overlapping or gappy view: values exact, strides not
@@ -161,7 +169,8 @@ class _Encoder:
         elif perm != list(range(data.dim())):
             node["perm"] = perm  # stored as t.permute(perm), contiguous; restored exactly
             data = data.permute(perm)
-        data = data.to("cpu")
+        if device != "cpu":
+            data = data.to("cpu")
         if self.compact_ints and data.dtype in _INT_DTYPES and data.numel():
             data, stored = _compact(data)
             if stored is not None:
@@ -213,10 +222,10 @@ def _dense_permutation(t: torch.Tensor) -> list[int] | None:
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = (int(v) for v in torch.aminmax(t))
     for dtype, dmin, dmax in _COMPACT:
         if dmin <= lo and hi <= dmax:
-            if torch.iinfo(dtype).bits >= torch.iinfo(t.dtype).bits:
+            if dtype.itemsize >= t.dtype.itemsize:
                 return t, None
             return t.to(dtype), dtype
     return t, None

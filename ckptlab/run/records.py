@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -27,30 +28,58 @@ META_KEY = "ckptlab"
 NO_GRAD = -1.0
 
 
-def pack(meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
     """The record as safetensors bytes: the same bytes `safetensors.torch.save` writes
     (tests/run/test_records.py compares them), built here because the library's Python side
-    costs ~0.1 ms a call and a recorded step packs two records."""
-    metadata = {META_KEY: json.dumps(meta, separators=(",", ":"))}
-    if any(t.dtype not in _SAFETENSORS_DTYPES or t.is_sparse or t.device.type != "cpu" for t in tensors.values()):
-        return safetensors.torch.save(tensors, metadata=metadata)
+    costs ~0.1 ms a call and a recorded step packs two records. A value may also be a numpy
+    array (a step record's health arrays): stored as the tensor `torch.from_numpy` makes of it."""
+    metadata = {META_KEY: _JSON(meta)}
+    entries = []  # (rank of the dtype, name, safetensors dtype, shape, a C-contiguous array of the data)
+    for name, t in tensors.items():
+        entry = _entry(t)
+        if entry is None:
+            return safetensors.torch.save(_as_torch(tensors), metadata=metadata)
+        entries.append((-entry[0], name, *entry[1:]))
     # safetensors' order: dtype by its rank (descending), then name; data back to back.
-    order = sorted(tensors, key=lambda k: (-_SAFETENSORS_DTYPES[tensors[k].dtype][1], k))
+    entries.sort(key=lambda e: (e[0], e[1]))
     header: dict[str, Any] = {"__metadata__": metadata}
     chunks, offset = [], 0
-    for name in order:
-        t = tensors[name]
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype][0],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
+    for _, name, dtype, shape, data in entries:
+        n = data.nbytes
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         chunks.append(data)
-        offset += len(data)
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        offset += n
+    head = _JSON_HEADER(header).encode()
     head += b" " * (-len(head) % 8)
     return b"".join([struct.pack("<Q", len(head)), head, *chunks])
+
+
+# One encoder each, made once: json.dumps(..., separators=...) builds a new one per call.
+_JSON = json.JSONEncoder(separators=(",", ":")).encode
+_JSON_HEADER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def _entry(t) -> tuple[int, str, list[int], np.ndarray] | None:
+    """(rank, safetensors dtype, shape, data as a C-contiguous numpy array) of a dense CPU
+    tensor or numpy array that `pack` writes itself; None for anything else."""
+    if isinstance(t, np.ndarray):
+        spec = _NUMPY_DTYPES.get(t.dtype.str)
+        if spec is None:
+            return None
+        return spec[1], spec[0], list(t.shape), np.ascontiguousarray(t)
+    spec = _SAFETENSORS_DTYPES.get(t.dtype)
+    if spec is None or t.is_sparse or t.device.type != "cpu":
+        return None
+    t = t.detach()
+    if t.dtype in _VIA_NUMPY:
+        return spec[1], spec[0], list(t.shape), np.ascontiguousarray(t.numpy())
+    return spec[1], spec[0], list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _as_torch(tensors: dict) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v for k, v in tensors.items()
+    }
 
 
 # torch dtype -> (safetensors name, its rank in safetensors' Dtype enum, which orders the data)
@@ -69,6 +98,18 @@ _SAFETENSORS_DTYPES = {
     torch.int64: ("I64", 18),
     torch.uint64: ("U64", 19),
 }
+# Copied through numpy's own dtype (the same bytes, fewer calls); the others are viewed as bytes.
+_VIA_NUMPY = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.int32, torch.float32}
+_VIA_NUMPY |= {torch.float64, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+# numpy dtype (native byte order) -> the torch dtype's entry above
+_NUMPY_DTYPES = {
+    np.dtype(d).str: _SAFETENSORS_DTYPES[t]
+    for d, t in [
+        (np.bool_, torch.bool), (np.uint8, torch.uint8), (np.int8, torch.int8), (np.int16, torch.int16),
+        (np.float16, torch.float16), (np.int32, torch.int32), (np.float32, torch.float32),
+        (np.float64, torch.float64), (np.int64, torch.int64),
+    ]
+}  # fmt: skip
 
 
 def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -184,8 +225,7 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
 
 
 def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items() if v is not None}
-    return pack(_json_safe(scalars), tensors)
+    return pack(_json_safe(scalars), {k: v for k, v in arrays.items() if v is not None})
 
 
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -200,7 +240,7 @@ def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarr
 
 def _json_safe(d: Any) -> Any:
     """Non-finite floats as strings, so every record is standard JSON."""
-    if isinstance(d, float) and not np.isfinite(d):
+    if isinstance(d, float) and not math.isfinite(d):
         return repr(d)
     if isinstance(d, dict):
         return {k: _json_safe(v) for k, v in d.items()}
@@ -223,7 +263,7 @@ def _json_restore(d: Any) -> Any:
 
 
 def encode_json(meta: dict) -> bytes:
-    return json.dumps(_json_safe(meta), separators=(",", ":")).encode()
+    return _JSON(_json_safe(meta)).encode()
 
 
 def decode_json(payload: bytes, *, where: str) -> dict:

@@ -50,7 +50,7 @@ import torch
 from ckptlab.errors import RecordError
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.state import unwrap
-from ckptlab.training.world import World, local
+from ckptlab.training.world import World, is_sharded, local
 
 
 @dataclass
@@ -187,6 +187,10 @@ class StepProbe:
         named = named_parameters(model)
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # Where a step's norms can be stacked as they are (all parameters on one device), and
+        # whether gradients are DTensors whose local shard is what this rank measures.
+        self._one_device = len({p.device for p in self.params}) <= 1
+        self._sharded = any(is_sharded(p) for p in self.params)
         self.optimizer = optimizer
         self.scaler = scaler
         self.world = world or World()
@@ -208,7 +212,10 @@ class StepProbe:
             del _PROBES[self.optimizer]
 
     def _reset(self, measure_update: bool) -> None:
-        self._norms: dict[int, torch.Tensor] = {}  # parameter index -> its gradient's norm (0-d, device)
+        # The last measured backward: which parameters had a gradient (ascending indices) and
+        # their norms, one vector on one device (float32).
+        self._grad_idx: list[int] = []
+        self._grad_norms: torch.Tensor | None = None
         self._nonfinite: dict[int, int] = {}  # counted where it costs no sync (CPU)
         self._lr: list[float] | None = None
         self._before = None  # (norms of the weights, their sample or copy) before the update
@@ -230,16 +237,14 @@ class StepProbe:
         self._queued = False
         if not self._active:
             return
-        idx, grads = [], []
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                idx.append(i)
-                grads.append(local(p.grad.detach()))
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = self._detached([self.params[i].grad for i in idx])
         norms = _norms(grads)
-        self._norms = dict(zip(idx, norms))
+        self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
-        if grads and grads[0].device.type == "cpu" and not torch.stack(norms).isfinite().all():
+        # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
+        if grads and self._grad_norms.device.type == "cpu" and not math.isfinite(sum(self._grad_norms.tolist())):
             for i, g, n in zip(idx, grads, norms):
                 if not torch.isfinite(n):
                     self._nonfinite[i] = _count_nonfinite(g)
@@ -312,22 +317,21 @@ class StepProbe:
         value = loss_tensor(loss)
         self._active = False
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
-        # A gradient that arrived without a backward (e.g. assigned by hand): read it as it is now.
-        late = [i for i, p in enumerate(self.params) if i not in self._norms and p.grad is not None]
-        if late:
-            self._norms.update(zip(late, _norms([local(self.params[i].grad.detach()) for i in late])))
-        idx = sorted(self._norms)
+        idx, grad_norms = self._gradient_norms()
         meta: dict = {}
         parts: dict[str, slice] = {}  # name -> where its numbers sit in the one vector copied
         pieces: list[torch.Tensor] = []
 
-        def add(name: str, scalars: list[torch.Tensor]) -> None:
+        def add(name: str, scalars: list[torch.Tensor] | torch.Tensor) -> None:
             start = parts[next(reversed(parts))].stop if parts else 0
-            pieces.append(torch.stack(_on_one_device(scalars)) if scalars else torch.zeros(0))
+            if isinstance(scalars, torch.Tensor):  # already one vector
+                pieces.append(scalars)
+            else:
+                pieces.append(self._stack(scalars) if scalars else torch.zeros(0))
             parts[name] = slice(start, start + len(scalars))
 
-        add("loss", [value.reshape(())])
-        add("grad", [self._norms[i] for i in idx])
+        add("loss", value)
+        add("grad", grad_norms)
         if self._scale is not None:
             add("scale", [self._scale])
             add("scale_after", [self._scale_now()])  # after the step's scaler.update()
@@ -350,6 +354,31 @@ class StepProbe:
         }
         return PendingHealth(self, values, event, parts, meta)
 
+    def _gradient_norms(self) -> tuple[list[int], torch.Tensor]:
+        """The parameters with a gradient (ascending) and its norm, as one vector: those the
+        last backward measured, and any gradient that arrived without a backward (e.g.
+        assigned by hand), read as it is now."""
+        idx, norms = self._grad_idx, self._grad_norms
+        measured = set(idx)
+        late = [i for i, p in enumerate(self.params) if p.grad is not None and i not in measured]
+        if not late:
+            return idx, norms if norms is not None else torch.zeros(0)
+        by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
+        by_index.update(zip(late, _norms(self._detached([self.params[i].grad for i in late]))))
+        idx = sorted(by_index)
+        return idx, self._stack([by_index[i] for i in idx])
+
+    def _detached(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients as the norms take them: this rank's shard of a DTensor, and detached
+        when a backward with create_graph made them part of a graph (else they are as is)."""
+        if any(g.requires_grad for g in grads):
+            grads = [g.detach() for g in grads]
+        return [local(g) for g in grads] if self._sharded else grads
+
+    def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
+        """0-d tensors as one vector, on the first accelerator among their devices."""
+        return torch.stack(scalars if self._one_device else _on_one_device(scalars))
+
     def _health(self, values: np.ndarray, parts: dict, meta: dict, grads_live: bool) -> StepHealth:
         """This rank's numbers, combined with the other ranks' (one small all_gather when
         distributed), as the step's health. Host arithmetic only."""
@@ -362,43 +391,78 @@ class StepProbe:
         if has_update:
             d_sq = values[parts["d"]].astype(np.float64) ** 2 * meta["d_scale"] if "d" in parts else np.zeros(P)
             updates = [values[parts["w"]].astype(np.float64) ** 2, d_sq, values[parts["b"]].astype(np.float64) ** 2]
-        # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
-        row = np.concatenate([[value, has_update], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
-        rows = self.world.gather(row)
-        got = rows[:, 2 : 2 + P] >= 0  # NO_GRAD rows are negative
-        grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
-        combined = self.world.combine(grad_sq_all)
-        any_grad = got.any(axis=0)
-        norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
-        counts = rows[:, 2 + P : 2 + 2 * P]
-        # -1: non-finite, but the gradient was gone before it could be counted (a deferred read
-        # on a GPU); it counts as at least one element in the total.
-        unknown = (counts < 0).any(axis=0)
-        nonfinite_all = np.where(unknown, -1, np.where(counts > 0, counts, 0).sum(axis=0)).astype(np.int64)
-        present = combined[any_grad]
+        ranks = None  # distributed: (the mean loss, each rank's loss, each rank's local gradient norm)
+        total = grad_sq.sum() if not self.world.distributed and len(meta["idx"]) == P > 0 else math.nan
+        if math.isfinite(total):
+            # One rank, every parameter with a gradient, every norm finite (the usual step): what
+            # the general case computes, in fewer calls (its masks select all, its counts are 0).
+            norms = np.sqrt(grad_sq).astype(np.float32)
+            grad_norm, update_sq = math.sqrt(total), updates
+            nonfinite_all = np.zeros(P, dtype=np.int64) if not np.isfinite(norms).all() else None
+            counted = 0
+        else:
+            if self.world.distributed:
+                any_grad, combined, nonfinite_all, update_sq, ranks = self._combine_ranks(
+                    value, grad_sq, nonfinite, updates
+                )
+            else:  # one rank: the same numbers without the rows (the mean of one row is that row)
+                any_grad = grad_sq >= 0  # NO_GRAD is negative
+                combined = np.where(any_grad, grad_sq, 0.0)
+                # -1: non-finite, but the gradient was gone before it could be counted (a deferred
+                # read on a GPU); it counts as at least one element in the total.
+                nonfinite_all = np.where(nonfinite < 0, -1, np.where(nonfinite > 0, nonfinite, 0)).astype(np.int64)
+                update_sq = updates
+            norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
+            present = combined[any_grad]
+            grad_norm = float(np.sqrt(present.sum())) if present.size else float("nan")
+            counted = int(np.abs(nonfinite_all).sum())
+            if not (nonfinite_all.any() or not np.isfinite(norms).all()):
+                nonfinite_all = None  # recorded only for a step with something non-finite
         health = StepHealth(
-            loss=float(rows[:, 0].mean()) if self.world.distributed else value,
-            grad_norm=float(np.sqrt(present.sum())) if present.size else float("nan"),
+            loss=ranks[0] if ranks is not None else value,
+            grad_norm=grad_norm,
             param_grad_norm=norms,
-            nonfinite_grads=int(np.abs(nonfinite_all).sum()),
-            param_nonfinite=nonfinite_all if nonfinite_all.any() or not np.isfinite(norms).all() else None,
+            nonfinite_grads=counted,
+            param_nonfinite=nonfinite_all,
             lr=meta["lr"],
             stepped=meta["stepped"],
             grad_scale=scale,
             step_time=meta["step_time"],
             scaler_skipped=self._scaler_skipped(meta["stepped"], scale, values, parts),
         )
-        if self.world.distributed:
-            health.rank_loss = rows[:, 0].tolist()
-            health.rank_grad_norm = np.sqrt(grad_sq_all.sum(axis=1)).tolist()
-        if rows[0, 1]:
-            w_sq, d_sq, b_sq = (self.world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4))
+        if ranks is not None:
+            _, health.rank_loss, health.rank_grad_norm = ranks
+        if update_sq is not None:
+            w_sq, d_sq, b_sq = update_sq
             health.weight_norm = np.sqrt(w_sq).astype(np.float32)
             d, b = np.sqrt(d_sq), np.sqrt(b_sq)
             with np.errstate(divide="ignore", invalid="ignore"):
                 health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         return health
+
+    def _combine_ranks(self, value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates):
+        """Every rank's numbers (one small all_gather) combined: (which parameters have a
+        gradient on any rank, the squared gradient norms, the non-finite counts, the squared
+        weight / update / pre-update weight norms or None, (the ranks' mean loss, each rank's
+        loss, each rank's local gradient norm))."""
+        P = len(self.params)
+        # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
+        row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
+        rows = self.world.gather(row)
+        got = rows[:, 2 : 2 + P] >= 0  # NO_GRAD rows are negative
+        grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
+        combined = self.world.combine(grad_sq_all)
+        counts = rows[:, 2 + P : 2 + 2 * P]
+        # -1: non-finite, but the gradient was gone before it could be counted (a deferred read
+        # on a GPU); it counts as at least one element in the total.
+        unknown = (counts < 0).any(axis=0)
+        nonfinite_all = np.where(unknown, -1, np.where(counts > 0, counts, 0).sum(axis=0)).astype(np.int64)
+        update_sq = None
+        if rows[0, 1]:
+            update_sq = [self.world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4)]
+        ranks = float(rows[:, 0].mean()), rows[:, 0].tolist(), np.sqrt(grad_sq_all.sum(axis=1)).tolist()
+        return got.any(axis=0), combined, nonfinite_all, update_sq, ranks
 
     def _scaler_skipped(self, stepped: bool, scale: float | None, values: np.ndarray, parts: dict) -> bool:
         """The GradScaler skipped this step: `scaler.update()` backed the scale off (what it does,
@@ -412,17 +476,21 @@ class StepProbe:
     def _local_grads(self, norms: np.ndarray, meta: dict, scale: float | None, grads_live: bool):
         """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""
         P = len(self.params)
-        sq = np.full(P, NO_GRAD, dtype=np.float64)
         idx = meta["idx"]
         values = norms.astype(np.float64)
         if scale:
             values = values / scale
-        sq[idx] = values * values
+        if len(idx) == P:  # every parameter has a gradient (idx is ascending, without repeats)
+            sq = values * values
+        else:
+            sq = np.full(P, NO_GRAD, dtype=np.float64)
+            sq[idx] = values * values
         nonfinite = np.zeros(P, dtype=np.float64)
-        for i in idx:
-            if not np.isfinite(sq[i]):
-                known = meta["nonfinite"].get(i)
-                nonfinite[i] = known if known is not None else (self._count_now(i) if grads_live else -1)
+        if math.isfinite(sq.sum()):  # the common case, in one call (an overflow only means: look)
+            return sq, nonfinite
+        for i in np.flatnonzero(~np.isfinite(sq)).tolist():  # (NO_GRAD is finite: only measured ones)
+            known = meta["nonfinite"].get(i)
+            nonfinite[i] = known if known is not None else (self._count_now(i) if grads_live else -1)
         return sq, nonfinite
 
     def _count_now(self, i: int) -> int:
@@ -464,7 +532,7 @@ def _to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
     # non-blocking copy down into memory that is read before it lands).
     on = _on_one_device(pieces)
     first = on[0].device
-    values = torch.cat([p.float() for p in on])
+    values = torch.cat([p if p.dtype == torch.float32 else p.float() for p in on])
     if first.type != "cuda":
         return values.cpu(), None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
