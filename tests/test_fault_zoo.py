@@ -16,10 +16,7 @@ NEW = [s for s in SCENARIOS if s.new]
 FIELDS = ("root_step", "kind", "module", "parameter", "samples", "reproduced")
 
 # Known misses, kept so that the benchmark stays honest (docs/accuracy.md discusses each).
-MISSES = {
-    ("bad_weight_init", "parameter"): "a forward origin names its module and op, not the parameter "
-    "whose values made the op overflow",
-}
+MISSES: dict[tuple[str, str], str] = {}  # (scenario, field) -> why replay misses it (a strict xfail)
 
 
 @pytest.fixture(scope="module")

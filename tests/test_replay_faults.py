@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ckptlab
 from tests import fault_models as fm
@@ -124,3 +125,22 @@ def test_micro_batch_loop_without_trace_blames_the_row_that_fails_alone(run_dir)
     assert [s.sample_id for s in report.samples] == exp.sample_ids
     assert "alone" in report.samples[0].reason
     assert report.verdict.startswith(f"Step {exp.step}: row {exp.rows[0]} (sample {exp.sample_ids[0]}) alone")
+
+
+def test_an_outsized_weight_is_told_from_its_peers_or_its_default_init():
+    from ckptlab.replayer.blame import outsized_weight
+
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({"heads": torch.nn.ModuleList(torch.nn.Linear(16, 1) for _ in range(3))})
+    assert outsized_weight(heads, "heads.2") is None  # all three alike
+    with torch.no_grad():
+        heads["heads"][2].weight.mul_(1000)
+    name, why = outsized_weight(heads, "heads.2")
+    assert name == "heads.2.weight" and "its peers' (heads.0.weight, heads.1.weight)" in why
+    assert outsized_weight(heads, "heads.0") is None  # the others are not blamed
+    lone = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Embedding(100, 4096))
+    assert outsized_weight(lone, "") is None  # an Embedding's N(0, 1) init is not outsized
+    with torch.no_grad():
+        lone[0].weight.normal_(0, 100)
+    name, why = outsized_weight(lone, "0")
+    assert name == "0.weight" and "default init for fan-in 64" in why

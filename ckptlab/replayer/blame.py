@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 import warnings
 
@@ -31,7 +32,7 @@ from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.crash import is_step_error
 from ckptlab.training.probe import StepHealth, named_parameters
-from ckptlab.training.state import restore_snapshot
+from ckptlab.training.state import restore_snapshot, unwrap
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum
 # for the same field (median over the retained batches).
@@ -344,19 +345,27 @@ class Blame:
                 kind = "optimizer"
             elif ev.fp32_finite:  # the op overflowed in float16/bfloat16 only (trace.py)
                 kind = "precision"
+            if ev.phase == "forward" and ev.module is not None and kind == "numeric":
+                self.fresh()  # the weights the root step started with (the replays left theirs)
+            outsized = (
+                outsized_weight(unwrap(self.trainee.model), ev.module)
+                if ev.phase == "forward" and ev.module is not None and kind == "numeric"
+                else None
+            )
             o = Origin(
                 kind,
                 ev.phase,
                 ev.module,
                 ev.op,
-                param if ev.phase != "forward" else None,
+                param if ev.phase != "forward" else outsized[0] if outsized else None,
                 ev.source,
                 call=ev.call,
                 produced="NaN" if ev.new_nan else "Inf",
                 inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
                 detail=f"{ev.op} produced {'NaN' if ev.new_nan else 'Inf'} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
                 f"({', '.join(s.describe() for s in ev.inputs[:3])})"
-                + ("; in float32 the same op on the same inputs is finite" if kind == "precision" else ""),
+                + ("; in float32 the same op on the same inputs is finite" if kind == "precision" else "")
+                + (f"; `{outsized[0]}` {outsized[1]}" if outsized else ""),
                 dtype=ev.dtype,
             )
         else:
@@ -614,6 +623,64 @@ class Blame:
                 )
             )
         return out
+
+
+# --- parameters ------------------------------------------------------------------------------------
+
+# A weight this many times its peers' RMS (the same parameter in sibling modules: heads.0.fc.weight
+# for heads.2.fc.weight), or with no peers this many times the RMS of PyTorch's default init
+# (uniform in +-1/sqrt(fan_in)), is outsized: a bad init or a corrupted load, not training.
+OUTSIZED_VS_PEERS = 30.0
+OUTSIZED_VS_INIT = 100.0
+
+
+def outsized_weight(model, module: str) -> tuple[str, str] | None:
+    """(parameter name, why) for the weight of `module`'s subtree most out of scale with its
+    peers (or, without peers, with a default init), when one is: the forward op that went
+    non-finite in `module` did so because of that weight, not of its input."""
+    params = dict(named_parameters(model))
+    prefix = f"{module}." if module else ""
+    best = None
+    for name, p in params.items():
+        if not name.startswith(prefix) or p.dim() < 2 or not p.is_floating_point():
+            continue
+        rms = _rms(p)
+        if not math.isfinite(rms) or rms == 0:
+            continue
+        pattern = re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")))
+        peers = [
+            other for other, q in params.items() if other != name and q.shape == p.shape and pattern.fullmatch(other)
+        ]
+        peer_rms = [r for r in (_rms(params[o]) for o in peers) if math.isfinite(r) and r > 0]
+        if peer_rms:
+            typical = float(np.median(peer_rms))
+            ratio, against = rms / typical, f"its peers' ({', '.join(peers[:2])}{', ...' if len(peers) > 2 else ''})"
+            limit = OUTSIZED_VS_PEERS
+        elif _default_init_is_kaiming(model, name):
+            fan_in = p[0].numel()
+            typical = 1.0 / math.sqrt(3.0 * fan_in)
+            ratio, against, limit = rms / typical, f"a default init for fan-in {fan_in}", OUTSIZED_VS_INIT
+        else:
+            continue
+        if ratio > limit and (best is None or ratio > best[0]):
+            best = (ratio, name, f"has RMS {rms:.3g}, {ratio:.0f}x {against} ({typical:.3g})")
+    return (best[1], best[2]) if best else None
+
+
+def _default_init_is_kaiming(model, name: str) -> bool:
+    """The weight of a Linear or convolution (their default init is uniform in
+    +-1/sqrt(fan_in)); not an Embedding's (N(0, 1)) or a custom module's."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return attr == "weight" and isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
+
+
+def _rms(t) -> float:
+    with torch.no_grad():
+        return float(t.detach().float().pow(2).mean().sqrt())
 
 
 # --- rows -----------------------------------------------------------------------------------------

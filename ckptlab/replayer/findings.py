@@ -286,6 +286,12 @@ def _verdict(r: ReplayReport) -> str:
         else:
             rows = f" for {who}{more}" if r.samples else ""
             s = f"{lead}: {o.op}{at} produced {produced} from {inputs}{rows}."
+        why = next(
+            (part for part in (o.detail or "").split("; ") if o.parameter and part.startswith(f"`{o.parameter}` ")),
+            None,
+        )
+        if o.phase == "forward" and why:  # the op's own weights are out of scale: a bad init or load
+            s += f" Its weight {why} (a bad initialization or load?)."
     elif o.kind == "precision" and o.op is not None:
         rows = f" for {who}{more}" if r.samples else ""
         s = (
