@@ -94,14 +94,6 @@ def test_a_killed_rank_leaves_the_others_records_intact(tmp_path):
     assert report.deterministic and not report.fault_recorded
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    done = torchrun(run_dir, "fsdp")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run_dir
-
-
 def test_fsdp_checkpoints_are_committed_dcp_shards(fsdp_run):
     run = ckptlab.open_run(fsdp_run)
     assert run.manifest["layout"] == "sharded" and run.world_size == 2
