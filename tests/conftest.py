@@ -11,3 +11,21 @@ os.environ.setdefault("CKPTLAB_DEBUG", "0")
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def fsdp_run(tmp_path_factory):
+    """A 2-process FSDP2 run (tests/dist_models.py), recorded once for the session and shared by
+    test_distributed.py and test_rollback_sharded.py: read it, or copy it before writing."""
+    from tests.test_distributed import torchrun
+
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    done = torchrun(run_dir, "fsdp")
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = _tree_bytes(run_dir)
+    yield run_dir
+    assert _tree_bytes(run_dir) == before, "a test changed the shared fsdp_run: copy it first"
+
+
+def _tree_bytes(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -1,23 +1,20 @@
 """Batches stored by reference: the run keeps sample ids and a digest; replay rebuilds each
 batch with the recorded batch_fn, proves it is the recorded one, and blames the sample."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import ckptlab
 from ckptlab.run.records import batch_digest
 from tests import ref_models as rm
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def _batch_log_bytes(run_dir) -> int:
     return sum(p.stat().st_size for p in (run_dir / "batches").rglob("*") if p.is_file())
 
 
-def test_batches_by_reference_are_small_and_replay_names_the_sample(run_dir, tmp_path):
+def test_batches_by_reference_are_small_and_replay_names_the_sample(run_dir, tmp_path, cli):
     rm.record(run_dir)
     whole = tmp_path / "whole"
     rm.record(whole, by_reference=False)
@@ -27,16 +24,12 @@ def test_batches_by_reference_are_small_and_replay_names_the_sample(run_dir, tmp
     assert batch is None and ids == rm.ids(17)
     assert run.batch_record(17).ref["sha256"] == batch_digest(rm.batch_fn(rm.ids(17), 17))
 
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", "17", "--json", "--budget", "0"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
+    out = cli("replay", "--run", run_dir, "--step", 17, "--json", "--budget", 0)
+    assert out.code == 0, out.err
+    doc = out.json()
     assert doc["root_step"] == 17 and doc["reproduced"] and doc["deterministic"]
     assert [s["sample_id"] for s in doc["samples"]] == [rm.BAD_SAMPLE]
-    assert "running batch_fn from" in out.stderr
+    assert "running batch_fn from" in out.err
 
 
 def test_a_rebuilt_batch_that_differs_is_an_error_naming_the_step(run_dir, monkeypatch):

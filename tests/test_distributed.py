@@ -94,14 +94,6 @@ def test_a_killed_rank_leaves_the_others_records_intact(tmp_path):
     assert report.deterministic and not report.fault_recorded
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    done = torchrun(run_dir, "fsdp")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run_dir
-
-
 def test_fsdp_checkpoints_are_committed_dcp_shards(fsdp_run):
     run = ckptlab.open_run(fsdp_run)
     assert run.manifest["layout"] == "sharded" and run.world_size == 2
@@ -187,14 +179,21 @@ def test_rollback_exports_a_sharded_checkpoint_loadable_without_ckptlab(fsdp_run
     assert opt.state_dict()["state"][0]["exp_avg"].shape == (16, 8)
 
 
-def test_replay_json_stdout_stays_clean_when_the_ranks_print(ddp_run):
-    """The DDP run's build_fn/step_fn write to fd 1, in the CLI's process and in the worker
-    processes it spawns (which inherit fd 1): all of it on stderr, one document on stdout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "ckptlab", "replay", "--run", str(ddp_run), "--step", str(dm.NAN_STEP), "--json"]
-    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    doc = json.loads(out.stdout)
+def test_replay_json_stdout_stays_clean_when_the_ranks_print(ddp_run, capfd):
+    """The DDP run's build_fn/step_fn write to fd 1, in the CLI's process (here, in-process under
+    fd capture) and in the worker processes it spawns (which inherit fd 1): all of it on stderr,
+    one document on stdout."""
+    from ckptlab.cli import main
+
+    capfd.readouterr()
+    try:
+        main(["replay", "--run", str(ddp_run), "--step", str(dm.NAN_STEP), "--json"])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    doc = json.loads(out)
     assert doc["root_step"] == dm.NAN_STEP and doc["rank"] == dm.NAN_RANK
-    assert out.stderr.count("chatty ddp build_fn") >= 3  # this process, and each rank's worker
-    assert "chatty ddp step_fn" in out.stderr
+    assert err.count("chatty ddp build_fn") >= 3  # this process, and each rank's worker
+    assert "chatty ddp step_fn" in err

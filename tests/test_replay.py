@@ -1,8 +1,6 @@
 """Replay is bit-exact, survives resumes, and fails clearly on bad input."""
 
 import importlib
-import json
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +9,7 @@ import pytest
 import ckptlab
 from tests import fault_models as fm
 from tests import models
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def test_every_replayed_loss_equals_the_record(run_dir):
@@ -107,36 +106,32 @@ def test_changed_source_is_reported(tmp_path, run_dir):
     assert report.deterministic  # the edit was harmless
 
 
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ckptlab", *args], capture_output=True, text=True, cwd=cwd)
-
-
-def test_cli_json_and_errors(run_dir):
+def test_cli_json_and_errors(run_dir, cli):
     exp = fm.record_input_nan(run_dir)
-    ok = _cli("replay", "--run", str(run_dir), "--step", str(exp.symptom), "--json")
-    assert ok.returncode == 0, ok.stderr
-    doc = json.loads(ok.stdout)
+    ok = cli("replay", "--run", run_dir, "--step", exp.symptom, "--json")
+    assert ok.code == 0, ok.err
+    doc = ok.json()
     assert doc["root_step"] == 27 and doc["samples"][0]["sample_id"] == 2704
-    text = _cli("replay", "--run", str(run_dir), "--step", str(exp.symptom))
-    assert text.returncode == 0 and text.stdout.startswith("Step 27: the batch itself carries non-finite values")
-    bad = _cli("replay", "--run", str(run_dir), "--step", "500")
-    assert bad.returncode == 1 and bad.stdout == ""
-    assert bad.stderr.strip().count("\n") == 0 and "step 500 was not recorded" in bad.stderr
-    usage = _cli("replay", "--run", str(run_dir))
-    assert usage.returncode == 2
+    text = cli("replay", "--run", run_dir, "--step", exp.symptom)
+    assert text.code == 0 and text.out.startswith("Step 27: the batch itself carries non-finite values")
+    bad = cli("replay", "--run", run_dir, "--step", 500)
+    assert bad.code == 1 and bad.out == ""
+    assert bad.err.strip().count("\n") == 0 and "step 500 was not recorded" in bad.err
+    usage = cli("replay", "--run", run_dir)
+    assert usage.code == 2
 
 
-def test_compiled_model_and_printing_build_fn(run_dir):
+def test_compiled_model_and_printing_build_fn(run_dir, cli):
     models.record_run(run_dir, models.build_compiled_noisy, models.step_mlp, models.mlp_batches(12), ckpt_every=5)
     run = ckptlab.open_run(run_dir)
     assert run.param_names[0] == "fc1.weight"  # no _orig_mod. prefix in the run
     tensors, _ = run.checkpoint(10).load_model()
     assert "fc1.weight" in tensors
-    out = _cli("replay", "--run", str(run_dir), "--step", "11", "--json")
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)  # the build_fn's print went to stderr, not into the JSON
+    out = cli("replay", "--run", run_dir, "--step", 11, "--json")
+    assert out.code == 0, out.err
+    doc = out.json()  # the build_fn's print went to stderr, not into the JSON
     assert doc["deterministic"] is True
-    assert "chatty build_fn" in out.stderr
+    assert "chatty build_fn" in out.err
 
 
 def test_verdict_of_an_op_fault_with_no_row_to_blame():

@@ -1,14 +1,11 @@
 """Replay finds the root step, module, op and data sample of each planted fault."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import ckptlab
 from tests import fault_models as fm
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 SAMPLE_FAULTS = [
     "input_nan",
@@ -89,7 +86,7 @@ def test_json_has_the_contract_keys(run_dir):
     assert doc["samples"][0] == {**doc["samples"][0], "row": 5, "sample_id": 1205}
 
 
-def test_micro_batch_loop_blames_the_row_in_json_and_cli(run_dir):
+def test_micro_batch_loop_blames_the_row_in_json_and_cli(run_dir, cli):
     """A nanoGPT-shaped step_fn: one-row micro-batches, one of them all ignore_index (0/0)."""
     exp = fm.record_micro_batch_ignored_targets(run_dir)
     doc = ckptlab.replay(run_dir, exp.symptom).to_json()
@@ -97,16 +94,12 @@ def test_micro_batch_loop_blames_the_row_in_json_and_cli(run_dir):
     assert doc["origin"]["kind"] == "numeric" and doc["origin"]["op"] == "aten.nll_loss_forward.default"
     assert doc["samples"][0]["sample_id"] == exp.sample_ids[0] and doc["samples"][0]["row"] == exp.rows[0]
     assert "empty" in doc["samples"][0]["reason"] and str(exp.sample_ids[0]) in doc["verdict"]
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(exp.symptom), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    cli = json.loads(out.stdout)
-    assert cli["root_step"] == exp.step and cli["origin"]["kind"] == "numeric"
-    assert cli["samples"][0]["sample_id"] == exp.sample_ids[0]
-    assert cli["verdict"] == doc["verdict"]
+    out = cli("replay", "--run", run_dir, "--step", exp.symptom, "--json")
+    assert out.code == 0, out.err
+    shown = out.json()
+    assert shown["root_step"] == exp.step and shown["origin"]["kind"] == "numeric"
+    assert shown["samples"][0]["sample_id"] == exp.sample_ids[0]
+    assert shown["verdict"] == doc["verdict"]
 
 
 def test_ignored_labels_are_not_out_of_range_token_ids(run_dir):

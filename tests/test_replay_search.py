@@ -1,13 +1,10 @@
 """The deeper searches of replay (ckptlab/replayer/search.py): the minimal culprit and its
 transplant into a healthy batch, the earlier step that doomed the root step, and the budget."""
 
-import json
-import subprocess
-import sys
-
 import ckptlab
 from ckptlab.replayer.search import Budget, ddmin
 from tests import fault_models as fm
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def test_ddmin_finds_a_one_minimal_subset_within_its_budget():
@@ -54,17 +51,13 @@ def test_a_fault_doomed_by_an_earlier_step_names_that_step(run_dir):
     assert "without step 21, step 22 does not fault" in report.verdict
 
 
-def test_budget_zero_skips_the_searches_and_a_small_one_says_it_ran_out(run_dir):
+def test_budget_zero_skips_the_searches_and_a_small_one_says_it_ran_out(run_dir, cli):
     exp = fm.record_delayed_scale(run_dir)
     none = ckptlab.replay(run_dir, exp.symptom, budget=0)
     assert none.culprit is None and none.rewind is None and none.budget is None
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", "22", "--budget", "2", "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
+    out = cli("replay", "--run", run_dir, "--step", 22, "--budget", 2, "--json")
+    assert out.code == 0, out.err
+    doc = out.json()
     assert doc["budget"]["used"] == 2 and doc["budget"]["ran_out"]
     assert "budget" in doc["verdict"]
 

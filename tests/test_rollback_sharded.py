@@ -23,14 +23,6 @@ from tests.test_rollback import KillAt, frames_under
 K = 10  # rewind to checkpoint 10: checkpoint 15 moves, segments from 10 on move (journal, both ranks)
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fsdp-rb") / "run"
-    done = torchrun(run_dir, "fsdp")
-    assert done.returncode == 0, done.stderr[-2000:]
-    return run_dir
-
-
 class KillAnyOp(KillAt):
     OPS = ("rename", "replace", "link", "mkdir")  # mkdir: the folders inside a checkpoint (dcp/)
 

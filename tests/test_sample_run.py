@@ -1,21 +1,16 @@
 """The README's main job: the bundled sample run replays to its cause from a fresh install."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan"
 
 
-def test_bundled_sample_points_at_the_empty_document():
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptlab", "replay", "--run", str(SAMPLE), "--step", "5432", "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
+def test_bundled_sample_points_at_the_empty_document(cli):
+    out = cli("replay", "--run", SAMPLE, "--step", 5432, "--json")
+    assert out.code == 0, out.err
+    doc = out.json()
     assert doc["requested_step"] == 5432 and doc["root_step"] == 5431 and doc["reproduced"]
     assert doc["origin"]["module"] == "blocks.0.attn" and doc["origin"]["op"] == "aten._softmax.default"
     assert doc["origin"]["source"].startswith("tiny_lm.py:")
@@ -25,11 +20,9 @@ def test_bundled_sample_points_at_the_empty_document():
     # sample was recorded elsewhere, where a different CPU may round differently.
 
 
-def test_bundled_sample_is_intact():
-    out = subprocess.run(
-        [sys.executable, "-m", "ckptlab", "info", "--run", str(SAMPLE), "--json"], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
+def test_bundled_sample_is_intact(cli):
+    out = cli("info", "--run", SAMPLE, "--json")
+    assert out.code == 0, out.err
+    doc = out.json()
     assert all(c["verified"] for c in doc["checkpoints"])
     assert doc["steps"]["last"] == 5432

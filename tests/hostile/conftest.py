@@ -3,17 +3,22 @@
 Every case runs the real CLI in a child process under a memory limit (RLIMIT_AS) and a
 timeout, and expects the standard for bad input: exit 1, one line on stderr naming the file
 and the problem (no traceback, no "internal error"), the input's bytes unchanged, and time and
-memory bounded by the bytes on disk.
+memory bounded by the bytes on disk. The children are forked from one process that imported
+torch once (tests/hostile/zygote.py), so that a case does not pay torch's import.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import json
 import os
-import resource
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,31 +39,75 @@ class Result:
     seconds: float
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-
 def run_cli(*args, timeout: float = TIMEOUT) -> Result:
     """`python -m ckptlab ARGS` in a child process with bounded memory and time."""
     return run_python("-m", "ckptlab", *args, timeout=timeout)
 
 
 def run_python(*args, timeout: float = TIMEOUT) -> Result:
-    """`python ARGS` in a child process with bounded memory and time."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CKPTLAB_DEBUG", None)
-    env.pop("CKPTLAB_RUN", None)
-    start = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        preexec_fn=_limit_memory,
-        cwd=ROOT,
-    )
-    return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - start)
+    """`python ARGS` in a child process with bounded memory and time: a child forked from a
+    process that has imported torch already (tests/hostile/zygote.py), under RLIMIT_AS."""
+    return _zygote().run([str(a) for a in args], timeout)
+
+
+class Zygote:
+    def __init__(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop("CKPTLAB_DEBUG", None)
+        env.pop("CKPTLAB_RUN", None)
+        self.dir = Path(tempfile.mkdtemp(prefix="ckptlab-hostile-"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from tests.hostile import zygote; zygote.serve({MEMORY_LIMIT})"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.dir / "zygote.err", "wb"),
+            env=env,
+            cwd=ROOT,
+        )
+        atexit.register(self.close)
+
+    def _line(self, word: str) -> int:
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith(word + " "), f"the zygote died: {(self.dir / 'zygote.err').read_text()[-3000:]}"
+        return int(line.split()[1])
+
+    def run(self, argv: list[str], timeout: float) -> Result:
+        out, err = self.dir / "out", self.dir / "err"
+        start = time.monotonic()
+        self.proc.stdin.write((json.dumps({"argv": argv, "out": str(out), "err": str(err)}) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = self._line("pid")
+        timer = threading.Timer(timeout, _kill, (pid,))
+        timer.start()
+        status = self._line("exit")
+        timer.cancel()
+        seconds = time.monotonic() - start
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and seconds >= timeout:
+            raise subprocess.TimeoutExpired(["python", *argv], timeout)
+        return Result(os.waitstatus_to_exitcode(status), out.read_text(), err.read_text(), seconds)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_ZYGOTE: Zygote | None = None
+
+
+def _zygote() -> Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.proc.poll() is not None:
+        _ZYGOTE = Zygote()
+    return _ZYGOTE
 
 
 def tree_hash(path: Path) -> dict[str, str]:

@@ -10,7 +10,7 @@ import zlib
 from pathlib import Path
 
 from ckptlab.run import framelog
-from tests.hostile.conftest import refused, run_cli, tree_hash
+from tests.hostile.conftest import MEMORY_LIMIT, refused, run_cli, tree_hash
 
 DEEP = "[" * 200_000 + "]" * 200_000  # any JSON parser recurses once per level
 
@@ -88,7 +88,7 @@ def test_commit_json_pointing_outside_the_checkpoint(sample_run, tmp_path):
 def test_manifest_naming_a_huge_source_file(sample_run, tmp_path):
     huge = tmp_path / "huge.py"
     with open(huge, "wb") as f:
-        f.truncate(3 << 30)  # sparse: 3 GiB, more than the child's address space limit
+        f.truncate(MEMORY_LIMIT + (64 << 20))  # sparse, and more than the child's address space limit
     manifest = json.loads((sample_run / "manifest.json").read_text())
     manifest["functions"]["build_fn"]["file"] = str(huge)
     (sample_run / "manifest.json").write_text(json.dumps(manifest))

@@ -277,7 +277,7 @@ def build_wide():
 
 
 def step_wide(model, optimizer, batch):
-    loss = model(batch[0]).pow(2).mean()
+    loss = model(batch[0][:4]).pow(2).mean()  # a few rows: what matters is the checkpoint's size
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
