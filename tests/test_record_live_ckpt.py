@@ -28,13 +28,13 @@ def small_tensors_live(monkeypatch):
 def slow_writes(monkeypatch):
     """Each checkpoint file is written 0.3 s late: long after the step's optimizer wants to
     change the tensors it is written from."""
-    real = checkpoint_mod.safetensors.torch.save_file
+    real = checkpoint_mod.write_safetensors
 
-    def slow(tensors, path, metadata=None):
+    def slow(path, tensors, metadata):
         time.sleep(0.2)
-        return real(tensors, path, metadata=metadata)
+        return real(path, tensors, metadata)
 
-    monkeypatch.setattr(checkpoint_mod.safetensors.torch, "save_file", slow)
+    monkeypatch.setattr(checkpoint_mod, "write_safetensors", slow)
 
 
 def record(run_dir, batches, step_fn=models.step_mlp, **kw):
@@ -104,14 +104,15 @@ def test_training_thread_runs_forward_and_backward_while_the_checkpoint_is_writt
 ):
     """The checkpoint's write overlaps the step: the optimizer waits, the forward pass does not."""
     written, seen = [], []
-    real = checkpoint_mod.safetensors.torch.save_file
+    real = checkpoint_mod.write_safetensors
 
-    def slow(tensors, path, metadata=None):
+    def slow(path, tensors, metadata):
         time.sleep(0.2)
-        real(tensors, path, metadata=metadata)
+        record = real(path, tensors, metadata)
         written.append(path.name)
+        return record
 
-    monkeypatch.setattr(checkpoint_mod.safetensors.torch, "save_file", slow)
+    monkeypatch.setattr(checkpoint_mod, "write_safetensors", slow)
     model, opt = models.build_mlp()
     model.fc2.register_forward_hook(lambda *_: seen.append(len(written)))
     with ckptlab.Recorder(tmp_path / "run", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:

@@ -15,11 +15,13 @@ parses": an interrupted safetensors write can leave a full-length file of zeros 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -43,7 +45,7 @@ from ckptlab.run.layout import (
     fsync_path,
     parse_checkpoint,
 )
-from ckptlab.run.records import META_KEY
+from ckptlab.run.records import META_KEY, layout
 
 
 @dataclass
@@ -95,13 +97,16 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
         tmp = root / f".tmp-{checkpoint_name(captured.step)}-{os.getpid()}-{time.monotonic_ns()}"
         tmp.mkdir()
         try:
-            safetensors.torch.save_file(
-                captured.model, tmp / MODEL_FILE, metadata={"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
-            )
-            write_state_file(tmp, captured)
+            files = {
+                MODEL_FILE: write_safetensors(
+                    tmp / MODEL_FILE, captured.model, {"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
+                ),
+                STATE_FILE: write_state_file(tmp, captured),
+            }
             if not captured.release():
                 raise TornSnapshot(captured.step)
-            files = {name: file_record(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+            for name in files:
+                fsync_path(tmp / name)
             return finish_commit(tmp, captured.step, files, captured.info)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -110,10 +115,53 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
         captured.release()  # never leave training waiting, whatever failed
 
 
-def write_state_file(folder: Path, captured: CapturedState) -> None:
-    safetensors.torch.save_file(
-        captured.state_tensors, folder / STATE_FILE, metadata={META_KEY: json.dumps(captured.state_spec)}
-    )
+def write_state_file(folder: Path, captured: CapturedState) -> dict:
+    """state.safetensors; returns its {bytes, sha256} (not yet fsynced)."""
+    return write_safetensors(folder / STATE_FILE, captured.state_tensors, {META_KEY: json.dumps(captured.state_spec)})
+
+
+# A checkpoint file is written in pieces of STREAM_CHUNK, hashed as it goes (no second read),
+# and past STREAM_SYNC bytes flushed to disk and dropped from the page cache every STREAM_SYNC:
+# the kernel then reuses a few hundred MB of page cache for the whole file instead of taking
+# gigabytes of fresh memory for it (on a VM that hands freed memory back to its host, fresh
+# memory costs ~2 s a GB), and the training thread's memory is left alone.
+STREAM_CHUNK = 32 << 20
+STREAM_SYNC = 256 << 20
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> dict:
+    """Write `tensors` as the safetensors file `safetensors.torch.save_file` writes; returns
+    {bytes, sha256} of what was written. The caller fsyncs the file."""
+    laid = layout(tensors, metadata)
+    if laid is None:  # a dtype we do not lay out ourselves: the library writes it, we hash it
+        safetensors.torch.save_file(tensors, path, metadata=metadata)
+        return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    head, chunks = laid
+    total = len(head) + sum(c.nbytes for c in chunks)
+    h = hashlib.sha256()
+    written = synced = 0
+    # The hash runs beside the writes, one piece behind (hashlib and file writes both release
+    # the GIL): the file costs about the longer of the two, not their sum.
+    with open(path, "xb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as hasher:
+        fd = f.fileno()
+        hashed = None
+        for data in (head, *chunks):
+            view = memoryview(data).cast("B")
+            for i in range(0, len(view), STREAM_CHUNK):
+                piece = view[i : i + STREAM_CHUNK]
+                if hashed is not None:
+                    hashed.result()  # in order, and at most one piece ahead
+                hashed = hasher.submit(h.update, piece)
+                while piece:  # (a regular file takes it all; a signal may cut a write short)
+                    n = f.write(piece)
+                    piece, written = piece[n:], written + n
+                if total > STREAM_SYNC and written - synced >= STREAM_SYNC:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, synced, written - synced, os.POSIX_FADV_DONTNEED)
+                    synced = written
+        if hashed is not None:
+            hashed.result()
+    return {"bytes": written, "sha256": h.hexdigest()}
 
 
 def file_record(path: Path) -> dict:

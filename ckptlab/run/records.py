@@ -34,11 +34,22 @@ def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
     costs ~0.1 ms a call and a recorded step packs two records. A value may also be a numpy
     array (a step record's health arrays): stored as the tensor `torch.from_numpy` makes of it."""
     metadata = {META_KEY: _JSON(meta)}
+    laid = layout(tensors, metadata)
+    if laid is None:
+        return safetensors.torch.save(_as_torch(tensors), metadata=metadata)
+    head, chunks = laid
+    return b"".join([head, *chunks])
+
+
+def layout(tensors: dict, metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]] | None:
+    """What `safetensors.torch.save(tensors, metadata)` writes, as (the 8-byte length and the
+    header, then the data of each tensor in file order: numpy views of the tensors' own memory
+    where they are contiguous); None when a tensor is of a kind this does not lay out itself."""
     entries = []  # (rank of the dtype, name, safetensors dtype, shape, a C-contiguous array of the data)
     for name, t in tensors.items():
         entry = _entry(t)
         if entry is None:
-            return safetensors.torch.save(_as_torch(tensors), metadata=metadata)
+            return None
         entries.append((-entry[0], name, *entry[1:]))
     # safetensors' order: dtype by its rank (descending), then name; data back to back.
     entries.sort(key=lambda e: (e[0], e[1]))
@@ -51,7 +62,7 @@ def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
         offset += n
     head = _JSON_HEADER(header).encode()
     head += b" " * (-len(head) % 8)
-    return b"".join([struct.pack("<Q", len(head)), head, *chunks])
+    return struct.pack("<Q", len(head)) + head, chunks
 
 
 # One encoder each, made once: json.dumps(..., separators=...) builds a new one per call.

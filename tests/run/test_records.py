@@ -2,6 +2,7 @@
 
 import json
 
+import safetensors
 import safetensors.torch
 import torch
 
@@ -37,3 +38,30 @@ def test_pack_is_byte_for_byte_what_safetensors_writes():
 def test_pack_without_tensors():
     meta = {"step": 1}
     assert records.pack(meta, {}) == safetensors.torch.save({}, metadata={records.META_KEY: '{"step":1}'})
+
+
+def test_a_streamed_checkpoint_file_is_the_librarys_bytes_and_hash(tmp_path, monkeypatch):
+    """write_safetensors: what safetensors.torch.save_file writes, byte for byte, in pieces
+    (flushed and dropped from the page cache as it goes), hashed as written."""
+    import hashlib
+
+    from ckptlab.run import checkpoint
+
+    monkeypatch.setattr(checkpoint, "STREAM_CHUNK", 1000)  # many pieces, and syncs, on a small file
+    monkeypatch.setattr(checkpoint, "STREAM_SYNC", 4096)
+    tensors = {
+        "w": torch.randn(64, 33),
+        "b": torch.arange(7, dtype=torch.int64),
+        "h": torch.randn(5, 3).to(torch.bfloat16),
+        "m": torch.tensor([True, False]),
+    }
+    meta = {"format": "pt"}  # one key: the library orders several as its hash map does (at random)
+    record = checkpoint.write_safetensors(tmp_path / "ours.safetensors", tensors, meta)
+    safetensors.torch.save_file(tensors, tmp_path / "lib.safetensors", metadata=meta)
+    ours, lib = (tmp_path / "ours.safetensors").read_bytes(), (tmp_path / "lib.safetensors").read_bytes()
+    assert ours == lib
+    two = {"format": "pt", "ckptlab.aliases": "{}"}
+    checkpoint.write_safetensors(tmp_path / "two.safetensors", tensors, two)
+    with safetensors.safe_open(tmp_path / "two.safetensors", framework="pt") as f:
+        assert f.metadata() == two
+    assert record == {"bytes": len(ours), "sha256": hashlib.sha256(ours).hexdigest()}
