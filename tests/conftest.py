@@ -1,7 +1,10 @@
+import json
 import os
 
 import pytest
 import torch
+
+from ckptlab.cli import main
 
 # Tests run on the CPU with a fixed thread count: replay must match bits recorded here.
 torch.set_num_threads(1)
@@ -29,3 +32,31 @@ def fsdp_run(tmp_path_factory):
 
 def _tree_bytes(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- the `ckptlab` command, in-process ---------------------------------------------------------
+
+
+class Result:
+    def __init__(self, code, out, err):
+        self.code, self.out, self.err = code, out, err
+
+    def json(self):
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run `ckptlab ARGS...` in-process; returns exit code, stdout and stderr."""
+
+    def invoke(*args):
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return invoke

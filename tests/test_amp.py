@@ -11,7 +11,6 @@ import math
 import pytest
 
 import ckptlab
-from ckptlab.cli import main
 from ckptlab.errors import RecordError, ReplayError
 from ckptlab.training import state
 from tests import amp_models as am
@@ -27,17 +26,7 @@ def fp16_run(tmp_path_factory):
     return run_dir
 
 
-def cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().out
-
-
-def test_scaler_skips_are_recorded_as_skipped_not_as_faults(fp16_run, capsys):
+def test_scaler_skips_are_recorded_as_skipped_not_as_faults(fp16_run, cli):
     run = ckptlab.open_run(fp16_run)
     m = run.metrics()
     skipped = [int(s) for s in m.step[m.scaler_skipped]]
@@ -48,13 +37,15 @@ def test_scaler_skips_are_recorded_as_skipped_not_as_faults(fp16_run, capsys):
     # the only recorded anomaly is the planted overflow's loss
     assert [(e["step"], e["kind"]) for e in run.events()] == [(PLANTED, "nonfinite_loss")]
 
-    code, out = cli(capsys, "report", "--run", fp16_run, "--json")
+    r = cli("report", "--run", fp16_run, "--json")
+    code, out = r.code, r.out
     assert code == 0
     kinds = {f["kind"]: f for f in json.loads(out)["findings"]}
     assert "nonfinite_gradient" not in kinds
     assert kinds["scaler_skips"]["steps"][:3] == [0, 1, 2]
 
-    code, out = cli(capsys, "dirty", "--run", fp16_run, "--json", "--no-attribute")
+    r = cli("dirty", "--run", fp16_run, "--json", "--no-attribute")
+    code, out = r.code, r.out
     assert code == 0
     flagged = {f["step"] for f in json.loads(out)["steps"]}
     assert flagged.isdisjoint(skipped[:-1])  # the skips before the fault are not flagged
@@ -64,8 +55,9 @@ def test_scaler_skips_are_recorded_as_skipped_not_as_faults(fp16_run, capsys):
     assert "healthy" in report.verdict
 
 
-def test_float16_only_overflow_is_named_precision(fp16_run, capsys):
-    code, out = cli(capsys, "replay", "--run", fp16_run, "--step", PLANTED, "--json")
+def test_float16_only_overflow_is_named_precision(fp16_run, cli):
+    r = cli("replay", "--run", fp16_run, "--step", PLANTED, "--json")
+    code, out = r.code, r.out
     assert code == 0
     doc = json.loads(out)
     assert doc["root_step"] == PLANTED and doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
@@ -112,10 +104,11 @@ def test_a_step_fn_that_takes_a_scaler_needs_one(run_dir):
     assert not run_dir.exists()  # refused before anything was written
 
 
-def test_bfloat16_autocast_records_and_replays_bit_exact(run_dir, capsys):
+def test_bfloat16_autocast_records_and_replays_bit_exact(run_dir, cli):
     losses = am.record(run_dir, am.build_bf16, am.step_bf16, steps=16, plant={13: (2, float("nan"))})
     assert len(losses) == 14
-    code, out = cli(capsys, "replay", "--run", run_dir, "--step", 13, "--json")
+    r = cli("replay", "--run", run_dir, "--step", 13, "--json")
+    code, out = r.code, r.out
     assert code == 0
     doc = json.loads(out)
     assert doc["root_step"] == 13 and doc["deterministic"] and doc["bit_exact"]

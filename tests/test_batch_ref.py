@@ -7,7 +7,6 @@ import torch
 import ckptlab
 from ckptlab.run.records import batch_digest
 from tests import ref_models as rm
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def _batch_log_bytes(run_dir) -> int:

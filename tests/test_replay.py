@@ -9,7 +9,6 @@ import pytest
 import ckptlab
 from tests import fault_models as fm
 from tests import models
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def test_every_replayed_loss_equals_the_record(run_dir):

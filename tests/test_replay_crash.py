@@ -2,29 +2,15 @@
 explained (the same error again, where in the user's code, the rows that raise it alone), or
 called a transient when the replay runs through."""
 
-import json
-
 import pytest
 import torch
 
 import ckptlab
 from ckptlab.analysis.health import diagnose
-from ckptlab.cli import main
 from ckptlab.errors import ReplayError
 from ckptlab.training.crash import describe, is_step_error
 
 from . import crash_mod, models
-
-
-def run_cli(capsys, *args):
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def record_until_crash(run_dir, build, step_fn, batches, **kw):
@@ -73,7 +59,7 @@ def bad_token_batches():
     return batches
 
 
-def test_an_out_of_range_token_is_blamed_on_its_row_and_sample_from_the_cli(tmp_path, capsys):
+def test_an_out_of_range_token_is_blamed_on_its_row_and_sample_from_the_cli(tmp_path, cli):
     err = record_until_crash(
         tmp_path / "run",
         models.build_lm,
@@ -83,9 +69,9 @@ def test_an_out_of_range_token_is_blamed_on_its_row_and_sample_from_the_cli(tmp_
         data_info={"vocab_size": 64},
     )
     assert isinstance(err, IndexError)
-    code, out, err = run_cli(capsys, "replay", "--run", tmp_path / "run", "--step", 5, "--json")
-    assert code == 0, err
-    doc = json.loads(out)
+    r = cli("replay", "--run", tmp_path / "run", "--step", 5, "--json")
+    assert r.code == 0, r.err
+    doc = r.json()
     assert doc["reproduced"] and doc["root_step"] == 5
     assert doc["origin"]["kind"] == "exception" and doc["origin"]["op"] == "IndexError"
     assert doc["origin"]["module"] == "wte" and doc["origin"]["phase"] == "forward"
@@ -93,8 +79,8 @@ def test_an_out_of_range_token_is_blamed_on_its_row_and_sample_from_the_cli(tmp_
     assert "outside [0, 64)" in doc["samples"][0]["reason"] and "raises IndexError alone" in doc["samples"][0]["reason"]
     assert doc["counterfactuals"][0]["fault"] is False  # without row 2 the step runs
     assert "row 2 (sample doc-5-2)" in doc["verdict"] and "Without those rows the step runs" in doc["verdict"]
-    code, out, err = run_cli(capsys, "replay", "--run", tmp_path / "run", "--step", 5)
-    assert code == 0 and "origin     exception (forward) module wte op IndexError" in out
+    r = cli("replay", "--run", tmp_path / "run", "--step", 5)
+    assert r.code == 0 and "origin     exception (forward) module wte op IndexError" in r.out
 
 
 def test_a_crash_that_does_not_repeat_is_called_transient(tmp_path, monkeypatch):

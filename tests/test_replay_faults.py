@@ -5,7 +5,6 @@ import torch
 
 import ckptlab
 from tests import fault_models as fm
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 SAMPLE_FAULTS = [
     "input_nan",

@@ -4,7 +4,6 @@ transplant into a healthy batch, the earlier step that doomed the root step, and
 import ckptlab
 from ckptlab.replayer.search import Budget, ddmin
 from tests import fault_models as fm
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
 
 
 def test_ddmin_finds_a_one_minimal_subset_within_its_budget():

@@ -19,7 +19,6 @@ from ckptlab.run.layout import parse_checkpoint, parse_segment
 from ckptlab.training.state import load_model, load_train_state, restore_rng
 from tests import act_models as am
 from tests import models
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture
 
 STEPS = 60
 

@@ -16,7 +16,6 @@ from ckptlab.run import archive, framelog
 from ckptlab.run.layout import parse_checkpoint, parse_segment
 from tests import dist_models as dm
 from tests import models
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture
 from tests.test_distributed import torchrun
 from tests.test_rollback import KillAt, frames_under
 

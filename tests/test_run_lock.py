@@ -18,7 +18,6 @@ import ckptlab
 from ckptlab.run import archive, lock
 from ckptlab.run.lock import RunLockedError
 from tests import models
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-from tests.cli.conftest import cli as cli  # the `ckptlab` runner fixture (in-process)
-
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan"
 
 

@@ -14,7 +14,6 @@ import pytest
 
 from tests import act_models as am
 from tests import models
-from tests.cli.conftest import cli  # noqa: F401 - the fixture
 
 # What a hostile run ships: importing it leaves a mark (a real exploit would do worse).
 EVIL = """
