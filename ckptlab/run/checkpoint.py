@@ -127,6 +127,7 @@ def write_state_file(folder: Path, captured: CapturedState) -> dict:
 # memory costs ~2 s a GB), and the training thread's memory is left alone.
 STREAM_CHUNK = 32 << 20
 STREAM_SYNC = 256 << 20
+_CAN_DROP = hasattr(os, "fdatasync") and hasattr(os, "posix_fadvise")  # (not on macOS or Windows)
 
 
 def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> dict:
@@ -155,7 +156,7 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> di
                 while piece:  # (a regular file takes it all; a signal may cut a write short)
                     n = f.write(piece)
                     piece, written = piece[n:], written + n
-                if total > STREAM_SYNC and written - synced >= STREAM_SYNC:
+                if total > STREAM_SYNC and written - synced >= STREAM_SYNC and _CAN_DROP:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, synced, written - synced, os.POSIX_FADV_DONTNEED)
                     synced = written
