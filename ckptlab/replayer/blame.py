@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 import time
 import warnings
 
@@ -640,31 +639,37 @@ def outsized_weight(model, module: str) -> tuple[str, str] | None:
     non-finite in `module` did so because of that weight, not of its input."""
     params = dict(named_parameters(model))
     prefix = f"{module}." if module else ""
-    best = None
+    peers: dict[tuple, list[str]] = {}  # heads.2.fc.weight, heads.0.fc.weight -> heads.#.fc.weight
     for name, p in params.items():
-        if not name.startswith(prefix) or p.dim() < 2 or not p.is_floating_point():
+        peers.setdefault((_peer_key(name), tuple(p.shape)), []).append(name)
+    rms = {name: _rms(p) for name, p in params.items() if p.dim() >= 2 and p.is_floating_point()}
+    best = None
+    for name, own in rms.items():
+        if not name.startswith(prefix) or not math.isfinite(own) or own == 0:
             continue
-        rms = _rms(p)
-        if not math.isfinite(rms) or rms == 0:
-            continue
-        pattern = re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split(".")))
-        peers = [
-            other for other, q in params.items() if other != name and q.shape == p.shape and pattern.fullmatch(other)
-        ]
-        peer_rms = [r for r in (_rms(params[o]) for o in peers) if math.isfinite(r) and r > 0]
+        others = [o for o in peers[(_peer_key(name), tuple(params[name].shape))] if o != name]
+        peer_rms = [r for r in (rms[o] for o in others) if math.isfinite(r) and r > 0]
         if peer_rms:
             typical = float(np.median(peer_rms))
-            ratio, against = rms / typical, f"its peers' ({', '.join(peers[:2])}{', ...' if len(peers) > 2 else ''})"
-            limit = OUTSIZED_VS_PEERS
+            against, limit = (
+                f"its peers' ({', '.join(others[:2])}{', ...' if len(others) > 2 else ''})",
+                OUTSIZED_VS_PEERS,
+            )
         elif _default_init_is_kaiming(model, name):
-            fan_in = p[0].numel()
+            fan_in = params[name][0].numel()
             typical = 1.0 / math.sqrt(3.0 * fan_in)
-            ratio, against, limit = rms / typical, f"a default init for fan-in {fan_in}", OUTSIZED_VS_INIT
+            against, limit = f"a default init for fan-in {fan_in}", OUTSIZED_VS_INIT
         else:
             continue
+        ratio = own / typical
         if ratio > limit and (best is None or ratio > best[0]):
-            best = (ratio, name, f"has RMS {rms:.3g}, {ratio:.0f}x {against} ({typical:.3g})")
+            best = (ratio, name, f"has RMS {own:.3g}, {ratio:.0f}x {against} ({typical:.3g})")
     return (best[1], best[2]) if best else None
+
+
+def _peer_key(name: str) -> str:
+    """The parameter's name with its layer indices blanked: what its peers share."""
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
 
 
 def _default_init_is_kaiming(model, name: str) -> bool:

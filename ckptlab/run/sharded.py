@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState, file_record, finish_commit, write_state_file
-from ckptlab.run.layout import DCP_DIR, STATE_FILE, checkpoint_name, checkpoints_dir
+from ckptlab.run.layout import DCP_DIR, STATE_FILE, checkpoint_name, checkpoints_dir, fsync_path
 
 
 def temp_folder(run_dir: Path, step: int, session: int) -> Path:
@@ -44,8 +44,9 @@ def write_main_files(tmp: Path, step: int, state: dict) -> dict[str, dict]:
     """Rank 0: the training state kept out of DCP (param_groups, scheduler, RNG, env) as
     state.safetensors; returns the records of it and of DCP's `.metadata`."""
     spec, tensors = codec.encode(state, prefix="state")
-    write_state_file(tmp, CapturedState(step, {}, {}, spec, tensors))
-    return {f"{DCP_DIR}/.metadata": file_record(tmp / DCP_DIR / ".metadata"), STATE_FILE: file_record(tmp / STATE_FILE)}
+    state = write_state_file(tmp, CapturedState(step, {}, {}, spec, tensors))  # hashed as written
+    fsync_path(tmp / STATE_FILE)
+    return {f"{DCP_DIR}/.metadata": file_record(tmp / DCP_DIR / ".metadata"), STATE_FILE: state}
 
 
 def commit(tmp: Path, step: int, files: dict[str, dict], info: dict, world_size: int) -> dict:

@@ -10,7 +10,6 @@ the user's (a hook of the probe) that raised is ckptlab's own failure, not the s
 from __future__ import annotations
 
 import os
-import sys
 import sysconfig
 import types
 
@@ -82,9 +81,3 @@ def describe(exc: BaseException, model: torch.nn.Module | None = None) -> dict:
     elif "module" in out or "forward" in codes:
         out["phase"] = "forward"
     return out
-
-
-def current_step_error(model: torch.nn.Module | None = None) -> dict | None:
-    """`describe` the exception being handled, when it is the step's own (else None)."""
-    exc = sys.exc_info()[1]
-    return describe(exc, model) if exc is not None and is_step_error(exc) else None
