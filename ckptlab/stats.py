@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -200,6 +201,7 @@ class _Workspace:
         self.f64 = [np.empty(CHUNK, dtype=np.float64) for _ in range(2)]
         self.f32 = [np.empty(CHUNK, dtype=np.float32) for _ in range(3)]
         self.same = np.empty(CHUNK, dtype=np.bool_)
+        self.codes = np.empty(BLOCK, dtype=np.intp)
 
 
 _local = threading.local()
@@ -220,6 +222,25 @@ def _codes(x: np.ndarray, codec: Codec) -> np.ndarray:
     if x.dtype != np.float32:  # float64 (integers are float32 by now): rounded to float32 first
         x = x.astype(np.float32)
     return x.view(np.uint16)[dtypes.HIGH_HALF :: 2]
+
+
+def _bincount(codes: np.ndarray, size: int) -> np.ndarray:
+    """Elements per pattern code (int64[size]). numpy's bincount holds the GIL while it counts,
+    so the other workers queue behind it: the conversion to intp, half its work, is done here
+    without the GIL, and where torch is imported anyway (.pt inputs, a training process)
+    torch's bincount, which releases it, counts. Never imports torch for this."""
+    wide = _workspace().codes[: codes.size]
+    np.copyto(wide, codes)
+    torch = _loaded_torch()
+    if torch is not None:
+        return torch.bincount(torch.from_numpy(wide), minlength=size).numpy()
+    return np.bincount(wide, minlength=size)
+
+
+def _loaded_torch():
+    """torch when something else imported it (never imported here), else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "bincount") else None
 
 
 _ROW = 8192  # OpenBLAS runs a dot product of more than 10000 elements on all its threads:
@@ -274,7 +295,7 @@ class StatsAccumulator:
             self.counts[present] += counts
             suspect = not self.codec.exact and bool(((present == 0) | (present == 0x8000)).any())
         else:
-            counts = np.bincount(codes, minlength=self.codec.size)
+            counts = _bincount(codes, self.codec.size)
             self.counts += counts
             suspect = not self.codec.exact and int(counts[0]) + int(counts[0x8000]) > 0
         self.numel += block.size

@@ -67,6 +67,30 @@ def test_float32_is_binned_by_its_bfloat16_prefix():
     assert (s.hist == np.bincount(hist_bins(prefix.double().numpy()), minlength=len(HIST_EDGES) - 1)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pattern_counts_are_the_same_with_and_without_torch(dtype, monkeypatch):
+    """Blocks of stats.SMALL codes and more are counted by torch where it is imported and by
+    numpy where it is not (a safetensors diff): the same counts either way."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3 * stats.BLOCK // 2 + 7, generator=g) * 0.02).to(dtype)
+    x[5] = math.nan
+    codec = stats.codec_for(dtype)
+    codes = stats._codes(
+        x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        .numpy()
+        .view(np.uint16 if dtype == torch.bfloat16 else np.float32),
+        codec,
+    )
+    expected = np.bincount(codes.astype(np.int64), minlength=codec.size)
+    with_torch = StatsAccumulator(dtype)
+    with_torch.add(x)
+    monkeypatch.setattr(stats, "_loaded_torch", lambda: None)
+    without = StatsAccumulator(dtype)
+    without.add(x)
+    assert (with_torch.counts == expected).all() and (without.counts == expected).all()
+    assert with_torch.result().quantiles == without.result().quantiles
+
+
 def test_integers_and_empty_tensors():
     s = tensor_stats(torch.tensor([3, -1, 0, 0], dtype=torch.int64))
     assert (s.mean, s.min, s.max, s.zeros, s.l2) == (0.5, -1.0, 3.0, 2, math.sqrt(10))
