@@ -44,7 +44,7 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
 @click.option(
     "--budget",
     type=click.IntRange(min=0),
-    default=32,
+    default=32,  # replayer.search.DEFAULT_BUDGET (not imported here: it imports torch); a test ties them
     show_default=True,
     help="Extra replays for the deeper searches: the minimal culprit (fewest rows, then positions, "
     "that still fault), the transplant into a healthy batch, and the earlier step that doomed the "

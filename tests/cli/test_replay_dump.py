@@ -141,3 +141,11 @@ def test_the_origin_keeps_its_room_when_modules_before_it_fill_the_budget(masked
     assert report.dump.data_bytes <= 5000
     with h5py.File(path, "r") as f:
         assert np.isneginf(f["origin/input0"][5]).all()
+
+
+def test_the_cli_budget_default_is_the_librarys():
+    from ckptlab.cli.replay import command
+    from ckptlab.replayer.search import DEFAULT_BUDGET
+
+    (budget,) = [p for p in command.params if p.name == "budget"]
+    assert budget.default == DEFAULT_BUDGET
