@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -78,26 +79,40 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
     """Spawn one process per rank to replay plan.start..step; their result and the state the
     root step started in (read back into memory before `out` goes away)."""
     import json
-    import socket
 
     import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
 
     world, k = run.world_size, plan.start
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # The rendezvous store is served from here, on a port the OS picks and that stays bound
+    # until the ranks are done: a port found free and let go before the ranks bind it can be
+    # taken by another process in between (seen as a rare failed replay on a busy machine).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5))
     backend = "nccl" if (device or str(run.manifest.get("device", "cpu"))).startswith("cuda") else "gloo"
     log(f"replaying steps {k}..{step} on {world} processes ({backend})")
     try:
         mp.start_processes(
             _rank_worker,
-            args=(world, port, backend, str(run.path), step, k, max(k, plan.episode - 2), str(out), device, trust_code),
+            args=(
+                world,
+                store.port,
+                backend,
+                str(run.path),
+                step,
+                k,
+                max(k, plan.episode - 2),
+                str(out),
+                device,
+                trust_code,
+            ),
             nprocs=world,
             start_method="spawn",
         )
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]
         raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
+    finally:
+        del store
     result = json.loads((out / "result.json").read_text())
     root = result["root"]
     snapshot = load_captured(checkpoint_dir(out / "snapshot", root)) if root is not None else None
@@ -129,7 +144,8 @@ def _rank_worker(
     )
     if backend == "nccl":
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))  # served by the parent
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         run = open_run(run_path)
         inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
