@@ -129,8 +129,8 @@ def write_state_file(folder: Path, captured: CapturedState) -> dict:
 # A file of DIRECT_MIN bytes or more goes around the page cache where the OS allows (O_DIRECT,
 # Linux): each piece is copied into one aligned buffer and written from it straight to the
 # disk. Through the page cache the kernel first takes memory for every byte, copies it, and
-# writes it back later: on a 2-core VM, 3.2 GB took 4.7 s and 4.8 CPU-seconds that way against
-# 2.3 s and 2.6 CPU-seconds direct (scripts/bench_record.py, docs/performance.md), CPU the
+# writes it back later: on a 2-core VM, 3.2 GB took 4.6 s and 4.4 CPU-seconds that way against
+# 2.6 s and 2.7 CPU-seconds direct (scripts/bench_ckpt_write.py, docs/performance.md), CPU the
 # training step shares. Elsewhere (macOS, Windows, a filesystem that refuses O_DIRECT) a file
 # past STREAM_SYNC bytes is flushed and dropped from the page cache every STREAM_SYNC, so a
 # few hundred MB of page cache serve the whole file (on a VM that hands freed memory back to

@@ -137,10 +137,17 @@ def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
+# A payload under this many bytes is stored as is: compressing it saves a few hundred bytes
+# and costs ~50-120 us of the training thread right after a step (zlib's state is set up per
+# call), a large share of a fast step's bookkeeping (scripts/profile_record_step.py).
+MIN_COMPRESS = 1024
+
+
 class Compressor:
     """Decides per stream whether zlib pays off: it re-tests every `every` frames and keeps
     compressing only while it saves >= 10% (token ids often do; float activations do not).
-    A payload larger than framelog.MAX_INFLATED is stored as is: readers refuse to inflate more."""
+    A payload larger than framelog.MAX_INFLATED is stored as is: readers refuse to inflate
+    more; so is one under MIN_COMPRESS bytes."""
 
     def __init__(self, every: int = 64, level: int = 1):
         self.every, self.level = every, level
@@ -148,15 +155,28 @@ class Compressor:
         self._on = True
 
     def __call__(self, payload: bytes) -> tuple[bytes, int]:
+        if len(payload) < MIN_COMPRESS:
+            return payload, FLAG_SAFETENSORS
         test = self._n % self.every == 0
         self._n += 1
         if (test or self._on) and len(payload) <= MAX_INFLATED:
-            packed = zlib.compress(payload, self.level)
+            packed = _deflate(payload, self.level)
             if test:
                 self._on = len(packed) <= 0.9 * len(payload)
             if self._on:
                 return packed, FLAG_SAFETENSORS | FLAG_ZLIB
         return payload, FLAG_SAFETENSORS
+
+
+def _deflate(payload: bytes, level: int) -> bytes:
+    """zlib.compress(payload, level), with a window no larger than the payload: zlib's default
+    state (~256 KiB, allocated and freed per call) costs more than a small payload's deflate.
+    Any zlib reader inflates it (the window size is in the stream's header)."""
+    if len(payload) >= 1 << 15:
+        return zlib.compress(payload, level)
+    wbits = max(9, (len(payload) - 1).bit_length())
+    c = zlib.compressobj(level, zlib.DEFLATED, wbits, wbits - 7)
+    return c.compress(payload) + c.flush()
 
 
 # --- batch records -------------------------------------------------------------------------
