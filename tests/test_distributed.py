@@ -63,7 +63,7 @@ def test_replay_on_two_processes_names_the_rank_and_sample(ddp_run, tmp_path, mo
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # its own: other jobs' replays do not show
     report = ckptlab.replay(ddp_run, dm.NAN_STEP)
     assert not list(scratch.glob("ckptlab-replay-*"))  # its workers' folder is gone
-    assert report.deterministic and all(c.match for c in report.steps)
+    assert report.deterministic and all(c.match for c in report.steps), (report.verdict, report.steps)
     assert all(c.rank_loss == c.recorded_rank_loss or math.isnan(c.rank_loss[1]) for c in report.steps)
     assert report.root_step == dm.NAN_STEP and report.rank == dm.NAN_RANK
     assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])]
@@ -133,12 +133,14 @@ def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):
     done = torchrun(run_dir, "fsdp", kill_step=11)
     assert done.returncode != 0
     run = ckptlab.open_run(run_dir)
-    assert run.damaged == [] and run.checkpoints == [0, 5]
+    # (This test failed once in a full run and not in many runs after: say what was seen.)
+    seen = f"checkpoints {run.checkpoints}, damaged {run.damaged}; torchrun said: {done.stderr[-1500:]}"
+    assert run.damaged == [] and run.checkpoints == [0, 5], seen
     for c in run.checkpoints:
         run.checkpoint(c).verify()
-    assert 10 in run.steps_of(1)
+    assert 10 in run.steps_of(1), seen
     report = ckptlab.replay(run, 10)
-    assert report.deterministic and report.start_checkpoint == 5
+    assert report.deterministic and report.start_checkpoint == 5, (report.verdict, report.start_checkpoint)
     # Restart the job: every rank restores its shards of the latest checkpoint and goes on.
     again = torchrun(run_dir, "fsdp", kill_step="resume")
     assert again.returncode == 0, again.stderr[-2000:]
