@@ -15,7 +15,7 @@ from ckptlab.errors import CkptlabError, CorruptFileError, UnknownFormatError
 from ckptlab.io.base import LazyStateDict
 from ckptlab.io.hf_sharded import find_index, open_sharded
 from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors
-from ckptlab.run.layout import is_run
+from ckptlab.run.layout import MODEL_FILE, is_run
 
 # torch is imported only for what needs it (.pt files, DCP folders, in-memory state dicts):
 # the readers of those are imported where they are used, so that a diff of safetensors
@@ -114,7 +114,27 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
 
 def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: bool) -> LazyStateDict:
     """RUN@STEP: the model weights of one committed checkpoint of a ckptlab run (labelled
-    RUN@<step>, also when asked for RUN@latest or RUN). The one place io/ reaches up into run/."""
+    RUN@<step>, also when asked for RUN@latest or RUN). The one place io/ reaches up into run/.
+
+    A committed single-file checkpoint is found and verified from its COMMIT.json alone
+    (run/commit.py), without importing torch (seconds of start-up); anything else (a sharded
+    checkpoint, a step that is not there, a damaged run) goes through the run reader, which
+    says what is wrong."""
+    from ckptlab.run.commit import committed, verify_files
+    from ckptlab.run.manifest import read_manifest
+
+    read_manifest(run_dir)  # not a run, a newer format, a corrupt manifest: as open_run says
+    if step == "latest" or step.isdigit():
+        found, _ = committed(run_dir)
+        if step == "latest":
+            pick = found[-1] if found else None
+        else:
+            pick = next((c for c in found if c[0] == int(step)), None)
+        if pick is not None and pick[2].get("layout") != "sharded":
+            number, folder, commit = pick
+            if verify:
+                verify_files(folder, commit)
+            return _open_file(folder / MODEL_FILE, f"{run_dir}@{number}", sequential=sequential, format="ckptlab-run")
     from ckptlab.run import open_run
 
     run = open_run(run_dir)

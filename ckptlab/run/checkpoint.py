@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +34,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ckptlab.errors import CorruptFileError, IntegrityError
+from ckptlab.errors import CorruptFileError
 from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run import codec
+from ckptlab.run.commit import committed, read_commit, verify_files
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import (
     COMMIT,
@@ -47,7 +48,6 @@ from ckptlab.run.layout import (
     checkpoint_name,
     checkpoints_dir,
     fsync_path,
-    parse_checkpoint,
 )
 from ckptlab.run.records import META_KEY, layout
 
@@ -329,23 +329,7 @@ class Checkpoint:
 
     def verify(self) -> None:
         """Check every file against the sha256 recorded at commit; IntegrityError otherwise."""
-        try:
-            check_commit(self.commit)
-        except ValueError as e:
-            raise CorruptFileError(f"corrupt checkpoint ({e})", path=self.path / COMMIT) from None
-        for name, expected in self.commit["files"].items():
-            path = self.path / name
-            if not path.is_file():
-                raise IntegrityError(f"{name} is missing from checkpoint {self.step}", path=self.path)
-            if path.stat().st_size != expected["bytes"]:
-                raise IntegrityError(
-                    f"size {path.stat().st_size} != {expected['bytes']} recorded at commit (truncated or replaced)",
-                    path=path,
-                )
-            if sha256_file(path) != expected["sha256"]:
-                raise IntegrityError(
-                    "sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path
-                )
+        verify_files(self.path, self.commit)
 
     def load_model(self, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The full model state dict (a sharded checkpoint's shards assembled) and aliases."""
@@ -413,73 +397,8 @@ def load_captured(path: Path) -> CapturedState:
 
 
 def list_checkpoints(run_dir: Path) -> tuple[list[Checkpoint], list[str]]:
-    """Committed checkpoints whose files are present at their committed sizes, and problems.
-
-    Cheap (no hashing): `Checkpoint.verify()` does the full check before a checkpoint is used.
-    """
-    found, problems = [], []
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return found, problems
-    for p in sorted(root.iterdir()):
-        step = parse_checkpoint(p.name)
-        if step is None:
-            continue
-        try:
-            commit = read_commit(p)  # every file name checked before any is looked at
-            for name, meta in commit["files"].items():
-                if (p / name).stat().st_size != meta["bytes"]:
-                    raise ValueError(f"{name} has the wrong size")
-        except FileNotFoundError as e:
-            problems.append(f"{p}: incomplete checkpoint ({Path(e.filename or '').name or COMMIT} missing)")
-            continue
-        except (ValueError, OSError) as e:
-            problems.append(f"{p}: corrupt checkpoint ({e})")
-            continue
-        found.append(Checkpoint(step, p, commit))
-    return found, problems
-
-
-def read_commit(folder: Path) -> dict:
-    """A checkpoint folder's COMMIT.json, parsed and checked (`check_commit`); ValueError saying
-    what is wrong when it is malformed, FileNotFoundError when it is missing."""
-    try:
-        commit = json.loads((folder / COMMIT).read_bytes())
-    except RecursionError:
-        raise ValueError(f"{COMMIT} is nested too deeply") from None
-    check_commit(commit)
-    return commit
-
-
-def check_commit(commit: Any) -> None:
-    """ValueError unless `commit` is a COMMIT record: a JSON object with a `step`, whose `files` maps plain
-    relative names inside the checkpoint folder (no `..`, not absolute) to {bytes, sha256}."""
-    if not isinstance(commit, dict):
-        raise ValueError(f"{COMMIT} is not a JSON object")
-    step = commit.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"{COMMIT} has no step")
-    files = commit.get("files")
-    if not isinstance(files, dict):
-        raise ValueError(f"{COMMIT} has no files")
-    for name, meta in files.items():
-        if not _plain_member(name):
-            raise ValueError(f"{COMMIT} names {name!r}, not a file inside the checkpoint folder")
-        if (
-            not isinstance(meta, dict)
-            or not isinstance(meta.get("bytes"), int)
-            or isinstance(meta["bytes"], bool)
-            or meta["bytes"] < 0
-            or not isinstance(meta.get("sha256"), str)
-        ):
-            raise ValueError(f"{COMMIT} has a malformed entry for {name!r}")
-
-
-def _plain_member(name: str) -> bool:
-    if not name or "\x00" in name or name in (".", COMMIT):
-        return False
-    for flavour in (PurePosixPath, PureWindowsPath):
-        p = flavour(name)
-        if p.is_absolute() or p.drive or ".." in p.parts or not p.parts or p.parts == (".",):
-            return False
-    return True
+    """Committed checkpoints whose files are present at their committed sizes, and problems
+    (commit.committed). Cheap (no hashing): `Checkpoint.verify()` does the full check before a
+    checkpoint is used."""
+    found, problems = committed(run_dir)
+    return [Checkpoint(step, path, commit) for step, path, commit in found], problems

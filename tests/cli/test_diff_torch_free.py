@@ -71,3 +71,31 @@ def test_safetensors_diff_runs_without_importing_torch(tmp_path):
         assert code == 1 and out == "" and err.count("\n") == 1
         assert err.startswith(f"ckptlab: error: {path}: ") and words in err
     assert doc["torch"] is False, "a safetensors diff imported torch"
+
+
+def test_a_run_checkpoint_diff_runs_without_importing_torch(tmp_path):
+    """RUN@STEP of a committed single-file checkpoint is found and verified from its
+    COMMIT.json alone; what needs the run reader (a step that is not there) still says so."""
+    from tests.models import build_mlp, mlp_batches, record_run, step_mlp
+
+    run = tmp_path / "run"
+    record_run(run, build_mlp, step_mlp, mlp_batches(7), ckpt_every=3)  # checkpoints 0, 3, 6
+    calls = [
+        ["diff", f"{run}@0", f"{run}@latest"],
+        ["diff", f"{run}@3", str(run), "--json"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ROOT), json.dumps(calls)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.splitlines()[-1])
+    (code, out, err), (jcode, jout, _) = doc["results"]
+    assert code == 0 and f"{run}@0" in out and f"{run}@6" in out, err
+    assert jcode == 0 and json.loads(jout)["b"] == f"{run}@6"
+    assert doc["torch"] is False, "a diff of a run's checkpoints imported torch"
+    missing = [["diff", f"{run}@4", f"{run}@6"]]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ROOT), json.dumps(missing)], capture_output=True, text=True, timeout=120
+    )
+    ((code, out, err),) = json.loads(proc.stdout.splitlines()[-1])["results"]
+    assert code == 1 and out == "" and "no checkpoint at step 4 (checkpoints: [0, 3, 6])" in err

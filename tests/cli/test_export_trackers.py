@@ -2,6 +2,7 @@
 reader, checked against the run; exporting again sends nothing twice."""
 
 import math
+import re
 import sys
 
 import pytest
@@ -125,7 +126,9 @@ def test_exporting_a_run_that_went_on_sends_only_the_new_points(cli, tmp_path):
     assert [s for s, _ in mlflow_series(client, found.info.run_id, "val/val_loss")] == [8, 16]
     # W&B: a second fragment of the same run id, holding only the new steps
     first, second = offline_runs(wb)
-    assert first.name.endswith(r.json()["run_id"]) and second.name.endswith(r.json()["run_id"])
+    # offline-run-<time>-<id>; wandb adds "-1" to a second fragment started in the same second
+    fragment = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(r.json()['run_id'])}(-\d+)?")
+    assert fragment.fullmatch(first.name) and fragment.fullmatch(second.name), (first.name, second.name)
     history = wandb_history(wandb_records(second))
     assert [s for s, _ in history["train/loss"]] == list(range(12, 18)) and history["val/val_loss"] == [(16, 0.0625)]
 
