@@ -27,6 +27,18 @@ class CkptlabError(Exception):
             text = f"{text} ({hint})"
         super().__init__(text)
 
+    def __reduce__(self):
+        # Pickled as it is (a worker process sends it to its parent), whatever the subclass's
+        # own arguments: the default would call __init__ with the message alone.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls, args, state):
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class NotARunError(CkptlabError):
     """The directory is not a ckptlab run."""

@@ -239,8 +239,21 @@ def _bincount(codes: np.ndarray, size: int) -> np.ndarray:
 
 def _loaded_torch():
     """torch when something else imported it (never imported here), else None."""
+    if not _torch_counts:
+        return None
     torch = sys.modules.get("torch")
     return torch if torch is not None and hasattr(torch, "bincount") else None
+
+
+_torch_counts = True
+
+
+def count_without_torch() -> None:
+    """For a forked worker process (`ckptlab.io.stream`): count with numpy even where torch
+    is loaded. torch's count is there to release the GIL, which a one-thread process does not
+    need, and its thread pool is not to be used after a fork."""
+    global _torch_counts
+    _torch_counts = False
 
 
 _ROW = 8192  # OpenBLAS runs a dot product of more than 10000 elements on all its threads:
@@ -271,6 +284,13 @@ class StatsAccumulator:
         self.s1 = self.s2 = 0.0
         self.lo, self.hi = math.inf, -math.inf
         self.nan = self.posinf = self.neginf = self.zeros = 0
+
+    def __getstate__(self) -> dict:  # (sent between processes: the codec's tables stay behind)
+        return {k: v for k, v in self.__dict__.items() if k != "codec"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.codec = codec_for(self.dtype)
 
     def add(self, x) -> None:
         """Count the 1-D piece x (any length): a numpy array in the dtype's storage type

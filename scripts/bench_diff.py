@@ -10,7 +10,8 @@ measures, each in a fresh process, with a warm page cache:
   naive   torch.load / load_file both, then a Python loop of per-tensor torch ops
   ckptlab ckptlab.diff(A, B), after the imports (start-up excluded)
 and prints GB/s of checkpoint bytes (A + B), the ratios to raw, peak RSS above the interpreter
-(after imports) and CPU use (user+sys / wall: ~2.0 means both cores).
+(after imports; for a diff run by worker processes, the largest worker's, above the same base)
+and CPU use (user+sys / wall, worker processes included: ~2.0 means both cores).
 
 Start-up is measured apart, once: the wall time of `python -m ckptlab diff a.safetensors
 b.safetensors` on two 4x4 float32 files, each a fresh process (interpreter, imports, reading,
@@ -47,7 +48,7 @@ def status_kb(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))
 base = status_kb("VmRSS")
-r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
 if kind == "ckptlab":
     findings = ckptlab.diff(a, b)
     extra = {{"verdict": findings.verdict.parameter if findings.verdict else None, "flagged": findings.summary["flagged"]}}
@@ -63,11 +64,15 @@ else:  # naive: load both whole, then one torch pass per statistic per tensor
         worst = max(worst or (0, name), (row["nd"] / max(row["na"], 1e-30), name))
     extra = {{"verdict": worst[1]}}
 wall = time.perf_counter() - t0
-r1 = resource.getrusage(resource.RUSAGE_SELF)
-cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork time
+r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+cpu = sum(getattr(x1, f) - getattr(x0, f) for x0, x1 in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork time. The diff's
+# worker processes (forked after the imports) count from the same base: pages they share
+# with this process count in their RSS too, so this overstates what they add.
+peak = max(status_kb("VmHWM"), c1.ru_maxrss if c1.ru_maxrss > base else 0) - base
 extra["torch"] = "torch" in sys.modules
-print(json.dumps({{"wall": wall, "cpu": cpu, "peak_kb_above": status_kb("VmHWM") - base, **extra}}))
+extra["worker_processes"] = c1.ru_utime > 0
+print(json.dumps({{"wall": wall, "cpu": cpu, "peak_kb_above": peak, **extra}}))
 """
 
 

@@ -3,29 +3,51 @@
     accs = stream([Job(a_ref, b_ref, lambda: PairAccumulator(a_ref.dtype, b_ref.dtype)), ...])
 
 A tensor stored raw in a file is cut into segments of SEGMENT_BYTES; each segment is a unit
-of work for a thread: read it (an mmap view, or a pread into that thread's buffer), as a numpy
-array, count it, release its pages. numpy releases the GIL inside its loops, so threads scale;
-partial accumulators merge per job. Resident memory stays near workers x 2 x SEGMENT_BYTES
-whatever the checkpoint's size. Nothing here needs torch.
+of work for a worker: read it (an mmap view, or a pread into that worker's buffer), as a numpy
+array, count it, release its pages. Partial accumulators merge per job, in segment order.
+Resident memory stays near workers x 2 x SEGMENT_BYTES whatever the checkpoint's size.
+Nothing here needs torch.
+
+Workers are forked processes where they pay (Linux, every tensor in a file, at least
+PROCESS_MIN_BYTES in all), threads otherwise. numpy releases the GIL inside most of its loops,
+but a chunk's work is ~20 short numpy calls, and its pattern count (`np.bincount`) keeps the
+GIL while it runs: two threads counting in-memory pieces did 1.02x the work of one, two
+processes 1.6x (scripts/bench_diff.py). A process reads the same mapped files (inherited
+across the fork), sends each unit's partial accumulator back through a pipe, and the parent
+merges them in segment order, so the results are the same bit for bit either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
+import signal
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 import numpy as np
 
 from ckptlab import stats
+from ckptlab.errors import CkptlabError
 from ckptlab.io.base import TensorRef
+from ckptlab.io.mapped import FileTensor
 
 # 32 MiB: big enough that per-unit costs (a syscall, an accumulator) vanish, small enough that
 # two threads x two files x one segment stay ~128 MiB resident.
 SEGMENT_BYTES = 32 << 20
+# Below this many bytes in all, threads: forking costs ~5-20 ms a worker (more for a process
+# with torch loaded), what two processes save on 128 MiB is ~50 ms.
+PROCESS_MIN_BYTES = 128 << 20
+# ... and threads in a process already this large (a training process calling ckptlab.diff).
+FORK_MAX_RSS = 4 << 30
 
 
 @dataclass
@@ -51,63 +73,219 @@ def default_workers() -> int:
     return max(1, min(cores, 8))  # beyond ~8 threads, memory bandwidth is the limit
 
 
-def stream(jobs: Sequence[Job], *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> list:
+def stream(
+    jobs: Sequence[Job],
+    *,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    processes: bool | None = None,
+) -> list:
     """Run every job; returns per job, in order, its merged accumulator (or what its `finish`
-    made of it: finishing in the worker overlaps it with the reading of other tensors)."""
+    made of it). `processes`: None chooses (see the module docstring); True forks worker
+    processes where that is possible, False keeps to threads."""
     units = [u for i, job in enumerate(jobs) for u in _units(i, job)]
-    merged: list = [None] * len(jobs)
-    # Partials merge in segment order, whatever order threads finish in: float sums then add
-    # up the same way every run, so results are bit-for-bit reproducible.
-    next_start = [0] * len(jobs)
-    waiting: list[dict] = [{} for _ in jobs]
-    lock = threading.Lock()
-    local = threading.local()
-
-    def run(unit: _Unit) -> None:
-        job = jobs[unit.job]
-        acc = job.make()
-        scratch = _scratch(local)
-        if job.b is None:
-            acc.add(job.a.segment(unit.start, unit.count, scratch[0]))
-        else:
-            acc.add(
-                job.a.segment(unit.start, unit.count, scratch[0]),
-                job.b.segment(unit.start, unit.count, scratch[1]),
-                unit.start,
-            )
-        job.a.release(unit.start, unit.count)
-        if job.b is not None:
-            job.b.release(unit.start, unit.count)
-        j = unit.job
-        with lock:
-            waiting[j][unit.start] = (unit.count, acc)
-            while next_start[j] in waiting[j]:
-                count, part = waiting[j].pop(next_start[j])
-                merged[j] = part if merged[j] is None else merged[j].merge(part)
-                next_start[j] += count
-            complete = next_start[j] == job.a.numel
-        if complete and job.finish is not None:  # no other unit of this job is left to touch it
-            merged[j] = job.finish(merged[j])
-        if progress:
-            progress(unit.count * (job.a.itemsize + (job.b.itemsize if job.b is not None else 0)))
-
-    workers = workers or default_workers()
-    if workers == 1:
-        for unit in units:
-            run(unit)
+    workers = min(workers or default_workers(), max(1, len(units)))
+    merge = _Merger(jobs, progress)
+    if workers > 1 and _use_processes(jobs, processes) and _run_in_processes(jobs, units, workers, merge):
+        pass
+    elif workers > 1:
+        _run_in_threads(jobs, units, workers, merge)
     else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckptlab-stream") as pool:
-            futures = [pool.submit(run, u) for u in units]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in futures:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()
-    for i, job in enumerate(jobs):
-        if merged[i] is None:  # an empty tensor: nothing was added
-            merged[i] = job.make() if job.finish is None else job.finish(job.make())
-    return merged
+        for unit in units:
+            merge.add(unit, _count_unit(jobs[unit.job], unit))
+    return merge.results()
+
+
+class _Merger:
+    """Partials merge in segment order, whatever order the workers finish in: float sums then
+    add up the same way every run, so results are bit-for-bit reproducible. A job's `finish`
+    runs once its last unit is merged (in the worker thread that merged it)."""
+
+    def __init__(self, jobs: Sequence[Job], progress):
+        self.jobs, self.progress = jobs, progress
+        self.merged: list = [None] * len(jobs)
+        self.next_start = [0] * len(jobs)
+        self.waiting: list[dict] = [{} for _ in jobs]
+        self.lock = threading.Lock()
+
+    def add(self, unit: _Unit, acc) -> None:
+        j, job = unit.job, self.jobs[unit.job]
+        with self.lock:
+            self.waiting[j][unit.start] = (unit.count, acc)
+            while self.next_start[j] in self.waiting[j]:
+                count, part = self.waiting[j].pop(self.next_start[j])
+                self.merged[j] = part if self.merged[j] is None else self.merged[j].merge(part)
+                self.next_start[j] += count
+            complete = self.next_start[j] == job.a.numel
+        if complete and job.finish is not None:  # no other unit of this job is left to touch it
+            self.merged[j] = job.finish(self.merged[j])
+        if self.progress:
+            self.progress(unit.count * (job.a.itemsize + (job.b.itemsize if job.b is not None else 0)))
+
+    def results(self) -> list:
+        for i, job in enumerate(self.jobs):
+            if self.merged[i] is None:  # an empty tensor: nothing was added
+                self.merged[i] = job.make() if job.finish is None else job.finish(job.make())
+        return self.merged
+
+
+_local = threading.local()
+
+
+def _count_unit(job: Job, unit: _Unit):
+    """One unit's partial accumulator: read, count, release."""
+    acc = job.make()
+    scratch = _scratch(_local)
+    if job.b is None:
+        acc.add(job.a.segment(unit.start, unit.count, scratch[0]))
+    else:
+        acc.add(
+            job.a.segment(unit.start, unit.count, scratch[0]),
+            job.b.segment(unit.start, unit.count, scratch[1]),
+            unit.start,
+        )
+    job.a.release(unit.start, unit.count)
+    if job.b is not None:
+        job.b.release(unit.start, unit.count)
+    return acc
+
+
+def _run_in_threads(jobs: Sequence[Job], units: list[_Unit], workers: int, merge: _Merger) -> None:
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckptlab-stream") as pool:
+        futures = [pool.submit(lambda u: merge.add(u, _count_unit(jobs[u.job], u)), u) for u in units]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+
+
+# --- worker processes ------------------------------------------------------------------------
+
+
+def _use_processes(jobs: Sequence[Job], asked: bool | None) -> bool:
+    if asked is False or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return False  # (macOS: system libraries are not fork-safe)
+    in_files = all(isinstance(r, FileTensor) for job in jobs for r in (job.a, job.b) if r is not None)
+    if not in_files:  # a tensor in memory may be torch's, even on a GPU: not touched after a fork
+        return False
+    if asked:
+        return True
+    if _resident_bytes() > FORK_MAX_RSS:  # e.g. a training process: its fork would copy a large page table
+        return False
+    return sum(job.a.nbytes + (job.b.nbytes if job.b is not None else 0) for job in jobs) >= PROCESS_MIN_BYTES
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, merge: _Merger) -> bool:
+    """Fork `workers` processes that take units off a shared counter (a busy core's worker
+    takes fewer) and send back (unit index, partial accumulator); merge them here. False,
+    having done nothing, when the system refuses the fork (memory, process limits)."""
+    ctx = multiprocessing.get_context("fork")
+    claimed = ctx.Value("q", 0)  # the next unit index to take
+    children: dict[int, Connection] = {}
+    try:
+        for _ in range(workers):
+            recv, send = ctx.Pipe(duplex=False)
+            try:
+                with warnings.catch_warnings():  # Python 3.12+ warns of forking beside other threads:
+                    warnings.simplefilter("ignore", DeprecationWarning)  # the child runs numpy only
+                    pid = os.fork()
+            except OSError:
+                recv.close()
+                send.close()
+                return False  # (the finally below stops the ones already started)
+            if pid == 0:  # the worker: never returns
+                recv.close()
+                _worker(jobs, units, claimed, send)
+            send.close()
+            children[pid] = recv
+        done = 0
+        open_pipes = dict(children)
+        while done < len(units):
+            if not open_pipes:
+                raise CkptlabError("a diff worker process exited before its work was done")
+            for conn in wait_any(list(open_pipes.values())):
+                try:
+                    kind, index, payload = conn.recv()
+                except EOFError:
+                    pid = next(p for p, c in open_pipes.items() if c is conn)
+                    del open_pipes[pid]
+                    status = _reap(pid)
+                    if status is not None and status != 0:
+                        raise CkptlabError(f"a diff worker process died ({_exit_text(status)})") from None
+                    continue
+                if kind == "error":
+                    raise payload
+                merge.add(units[index], payload)
+                done += 1
+        return True
+    finally:
+        for pid, conn in children.items():
+            conn.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # (long gone when all went well)
+            _reap(pid)
+
+
+def _worker(jobs: Sequence[Job], units: list[_Unit], claimed, send: Connection) -> None:
+    """In a forked child: count units until none is left, then exit without running the
+    parent's exit handlers or finalizers."""
+    code = 0
+    try:
+        stats.count_without_torch()
+        while True:
+            with claimed.get_lock():
+                index = claimed.value
+                claimed.value += 1
+            if index >= len(units):
+                break
+            unit = units[index]
+            try:
+                acc = _count_unit(jobs[unit.job], unit)
+            except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it
+                send.send(("error", index, _picklable(e)))
+                break
+            send.send(("part", index, acc))
+    except BaseException:  # noqa: BLE001 - a broken pipe (the parent is gone), a signal
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            send.close()
+        os._exit(code)
+
+
+def _picklable(e: Exception) -> Exception:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - anything that does not survive the pipe is described
+        return CkptlabError(f"{type(e).__name__}: {e}")
+
+
+def _reap(pid: int) -> int | None:
+    """The child's wait status (once it has exited), or None if it was reaped already."""
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
+
+
+def _exit_text(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"killed by {signal.Signals(sig).name}" + (" - out of memory?" if sig == signal.SIGKILL else "")
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
 def _units(index: int, job: Job) -> list[_Unit]:

@@ -92,3 +92,25 @@ def test_files_numpy_wrote_diff_like_torch_ones(tmp_path):
         / math.sqrt((a["layers.0.w"].astype(np.float64) ** 2).sum()),
         rel=1e-12,
     )
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_worker_processes_find_what_threads_find(tmp_path, monkeypatch, fmt):
+    """A large diff runs in forked worker processes (ckptlab.io.stream): every finding and
+    every number is the same as with threads, bit for bit."""
+    from ckptlab.io import stream as streaming
+
+    a = toy_state(dtype=torch.float32)
+    b = planted_faults(a)
+    path_a, path_b = write(tmp_path / "a", a, fmt), write(tmp_path / "b", b, fmt)
+    monkeypatch.setattr(streaming, "SEGMENT_BYTES", 1 << 12)  # many units per tensor
+    threads = ckptlab.diff(path_a, path_b, workers=2)
+    assert threads.summary["workers"] == 2
+    monkeypatch.setattr(streaming, "PROCESS_MIN_BYTES", 0)
+    used = []
+    real = streaming._run_in_processes
+    monkeypatch.setattr(streaming, "_run_in_processes", lambda *args: used.append(1) or real(*args))
+    processes = ckptlab.diff(path_a, path_b, workers=2)
+    assert used == ([1] if streaming._use_processes([], True) else [])
+    assert _comparable(processes) == _comparable(threads)
+    assert processes.verdict == threads.verdict and processes.verdict is not None

@@ -1,6 +1,8 @@
 """Streaming: memory stays flat as checkpoints grow, threads run at once, results don't depend
 on how the work was cut or read."""
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 from ckptlab import stats
 from ckptlab.io import open_checkpoint
 from ckptlab.io import stream as streaming
+from ckptlab.io.base import MemoryTensor
 from ckptlab.io.stream import Job, stream
 
 
@@ -68,13 +71,13 @@ def test_mapped_pages_are_released_so_memory_stays_flat(tmp_path, monkeypatch):
     monkeypatch.setattr(streaming, "SEGMENT_BYTES", 2 << 20)
     _pair_files(tmp_path, 24 << 20)  # 2 x 96 MB
     sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
-    with PeakRss() as flat:
-        stream(_jobs(sd_a, sd_b), workers=2)
+    with PeakRss() as flat:  # (threads: worker processes' pages are not this process's)
+        stream(_jobs(sd_a, sd_b), workers=2, processes=False)
     # Without releasing, every page read stays resident: the whole 192 MB.
     monkeypatch.setattr("ckptlab.io.mapped.MappedFile.release", lambda self, offset, nbytes: None)
     sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
     with PeakRss() as kept:
-        stream(_jobs(sd_a, sd_b), workers=2)
+        stream(_jobs(sd_a, sd_b), workers=2, processes=False)
     assert flat.grew_mb < 48, flat.grew_mb
     assert kept.grew_mb > 150, kept.grew_mb  # the measurement itself can see the difference
 
@@ -96,29 +99,32 @@ def test_units_run_concurrently_on_two_threads(tmp_path, monkeypatch):
                 pass
         return stats.PairAccumulator(ra.dtype, rb.dtype)
 
-    stream([Job(ra, rb, make)], workers=2)
+    stream([Job(ra, rb, make)], workers=2, processes=False)
     assert len(threads) == 2 and not both.broken
 
 
-def test_results_do_not_depend_on_threads_segments_or_reads(tmp_path, monkeypatch):
+def test_results_do_not_depend_on_workers_segments_or_reads(tmp_path, monkeypatch):
     a, b = _pair_files(tmp_path, 3 << 18)
     b[123_457] = float("nan")
     b[700_000] = a[700_000] + 7
     safetensors.torch.save_file({"w": b}, tmp_path / "b.safetensors")
     results = []
-    for workers, segment, sequential in [
-        (1, 64 << 20, False),
-        (2, 1 << 20, False),
-        (2, 1 << 20, True),
-        (1, 3 << 20, True),
+    for workers, segment, sequential, processes in [
+        (1, 64 << 20, False, False),
+        (2, 1 << 20, False, False),
+        (2, 1 << 20, True, False),
+        (1, 3 << 20, True, False),
+        (2, 1 << 20, False, True),  # worker processes
+        (3, 1 << 20, True, True),
     ]:
         monkeypatch.setattr(streaming, "SEGMENT_BYTES", segment)
         sd_a = open_checkpoint(tmp_path / "a.safetensors", sequential=sequential)
         sd_b = open_checkpoint(tmp_path / "b.safetensors", sequential=sequential)
-        results.append(stream(_jobs(sd_a, sd_b), workers=workers)[0].result())
+        results.append(stream(_jobs(sd_a, sd_b), workers=workers, processes=processes)[0].result())
     first = results[0]
     assert first.delta.max_index == 700_000 and first.b.nan == 1
-    assert _same(results[2], results[1])  # same segments, other reads: bit for bit
+    # same segments, other reads or other workers: bit for bit
+    assert _same(results[2], results[1]) and _same(results[4], results[1]) and _same(results[5], results[1])
     for r in results[1:]:
         assert (r.delta.compared, r.delta.unchanged, r.delta.max_index, r.delta.max_abs, r.w1) == (
             first.delta.compared,
@@ -155,5 +161,59 @@ def test_a_failing_read_stops_the_stream_with_its_error(tmp_path):
         f.truncate(1000)
     from ckptlab.errors import CorruptFileError
 
-    with pytest.raises(CorruptFileError, match="truncated"):
-        stream(_jobs(sd_a, sd_b), workers=2)
+    for processes in (False, True):
+        with pytest.raises(CorruptFileError, match="truncated") as caught:
+            stream(_jobs(sd_a, sd_b), workers=2, processes=processes)
+        assert caught.value.path == str(tmp_path / "b.safetensors")  # the same error, from a worker process too
+
+
+needs_fork = pytest.mark.skipif(not streaming._use_processes([], True), reason="worker processes need Linux (fork)")
+
+
+@needs_fork
+def test_worker_processes_take_every_unit_once_and_report_progress(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "SEGMENT_BYTES", 1 << 19)
+    _pair_files(tmp_path, 1 << 20)  # 8 units of 128K elements
+    sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
+    done = []
+    parent = os.getpid()
+
+    def make():
+        assert os.getpid() != parent  # counted in a worker process, not here
+        return stats.PairAccumulator("float32", "float32")
+
+    ra, rb = sd_a.info("w"), sd_b.info("w")
+    merged = stream(
+        [Job(ra, rb, make, finish=stats.PairAccumulator.result)], workers=2, progress=done.append, processes=True
+    )
+    assert merged[0].a.numel == 1 << 20 and merged[0].delta.compared == 1 << 20
+    assert sum(done) == 2 * 4 * (1 << 20) and len(done) == 8
+
+
+@needs_fork
+def test_a_worker_process_that_dies_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "SEGMENT_BYTES", 1 << 18)
+    _pair_files(tmp_path, 1 << 18)
+    sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
+    ra, rb = sd_a.info("w"), sd_b.info("w")
+
+    def make():  # as the kernel's OOM killer would
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    from ckptlab.errors import CkptlabError
+
+    with pytest.raises(CkptlabError, match="a diff worker process died \\(killed by SIGKILL"):
+        stream([Job(ra, rb, make)], workers=2, processes=True)
+
+
+def test_large_file_diffs_use_worker_processes_and_small_ones_threads(tmp_path, monkeypatch):
+    _pair_files(tmp_path, 1 << 10)
+    sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
+    jobs = _jobs(sd_a, sd_b)
+    assert not streaming._use_processes(jobs, None)
+    assert not streaming._use_processes(jobs, False)
+    monkeypatch.setattr(streaming, "PROCESS_MIN_BYTES", 1 << 10)
+    assert streaming._use_processes(jobs, None) == streaming._use_processes([], True)
+    # A tensor in memory (possibly torch's, possibly on a GPU) is never counted after a fork.
+    memory = Job(MemoryTensor(torch.zeros(4)), None, lambda: None)
+    assert not streaming._use_processes([memory], True)
