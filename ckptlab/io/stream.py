@@ -191,6 +191,8 @@ def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, mer
     having done nothing, when the system refuses the fork (memory, process limits)."""
     ctx = multiprocessing.get_context("fork")
     claimed = ctx.Value("q", 0)  # the next unit index to take
+    for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
+        stats.codec_for(ref.dtype)  # (cached: built once here, not once per worker)
     children: dict[int, Connection] = {}
     try:
         for _ in range(workers):
