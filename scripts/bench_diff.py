@@ -10,7 +10,7 @@ measures, each in a fresh process, with a warm page cache:
   naive   torch.load / load_file both, then a Python loop of per-tensor torch ops
   ckptlab ckptlab.diff(A, B), after the imports (start-up excluded)
 and prints GB/s of checkpoint bytes (A + B), the ratios to raw, peak RSS above the interpreter
-(after imports; for a diff run by worker processes, the largest worker's, above the same base)
+(after imports; the proportional set size of it and its worker processes, polled every 10 ms)
 and CPU use (user+sys / wall, worker processes included: ~2.0 means both cores).
 
 Start-up is measured apart, once: the wall time of `python -m ckptlab diff a.safetensors
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 MEASURE = r"""
-import json, os, resource, sys, time
+import glob, json, os, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 kind, a, b = sys.argv[1:4]
 # What `ckptlab diff` itself imports: a safetensors diff never imports torch (and ckptlab's
@@ -44,10 +44,29 @@ kind, a, b = sys.argv[1:4]
 if kind != "ckptlab" or not a.endswith(".safetensors"):
     import torch, safetensors.torch
 import ckptlab, ckptlab.analysis.diff
-def status_kb(key):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))
-base = status_kb("VmRSS")
+def pss_kb():
+    # This process and its worker processes, pages they share counted once (split among them).
+    pids = [os.getpid()]
+    for f in glob.glob("/proc/self/task/*/children"):
+        try:
+            pids += open(f).read().split()
+        except OSError:  # (a thread that ended)
+            pass
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{{pid}}/smaps_rollup") as f:
+                total += next(int(l.split()[1]) for l in f if l.startswith("Pss:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+peak = [pss_kb()]
+base = peak[0]
+done = threading.Event()
+def poll():
+    while not done.wait(0.01):
+        peak[0] = max(peak[0], pss_kb())
+threading.Thread(target=poll, daemon=True).start()
 r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
 if kind == "ckptlab":
     findings = ckptlab.diff(a, b)
@@ -64,15 +83,15 @@ else:  # naive: load both whole, then one torch pass per statistic per tensor
         worst = max(worst or (0, name), (row["nd"] / max(row["na"], 1e-30), name))
     extra = {{"verdict": worst[1]}}
 wall = time.perf_counter() - t0
+done.set()
 r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 cpu = sum(getattr(x1, f) - getattr(x0, f) for x0, x1 in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
-# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork time. The diff's
-# worker processes (forked after the imports) count from the same base: pages they share
-# with this process count in their RSS too, so this overstates what they add.
-peak = max(status_kb("VmHWM"), c1.ru_maxrss if c1.ru_maxrss > base else 0) - base
+# Peak memory: the proportional set size (Pss) of this process and its worker processes,
+# polled every 10 ms, above this process's after the imports (pages the workers share with
+# it counted once). For one process it is its RSS; the polling misses peaks under 10 ms.
 extra["torch"] = "torch" in sys.modules
 extra["worker_processes"] = c1.ru_utime > 0
-print(json.dumps({{"wall": wall, "cpu": cpu, "peak_kb_above": peak, **extra}}))
+print(json.dumps({{"wall": wall, "cpu": cpu, "peak_kb_above": peak[0] - base, **extra}}))
 """
 
 
