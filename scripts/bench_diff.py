@@ -2,6 +2,7 @@
 
     python scripts/bench_diff.py                 # two ~1 GB checkpoints per scenario, in /tmp
     python scripts/bench_diff.py --gb 0.25 --repeat 1 --scenario fp32-safetensors
+    python scripts/bench_diff.py --scenario fp32-safetensors --repeat 7 --no-naive --against /tmp/old
 
 For each scenario (fp32 safetensors, bf16 .pt) it writes checkpoints A and B of a GPT-like
 model (B = A after a small update, with one exploded, one NaN, one frozen parameter), then
@@ -138,8 +139,8 @@ def make_checkpoints(folder: Path, scenario: str, gb: float) -> tuple[Path, Path
     return pa, pb
 
 
-def run_measure(kind: str, a: Path, b: Path) -> dict:
-    script = MEASURE.format(root=str(ROOT))
+def run_measure(kind: str, a: Path, b: Path, root: Path = ROOT) -> dict:
+    script = MEASURE.format(root=str(root))
     out = subprocess.run([sys.executable, "-c", script, kind, str(a), str(b)], capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{kind} failed:\n{out.stderr[-2000:]}")
@@ -175,7 +176,9 @@ def startup(folder: Path, repeat: int) -> dict:
     return {"best_s": best, "median_s": median}
 
 
-def bench(scenario: str, gb: float, repeat: int, folder: Path, start: dict) -> dict:
+def bench(
+    scenario: str, gb: float, repeat: int, folder: Path, start: dict, against: Path | None = None, naive: bool = True
+) -> dict:
     t = time.perf_counter()
     # In a child process: a parent that held the tensors would stay big (and skew the machine).
     subprocess.run([sys.executable, __file__, "--make", scenario, str(gb), str(folder)], check=True)
@@ -184,11 +187,15 @@ def bench(scenario: str, gb: float, repeat: int, folder: Path, start: dict) -> d
     nbytes = a.stat().st_size + b.stat().st_size
     print(f"\n== {scenario}: A + B = {nbytes / 1e9:.2f} GB (written in {time.perf_counter() - t:.0f} s)", flush=True)
     raw_read(a, b)  # warm the page cache
-    results: dict[str, list[dict]] = {"raw": [], "naive": [], "ckptlab": []}
-    for _ in range(repeat):
+    results: dict[str, list[dict]] = {"raw": [], "naive": [], "ckptlab": [], "against": []}
+    for _ in range(repeat):  # interleaved: a slow minute slows every method alike
         results["raw"].append({"wall": raw_read(a, b), "cpu": None, "peak_kb_above": None})
-        results["naive"].append(run_measure("naive", a, b))
+        if naive:
+            results["naive"].append(run_measure("naive", a, b))
         results["ckptlab"].append(run_measure("ckptlab", a, b))
+        if against is not None:
+            results["against"].append(run_measure("ckptlab", a, b, root=against))
+    results = {k: v for k, v in results.items() if v}
     best_raw = min(r["wall"] for r in results["raw"])
     print(
         f"{'':8} {'best s':>7} {'median s':>8} {'GB/s':>6} {'x raw':>6} {'peak RSS':>9} {'CPU':>5} {'GB/cpu-s':>8}  verdict"
@@ -204,7 +211,7 @@ def bench(scenario: str, gb: float, repeat: int, folder: Path, start: dict) -> d
         print(
             f"{kind:8} {min(walls):7.2f} {statistics.median(walls):8.2f} {nbytes / min(walls) / 1e9:6.2f} "
             f"{min(walls) / best_raw:6.1f} {rss:>9} {cpu:>5} {per_cpu:>8}  {best.get('verdict', '')}"
-            + (" (torch imported)" if kind == "ckptlab" and best.get("torch") else "")
+            + (" (torch imported)" if kind in ("ckptlab", "against") and best.get("torch") else "")
         )
         summary[kind] = {
             "best_s": min(walls),
@@ -236,6 +243,13 @@ def main() -> None:
     ap.add_argument("--scenario", action="append", choices=["fp32-safetensors", "bf16-pt"], help="default: both")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a new folder in /tmp)")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="another checkout of ckptlab (e.g. `git worktree add /tmp/old COMMIT`): its diff is measured "
+        "too, taking turns with this one (row 'against')",
+    )
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive torch loop (the slowest part)")
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="ckptlab-bench-", dir=args.dir))
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (other work on this machine skews timings)")
@@ -243,7 +257,7 @@ def main() -> None:
         start = startup(folder, args.repeat)
         results = {"startup": start}
         for s in args.scenario or ["fp32-safetensors", "bf16-pt"]:
-            results[s] = bench(s, args.gb, args.repeat, folder, start)
+            results[s] = bench(s, args.gb, args.repeat, folder, start, args.against, not args.no_naive)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
