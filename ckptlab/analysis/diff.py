@@ -183,6 +183,7 @@ def diff(
     verify: bool = True,
     workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    processes: bool | None = None,
 ) -> DiffFindings:
     """Compare checkpoint `a` with `b` (or, with b=None, check the health of `a` alone).
 
@@ -190,21 +191,25 @@ def diff(
     select: only tensors whose (aligned) name matches this regex (re.search).
     sequential: plain reads instead of mmap (for network filesystems).
     verify: check run checkpoints against their recorded sha256 first.
-    workers: threads (default: the cores available, at most 8).
+    workers: threads or processes (default: the cores available, at most 8).
     progress: called with the number of bytes done after each piece.
+    processes: None (default) forks worker processes for a large diff of files on Linux
+        (ckptlab/io/stream.py says when); False keeps to threads (so does CKPTLAB_PROCESSES=0).
     """
     pattern = re.compile(select) if isinstance(select, str) else select
     sd_a = open_checkpoint(a, sequential=sequential, verify=verify)
     sd_b = open_checkpoint(b, sequential=sequential, verify=verify) if b is not None else None
     try:
-        return _diff(sd_a, sd_b, pattern, workers or default_workers(), progress, sequential)
+        return _diff(sd_a, sd_b, pattern, workers or default_workers(), progress, sequential, processes)
     finally:
         for sd, given in ((sd_a, a), (sd_b, b)):
             if sd is not None and sd is not given:
                 sd.close()
 
 
-def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, progress, sequential) -> DiffFindings:
+def _diff(
+    sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, progress, sequential, processes=None
+) -> DiffFindings:
     started = time.perf_counter()
     plan = align(sd_a, sd_b, pattern) if sd_b is not None else _single_plan(sd_a, pattern)
     skipped = [
@@ -217,7 +222,7 @@ def _diff(sd_a: LazyStateDict, sd_b: LazyStateDict | None, pattern, workers, pro
     if not plan.pairs:
         raise CkptlabError(_nothing_to_compare(sd_a, sd_b, plan, pattern))
     jobs = [_job(p, sd_a, sd_b) for p in plan.pairs]
-    results = _stream_in_file_order(jobs, workers, progress)  # TensorStats / PairStats
+    results = _stream_in_file_order(jobs, workers, progress, processes)  # TensorStats / PairStats
     findings = [_finding(p, r, sd_a, sd_b) for p, r in zip(plan.pairs, results)]
     for i, f in enumerate(findings):
         f.order = i
@@ -274,11 +279,11 @@ def _job(p: Pair, sd_a: LazyStateDict, sd_b: LazyStateDict | None) -> Job:
     return Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype), finish=stats.PairAccumulator.result)
 
 
-def _stream_in_file_order(jobs: list[Job], workers: int, progress) -> list:
+def _stream_in_file_order(jobs: list[Job], workers: int, progress, processes=None) -> list:
     """Stream the jobs in the order A stores them (each file read front to back); results in
     the jobs' order."""
     order = sorted(range(len(jobs)), key=lambda i: _storage_order(jobs[i].a))
-    results = stream([jobs[i] for i in order], workers=workers, progress=progress)
+    results = stream([jobs[i] for i in order], workers=workers, progress=progress, processes=processes)
     return [r for _, r in sorted(zip(order, results), key=lambda x: x[0])]
 
 

@@ -35,7 +35,8 @@ class MappedFile:
         self._mm: mmap.mmap | None = None
         self._lock = threading.Lock()
 
-    def _mapping(self) -> mmap.mmap:
+    def mapping(self) -> mmap.mmap:
+        """The file's one mapping (made on first use; no page is read by making it)."""
         if self._mm is None:
             with self._lock:
                 if self._mm is None:
@@ -57,7 +58,7 @@ class MappedFile:
                 f"truncated: needs bytes up to {offset + nbytes}, the file has {self.size}", path=self.path
             )
         if not self.sequential:
-            return np.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset)
+            return np.frombuffer(self.mapping(), dtype=dtype, count=count, offset=offset)
         buf = scratch[:nbytes] if scratch is not None and scratch.size >= nbytes else np.empty(nbytes, dtype=np.uint8)
         view = memoryview(buf)
         done = 0

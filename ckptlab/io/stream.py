@@ -9,22 +9,28 @@ Resident memory stays near workers x 2 x SEGMENT_BYTES whatever the checkpoint's
 Nothing here needs torch.
 
 Workers are forked processes where they pay (Linux, every tensor in a file, at least
-PROCESS_MIN_BYTES in all), threads otherwise. numpy releases the GIL inside most of its loops,
+PROCESS_MIN_BYTES in all, a caller under FORK_MAX_RSS without CUDA initialised, not turned
+off by CKPTLAB_PROCESSES=0), threads otherwise. numpy releases the GIL inside most of its loops,
 but a chunk's work is ~20 short numpy calls, and its pattern count (`np.bincount`) keeps the
 GIL while it runs: two threads counting in-memory pieces did 1.02x the work of one, two
-processes 1.6x (scripts/bench_diff.py). A process reads the same mapped files (inherited
-across the fork), sends each unit's partial accumulator back through a pipe, and the parent
-merges them in segment order, so the results are the same bit for bit either way.
+processes 1.6x (docs/performance.md). A process reads the same mapped files (mapped before the
+fork, inherited), sends each unit's partial accumulator back through a pipe, and the parent
+merges them in segment order, so the results are the same bit for bit either way. A worker
+runs none of the caller's signal handlers or finalizers, ignores Ctrl-C (the parent stops the
+workers) and exits with os._exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -86,13 +92,14 @@ def stream(
     units = [u for i, job in enumerate(jobs) for u in _units(i, job)]
     workers = min(workers or default_workers(), max(1, len(units)))
     merge = _Merger(jobs, progress)
+    local = threading.local()  # each worker thread's read buffers, freed with this call
     if workers > 1 and _use_processes(jobs, processes) and _run_in_processes(jobs, units, workers, merge):
         pass
     elif workers > 1:
-        _run_in_threads(jobs, units, workers, merge)
+        _run_in_threads(jobs, units, workers, merge, local)
     else:
         for unit in units:
-            merge.add(unit, _count_unit(jobs[unit.job], unit))
+            merge.add(unit, _count_unit(jobs[unit.job], unit, local))
     return merge.results()
 
 
@@ -129,13 +136,10 @@ class _Merger:
         return self.merged
 
 
-_local = threading.local()
-
-
-def _count_unit(job: Job, unit: _Unit):
+def _count_unit(job: Job, unit: _Unit, local: threading.local):
     """One unit's partial accumulator: read, count, release."""
     acc = job.make()
-    scratch = _scratch(_local)
+    scratch = _scratch(local)
     if job.b is None:
         acc.add(job.a.segment(unit.start, unit.count, scratch[0]))
     else:
@@ -150,9 +154,11 @@ def _count_unit(job: Job, unit: _Unit):
     return acc
 
 
-def _run_in_threads(jobs: Sequence[Job], units: list[_Unit], workers: int, merge: _Merger) -> None:
+def _run_in_threads(
+    jobs: Sequence[Job], units: list[_Unit], workers: int, merge: _Merger, local: threading.local
+) -> None:
     with ThreadPoolExecutor(workers, thread_name_prefix="ckptlab-stream") as pool:
-        futures = [pool.submit(lambda u: merge.add(u, _count_unit(jobs[u.job], u)), u) for u in units]
+        futures = [pool.submit(lambda u: merge.add(u, _count_unit(jobs[u.job], u, local)), u) for u in units]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for f in pending:
             f.cancel()
@@ -163,16 +169,26 @@ def _run_in_threads(jobs: Sequence[Job], units: list[_Unit], workers: int, merge
 
 # --- worker processes ------------------------------------------------------------------------
 
+# Python 3.12+ warns when a process with other threads (a progress display, say) forks. The
+# children run only numpy on memory and file descriptors they own (no lock another thread
+# could hold is taken there: the files are mapped before the fork), so that warning is
+# silenced for the forks made here, and only those.
+warnings.filterwarnings(
+    "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning, module=__name__
+)
+
 
 def _use_processes(jobs: Sequence[Job], asked: bool | None) -> bool:
     if asked is False or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
         return False  # (macOS: system libraries are not fork-safe)
+    if os.environ.get("CKPTLAB_PROCESSES", "").strip().lower() in ("0", "no", "false", "off"):
+        return False
     in_files = all(isinstance(r, FileTensor) for job in jobs for r in (job.a, job.b) if r is not None)
     if not in_files:  # a tensor in memory may be torch's, even on a GPU: not touched after a fork
         return False
     if asked:
         return True
-    if _resident_bytes() > FORK_MAX_RSS:  # e.g. a training process: its fork would copy a large page table
+    if _resident_bytes() > FORK_MAX_RSS or _cuda_initialized():  # e.g. a training process
         return False
     return sum(job.a.nbytes + (job.b.nbytes if job.b is not None else 0) for job in jobs) >= PROCESS_MIN_BYTES
 
@@ -185,31 +201,52 @@ def _resident_bytes() -> int:
         return 0
 
 
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")  # (never imported here)
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a partial or odd torch: assume the worst
+        return True
+
+
 def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, merge: _Merger) -> bool:
     """Fork `workers` processes that take units off a shared counter (a busy core's worker
     takes fewer) and send back (unit index, partial accumulator); merge them here. False,
-    having done nothing, when the system refuses the fork (memory, process limits)."""
+    having done nothing, when the system refuses (no shared memory, no fork)."""
     ctx = multiprocessing.get_context("fork")
-    claimed = ctx.Value("q", 0)  # the next unit index to take
+    try:
+        claimed = ctx.Value("q", 0)  # the next unit index to take
+    except (OSError, ImportError):  # no usable /dev/shm (some sandboxes)
+        return False
     for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
         stats.codec_for(ref.dtype)  # (cached: built once here, not once per worker)
+    for ref in (r for job in jobs for r in (job.a, job.b) if r is not None):
+        if not ref.file.sequential:
+            ref.file.mapping()  # mapped here: every worker inherits the mapping, none takes its lock
     children: dict[int, Connection] = {}
+    reaped: set[int] = set()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _CAUGHT)  # no handler runs between fork and set-up
     try:
         for _ in range(workers):
-            recv, send = ctx.Pipe(duplex=False)
             try:
-                with warnings.catch_warnings():  # Python 3.12+ warns of forking beside other threads:
-                    warnings.simplefilter("ignore", DeprecationWarning)  # the child runs numpy only
-                    pid = os.fork()
-            except OSError:
+                recv, send = ctx.Pipe(duplex=False)
+            except OSError:  # out of file descriptors
+                return False  # (the finally below stops the ones already started)
+            try:
+                pid = os.fork()
+            except OSError:  # out of memory or processes
                 recv.close()
                 send.close()
-                return False  # (the finally below stops the ones already started)
+                return False
             if pid == 0:  # the worker: never returns
-                recv.close()
-                _worker(jobs, units, claimed, send)
-            send.close()
+                try:
+                    _worker_setup(blocked, [recv, *children.values()])
+                    _worker(jobs, units, claimed, send)
+                finally:
+                    os._exit(1)
             children[pid] = recv
+            send.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         done = 0
         open_pipes = dict(children)
         while done < len(units):
@@ -218,32 +255,60 @@ def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, mer
             for conn in wait_any(list(open_pipes.values())):
                 try:
                     kind, index, payload = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # it exited, or died in the middle of a message
                     pid = next(p for p, c in open_pipes.items() if c is conn)
                     del open_pipes[pid]
                     status = _reap(pid)
-                    if status is not None and status != 0:
+                    reaped.add(pid)
+                    if status != 0:
                         raise CkptlabError(f"a diff worker process died ({_exit_text(status)})") from None
                     continue
                 if kind == "error":
-                    raise payload
+                    error, remote = payload
+                    raise error from _WorkerTraceback(remote)
                 merge.add(units[index], payload)
                 done += 1
         return True
     finally:
-        for pid, conn in children.items():
-            conn.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        alive = [pid for pid in children if pid not in reaped]
+        for pid in alive:  # all killed first, then reaped (long gone when all went well)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # (long gone when all went well)
+                os.kill(pid, signal.SIGKILL)
+        for pid in alive:
             _reap(pid)
+        for conn in children.values():
+            conn.close()
+
+
+# Signals whose handlers (the parent's: a framework's "save on SIGTERM") must not run in a worker.
+_CAUGHT = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _worker_setup(blocked, inherited: list[Connection]) -> None:
+    """In a forked child, before anything else: Ctrl-C is the parent's to handle (it stops the
+    workers), other signals do what they do by default, the collector stays off (no finalizer of
+    an inherited object runs here), and the pipes of other workers are closed."""
+    gc.disable()
+    for sig in _CAUGHT:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            handler = signal.getsignal(sig)
+            if sig == signal.SIGINT:
+                signal.signal(sig, signal.SIG_IGN)
+            elif callable(handler) and handler not in (signal.SIG_DFL, signal.SIG_IGN):
+                signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    for conn in inherited:
+        conn.close()
 
 
 def _worker(jobs: Sequence[Job], units: list[_Unit], claimed, send: Connection) -> None:
-    """In a forked child: count units until none is left, then exit without running the
-    parent's exit handlers or finalizers."""
+    """Count units until none is left, then exit without running the parent's exit handlers
+    or finalizers (the caller's os._exit)."""
     code = 0
     try:
         stats.count_without_torch()
+        local = threading.local()
         while True:
             with claimed.get_lock():
                 index = claimed.value
@@ -252,12 +317,12 @@ def _worker(jobs: Sequence[Job], units: list[_Unit], claimed, send: Connection) 
                 break
             unit = units[index]
             try:
-                acc = _count_unit(jobs[unit.job], unit)
+                acc = _count_unit(jobs[unit.job], unit, local)
             except Exception as e:  # noqa: BLE001 - sent to the parent, which raises it
-                send.send(("error", index, _picklable(e)))
+                send.send(("error", index, (_picklable(e), traceback.format_exc())))
                 break
             send.send(("part", index, acc))
-    except BaseException:  # noqa: BLE001 - a broken pipe (the parent is gone), a signal
+    except BaseException:  # noqa: BLE001 - a broken pipe (the parent is gone)
         code = 1
     finally:
         with contextlib.suppress(BaseException):
@@ -265,28 +330,44 @@ def _worker(jobs: Sequence[Job], units: list[_Unit], claimed, send: Connection) 
         os._exit(code)
 
 
-def _picklable(e: Exception) -> Exception:
-    import pickle
+class _WorkerTraceback(Exception):
+    """Where, in a worker process, the error being raised came from (its `__cause__`)."""
 
+    def __init__(self, text: str):
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        return "\n\nin the diff worker process:\n" + self.args[0]
+
+
+def _picklable(e: Exception) -> Exception:
+    """The error as it is when it survives the pipe; a RuntimeError that names it otherwise
+    (never a CkptlabError: the CLI shows those as expected one-line failures, not as bugs)."""
     try:
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:  # noqa: BLE001 - anything that does not survive the pipe is described
-        return CkptlabError(f"{type(e).__name__}: {e}")
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _reap(pid: int) -> int | None:
-    """The child's wait status (once it has exited), or None if it was reaped already."""
+    """The child's wait status once it has exited; None when it is not ours to reap any more
+    (reaped elsewhere, or SIGCHLD ignored): its status is unknown."""
     try:
         return os.waitpid(pid, 0)[1]
     except ChildProcessError:
         return None
 
 
-def _exit_text(status: int) -> str:
+def _exit_text(status: int | None) -> str:
+    if status is None:
+        return "its exit status is unknown"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return f"killed by {signal.Signals(sig).name}" + (" - out of memory?" if sig == signal.SIGKILL else "")
+        name = signal.strsignal(sig) or f"signal {sig}"
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(sig).name
+        return f"killed by {name}" + (" - out of memory?" if sig == signal.SIGKILL else "")
     return f"exit status {os.WEXITSTATUS(status)}"
 
 

@@ -214,6 +214,142 @@ def test_large_file_diffs_use_worker_processes_and_small_ones_threads(tmp_path, 
     assert not streaming._use_processes(jobs, False)
     monkeypatch.setattr(streaming, "PROCESS_MIN_BYTES", 1 << 10)
     assert streaming._use_processes(jobs, None) == streaming._use_processes([], True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a process using a GPU: threads
+    assert not streaming._use_processes(jobs, None)
     # A tensor in memory (possibly torch's, possibly on a GPU) is never counted after a fork.
     memory = Job(MemoryTensor(torch.zeros(4)), None, lambda: None)
     assert not streaming._use_processes([memory], True)
+
+
+def _small_pair(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "SEGMENT_BYTES", 1 << 19)
+    _pair_files(tmp_path, 1 << 20)  # 8 units
+    sd_a, sd_b = open_checkpoint(tmp_path / "a.safetensors"), open_checkpoint(tmp_path / "b.safetensors")
+    return sd_a.info("w"), sd_b.info("w")
+
+
+@needs_fork
+def test_worker_processes_do_not_run_the_callers_signal_handlers(tmp_path, monkeypatch):
+    """A training process's "save on SIGTERM" handler must not run in a diff's workers: there a
+    SIGTERM does what it does by default, and Ctrl-C is left to the parent."""
+    ra, rb = _small_pair(tmp_path, monkeypatch)
+    marker = tmp_path / "handler-ran"
+    previous = signal.signal(signal.SIGTERM, lambda *_: marker.write_text(str(os.getpid())))
+    try:
+
+        def interrupted():  # a Ctrl-C reaching a worker: ignored there
+            os.kill(os.getpid(), signal.SIGINT)
+            return stats.PairAccumulator("float32", "float32")
+
+        merged = stream([Job(ra, rb, interrupted)], workers=2, processes=True)
+        assert merged[0].result().delta.compared == 1 << 20
+
+        def terminated():
+            os.kill(os.getpid(), signal.SIGTERM)
+            return stats.PairAccumulator("float32", "float32")
+
+        from ckptlab.errors import CkptlabError
+
+        with pytest.raises(CkptlabError, match="killed by SIGTERM"):
+            stream([Job(ra, rb, terminated)], workers=2, processes=True)
+        assert not marker.exists()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@needs_fork
+def test_a_file_lock_held_by_another_thread_does_not_hang_the_workers(tmp_path, monkeypatch):
+    ra, rb = _small_pair(tmp_path, monkeypatch)
+    holding = threading.Event()
+
+    def hold():  # another thread inside the file's lock for a while (a forked copy of it: forever)
+        with rb.file._lock:
+            holding.set()
+            time.sleep(1.5)
+
+    threading.Thread(target=hold, daemon=True).start()
+    holding.wait(5)
+    result = []
+    run = threading.Thread(target=lambda: result.append(stream(_jobs_of(ra, rb), workers=2, processes=True)))
+    run.start()
+    run.join(30)
+    assert not run.is_alive() and result[0][0].result().a.numel == 1 << 20
+
+
+def _jobs_of(ra, rb):
+    return [Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype))]
+
+
+@needs_fork
+def test_only_workers_not_yet_reaped_are_killed(tmp_path, monkeypatch):
+    """A process id is free for reuse once reaped: killing it then could hit another process."""
+    ra, rb = _small_pair(tmp_path, monkeypatch)
+    reaped, killed_after_reaping = set(), []
+    real_wait, real_kill = os.waitpid, os.kill
+
+    def waitpid(pid, options):
+        out = real_wait(pid, options)
+        reaped.add(pid)
+        return out
+
+    def kill(pid, sig):
+        if pid in reaped:
+            killed_after_reaping.append(pid)
+        return real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    monkeypatch.setattr(os, "kill", kill)
+    for _ in range(3):
+        stream(_jobs_of(ra, rb), workers=2, processes=True)
+    assert killed_after_reaping == []
+
+
+def test_worker_exit_texts():
+    assert streaming._exit_text(signal.SIGKILL) == "killed by SIGKILL - out of memory?"
+    assert streaming._exit_text(3 << 8) == "exit status 3"
+    assert streaming._exit_text(None) == "its exit status is unknown"
+    rt = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else 40  # no name in signal.Signals
+    assert streaming._exit_text(int(rt)).startswith("killed by ")
+
+
+def test_threads_when_processes_cannot_be_had(tmp_path, monkeypatch):
+    ra, rb = _small_pair(tmp_path, monkeypatch)
+    monkeypatch.setenv("CKPTLAB_PROCESSES", "0")
+    assert not streaming._use_processes(_jobs_of(ra, rb), None)
+    monkeypatch.delenv("CKPTLAB_PROCESSES")
+    import multiprocessing.context
+
+    def no_shared_memory(*args, **kwargs):
+        raise OSError("no /dev/shm")
+
+    monkeypatch.setattr(multiprocessing.context.BaseContext, "Value", no_shared_memory)
+    merge = streaming._Merger(_jobs_of(ra, rb), None)
+    assert streaming._run_in_processes(_jobs_of(ra, rb), [], 2, merge) is False
+    merged = stream(_jobs_of(ra, rb), workers=2, processes=True)  # falls back to threads
+    assert merged[0].result().delta.compared == 1 << 20
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):  # (pickle re-creates it with one argument: fails)
+        super().__init__(f"{a}/{b}")
+
+
+@needs_fork
+def test_errors_raised_in_a_worker_carry_its_traceback(tmp_path, monkeypatch):
+    ra, rb = _small_pair(tmp_path, monkeypatch)
+    from ckptlab.errors import CorruptFileError
+
+    def corrupt():
+        raise CorruptFileError("bad bytes", path=tmp_path / "b.safetensors")
+
+    with pytest.raises(CorruptFileError, match="bad bytes") as caught:
+        stream([Job(ra, rb, corrupt)], workers=2, processes=True)
+    assert caught.value.path == str(tmp_path / "b.safetensors")
+    assert "in the diff worker process" in str(caught.value.__cause__) and "def corrupt" not in str(caught.value)
+    assert "in corrupt" in str(caught.value.__cause__)
+
+    def bug():
+        raise _Unpicklable(1, 2)
+
+    with pytest.raises(RuntimeError, match="_Unpicklable: 1/2"):  # a bug stays a bug (not a one-line CkptlabError)
+        stream([Job(ra, rb, bug)], workers=2, processes=True)
