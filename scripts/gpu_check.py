@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[CFG_ENV] = json.dumps(CFG)
     steps = args.steps or (40 if args.cpu else 200)
     block = args.block or (5 if args.cpu else 10)
+    if block < 3 or steps < 3 * block:
+        ap.error("--block must be >= 3 and --steps >= 3 blocks (a warm-up block, a timed one, the planted NaN's)")
     ckpt_every = max(block, steps // 4 // block * block)
     planted = (steps - block + 2, 1)  # (step, row): in the last block, after the last checkpoint
     with tempfile.TemporaryDirectory(prefix="ckptlab-gpu-check-") as tmp:
@@ -194,7 +197,8 @@ def check(run_dir: Path, device: str, steps: int, block: int, ckpt_every: int, p
         on_anomaly=None,
         health_read="deferred",
     )
-    sync_steps = {block + 1, block + 2, 2 * block}  # ordinary steps; 2 * block measures update ratios
+    sync_steps = sync_check_steps(steps, block, ckpt_every, planted[0])
+    waits = count_health_waits() if device == "cuda" else None
     with rec:
         for first in range(0, steps, block):
             order = ["bare", "recorded"] if (first // block) % 2 == 0 else ["recorded", "bare"]
@@ -218,8 +222,10 @@ def check(run_dir: Path, device: str, steps: int, block: int, ckpt_every: int, p
                     except ckptlab.NonFiniteLoss as e:
                         raised_at = (e.step, i)
                         break
-                    except RuntimeError as e:  # a synchronizing CUDA operation inside the step
-                        sync_error = f"step {i}: {e}"
+                    except RuntimeError as e:
+                        if "synchroniz" not in str(e):  # out of memory, a determinism error, ...: not (b)'s
+                            raise
+                        sync_error = f"step {i}: {e}\n{traceback.format_exc()}"  # where, in whose code
                         break
                 sync(device)
                 if first and first + block <= planted[0]:  # the first block warms up; stop before the NaN
@@ -231,13 +237,21 @@ def check(run_dir: Path, device: str, steps: int, block: int, ckpt_every: int, p
     )
     ratios = [r / b for r, b in zip(times["recorded"], times["bare"])]
 
-    log("replaying the planted step ...")
-    t0 = time.perf_counter()
-    report = ckptlab.replay(run_dir, planted[0])
-    replay_s = time.perf_counter() - t0
     planted_id = batches[planted[0]][1][planted[1]]
-    named = [s.sample_id for s in report.samples]
-    bit_exact = sum(c.match for c in report.steps if c.step < planted[0])
+    report, replay_s, replay_error = None, None, None
+    if len(losses["recorded"]) > planted[0]:  # (a sync error stops the recording early: nothing to replay)
+        log("replaying the planted step ...")
+        t0 = time.perf_counter()
+        try:
+            report = ckptlab.replay(run_dir, planted[0])
+        except Exception:  # noqa: BLE001 - reported in the JSON line with the other figures
+            replay_error = traceback.format_exc()
+        replay_s = time.perf_counter() - t0
+    else:
+        replay_error = f"the recording stopped at step {len(losses['recorded'])}, before the planted step"
+    named = [s.sample_id for s in report.samples] if report else []
+    replayed = report.steps if report else []
+    bit_exact = sum(c.match for c in replayed if c.step < planted[0])
     figures = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "parameters": n_params,
@@ -250,25 +264,30 @@ def check(run_dir: Path, device: str, steps: int, block: int, ckpt_every: int, p
         "recorded_equals_bare": same_losses,
         "sync_free_steps": sync_checked if device == "cuda" else None,
         "sync_error": sync_error,
+        # Not a sync by sync-debug's rules: the Recorder waiting at the end of step n+1 for step
+        # n's health copy, i.e. the host running more than a step ahead of the device.
+        "health_waits": waits if device == "cuda" else None,
         "nonfinite_raised": {"step": raised_at[0], "during_step": raised_at[1]} if raised_at else None,
-        "replay_from": report.steps[0].step if report.steps else None,
-        "replayed_steps": len(report.steps),
+        "replay_error": replay_error,
+        "replay_from": replayed[0].step if replayed else None,
+        "replayed_steps": len(replayed),
         "replay_bit_exact": bit_exact,
-        "replay_deterministic": report.deterministic,
-        "replay_s": round(replay_s, 2),
-        "root_step": report.root_step,
-        "origin": report.origin.kind,
+        "replay_deterministic": report.deterministic if report else None,
+        "replay_s": round(replay_s, 2) if replay_s is not None else None,
+        "root_step": report.root_step if report else None,
+        "origin": report.origin.kind if report else None,
         "planted": {"step": planted[0], "row": planted[1], "sample_id": planted_id},
         "named_samples": named[:3],
-        "verdict": report.verdict,
+        "verdict": report.verdict if report else None,
     }
     checks = {
         "a_overhead_measured": bool(ratios) and same_losses,
-        "b_no_sync": sync_error is None
-        and (device != "cuda" or len(sync_checked) == len([s for s in (block + 1, block + 2, 2 * block) if s < steps])),
-        "c_replay_bit_exact": report.deterministic
-        and bit_exact == len([c for c in report.steps if c.step < planted[0]]),
-        "d_verdict_names_sample": report.root_step == planted[0]
+        "b_no_sync": sync_error is None and (device != "cuda" or sorted(sync_checked) == sorted(sync_steps)),
+        "c_replay_bit_exact": report is not None
+        and report.deterministic
+        and bit_exact == len([c for c in replayed if c.step < planted[0]]),
+        "d_verdict_names_sample": report is not None
+        and report.root_step == planted[0]
         and bool(named)
         and named[0] == planted_id
         and raised_at is not None
@@ -280,6 +299,34 @@ def check(run_dir: Path, device: str, steps: int, block: int, ckpt_every: int, p
     for name, passed in checks.items():
         log(f"{'ok  ' if passed else 'FAIL'} {name}")
     return figures
+
+
+def sync_check_steps(steps: int, block: int, ckpt_every: int, planted: int, health_every: int = 10) -> set[int]:
+    """The recorded steps run under set_sync_debug_mode("error"): two ordinary steps after the
+    warm-up block, one that measures update ratios (a multiple of health_every), none that
+    checkpoints (the state's copy to host memory is a sync: documented, not checked here), and
+    the planted NaN's step and the next (the anomaly is read and NonFiniteLoss raised there)."""
+    ordinary = [s for s in range(block + 1, planted) if s % ckpt_every and s % health_every]
+    measured = [s for s in range(block + 1, planted) if s % ckpt_every and not s % health_every]
+    chosen = set(ordinary[:2] + measured[:1])
+    chosen |= {s for s in (planted, planted + 1) if s < steps and s % ckpt_every}
+    return chosen
+
+
+def count_health_waits() -> dict:
+    """Counts, in the returned dict, the CUDA events the Recorder had to wait on (their time
+    included): torch.cuda.Event.synchronize, which only the deferred health read calls here."""
+    waits = {"count": 0, "ms": 0.0}
+    real = torch.cuda.Event.synchronize
+
+    def timed(event):
+        t0 = time.perf_counter()
+        real(event)
+        waits["count"] += 1
+        waits["ms"] = round(waits["ms"] + (time.perf_counter() - t0) * 1e3, 3)
+
+    torch.cuda.Event.synchronize = timed
+    return waits
 
 
 def log(msg: str) -> None:
