@@ -17,6 +17,7 @@ from tests.models import MLP, step_mlp
 
 NAN_STEP, NAN_RANK, NAN_ROW = 17, 1, 2
 STEPS, ROWS = 30, 4
+RAISE_STEP = 12  # "ddp-raise": rank 1's batch there makes step_fn raise (before its backward)
 
 
 def build_ddp():
@@ -30,6 +31,15 @@ def build_ddp():
 
 def step_ddp(model, optimizer, batch):
     os.write(1, b"chatty ddp step_fn\n")
+    return step_mlp(model, optimizer, batch)
+
+
+def step_ddp_raise(model, optimizer, batch):
+    """A data check in the user's step that fails on one rank's batch (a bad token id, say):
+    the other rank goes on into the backward's all-reduce and waits there."""
+    x, _ = batch
+    if x.abs().max() > 1e6:
+        raise ValueError("input out of range")
     return step_mlp(model, optimizer, batch)
 
 
@@ -54,6 +64,8 @@ def batch(step: int, rank: int):
     y = x[:, :1] * 0.5 + 0.1 * torch.randn(ROWS, 1, generator=g)
     if (step, rank) == (NAN_STEP, NAN_RANK):
         x[NAN_ROW, 3] = float("nan")
+    if (step, rank) == (RAISE_STEP, 1) and os.environ.get("CKPTLAB_TEST_RAISE"):
+        x[0, 0] = 1e9
     return (x, y), sample_ids(step, rank)
 
 
@@ -63,7 +75,11 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    build, step = (build_ddp, step_ddp) if kind == "ddp" else (build_fsdp, step_mlp)
+    if kind == "ddp-raise":
+        os.environ["CKPTLAB_TEST_RAISE"] = "1"
+    build, step = {"ddp": (build_ddp, step_ddp), "ddp-raise": (build_ddp, step_ddp_raise)}.get(
+        kind, (build_fsdp, step_mlp)
+    )
     model, opt = build()
     with ckptlab.Recorder(
         run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume

@@ -199,3 +199,21 @@ def test_replay_json_stdout_stays_clean_when_the_ranks_print(ddp_run, capfd):
     assert doc["root_step"] == dm.NAN_STEP and doc["rank"] == dm.NAN_RANK
     assert err.count("chatty ddp build_fn") >= 3  # this process, and each rank's worker
     assert "chatty ddp step_fn" in err
+
+
+def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path):
+    """Replayed, rank 1's step raises before its backward while rank 0 waits in the all-reduce:
+    the replay stops every rank and says which step raised on which rank, and how to trace it."""
+    run_dir = tmp_path / "run"
+    done = torchrun(run_dir, "ddp-raise")
+    assert done.returncode != 0 and "input out of range" in done.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(dm.RAISE_STEP)]
+    replayed = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    error = replayed.stderr.strip().splitlines()[-1]
+    assert replayed.returncode == 1 and "Traceback" not in replayed.stderr, replayed.stderr[-2000:]
+    assert f"step {dm.RAISE_STEP} raised on rank 1 when replayed (ValueError: input out of range" in error
+    assert f"--step {dm.RAISE_STEP} --rank 1" in error
+    report = ckptlab.replay(run_dir, dm.RAISE_STEP, rank=1)  # on that rank alone: the whole story
+    assert report.root_step == dm.RAISE_STEP and report.origin.kind == "exception"
+    assert report.samples[0].sample_id == dm.sample_ids(dm.RAISE_STEP, 1)[0]

@@ -108,7 +108,12 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
             nprocs=world,
             start_method="spawn",
         )
-    except mp.ProcessRaisedException as e:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        # A step raised on a rank: the others were stopped, not left waiting. The first to
+        # raise is the cause; a rank whose collective then lost its peer raised after it.
+        crashed = [json.loads(p.read_text()) for p in out.glob("crash-rank*.json")]
+        if crashed:
+            raise _crash_error(run, min(crashed, key=lambda c: (c["time"], c["rank"]))) from None
         last = str(e).strip().splitlines()[-1]
         raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
     finally:
@@ -150,6 +155,13 @@ def _rank_worker(
         run = open_run(run_path)
         inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
         window = inv.replay_window(k, snap_from)
+        if window.crash is not None:
+            # The step raised here: the other ranks are (or will be) waiting for this one in the
+            # step's collectives, so no rank may go on. Say what happened and stop: the parent
+            # stops the others and reports it.
+            crash = {"rank": rank, "time": time.time(), **window.crash}
+            (Path(out) / f"crash-rank{rank}.json").write_text(json.dumps(crash))
+            raise ReplayError(f"step {window.crash['step']} raised on rank {rank}")
         checks, root = window.checks, window.root
         # Decided on what every rank knows alike (sharded snapshots live on rank 0 only, so
         # "no snapshot kept" differs by rank): a root before `snap_from` was not kept, and
@@ -172,6 +184,27 @@ def _rank_worker(
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _crash_error(run: Run, crash: dict) -> ReplayError:
+    """A step that raised on a rank during a distributed replay, as one line that says what,
+    where, and how to trace it (on that rank alone, where nothing waits for the others)."""
+    where = ", ".join(
+        x for x in (crash.get("source"), f"in {crash['call']}" if crash.get("call") else "", _module(crash)) if x
+    )
+    return ReplayError(
+        f"step {crash['step']} raised on rank {crash['rank']} when replayed ({crash['error']}"
+        + (f"; {where}" if where else "")
+        + "): it reproduces, and the other ranks would wait for it in the step's collectives",
+        path=run.path,
+        hint=f"trace it on that rank alone: ckptlab replay --run {run.path} --step {crash['step']} --rank {crash['rank']}",
+    )
+
+
+def _module(crash: dict) -> str:
+    if "module" not in crash:
+        return ""
+    return f"module {crash['module'] or '(the model)'}" + (f", {crash['phase']}" if crash.get("phase") else "")
 
 
 def _faulty_rank(checks: list[StepCheck], root: int | None) -> int | None:
