@@ -17,7 +17,7 @@ from tests.models import MLP, step_mlp
 
 NAN_STEP, NAN_RANK, NAN_ROW = 17, 1, 2
 STEPS, ROWS = 30, 4
-RAISE_STEP = 12  # "ddp-raise": rank 1's batch there makes step_fn raise (before its backward)
+RAISE_STEP = 12  # "ddp-raise", "fsdp-raise": rank 1's batch there makes step_fn raise (before its backward)
 
 
 def build_ddp():
@@ -75,11 +75,13 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    if kind == "ddp-raise":
+    if kind.endswith("-raise"):
         os.environ["CKPTLAB_TEST_RAISE"] = "1"
-    build, step = {"ddp": (build_ddp, step_ddp), "ddp-raise": (build_ddp, step_ddp_raise)}.get(
-        kind, (build_fsdp, step_mlp)
-    )
+    build, step = {
+        "ddp": (build_ddp, step_ddp),
+        "ddp-raise": (build_ddp, step_ddp_raise),
+        "fsdp-raise": (build_fsdp, step_ddp_raise),
+    }.get(kind, (build_fsdp, step_mlp))
     model, opt = build()
     with ckptlab.Recorder(
         run_dir, model, opt, step_fn=step, build_fn=build, ckpt_every=5, on_anomaly=None, resume=resume

@@ -201,11 +201,13 @@ def test_replay_json_stdout_stays_clean_when_the_ranks_print(ddp_run, capfd):
     assert "chatty ddp step_fn" in err
 
 
-def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path):
-    """Replayed, rank 1's step raises before its backward while rank 0 waits in the all-reduce:
-    the replay stops every rank and says which step raised on which rank, and how to trace it."""
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path, kind):
+    """Replayed, rank 1's step raises before its backward while rank 0 waits in a collective
+    (DDP's all-reduce, FSDP2's gathers): the replay stops every rank and says which step raised
+    on which rank, and how to trace it."""
     run_dir = tmp_path / "run"
-    done = torchrun(run_dir, "ddp-raise")
+    done = torchrun(run_dir, f"{kind}-raise")
     assert done.returncode != 0 and "input out of range" in done.stderr
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(dm.RAISE_STEP)]

@@ -79,6 +79,7 @@ def test_an_out_of_range_token_is_blamed_on_its_row_and_sample_from_the_cli(tmp_
     assert "outside [0, 64)" in doc["samples"][0]["reason"] and "raises IndexError alone" in doc["samples"][0]["reason"]
     assert doc["counterfactuals"][0]["fault"] is False  # without row 2 the step runs
     assert "row 2 (sample doc-5-2)" in doc["verdict"] and "Without those rows the step runs" in doc["verdict"]
+    assert doc["verdict"].count("Without those rows") == 1  # said once, the crash's way
     r = cli("replay", "--run", tmp_path / "run", "--step", 5)
     assert r.code == 0 and "origin     exception (forward) module wte op IndexError" in r.out
 

@@ -33,7 +33,7 @@ from ckptlab.training.state import (
     snapshot,
 )
 from ckptlab.training.step import Trainee
-from ckptlab.training.world import World
+from ckptlab.training.world import World, is_sharded
 
 
 class Replayer:
@@ -198,10 +198,12 @@ class Replayer:
         return health
 
     def snapshot(self, t: Trainee, step: int):
-        """The state `step` starts in. Sharded training: collective, whole on rank 0 only."""
-        if self.world is not None and self.world.sharded and self.world.distributed:
+        """The state `step` starts in. Sharded training: collective, whole on rank 0 only (a
+        process group of one too: `--rank R` of an FSDP2 run, whose state is DTensors)."""
+        world = self.world or World()
+        if world.sharded or any(is_sharded(p) for p in t.model.parameters()):
             state = capture_train_state(None, t.scheduler, t.scaler)
-            return full_snapshot(self.world, step, t.model, t.optimizer, state)
+            return full_snapshot(world, step, t.model, t.optimizer, state)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
     def close(self, t: Trainee) -> None:

@@ -332,7 +332,8 @@ def _verdict(r: ReplayReport) -> str:
         s = f"{lead}: {o.op}{at} produced {produced} ({o.kind} fault){rows}."
     else:
         s = f"{lead}: the fault reproduced but no cause was found" + (f" ({who}{more} suspected)" if who else "") + "."
-    if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False:
+    if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False and o.kind != "exception":
+        # (a crash's verdict says it its own way: "Without those rows the step runs")
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
     s += _searches(r)
     if not r.deterministic:

@@ -449,8 +449,9 @@ def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None, *,
     # and the next step would update them in place -- inside our snapshot.
     tensors = {k: v.clone() for k, v in captured.state_tensors.items()}
     state = codec.decode(captured.state_spec, tensors)
-    if "rng_by_rank" in state:
-        state["rng"] = state["rng_by_rank"][rank or 0]
+    if "rng_by_rank" in state:  # (taken in a process group of one, `--rank R`: that rank's, alone)
+        by_rank = state["rng_by_rank"]
+        state["rng"] = by_rank[rank or 0] if len(by_rank) > 1 else by_rank[0]
     restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, state)
 
 
