@@ -63,7 +63,8 @@ def _regex(ctx, param, value):
     type=click.IntRange(1, 64),
     envvar="CKPTLAB_WORKERS",
     default=None,
-    help="Threads to use (default: the available cores, at most 8). Also CKPTLAB_WORKERS.",
+    help="Workers to use (default: the available cores, at most 8): processes for a diff of 128 MiB or more "
+    "of files on Linux, threads otherwise (CKPTLAB_PROCESSES=0: always threads). Also CKPTLAB_WORKERS.",
 )
 @run_option
 @json_option
