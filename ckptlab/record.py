@@ -663,11 +663,15 @@ class Recorder:
             return
         n = self.next_step
         event = {"kind": "exception", **describe(error, self.model)}
+        if self.world.distributed:
+            event["rank"] = self.world.rank
         with contextlib.suppress(Exception):
             if self._first_anomaly is None:
                 self._first_anomaly = n
             if self.world.is_main:
                 self.writer.append_json(framelog.EVENT, n, event)
+            else:  # (a peer's collective then fails too: rank 0 records that error, not this one)
+                self.writer.append_rank_event(n, event)
             if self.on_anomaly is not None:
                 self.on_anomaly(n, [event])
 

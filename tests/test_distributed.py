@@ -209,6 +209,11 @@ def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path, kin
     run_dir = tmp_path / "run"
     done = torchrun(run_dir, f"{kind}-raise")
     assert done.returncode != 0 and "input out of range" in done.stderr
+    raised = [e for e in ckptlab.open_run(run_dir).events() if e["kind"] == "exception"]
+    # rank 1's own error, from its batch log (rank 0's journal can only hold its peers' failure)
+    assert {"step": dm.RAISE_STEP, "rank": 1, "error": "ValueError: input out of range"}.items() <= next(
+        e for e in raised if e.get("rank") == 1
+    ).items(), raised
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(dm.RAISE_STEP)]
     replayed = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -218,4 +223,5 @@ def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path, kin
     assert f"--step {dm.RAISE_STEP} --rank 1" in error
     report = ckptlab.replay(run_dir, dm.RAISE_STEP, rank=1)  # on that rank alone: the whole story
     assert report.root_step == dm.RAISE_STEP and report.origin.kind == "exception"
+    assert "as when recorded" in report.verdict, report.verdict
     assert report.samples[0].sample_id == dm.sample_ids(dm.RAISE_STEP, 1)[0]

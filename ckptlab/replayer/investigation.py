@@ -223,11 +223,12 @@ class Investigation:
         )
 
     def recorded_error(self, step: int) -> str | None:
-        """The exception step `step` raised when recorded (its `exception` event), if any."""
-        return next(
-            (e.get("error") for e in self.run.events() if e.get("kind") == "exception" and int(e["step"]) == step),
-            None,
-        )
+        """The exception step `step` raised when recorded (its `exception` event), if any: the
+        replayed rank's own when it recorded one (a rank whose step raised makes its peers'
+        collectives fail: rank 0's event is then that failure)."""
+        found = [e for e in self.run.events() if e.get("kind") == "exception" and int(e["step"]) == step]
+        mine = [e for e in found if int(e.get("rank", 0)) == (self.replayer.rank or 0)]
+        return (mine or found)[0].get("error") if found else None
 
     def crashed(self, s: int, crash: dict) -> StepCheck:
         """Step s raised on replay: it matches the record when the record has it raising too

@@ -96,10 +96,13 @@ class Run:
         cache = self.__dict__.setdefault("_batch_indexes", {})
         if rank not in cache:
             index: dict[int, framelog.FrameRef] = {}
+            events = self.__dict__.setdefault("_rank_event_refs", {}).setdefault(rank, [])
             for path, tail in _segments(batches_dir(self.path, rank), self._closed_sessions(rank)):
                 for ref in self._scan(path, tail).frames:
                     if ref.kind == framelog.BATCH:
                         index[ref.step] = ref
+                    elif ref.kind == framelog.EVENT:  # a rank's own exception (ranks > 0)
+                        events.append(ref)
             cache[rank] = dict(sorted(index.items()))
         return cache[rank]
 
@@ -273,8 +276,25 @@ class Run:
         return [{"step": s, **r} for s, r in self._journal[framelog.VALIDATION]]
 
     def events(self) -> list[dict]:
-        """Anomalies seen while recording (non-finite loss, spikes, ...), in step order."""
-        return sorted(({"step": s, **r} for s, r in self._journal[framelog.EVENT]), key=lambda e: e["step"])
+        """Anomalies seen while recording (non-finite loss, spikes, ...), in step order; with
+        the exceptions ranks other than 0 recorded in their own batch logs (`"rank": R`)."""
+        found = [{"step": s, **r} for s, r in self._journal[framelog.EVENT]] + self._rank_events
+        return sorted(found, key=lambda e: e["step"])
+
+    @cached_property
+    def _rank_events(self) -> list[dict]:
+        out = []
+        for rank in self.ranks:
+            if rank == 0:
+                continue
+            self.batch_index(rank)  # (scans the rank's segments once, for its batches and events)
+            for ref in self.__dict__.get("_rank_event_refs", {}).get(rank, []):
+                try:
+                    payload = ref.read_payload()[0]
+                    out.append({"step": ref.step, **records.decode_json(payload, where=f"{ref.path}@{ref.step}")})
+                except CorruptFileError as e:  # reported as damage; the other events stay readable
+                    self._damage(str(e))
+        return out
 
     # --- misc ------------------------------------------------------------------------------------
 

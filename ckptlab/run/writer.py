@@ -107,6 +107,11 @@ class RunWriter:
     def append_json(self, kind: int, step: int, meta: dict) -> int:
         return self._append(self._journal, kind, step, records.encode_json(meta), 0)
 
+    def append_rank_event(self, step: int, meta: dict) -> int:
+        """An event only this rank saw (its own step raised), in its batch log: ranks other
+        than 0 write no journal (docs/run-format.md, "Several ranks")."""
+        return self._append(self._batches, framelog.EVENT, step, records.encode_json(meta), 0)
+
     def _append(self, writer, kind, step, data, flags) -> int:
         if self.failed is not None:
             self.check()
