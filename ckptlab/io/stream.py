@@ -12,8 +12,8 @@ Workers are forked processes where they pay (Linux, every tensor in a file, at l
 PROCESS_MIN_BYTES in all, a caller under FORK_MAX_RSS without CUDA initialised, not turned
 off by CKPTLAB_PROCESSES=0), threads otherwise. numpy releases the GIL inside most of its loops,
 but a chunk's work is ~20 short numpy calls, and its pattern count (`np.bincount`) keeps the
-GIL while it runs: two threads counting in-memory pieces did 1.02x the work of one, two
-processes 1.6x (docs/performance.md). A process reads the same mapped files (mapped before the
+GIL while it runs: two threads counting in-memory pieces do 1.03-1.11x the work of one, two
+processes 1.4x (scripts/bench_stream_workers.py, docs/performance.md). A process reads the same mapped files (mapped before the
 fork, inherited), sends each unit's partial accumulator back through a pipe, and the parent
 merges them in segment order, so the results are the same bit for bit either way. A worker
 runs none of the caller's signal handlers or finalizers, ignores Ctrl-C (the parent stops the
