@@ -12,6 +12,7 @@ Knows nothing about faults or verdicts (investigation.py and blame.py judge what
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -122,6 +123,9 @@ class Replayer:
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)
+            if not self.world.sharded and any(is_sharded(p) for p in model.parameters()):
+                # `--rank R` of an FSDP2 run: a process group of one, and still DTensors
+                self.world = dataclasses.replace(self.world, sharded=True)
         self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         return Trainee(
             model,
@@ -198,12 +202,11 @@ class Replayer:
         return health
 
     def snapshot(self, t: Trainee, step: int):
-        """The state `step` starts in. Sharded training: collective, whole on rank 0 only (a
-        process group of one too: `--rank R` of an FSDP2 run, whose state is DTensors)."""
-        world = self.world or World()
-        if world.sharded or any(is_sharded(p) for p in t.model.parameters()):
+        """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a
+        process group of one too: DTensors, which only DCP's state-dict API takes whole)."""
+        if self.world is not None and self.world.sharded:
             state = capture_train_state(None, t.scheduler, t.scaler)
-            return full_snapshot(world, step, t.model, t.optimizer, state)
+            return full_snapshot(self.world, step, t.model, t.optimizer, state)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
     def close(self, t: Trainee) -> None:

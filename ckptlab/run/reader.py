@@ -93,17 +93,22 @@ class Run:
         return self.batch_index(0)
 
     def batch_index(self, rank: int = 0) -> dict[int, framelog.FrameRef]:
-        cache = self.__dict__.setdefault("_batch_indexes", {})
+        return self._batch_log(rank)[0]
+
+    def _batch_log(self, rank: int) -> tuple[dict[int, framelog.FrameRef], list[framelog.FrameRef]]:
+        """A rank's batch log, scanned once: its batch frames by step, and its event frames
+        (a rank other than 0 records its own exceptions there)."""
+        cache = self.__dict__.setdefault("_batch_logs", {})
         if rank not in cache:
             index: dict[int, framelog.FrameRef] = {}
-            events = self.__dict__.setdefault("_rank_event_refs", {}).setdefault(rank, [])
+            events: list[framelog.FrameRef] = []
             for path, tail in _segments(batches_dir(self.path, rank), self._closed_sessions(rank)):
                 for ref in self._scan(path, tail).frames:
                     if ref.kind == framelog.BATCH:
                         index[ref.step] = ref
-                    elif ref.kind == framelog.EVENT:  # a rank's own exception (ranks > 0)
+                    elif ref.kind == framelog.EVENT:
                         events.append(ref)
-            cache[rank] = dict(sorted(index.items()))
+            cache[rank] = (dict(sorted(index.items())), events)
         return cache[rank]
 
     def _closed_sessions(self, rank: int) -> set[int]:
@@ -287,8 +292,7 @@ class Run:
         for rank in self.ranks:
             if rank == 0:
                 continue
-            self.batch_index(rank)  # (scans the rank's segments once, for its batches and events)
-            for ref in self.__dict__.get("_rank_event_refs", {}).get(rank, []):
+            for ref in self._batch_log(rank)[1]:
                 try:
                     payload = ref.read_payload()[0]
                     out.append({"step": ref.step, **records.decode_json(payload, where=f"{ref.path}@{ref.step}")})
