@@ -70,6 +70,25 @@ from ckptlab.trackers.live import LiveLog
 from ckptlab.training.probe import PendingHealth, StepProbe, accumulating
 
 
+def steady_malloc() -> None:
+    """Have glibc keep the memory a step frees for the next step (for the timing cases only).
+    By default it hands large freed blocks back to the kernel, and this VM hands them on to
+    its host (free page reporting): touching them again costs ~1.3-2.6 ms a MB, so a step of
+    case c swung between 10 and 21 ms with whatever the allocator happened to do, and two
+    copies of one model differed by up to 1 ms a step. PyTorch's CUDA allocator caches in the
+    same way on a GPU."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: as it is
+        return
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # (glibc's maximum)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TOP_PAD, 256 << 20)
+
+
 def make_batches(n: int, batch: int) -> list[tuple[dict, list[int]]]:
     """Token ids drawn from a Zipf-like law (as text is), int64 as a tokenizer returns them."""
     g = torch.Generator().manual_seed(1)
@@ -241,13 +260,14 @@ def interleaved(steps: int, batch: int, ckpt_every: int, health: dict[str, int],
         k = i % len(modes)
         for mode in modes[k:] + modes[:k]:  # rotate: no mode always runs first
             current["mode"] = mode
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             if mode == "bare":
                 step(bare_model, bare_opt, b)
             else:
                 recorders[mode].step(b, sample_ids=ids)
             if i:  # the first step warms caches up (and checkpoints at step 0)
                 times[mode].append(time.perf_counter() - t0)
+                times[f"_cpu {mode}"].append(time.thread_time() - c0)
     for rec in recorders.values():
         rec.close()
     times["_run_dir"] = [str(next(iter(recorders.values())).run_dir)]  # type: ignore[list-item]
@@ -303,18 +323,71 @@ def case_b(args, tmp: Path) -> dict:
 
 
 def case_c(args, tmp: Path) -> dict:
+    """Each recorded mode on its own model, whose steps alternate between bare (`step_fn`
+    called directly, the probe's hooks taken off) and recorded (`Recorder.step`), in
+    alternating order, on the same batch. Two copies of one model differ by up to ~1 ms a
+    step here (where their tensors landed in memory), more than the figure measured; one
+    model cannot. The figure is the median, over the rounds, of recorded minus bare."""
     torch.set_num_threads(1)
     CFG.update(layers=1, width=64, seq=32)
     steps = args.steps * 5 if args.steps else 1000
-    times = interleaved(steps, 4, 10**9, {"recorded, default": 10, "recorded, health_every=1": 1}, tmp / "c")
-    print("\n(c) a fast step: the LM at 1 layer x 64 wide, batch 4 x 32, 1 thread")
-    table(times, steps)
-    bare = statistics.median(times["bare"])
-    return {
-        "c_bare_ms": bare * 1e3,
-        "c_added_ms_default": (statistics.median(times["recorded, default"]) - bare) * 1e3,
-        "c_added_ms_health_every_1": (statistics.median(times["recorded, health_every=1"]) - bare) * 1e3,
-    }
+    batches = make_batches(steps, 4)
+    runs = {}
+    for mode, health_every in {"recorded, default": 10, "recorded, health_every=1": 1}.items():
+        model, opt = build()
+        rec = ckptlab.Recorder(
+            tmp / "c" / mode.replace(" ", "_").replace(",", "").replace("=", ""),
+            model,
+            opt,
+            step_fn=step,
+            build_fn=build,
+            ckpt_every=10**9,
+            health_every=health_every,
+            on_anomaly=None,
+        )
+        runs[mode] = (model, opt, rec)
+    wall: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    for i, (b, ids) in enumerate(batches):
+        for mode, (model, opt, rec) in runs.items():
+            spent = {}
+            for kind in ("bare", "recorded") if i % 2 else ("recorded", "bare"):
+                probe = rec.trainee.probe
+                if kind == "bare":
+                    probe.close()  # the bare step pays for no hook of ours
+                c0, t0 = time.thread_time(), time.perf_counter()
+                if kind == "bare":
+                    step(model, opt, b)
+                else:
+                    rec.step(b, sample_ids=ids)
+                spent[kind] = (time.perf_counter() - t0, time.thread_time() - c0)
+                probe.attach()
+            if i:  # the first step warms caches up (and checkpoints at step 0)
+                wall[mode].append(spent["recorded"][0] - spent["bare"][0])
+                cpu[mode].append(spent["recorded"][1] - spent["bare"][1])
+                wall[f"bare ({mode})"].append(spent["bare"][0])
+    for _, _, rec in runs.values():
+        rec.close()
+    print(f"\n(c) a fast step: the LM at 1 layer x 64 wide, batch 4 x 32, 1 thread; {steps - 1} rounds")
+    out = {"c_bare_ms": statistics.median(wall["bare (recorded, default)"]) * 1e3}
+    for mode, key in (("recorded, default", "default"), ("recorded, health_every=1", "health_every_1")):
+        # The step that runs second in a round is ~1 ms faster (warmer): average each two
+        # rounds (one of each order), then take the median of those.
+        wall[mode], cpu[mode] = pairs(wall[mode]), pairs(cpu[mode])
+        out[f"c_added_ms_{key}"] = statistics.median(wall[mode]) * 1e3
+        out[f"c_added_cpu_ms_{key}"] = statistics.median(cpu[mode]) * 1e3
+        q1, _, q3 = statistics.quantiles(wall[mode], n=4)
+        print(
+            f"  {mode:<28} bare step {statistics.median(wall[f'bare ({mode})']) * 1e3:.2f} ms; added: "
+            f"{out[f'c_added_ms_{key}']:+.3f} ms wall (quartiles {q1 * 1e3:+.3f}, {q3 * 1e3:+.3f}), "
+            f"{out[f'c_added_cpu_ms_{key}']:+.3f} ms of the training thread's CPU"
+        )
+    return out
+
+
+def pairs(values: list[float]) -> list[float]:
+    """The mean of each two consecutive values."""
+    return [(a + b) / 2 for a, b in zip(values[::2], values[1::2])]
 
 
 # --- cases e, f: a large model, one process per mode (peak RSS is per process) -----------------
@@ -511,8 +584,9 @@ def main() -> None:
     ap.add_argument("--worker", choices=("bare", "recorded"), help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
+    if args.worker:  # e/f: peak RSS, with the allocator as it comes
         return worker(args.worker, args.steps, args.run_dir)
+    steady_malloc()
     if args.case:
         return run_cases(args)
     args.steps = args.steps or 300

@@ -198,13 +198,22 @@ class StepProbe:
         self._active = False
         self._queued = False
         self._plans: list | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
-        self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
-        self._handles.append(optimizer.register_step_post_hook(self._on_post_step))
-        _PROBES[optimizer] = self
+        self._handles: list = []
+        self.attach()
         self._reset(False)
 
+    def attach(self) -> None:
+        """Put the hooks on the parameters and the optimizer (done by the constructor; again
+        after `close()`)."""
+        if self._handles:
+            return
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
+        self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
+        self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
+        _PROBES[self.optimizer] = self
+
     def close(self) -> None:
+        """Take the hooks off (`attach()` puts them back)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

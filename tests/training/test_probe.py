@@ -49,6 +49,28 @@ def test_grad_norms_are_pre_clip_and_computed_once_per_backward_not_per_paramete
     probe.close()
 
 
+def test_a_closed_probe_measures_nothing_until_attached_again(monkeypatch):
+    model, opt = wide_mlp()
+    probe = StepProbe(model, opt)
+    calls = []
+    real = probe_mod._norms
+    monkeypatch.setattr(probe_mod, "_norms", lambda ts: calls.append(len(ts)) or real(ts))
+    (step,) = batches(1)
+    probe.close()
+    probe.begin()
+    train_step(model, opt, step)  # (the benchmark's bare step: no hook of ours runs)
+    assert calls == []
+    probe.abort()
+    probe.attach()
+    probe.attach()  # once is enough: hooks are not doubled
+    probe.begin()
+    total = train_step(model, opt, step)
+    health = probe.end(total).result()
+    assert calls == [6]
+    assert abs(health.grad_norm - float(total)) <= 1e-5 * float(total)
+    probe.close()
+
+
 def test_a_deferred_read_gives_the_same_bits_as_an_immediate_one():
     runs = []
     for deferred in (False, True):
