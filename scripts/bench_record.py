@@ -288,28 +288,29 @@ def table(times: dict[str, list[float]], steps: int) -> None:
 def case_a(args, tmp: Path) -> dict:
     torch.set_num_threads(1)
     CFG.update(layers=4, width=256, seq=128)
+    steps = args.steps or 200
     health = {"recorded, health_every=1": 1, "recorded, default": 10}
-    times = interleaved(args.steps or 200, 16, 100, health, tmp / "a")
-    print("\n(a) 4-layer LM, 1 thread, batch 16 x 128, checkpoint every 100 steps")
-    table(times, args.steps)
-    bare = statistics.median(times["bare"])
+    res = alternating(steps, 16, 100, health, tmp / "a")
+    print(f"\n(a) 4-layer LM, 1 thread, batch 16 x 128, checkpoint every 100 steps; {steps - 1} rounds")
+    out = {}
+    for mode, key in (("recorded, default", "default"), ("recorded, health_every=1", "health_every_1")):
+        print(added(mode, res[mode]))
+        bare = statistics.median(res[mode]["bare"])
+        out[f"a_ratio_{key}"] = 1 + statistics.median(res[mode]["wall"]) / bare
     for mode in health:
         print(f"\n  where the time goes, {mode} (mean per step; % of the bare median step):")
+        bare = statistics.median(res[mode]["bare"])
         phases = {p: v for (m, p), v in spent.items() if m == mode}
-        n = len(times[mode]) + 1
+        n = steps
         for phase, total in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"    {phase:<42}{total / n * 1e3:>8.3f} ms {total / n / bare * 100:>6.2f}%")
         print(f"    {'sum':<42}{sum(phases.values()) / n * 1e3:>8.3f} ms")
-    run_dir = Path(times["_run_dir"][0])
+    run_dir = res["recorded, health_every=1"]["run_dir"]
     stored = {p: dir_size(run_dir / p) for p in ("batches", "journal", "checkpoints")}
     print(
-        f"\n  stored per step (health_every=1): batch log {stored['batches'] / (args.steps or 200):,.0f} B, "
-        f"journal {stored['journal'] / (args.steps or 200):,.0f} B"
+        f"\n  stored per step (health_every=1): batch log {stored['batches'] / steps:,.0f} B, journal {stored['journal'] / steps:,.0f} B"
     )
-    return {
-        "a_ratio_default": statistics.median(times["recorded, default"]) / bare,
-        "a_ratio_health_every_1": statistics.median(times["recorded, health_every=1"]) / bare,
-    }
+    return out
 
 
 def case_b(args, tmp: Path) -> dict:
@@ -322,32 +323,29 @@ def case_b(args, tmp: Path) -> dict:
     return {"b_ratio_total": sum(times["recorded, default"]) / sum(times["bare"])}
 
 
-def case_c(args, tmp: Path) -> dict:
-    """Each recorded mode on its own model, whose steps alternate between bare (`step_fn`
-    called directly, the probe's hooks taken off) and recorded (`Recorder.step`), in
-    alternating order, on the same batch. Two copies of one model differ by up to ~1 ms a
-    step here (where their tensors landed in memory), more than the figure measured; one
-    model cannot. The figure is the median, over the rounds, of recorded minus bare."""
-    torch.set_num_threads(1)
-    CFG.update(layers=1, width=64, seq=32)
-    steps = args.steps * 5 if args.steps else 1000
-    batches = make_batches(steps, 4)
+def alternating(steps: int, batch: int, ckpt_every: int, health: dict[str, int], tmp: Path) -> dict:
+    """Cases a and c: each recorded mode on its own model, whose steps alternate between bare
+    (`step_fn` called directly, the probe's hooks taken off) and recorded (`Recorder.step`),
+    in alternating order, on the same batch. Two copies of one model differ by up to ~1 ms a
+    step here (where their tensors landed in memory), as much as the figure measured; one model
+    cannot. Returns, per recorded mode, its bare steps' times, its rounds' differences (recorded
+    minus bare, wall clock and the training thread's CPU time), and its run directory."""
+    batches = make_batches(steps, batch)
     runs = {}
-    for mode, health_every in {"recorded, default": 10, "recorded, health_every=1": 1}.items():
+    for mode, health_every in health.items():
         model, opt = build()
         rec = ckptlab.Recorder(
-            tmp / "c" / mode.replace(" ", "_").replace(",", "").replace("=", ""),
+            tmp / mode.replace(" ", "_").replace(",", "").replace("=", ""),
             model,
             opt,
             step_fn=step,
             build_fn=build,
-            ckpt_every=10**9,
+            ckpt_every=ckpt_every,
             health_every=health_every,
             on_anomaly=None,
         )
         runs[mode] = (model, opt, rec)
-    wall: dict[str, list[float]] = defaultdict(list)
-    cpu: dict[str, list[float]] = defaultdict(list)
+    out = {mode: {"bare": [], "wall": [], "cpu": [], "run_dir": rec.run_dir} for mode, (_, _, rec) in runs.items()}
     for i, (b, ids) in enumerate(batches):
         for mode, (model, opt, rec) in runs.items():
             spent = {}
@@ -355,6 +353,7 @@ def case_c(args, tmp: Path) -> dict:
                 probe = rec.trainee.probe
                 if kind == "bare":
                     probe.close()  # the bare step pays for no hook of ours
+                current["mode"] = mode if kind == "recorded" else "bare"
                 c0, t0 = time.thread_time(), time.perf_counter()
                 if kind == "bare":
                     step(model, opt, b)
@@ -363,25 +362,41 @@ def case_c(args, tmp: Path) -> dict:
                 spent[kind] = (time.perf_counter() - t0, time.thread_time() - c0)
                 probe.attach()
             if i:  # the first step warms caches up (and checkpoints at step 0)
-                wall[mode].append(spent["recorded"][0] - spent["bare"][0])
-                cpu[mode].append(spent["recorded"][1] - spent["bare"][1])
-                wall[f"bare ({mode})"].append(spent["bare"][0])
+                out[mode]["bare"].append(spent["bare"][0])
+                out[mode]["wall"].append(spent["recorded"][0] - spent["bare"][0])
+                out[mode]["cpu"].append(spent["recorded"][1] - spent["bare"][1])
     for _, _, rec in runs.values():
         rec.close()
+    for mode in out:
+        # The step that runs second in a round is faster (warmer): average each two rounds
+        # (one of each order); the figures are medians of those.
+        out[mode]["wall"], out[mode]["cpu"] = pairs(out[mode]["wall"]), pairs(out[mode]["cpu"])
+    return out
+
+
+def added(mode: str, result: dict) -> str:
+    """One line: the bare step, and what recording added to it (median, quartiles)."""
+    wall = result["wall"]
+    q1, med, q3 = statistics.quantiles(wall, n=4)
+    return (
+        f"  {mode:<28} bare step {statistics.median(result['bare']) * 1e3:.2f} ms; added: "
+        f"{statistics.median(wall) * 1e3:+.3f} ms wall (quartiles {q1 * 1e3:+.3f}, {q3 * 1e3:+.3f}), "
+        f"{statistics.median(result['cpu']) * 1e3:+.3f} ms of the training thread's CPU"
+    )
+
+
+def case_c(args, tmp: Path) -> dict:
+    torch.set_num_threads(1)
+    CFG.update(layers=1, width=64, seq=32)
+    steps = args.steps * 5 if args.steps else 1000
+    health = {"recorded, default": 10, "recorded, health_every=1": 1}
+    res = alternating(steps, 4, 10**9, health, tmp / "c")
     print(f"\n(c) a fast step: the LM at 1 layer x 64 wide, batch 4 x 32, 1 thread; {steps - 1} rounds")
-    out = {"c_bare_ms": statistics.median(wall["bare (recorded, default)"]) * 1e3}
+    out = {"c_bare_ms": statistics.median(res["recorded, default"]["bare"]) * 1e3}
     for mode, key in (("recorded, default", "default"), ("recorded, health_every=1", "health_every_1")):
-        # The step that runs second in a round is ~1 ms faster (warmer): average each two
-        # rounds (one of each order), then take the median of those.
-        wall[mode], cpu[mode] = pairs(wall[mode]), pairs(cpu[mode])
-        out[f"c_added_ms_{key}"] = statistics.median(wall[mode]) * 1e3
-        out[f"c_added_cpu_ms_{key}"] = statistics.median(cpu[mode]) * 1e3
-        q1, _, q3 = statistics.quantiles(wall[mode], n=4)
-        print(
-            f"  {mode:<28} bare step {statistics.median(wall[f'bare ({mode})']) * 1e3:.2f} ms; added: "
-            f"{out[f'c_added_ms_{key}']:+.3f} ms wall (quartiles {q1 * 1e3:+.3f}, {q3 * 1e3:+.3f}), "
-            f"{out[f'c_added_cpu_ms_{key}']:+.3f} ms of the training thread's CPU"
-        )
+        print(added(mode, res[mode]))
+        out[f"c_added_ms_{key}"] = statistics.median(res[mode]["wall"]) * 1e3
+        out[f"c_added_cpu_ms_{key}"] = statistics.median(res[mode]["cpu"]) * 1e3
     return out
 
 

@@ -2,7 +2,8 @@
 scripts/bench_replay.py at 1 layer x 64 wide, batch 4 x 32, 1 torch thread), profiled in one
 process, phase by phase.
 
-A bare copy and a recorded copy of the model take turns step by step; every part of the
+One model takes bare steps (`step_fn` called directly, the probe's hooks off) and recorded
+steps in turn, as in bench_record's case c; every part of the
 Recorder that runs on the training thread is timed with `perf_counter_ns` (a nested part is
 charged to the innermost one only, so the rows add up). The last rows compare the sum of the
 phases with the median step-time difference, recorded minus bare: what the phases do not
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 import ckptlab
-from bench_record import make_batches  # scripts/ is on sys.path
+from bench_record import make_batches, steady_malloc  # scripts/ is on sys.path
 from bench_replay import CFG, build, step
 from ckptlab import record
 from ckptlab.analysis import anomalies
@@ -139,6 +140,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     CLOCK[0] = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    steady_malloc()
     torch.set_num_threads(1)
     CFG.update(layers=1, width=64, seq=32)
     batches = make_batches(args.steps, 4)
@@ -147,7 +149,6 @@ def main() -> None:
     profile = cProfile.Profile() if args.cprofile else None
     times: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="ckptlab-profile-") as tmp:
-        bare = build()
         model, opt = build()
         rec = ckptlab.Recorder(
             Path(tmp) / "run",
@@ -163,9 +164,11 @@ def main() -> None:
         for i, (batch, ids) in enumerate(batches):
             measured = i >= warm
             for mode in ("bare", "recorded")[:: 1 if i % 2 else -1]:  # alternate which runs first
+                if mode == "bare":  # the same model, without our hooks (see bench_record.case_c)
+                    rec.trainee.probe.close()
                 t0 = CLOCK[0]()
                 if mode == "bare":
-                    step(*bare, batch)
+                    step(model, opt, batch)
                 else:
                     _on[0] = measured and profile is None
                     if measured and profile is not None:
@@ -176,6 +179,7 @@ def main() -> None:
                     _on[0] = False
                 if measured:
                     times[mode].append((CLOCK[0]() - t0) / 1e9)
+                rec.trainee.probe.attach()
         rec.close()
     n = len(times["recorded"])
     bare_ms = statistics.median(times["bare"]) * 1e3

@@ -125,3 +125,14 @@ def test_the_update_sample_stays_within_its_memory_share():
         for n, p in zip(numels, plans):
             assert 1 <= p.count <= min(n, UPDATE_SAMPLE)
             assert p.offset + (p.count - 1) * p.stride < n and p.scale == n / p.count
+
+
+def test_norms_are_float32_and_the_same_bits_whatever_the_gradients_dtype():
+    g = torch.Generator().manual_seed(7)
+    f32 = [torch.randn(s, generator=g) * 10.0**k for k, s in enumerate([(4096, 64), (64,), (333, 17), (1,)])]
+    mixed = [*f32, torch.randn(100, 10, generator=g).bfloat16()]
+    for tensors in (f32, mixed):
+        got = probe_mod._norms(tensors)
+        want = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        assert all(a.dtype == torch.float32 for a in got)
+        assert torch.equal(torch.stack(got), torch.stack(want))
