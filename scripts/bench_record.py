@@ -26,10 +26,16 @@ telling it, so they are measured after every micro-batch.
 With `--case` it measures the cases docs/performance.md sets targets for, each figure a ratio
 against a bare run in the same invocation (or a difference from it); the last line of output
 is one JSON object with every figure:
-  a  the 4-layer LM, 1 torch thread: bare, recorded with health_every=1 and with the
-     defaults, interleaved step by step (median step ratio), and where the time goes
-  b  the same with all threads and a checkpoint inside the timed window (ratio of the totals)
-  c  a ~2 ms step (the LM at 1 layer x 64 wide, batch 4 x 32): host time added per step, in ms
+  a  the 4-layer LM, 1 torch thread, recorded with health_every=1 and with the defaults:
+     each on one model whose steps alternate bare and recorded (`alternating`: two copies
+     of a model differ by more than what is measured), the median step ratio, and where
+     the time goes
+  b  the same with all threads and a checkpoint inside the timed window (ratio of the totals;
+     a bare copy and a recorded one: a bare step would change the weights a checkpoint is
+     being written from)
+  c  a ~2 ms step (the LM at 1 layer x 64 wide, batch 4 x 32): host time added per step, in
+     ms, measured as in a
+The timing cases have glibc keep the memory a step frees (`steady_malloc`).
   e  peak RSS of a ~250M-parameter MLP (AdamW) recorded with health_every=1, over the steps
      after the first checkpoint, vs the same bare (one process each)
   f  in that run, the step that starts a checkpoint vs the median step
