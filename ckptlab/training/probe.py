@@ -415,7 +415,7 @@ class StepProbe:
                     value, grad_sq, nonfinite, updates
                 )
             else:  # one rank: the same numbers without the rows (the mean of one row is that row)
-                any_grad = grad_sq >= 0  # NO_GRAD is negative
+                any_grad = ~(grad_sq < 0)  # NO_GRAD is negative; a NaN norm was measured (and is kept)
                 combined = np.where(any_grad, grad_sq, 0.0)
                 # -1: non-finite, but the gradient was gone before it could be counted (a deferred
                 # read on a GPU); it counts as at least one element in the total.
@@ -459,7 +459,7 @@ class StepProbe:
         # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
         row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
         rows = self.world.gather(row)
-        got = rows[:, 2 : 2 + P] >= 0  # NO_GRAD rows are negative
+        got = ~(rows[:, 2 : 2 + P] < 0)  # NO_GRAD rows are negative; NaN ones were measured
         grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
         combined = self.world.combine(grad_sq_all)
         counts = rows[:, 2 + P : 2 + 2 * P]

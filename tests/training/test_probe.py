@@ -136,3 +136,32 @@ def test_norms_are_float32_and_the_same_bits_whatever_the_gradients_dtype():
         want = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
         assert all(a.dtype == torch.float32 for a in got)
         assert torch.equal(torch.stack(got), torch.stack(want))
+
+
+def test_a_nan_gradient_is_recorded_as_nan_not_as_no_gradient():
+    """A parameter whose gradient norm is NaN was measured: its norm is NaN (not NO_GRAD, -1,
+    which means "no gradient"), and the global norm is NaN too, as clip_grad_norm_ says."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    unused = nn.Parameter(torch.ones(3))
+    model.register_parameter("unused", unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = StepProbe(model, opt)
+    names = probe.names
+    one = torch.zeros(4, 4, dtype=torch.bool)
+    one[0, 0] = True
+    model[0].weight.register_hook(lambda g: g.masked_fill(one, float("nan")))  # the backward makes one NaN
+    probe.begin()
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    health = probe.end(loss).result(grads_live=True)
+    probe.close()
+    norms = dict(zip(names, health.param_grad_norm.tolist()))
+    assert np.isnan(norms["0.weight"])
+    assert norms["unused"] == -1.0  # NO_GRAD: it got no gradient
+    assert all(np.isfinite(norms[n]) and norms[n] > 0 for n in ("0.bias", "1.weight", "1.bias"))
+    assert np.isnan(health.grad_norm) and np.isnan(float(total))
+    assert health.nonfinite_grads == 1
+    assert dict(zip(names, health.param_nonfinite.tolist()))["0.weight"] == 1
