@@ -61,6 +61,7 @@ SCORES = {
     "length": 20.0,
 }
 CORROBORATED = 15.0  # a content flag in a step whose loss/gradient also went wrong
+DOWNSTREAM_PENALTY = 50.0  # a step that failed because an earlier update made the weights non-finite
 # Reasons whose rows go into the skip list. Length outliers are reported but kept: long or
 # short documents are usually legitimate.
 SKIP_REASONS = frozenset(SCORES) - {"length"}
@@ -610,6 +611,7 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
             out.append(
                 {"step": int(m.step[i]), "kind": kind, "value": s.value, "median": s.median, "z": s.z, "ratio": s.ratio}
             )
+    _mark_downstream(out, m)
     for f in out:
         f["batch"] = "retained" if f["step"] in retained else "pruned by retention"
         if f["step"] not in retained:
@@ -621,12 +623,36 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
     return sorted(out, key=lambda f: (f["step"], f["kind"]))
 
 
+NONFINITE_KINDS = ("nonfinite_loss", "nonfinite_grad")
+
+
+def _mark_downstream(flags: list[dict], m) -> None:
+    """Flag `downstream_of` the first step of a streak of non-finite steps: once a step's
+    optimizer applied non-finite gradients, the weights are non-finite and every step after it
+    fails whatever its batch holds, until the streak ends (a step with a finite loss and
+    gradients). A step whose optimizer did not step (a loop that skips the update on a NaN
+    loss) leaves the weights as they were: the next step is judged on its own."""
+    bad = {f["step"] for f in flags if f["kind"] in NONFINITE_KINDS}
+    root: dict[int, int] = {}  # step -> the first step of its streak
+    for step in sorted(bad):
+        prev = step - 1
+        if prev in root:
+            root[step] = root[prev]
+        elif prev in bad and (i := m.index(prev)) is not None and m.stepped[i]:
+            root[step] = prev
+    for f in flags:
+        if f["kind"] in NONFINITE_KINDS and f["step"] in root:
+            f["downstream_of"] = root[f["step"]]
+
+
 def _step_rows(step_flags: list[dict]) -> list[DirtyRow]:
     out = []
     for f in step_flags:
-        ev = {k: f[k] for k in ("value", "median", "z", "ratio", "batch") if f.get(k) is not None}
+        ev = {k: f[k] for k in ("value", "median", "z", "ratio", "batch", "downstream_of") if f.get(k) is not None}
         ev["rows"] = len(f["sample_ids"]) if f.get("sample_ids") is not None else None
         score = SCORES[f["kind"]] + (min(10.0, math.log10(max(f["z"], 1.0))) if f.get("z") else 0.0)
+        if "downstream_of" in f:  # a consequence: its root step ranks first
+            score -= DOWNSTREAM_PENALTY
         out.append(DirtyRow(f["step"], None, None, f["kind"], ev, score))
     return out
 
@@ -648,7 +674,9 @@ def _corroborate(rows: list[DirtyRow]) -> None:
 def _attribution(
     run: Run, fn: Attribute, step_flags: list[dict], rules: DirtyRules, ranks=(None,)
 ) -> tuple[dict, list[DirtyRow]]:
-    retained = [f for f in step_flags if f["batch"] == "retained"]
+    # A step downstream of a non-finite update fails on any batch: its rows are not replayed.
+    downstream = {f["step"] for f in step_flags if "downstream_of" in f}
+    retained = [f for f in step_flags if f["batch"] == "retained" and f["step"] not in downstream]
     if not retained:
         return {"status": "nothing to attribute", "steps": []}, []
     worst = sorted(
@@ -781,7 +809,8 @@ def skip_ids(report: DirtyReport, *, whole_batches: bool = True) -> list:
         if r.row is not None and r.reason in SKIP_REASONS:
             add(r.sample_id)
     if whole_batches:
-        spiking = sorted({f["step"] for f in report.steps if f["batch"] == "retained"} - blamed_steps)
+        downstream = {f["step"] for f in report.steps if "downstream_of" in f}
+        spiking = sorted({f["step"] for f in report.steps if f["batch"] == "retained"} - blamed_steps - downstream)
         for f in report.steps:
             if f["step"] in spiking:
                 for sid in f.get("sample_ids") or []:

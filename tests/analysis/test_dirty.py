@@ -177,3 +177,51 @@ def test_attribution_with_the_real_replay(spike_run):
     assert r.attribution["status"] == "done"
     assert [(f.step, f.row, f.sample_id) for f in r.flagged if f.reason == "attributed"] == [(50, 3, 50003)]
     assert r.skip_ids == [50003]
+
+
+def step_skipping_nonfinite(model, optimizer, batch):
+    """A loop that skips the update on a non-finite loss, as many LLM loops do."""
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if not torch.isfinite(loss):
+        return loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def nan_batches(n: int, bad: tuple[int, ...]):
+    out = list(models.mlp_batches(n))
+    for step in bad:
+        (x, y), ids = out[step]
+        x = x.clone()
+        x[1, 0] = float("nan")
+        out[step] = ((x, y), ids)
+    return out
+
+
+@pytest.mark.parametrize("skipping", [False, True])
+def test_steps_after_a_nonfinite_update_are_downstream_not_dirty(tmp_path, skipping):
+    """Once an update made the weights NaN, every later step fails whatever its batch: those
+    steps point at the first one and add nothing to the skip list. A loop that skipped the
+    update keeps its weights: a later NaN step is a fault of its own."""
+    step = step_skipping_nonfinite if skipping else models.step_mlp
+    path = tmp_path / "run"
+    models.record_run(
+        path, models.build_mlp, step, nan_batches(10, (5, 7)), stop_on_nonfinite=False, on_nonfinite="record"
+    )
+    r = scan(ckptlab.open_run(path), DirtyRules(extreme_z=1e12))
+    flags = {(f["step"], f["kind"]): f.get("downstream_of") for f in r.steps}
+    if skipping:
+        assert flags == {(5, "nonfinite_loss"): None, (7, "nonfinite_loss"): None}
+        assert sorted(r.skip_ids) == [5001, 7001]  # the content scan names the NaN rows
+    else:
+        assert flags[(5, "nonfinite_loss")] is None
+        assert {s: d for (s, _), d in flags.items() if s > 5} == {s: 5 for s in range(6, 10)}
+        # the NaN rows the content scan names; not the whole batches of steps 6, 8 and 9
+        assert sorted(r.skip_ids) == [5001, 7001]
+        first = [f for f in r.flagged if f.row is None][0]
+        assert (first.step, first.reason) == (5, "nonfinite_loss")  # the root ranks above its consequences
+        later = [f for f in r.flagged if f.step == 7 and f.row is None][0]
+        assert later.evidence["downstream_of"] == 5
