@@ -2,9 +2,9 @@
 
     model, opt = build()
     rec = ckptlab.Recorder("runs/exp1", model, opt, step_fn=step, build_fn=build, ckpt_every=500)
-    for batch, ids in loader:
+    for ids, batch in loader:                    # loader over ckptlab.with_sample_ids(dataset)
         loss = rec.step(batch, sample_ids=ids)   # records, runs step(), returns the loss
-        if it % 1000 == 0:
+        if rec.next_step % 1000 == 0:
             rec.log_validation(val_loss=evaluate(model))
     rec.close()                                  # or: with ckptlab.Recorder(...) as rec:
 

@@ -58,8 +58,8 @@ def cli(debug: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("CKPTLAB_DEBUG") == "1"
+    args = _debug_first(list(sys.argv[1:] if argv is None else argv))
+    debug = args[:1] == ["--debug"] or os.environ.get("CKPTLAB_DEBUG") == "1"
     try:
         # With standalone_mode=False click *returns* the code of a command's
         # `raise click.exceptions.Exit(n)` instead of raising it.
@@ -96,3 +96,12 @@ def main(argv: list[str] | None = None) -> None:
             )
         sys.exit(1)
     sys.exit(0)
+
+
+def _debug_first(args: list[str]) -> list[str]:
+    """`--debug` anywhere before a `--` (`ckptlab replay ... --debug`, as one types it after
+    a failure) moved in front of the command, where the group's option is."""
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" not in args[:end]:
+        return args
+    return ["--debug", *(a for a in args[:end] if a != "--debug"), *args[end:]]

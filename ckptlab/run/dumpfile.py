@@ -288,7 +288,7 @@ def _read(path: Path, f: h5py.File) -> DumpFile:
             path=path,
             hint="write one with ckptlab replay --step N --dump FILE.h5",
         )
-    attrs = {}
+    attrs = {"format": FORMAT}  # (checked above; `show --json` lists every root attribute)
     for k, kind in _ATTR_TYPES.items():
         if k not in f.attrs:
             continue

@@ -202,6 +202,15 @@ def test_usage_error_exits_2(info):
     assert code == 2 and "No such option" in err
 
 
+def test_debug_after_the_command_shows_the_traceback(tmp_path, info):
+    missing = tmp_path / "nope"
+    code, out, err = info("--run", missing, "--debug")  # typed at the end, after a failure
+    assert code == 1 and out == ""
+    assert "Traceback" in err and err.endswith(f"ckptlab: error: {missing}: no such directory\n")
+    code, _, err = info("--run", missing)
+    assert (code, err) == (1, f"ckptlab: error: {missing}: no such directory\n")
+
+
 SOURCE = """import torch
 
 

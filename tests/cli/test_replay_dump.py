@@ -68,7 +68,8 @@ def test_dump_holds_the_origin_op_its_first_nonfinite_elements_the_batch_and_the
     assert shown.code == 0, shown.err
     assert "aten._softmax.default" in shown.out and "input0[5, 0, :] all -inf" in shown.out
     assert "origin/output0  float32[6, 8, 8]" in shown.out and "64 non-finite, first at [5, 0, 0]" in shown.out
-    assert cli("show", path, "--json").json()["attrs"]["root_step"] == exp.step
+    attrs = cli("show", path, "--json").json()["attrs"]
+    assert attrs["root_step"] == exp.step and attrs["format"] == "ckptlab-dump"
 
 
 def test_dump_select_and_byte_budget_say_what_was_left_out(cli, masked, tmp_path):
