@@ -16,13 +16,13 @@ from tests import dist_models as dm
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(run_dir, kind, kill_step=None):  # kill_step: a step number, or "resume"
+def torchrun(run_dir, kind, kill_step=None, nproc=2):  # kill_step: a step number, or "resume"
     args = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={nproc}",
         str(ROOT / "tests" / "dist_models.py"),
         str(run_dir),
         kind,
@@ -123,6 +123,37 @@ def test_fsdp_replay_is_bit_exact_per_rank_and_names_rank_1(fsdp_run):
     assert report.root_step == dm.NAN_STEP and report.rank == dm.NAN_RANK
     assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])]
     assert report.counterfactuals[0].fault is False
+
+
+def test_one_process_fsdp2_records_sharded_and_replays_with_working_counterfactuals(tmp_path):
+    """torchrun --nproc_per_node=1 around a fully_shard model (testing an FSDP2 script on one
+    device): DTensor parameters in a group of one. It records DCP checkpoints, and the replay
+    (in one process, with a group of one made for build_fn) restores the root step's state
+    before each counterfactual: a snapshot there is not the live parameters themselves."""
+    run_dir = tmp_path / "run"
+    done = torchrun(run_dir, "fsdp", nproc=1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = ckptlab.open_run(run_dir)
+    assert (run.manifest["layout"], run.world_size, run.manifest["backend"]) == ("sharded", 1, "gloo")
+    assert run.checkpoint(run.checkpoints[-1]).sharded
+    report = ckptlab.replay(run, dm.NAN_STEP)
+    assert report.deterministic and all(c.match for c in report.steps)
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 0)[dm.NAN_ROW])]
+    assert report.counterfactuals[0].fault is False  # without the NaN row the step is healthy
+
+
+def test_one_process_ddp_run_replays_with_a_group_for_its_build_fn(tmp_path):
+    """A DDP script under torchrun --nproc_per_node=1: the run notes its backend, so the
+    replay gives build_fn (which wraps the model in DDP) a process group of one."""
+    run_dir = tmp_path / "run"
+    done = torchrun(run_dir, "ddp", nproc=1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = ckptlab.open_run(run_dir)
+    assert (run.manifest["layout"], run.world_size, run.manifest["backend"]) == ("replicated", 1, "gloo")
+    assert run.needs_process_group
+    report = ckptlab.replay(run, dm.NAN_STEP)
+    assert report.deterministic and report.counterfactuals[0].fault is False
+    assert [s.sample_id for s in report.samples] == [dm.sample_ids(dm.NAN_STEP, 0)[dm.NAN_ROW]]
 
 
 def test_fsdp_killed_rank_leaves_records_and_checkpoints_intact(tmp_path):

@@ -132,7 +132,7 @@ def replay(
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
-        with solo_world(run.world_size > 1):
+        with solo_world(run.needs_process_group):
             inv = Investigation(
                 run,
                 step,
@@ -166,7 +166,7 @@ def attribute_rows(
     run = open_run(run) if not isinstance(run, Run) else run
     saved = capture_env()
     try:
-        with solo_world(run.world_size > 1):
+        with solo_world(run.needs_process_group):
             inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code)
             blame = Blame(inv, inv.root_at(step))
             try:

@@ -12,7 +12,6 @@ Knows nothing about faults or verdicts (investigation.py and blame.py judge what
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -34,7 +33,7 @@ from ckptlab.training.state import (
     snapshot,
 )
 from ckptlab.training.step import Trainee
-from ckptlab.training.world import World, is_sharded
+from ckptlab.training.world import World
 
 
 class Replayer:
@@ -122,10 +121,7 @@ class Replayer:
             )
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
-            self.world = World.detect(model)
-            if not self.world.sharded and any(is_sharded(p) for p in model.parameters()):
-                # `--rank R` of an FSDP2 run: a process group of one, and still DTensors
-                self.world = dataclasses.replace(self.world, sharded=True)
+            self.world = World.detect(model)  # (`--rank R` of an FSDP2 run: a group of one, sharded)
         self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         return Trainee(
             model,

@@ -80,6 +80,13 @@ class Run:
         return int(self.manifest.get("world_size", 1))
 
     @property
+    def needs_process_group(self) -> bool:
+        """Recorded inside torch.distributed (several ranks, or one process that initialized a
+        group: its build_fn may wrap the model in DDP or fully_shard): replay in one process
+        then needs a process group of one."""
+        return self.world_size > 1 or self.manifest.get("backend") is not None
+
+    @property
     def ranks(self) -> list[int]:
         """Ranks that recorded batches (0 only, unless the run was distributed)."""
         root = batches_root(self.path)

@@ -30,6 +30,7 @@ from ckptlab.run import codec
 from ckptlab.run import sharded as on_disk
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.layout import DCP_DIR
+from ckptlab.training.world import local
 
 
 def _dcp():
@@ -166,7 +167,14 @@ def full_snapshot(world, step: int, model, optimizer, train_state: dict) -> Capt
     state = {**train_state, "rng_by_rank": rngs, "optimizer_fqn": optim_sd}
     state.pop("optimizer", None)
     spec, tensors = codec.encode(state, prefix="state")
-    return CapturedState(step, {k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, {}, spec, tensors)
+    # In a world of one, a parameter's full tensor is its shard itself: copy it, or the next
+    # step would update the snapshot in place.
+    live = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    whole = {
+        k: v.detach().cpu().clone() if v.untyped_storage().data_ptr() in live else v.detach().cpu().contiguous()
+        for k, v in model_sd.items()
+    }
+    return CapturedState(step, whole, {}, spec, tensors)
 
 
 def set_full(model, optimizer, model_sd: dict, optim_sd: dict) -> None:

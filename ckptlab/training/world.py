@@ -59,10 +59,12 @@ class World:
     def detect(model: torch.nn.Module | None = None) -> World:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()):
             return World()
         sharded = model is not None and any(is_sharded(p) for p in model.parameters())
         backend = str(dist.get_backend())
+        if dist.get_world_size() == 1:  # one process; FSDP2 on one device still has DTensor shards
+            return World(sharded=sharded, backend=backend)  # (the backend says: replay needs a group)
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
         return World(dist.get_rank(), dist.get_world_size(), sharded, group, backend)
