@@ -106,6 +106,28 @@ def test_info_does_not_call_a_file_inside_the_run_unchanged(cli, received):  # n
     _nothing_ran(marker, elsewhere)
 
 
+@pytest.mark.parametrize("module", ["__main__", "ckl_evil"])
+def test_a_file_shipped_beside_the_run_with_the_recorded_hash_is_not_trusted(cli, received, module):  # noqa: F811
+    """A received archive holding the run and, beside it, a file whose sha256 its manifest
+    names (as a moved project would be found): the hash proves nothing, the manifest came with
+    the file. Only the recorded absolute path counts as the user's own."""
+    run, marker, elsewhere = received
+    beside = run.parent / "ckl_evil.py"
+    beside.write_text(EVIL)
+    manifest = json.loads((run / "manifest.json").read_text())
+    for desc in manifest["functions"].values():
+        desc.update(module=module, file_rel="../ckl_evil.py", cwd="/nonexistent")
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for args in (("replay", "--step", "40"), ("dirty", "--json")):
+        r = cli(*args, "--run", run)
+        assert "Traceback" not in r.err
+        assert "not known to be yours" in r.err or "not known to be yours" in r.out, r.err
+        _nothing_ran(marker, elsewhere)
+    assert str(run.parent) not in sys.path
+    r = cli("replay", "--run", run, "--step", "40", "--trust-run-code")  # the user says it is theirs
+    assert marker.read_text() == "ran"
+
+
 def test_the_opt_in_runs_it_and_says_so(cli, received):  # noqa: F811
     run, marker, _ = received
     r = cli("replay", "--run", run, "--step", "40", "--trust-run-code")

@@ -104,24 +104,34 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     """(the file whose code `load` runs for `role`, whether it is unchanged since recording).
 
     The trust rule: code runs when it is the user's own and unchanged -- the recorded file,
-    found outside the run directory (at its recorded path, or at the same place in the
-    current project) with the recorded sha256. Anything else (the file is missing here, was
-    edited, or exists only inside the run, like its `sources/` copy) runs only with the
-    opt-in: `trust=True` (the CLI's --trust-run-code) or CKPTLAB_TRUST_RUN_CODE=1; then the
-    file is the one found, else the run's copy of it (None for a module importable by name).
-    A run directory someone sent you is data; this keeps it from being code.
+    at its recorded absolute path, outside the run directory, with the recorded sha256.
+    Anything else runs only with the opt-in: `trust=True` (the CLI's --trust-run-code) or
+    CKPTLAB_TRUST_RUN_CODE=1; then the file is the one found (also at the same place in the
+    current project, or relative to the run directory: a moved project), else the run's copy
+    of it (None for a module importable by name). A file found only by those relative paths
+    is not trusted on its own: the manifest that names it, and its hash, may come with a run
+    someone sent, and so may the file next to it. A run directory is data; this keeps it, and
+    what came with it, from being code.
     """
     own = _ckptlab_module_file(desc.get("module"))
     if own is not None:  # ckptlab's own code (integrations, examples): the installed version
         return own, True
     path, sha = resolve_file(desc, run_dir), desc.get("sha256")
-    if path is not None and sha and sha256_file(path) == sha:
+    recorded = desc.get("file")
+    at_recorded = path is not None and isinstance(recorded, str) and path == Path(recorded).resolve()
+    same = path is not None and bool(sha) and sha256_file(path) == sha
+    if same and at_recorded:
         return path, True
     if trust or trust_from_env():
-        return path or _copy_in_run(desc, run_dir), False
+        return path or _copy_in_run(desc, run_dir), same
     name = f"{role} ({desc.get('module')}.{desc.get('qualname')})"
     if path is None:
         why = f"the file that defined {name}, {desc.get('file')}, is not on this machine"
+    elif same:
+        why = (
+            f"{name} was recorded in {recorded}; the file with its hash at {path} (a moved project, "
+            "or a file that came with the run) is not known to be yours"
+        )
     elif not sha:
         why = f"{name} was recorded without a file hash, so {path} cannot be checked"
     else:
