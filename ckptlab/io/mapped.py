@@ -20,6 +20,7 @@ import numpy as np
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.base import TensorRef
+from ckptlab.io.files import open_fd
 
 _PAGE = mmap.PAGESIZE
 
@@ -30,7 +31,7 @@ class MappedFile:
     def __init__(self, path: str | os.PathLike, *, sequential: bool = False):
         self.path = Path(path)
         self.sequential = sequential
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = open_fd(self.path)
         self.size = os.fstat(self._fd).st_size
         self._mm: mmap.mmap | None = None
         self._lock = threading.Lock()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ckptlab.errors import CkptlabError, CorruptFileError, UnknownFormatError
 from ckptlab.io.base import LazyStateDict
+from ckptlab.io.files import open_regular
 from ckptlab.io.hf_sharded import find_index, open_sharded
 from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors
 from ckptlab.run.layout import MODEL_FILE, is_run
@@ -58,7 +59,7 @@ def open_checkpoint(ref, *, sequential: bool = False, verify: bool = True) -> La
 
 
 def _open_file(path: Path, label: str, *, sequential: bool, aliases=None, notes=None, format=None) -> LazyStateDict:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(16)
     if not head:
         raise CorruptFileError("empty file", path=path)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnknownFormatError
+from ckptlab.io.files import open_regular
 from ckptlab.io.mapped import FileTensor, MappedFile
 
 MAX_HEADER = 100_000_000  # the safetensors format's own limit
@@ -61,7 +62,7 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict, int]:
     """(data_start, header, file_size), validated as far as the header itself goes."""
     path = Path(path)
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise CorruptFileError(f"not a safetensors file: only {size} bytes", path=path)

@@ -26,6 +26,7 @@ import torch
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnsafeFileError
 from ckptlab.io.base import MemoryTensor, TensorRef, check_extent, require_safe_torch, split_tied
+from ckptlab.io.files import open_regular
 from ckptlab.io.mapped import FileTensor, MappedFile
 from ckptlab.io.nested import describe, find_state_dict
 
@@ -162,7 +163,7 @@ def _locator(path: Path, tensors: list[torch.Tensor]):
 def _data_records(path: Path) -> dict[int, int]:
     out = {}
     try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        with open_regular(path) as f, zipfile.ZipFile(f) as z:
             for info in z.infolist():
                 parts = info.filename.split("/")
                 if len(parts) < 3 or parts[-2] != "data" or info.compress_type != zipfile.ZIP_STORED:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptlab.errors import CorruptFileError
+from ckptlab.io.files import open_regular
 
 FILE_MAGIC = b"ckptlab-log-v1\n\x00"  # 16 bytes
 FRAME = struct.Struct("<4sBBHqII")
@@ -65,7 +66,7 @@ class FrameRef:
 
     def read_payload(self) -> tuple[bytes, int]:
         """The payload (decompressed) and its flags; raises CorruptFileError on a CRC mismatch."""
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             f.seek(self.offset)
             data = f.read(self.length)
         return check_payload(self, data), self.flags
@@ -146,14 +147,14 @@ class ScanResult:
 
 def scan(path: Path, *, verify: bool = False) -> ScanResult:
     """Index a segment by its frame headers (checking every payload's CRC when `verify`)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = _map(f)
         return _scan_buffer(path, data, verify)
 
 
 def iter_payloads(path: Path) -> Iterator[tuple[FrameRef, bytes]]:
     """Every good frame of a segment with its (decompressed) payload, CRC-checked."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = _map(f)
         for ref in _scan_buffer(path, data, False).frames:
             yield ref, check_payload(ref, data[ref.offset : ref.offset + ref.length])

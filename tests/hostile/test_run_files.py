@@ -98,3 +98,23 @@ def test_manifest_naming_a_huge_source_file(sample_run, tmp_path):
     assert "internal error" not in r.err, r.err
     assert r.code == 0, r.err
     assert "huge.py: source changed since recording" in r.out, r.out
+
+
+# --- special files where a file should be: one line, never a hang -------------------------------
+
+
+def test_a_fifo_segment_is_refused_not_waited_on(sample_run):
+    segment = sorted((sample_run / "journal").glob("s*.log"))[0]
+    segment.unlink()
+    os.mkfifo(segment)
+    refused(sample_run, "info", "--run", sample_run, names=segment.name, says="not a regular file (a FIFO)")
+
+
+def test_special_files_given_to_diff(sample_run, tmp_path):
+    model = checkpoint_dirs(sample_run)[-1] / "model.safetensors"
+    model.unlink()
+    os.mkfifo(model)
+    refused(model.parent, "diff", model, model, names="model.safetensors", says="not a regular file (a FIFO)")
+    zero = tmp_path / "zero.pt"
+    zero.symlink_to("/dev/zero")
+    refused(zero, "diff", zero, names="zero.pt", says="not a regular file (a device)")
