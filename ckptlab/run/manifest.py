@@ -11,6 +11,7 @@ rollback (null, or the step a rollback rewound the run to).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -72,15 +73,70 @@ def read_manifest(run_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise NotARunError("manifest.json is not a ckptlab run manifest", path=path)
     version = manifest.get("format_version")
-    if not isinstance(version, int):
-        raise CorruptFileError("manifest has no format_version", path=path)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptFileError("manifest has no valid format_version", path=path)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"written by a newer ckptlab (run format {version}; this ckptlab reads up to {FORMAT_VERSION})",
             path=run_dir,
             hint="upgrade ckptlab",
         )
+    _check_types(manifest, path)
     return manifest
+
+
+def _check_types(manifest: dict, path: Path) -> None:
+    """The manifest fields readers rely on have their types (CorruptFileError naming the field
+    otherwise): a hand-edited or crafted manifest is one clear line, not an error deep inside
+    an analysis. Absent fields stay absent (older runs)."""
+
+    def bad(what: str) -> CorruptFileError:
+        return CorruptFileError(f"malformed manifest: {what}", path=path)
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for key, kind in (("config", dict), ("functions", dict), ("versions", dict), ("sessions", list)):
+        if key in manifest and not isinstance(manifest[key], kind):
+            raise bad(f"{key!r} is not {'an object' if kind is dict else 'a list'}")
+    if "parameters" in manifest and not isinstance(manifest["parameters"], list):
+        raise bad("'parameters' is not a list")
+    for p in manifest.get("parameters", []):
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+            raise bad("a parameter without a name")
+        if "shape" in p and not (isinstance(p["shape"], list) and all(is_int(d) and d >= 0 for d in p["shape"])):
+            raise bad(f"parameter {p['name']!r} has a malformed shape")
+    for sess in manifest.get("sessions", []):
+        if not isinstance(sess, dict) or not is_int(sess.get("session")):
+            raise bad("a session without an integer number")
+        if "start_step" in sess and not is_int(sess["start_step"]):
+            raise bad(f"session {sess['session']}'s start_step is not an integer")
+        if sess.get("closed") is not None and not isinstance(sess["closed"], (int, float)):
+            raise bad("a session's 'closed' time is not a number")
+    if "world_size" in manifest and not (is_int(manifest["world_size"]) and manifest["world_size"] >= 1):
+        raise bad("'world_size' is not a positive integer")
+    created = manifest.get("created")
+    if created is not None and not (isinstance(created, (int, float)) and math.isfinite(created)):
+        raise bad("'created' is not a time")
+    for role, desc in manifest.get("functions", {}).items():
+        if not isinstance(desc, dict):
+            raise bad(f"functions.{role} is not an object")
+    config = manifest.get("config", {})
+    for key in ("val_metric", "val_mode", "update_ratio", "health_read", "ckpt_snapshot"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise bad(f"config.{key} is not a string")
+    for key, least in (("ckpt_every", 1), ("health_every", 1), ("keep_last", 0)):
+        if config.get(key) is not None and not (is_int(config[key]) and config[key] >= least):
+            raise bad(f"config.{key} is not an integer >= {least}")
+    info = manifest.get("data_info")
+    if info is not None:
+        if not isinstance(info, dict):
+            raise bad("'data_info' is not an object")
+        for key in ("pad_id", "vocab_size", "ignore_index"):
+            if info.get(key) is not None and not is_int(info[key]):
+                raise bad(f"data_info.{key} is not an integer")
+        if info.get("vocab_size") is not None and info["vocab_size"] < 1:
+            raise bad("data_info.vocab_size is not positive")
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:

@@ -238,7 +238,9 @@ class Run:
                     if ref.kind == framelog.STEP:
                         by_kind[ref.kind].append((ref.step, records.decode_step(payload, where=where)))
                     elif ref.kind in by_kind:
-                        by_kind[ref.kind].append((ref.step, records.decode_json(payload, where=where)))
+                        record = records.decode_json(payload, where=where)
+                        kind = "validation" if ref.kind == framelog.VALIDATION else "event"
+                        by_kind[ref.kind].append((ref.step, records.check_json_record(kind, record, where)))
             except CorruptFileError as e:  # a corrupt segment: report it, keep the others readable
                 self._damage(str(e))
                 continue
@@ -302,7 +304,9 @@ class Run:
             for ref in self._batch_log(rank)[1]:
                 try:
                     payload = ref.read_payload()[0]
-                    out.append({"step": ref.step, **records.decode_json(payload, where=f"{ref.path}@{ref.step}")})
+                    where = f"{ref.path}@{ref.step}"
+                    record = records.check_json_record("event", records.decode_json(payload, where=where), where)
+                    out.append({"step": ref.step, **record})
                 except CorruptFileError as e:  # reported as damage; the other events stay readable
                     self._damage(str(e))
         return out

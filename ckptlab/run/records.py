@@ -264,9 +264,68 @@ def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarr
     if not isinstance(meta, dict):
         raise CorruptFileError("unreadable record (not a JSON object)", path=where)
     try:
-        return _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+        scalars, arrays = _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
     except (RecursionError, TypeError) as e:
         raise CorruptFileError(f"unreadable record ({type(e).__name__})", path=where) from None
+    _check_fields(scalars, STEP_FIELDS, "step record", where)
+    if not all(_is_number(x) for x in scalars.get("lr", [])):
+        raise CorruptFileError("malformed step record: 'lr' holds something that is not a number", path=where)
+    return scalars, arrays
+
+
+# The types a reader relies on, per field (a field may be absent). A record whose field has
+# another type is corruption, reported with the file, not an error deep in an analysis.
+STEP_FIELDS = {
+    "loss": "number",
+    "grad_norm": "number",
+    "step_time": "number",
+    "time": "number",
+    "ckpt_wait": "number",
+    "nonfinite_grads": "int",
+    "nonfinite_weights": "int",
+    "update_ratio_global": "number",
+    "grad_scale": "number",
+    "stepped": "bool",
+    "scaler_skipped": "bool",
+    "lr": "list",
+    "rank_loss": "list",
+    "rank_grad_norm": "list",
+}
+_KINDS = {
+    "number": (lambda x: _is_number(x), "a number"),
+    "int": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+    "bool": (lambda x: isinstance(x, bool), "true or false"),
+    "list": (lambda x: isinstance(x, list), "a list"),
+    "dict": (lambda x: isinstance(x, dict), "an object"),
+    "str": (lambda x: isinstance(x, str), "a string"),
+}
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_fields(record: dict, fields: dict[str, str], what: str, where) -> None:
+    for key, kind in fields.items():
+        if key in record and record[key] is not None:
+            ok, name = _KINDS[kind]
+            if not ok(record[key]):
+                raise CorruptFileError(f"malformed {what}: {key!r} is not {name}", path=where)
+
+
+def check_json_record(kind: str, record: dict, where) -> dict:
+    """A validation or event record with the types readers rely on (CorruptFileError naming
+    `where` otherwise). Its step is the frame's: a `step` inside the payload is dropped."""
+    record = {k: v for k, v in record.items() if k != "step"}
+    if kind == "validation":
+        metrics = record.get("metrics")
+        if not isinstance(metrics, dict) or not all(_is_number(v) for v in metrics.values()):
+            raise CorruptFileError("malformed validation record: 'metrics' is not an object of numbers", path=where)
+    else:
+        _check_fields(record, {"kind": "str", "rank": "int"}, f"{kind} record", where)
+        if not isinstance(record.get("kind"), str):
+            raise CorruptFileError(f"malformed {kind} record: no 'kind'", path=where)
+    return record
 
 
 def _json_safe(d: Any) -> Any:

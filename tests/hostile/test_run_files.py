@@ -9,6 +9,8 @@ import struct
 import zlib
 from pathlib import Path
 
+import pytest
+
 from ckptlab.run import framelog
 from tests.hostile.conftest import MEMORY_LIMIT, refused, run_cli, tree_hash
 
@@ -118,3 +120,55 @@ def test_special_files_given_to_diff(sample_run, tmp_path):
     zero = tmp_path / "zero.pt"
     zero.symlink_to("/dev/zero")
     refused(zero, "diff", zero, names="zero.pt", says="not a regular file (a device)")
+
+
+# --- fields of the wrong type: one line naming the file, never an internal error ----------------
+
+
+def _append_frame(segment: Path, kind: int, payload: bytes, flags: int = 0, step: int = 9000) -> None:
+    with open(segment, "ab") as f:
+        f.write(framelog.FRAME.pack(framelog.FRAME_MAGIC, kind, flags, 0, step, len(payload), zlib.crc32(payload)))
+        f.write(payload)
+
+
+@pytest.mark.parametrize(
+    "kind, record, says",
+    [
+        (framelog.STEP, {"loss": "abc"}, "'loss' is not a number"),
+        (framelog.STEP, {"loss": 1.0, "lr": ["x"]}, "'lr' holds something"),
+        (framelog.STEP, {"loss": 1.0, "nonfinite_grads": "many"}, "'nonfinite_grads' is not an integer"),
+        (framelog.VALIDATION, {"metrics": {"val_loss": "abc"}}, "'metrics' is not an object of numbers"),
+        (framelog.VALIDATION, {"metrics": [1, 2]}, "'metrics' is not an object of numbers"),
+        (framelog.EVENT, {"kind": 7, "step": "x"}, "'kind' is not a string"),
+    ],
+)
+def test_journal_records_with_fields_of_the_wrong_type(sample_run, kind, record, says):
+    from ckptlab.run import records
+
+    last = sorted((sample_run / "journal").glob("s*.log"))[-1]
+    if kind == framelog.STEP:
+        _append_frame(last, kind, records.pack(record, {}), framelog.FLAG_SAFETENSORS)
+    else:
+        _append_frame(last, kind, json.dumps(record).encode())
+    for command in ("info", "report"):
+        refused(sample_run, command, "--run", sample_run, names=last.name, says=says)
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda m: m.update(sessions="abc"), "'sessions' is not a list"),
+        (lambda m: m.update(parameters=[{"name": None}]), "a parameter without a name"),
+        (lambda m: m.update(world_size="two"), "'world_size' is not a positive integer"),
+        (lambda m: m["config"].update(val_metric=["x"]), "config.val_metric is not a string"),
+        (lambda m: m.update(functions={"build_fn": "x"}), "functions.build_fn is not an object"),
+        (lambda m: m.update(data_info={"pad_id": "zero"}), "data_info.pad_id is not an integer"),
+        (lambda m: m.update(format_version=True), "no valid format_version"),
+    ],
+)
+def test_manifest_fields_of_the_wrong_type(sample_run, edit, says):
+    manifest = json.loads((sample_run / "manifest.json").read_text())
+    edit(manifest)
+    (sample_run / "manifest.json").write_text(json.dumps(manifest))
+    for command in ("info", "dirty", "rollback"):
+        refused(sample_run, command, "--run", sample_run, names="manifest.json", says=says)
