@@ -150,6 +150,15 @@ def _locator(path: Path, tensors: list[torch.Tensor]):
     if not records or not storages:
         return None
     base = min(storages) - min(records)
+    if all(ptr - base in records for ptr in storages):  # each storage at the start of its record
+        short = [(records[ptr - base], n) for ptr, n in storages.items() if records[ptr - base] < n]
+        if short:  # torch would map the bytes after the record (the next ones, the zip index)
+            have, need = short[0]
+            raise CorruptFileError(
+                f"a tensor's storage claims {need} bytes but its data record holds {have} "
+                "(a truncated or crafted file); its values would be other bytes of the file",
+                path=path,
+            )
     for ptr, nbytes in storages.items():
         if records.get(ptr - base, -1) < nbytes:
             return None

@@ -94,3 +94,19 @@ def test_dcp_chunks_of_stride_zero_claiming_gigabytes(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(Metadata({"w": md}, storage_data=storage)))
     assert sum(p.stat().st_size for p in folder.iterdir()) < 8192
     refused(folder, "diff", folder, folder, names="__0_0.distcp", says="needs 2147483648 bytes")
+
+
+def test_a_pt_data_record_shorter_than_its_tensor(tmp_path):
+    """A record cut to 8 bytes under a tensor of 40: torch would map the bytes after it (the
+    zip's own index) as the tensor's values; the diff refuses instead of ranking garbage."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(10)}, buf)
+    path = tmp_path / "short.pt"
+    with zipfile.ZipFile(buf) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for info in zin.infolist():
+            data = zin.read(info)
+            z.writestr(info, data[:8] if "/data/" in info.filename else data)
+    refused(path, "diff", path, names="short.pt", says="claims 40 bytes but its data record holds 8")
