@@ -143,6 +143,7 @@ class ScanResult:
     frames: list[FrameRef]
     torn_bytes: int  # bytes after the last good frame (a crash's torn tail), 0 if clean
     corrupt: str | None = None  # why the scan stopped early, when a crash cannot explain it
+    no_header: bool = False  # shorter than its file header (empty): killed as it was created
 
 
 def scan(path: Path, *, verify: bool = False) -> ScanResult:
@@ -176,7 +177,7 @@ def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
     head = bytes(data[: len(FILE_MAGIC)])
     if head != FILE_MAGIC:
         if size < len(FILE_MAGIC) and FILE_MAGIC.startswith(head):
-            return ScanResult([], size)  # killed while writing the file header
+            return ScanResult([], size, no_header=True)  # killed while writing the file header
         raise CorruptFileError("not a ckptlab log segment (bad file header)", path=path)
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)

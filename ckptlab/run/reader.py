@@ -136,6 +136,8 @@ class Run:
             return framelog.ScanResult([], 0)
         if scan.corrupt:
             self._damage(f"{path}: {scan.corrupt}")
+        elif scan.no_header and tail != "open":  # only a kill at its creation leaves a segment empty
+            self._damage(f"{path}: empty or cut inside its file header, though its session {tail} (corrupt file)")
         elif scan.torn_bytes and tail != "open":
             self._damage(f"{path}: truncated or damaged in its last frame, though its session {tail} (corrupt file)")
         elif scan.torn_bytes:

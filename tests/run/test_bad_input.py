@@ -112,6 +112,22 @@ def test_a_truncated_closed_segment_is_damage_not_a_torn_tail(run_dir):
     assert_intact(run_dir, batches, [0, 1, 3, 4, 5])
 
 
+def test_an_emptied_segment_is_damage_unless_a_kill_at_its_creation_explains_it(run_dir):
+    record(run_dir, 6, ckpt_every=3)  # segments start at 0 and 3
+    first, last = segment(run_dir, i=0), segment(run_dir, i=1)
+    first.write_bytes(b"")  # a session that went on: it was whole once
+    run = ckptlab.open_run(run_dir)
+    assert run.steps == [3, 4, 5]
+    assert run.damaged == [
+        f"{first}: empty or cut inside its file header, though its session went on to later segments (corrupt file)"
+    ]
+    unclose(run_dir)  # killed; its last segment was being created: nothing was in it yet
+    first.unlink()
+    last.write_bytes(b"ckptlab")
+    run = ckptlab.open_run(run_dir)
+    assert run.steps == [] and run.damaged == []
+
+
 def test_a_torn_tail_of_a_sessions_last_segment_is_only_a_note(run_dir):
     batches = record(run_dir, 4, ckpt_every=100)
     unclose(run_dir)  # killed: the Recorder never closed
