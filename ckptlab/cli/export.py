@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ckptlab.cli.common import find_run, json_option, open_terminal, run_option, trust_option
+from ckptlab.cli.common import end_with_problems, find_run, json_option, open_terminal, run_option, trust_option
 
 
 @click.command("export")
@@ -130,11 +130,17 @@ def command(
         term.warn(note)
     if as_json:
         term.json(summary)
-        return
-    if summary.already_exported:
+    elif summary.already_exported:
         where = summary.target + (f" (run {summary.run_id})" if summary.run_id else "")
         term.print(f"{where}: already holds everything in {run.path}; nothing new to export")
-        return
+    else:
+        _wrote(term, summary, tb_dir, wandb_dir)
+    # What was readable is exported; damage (a corrupt segment, a checkpoint that fails its
+    # check) is then the command's one error line and exit 1, as in `info`.
+    end_with_problems(run.problems, run.damaged, term)
+
+
+def _wrote(term, summary, tb_dir, wandb_dir) -> None:
     term.print(
         f"wrote [bold]{summary.target}[/bold]"
         + (f" (run {summary.run_id})" if summary.run_id else "")

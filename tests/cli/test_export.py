@@ -68,6 +68,19 @@ def test_json_summary_and_no_grads(cli, run, tmp_path):
     assert not any(t.startswith("grads/") for t in read(tmp_path / "tb").Tags()["histograms"])
 
 
+def test_a_damaged_run_exports_what_it_can_then_fails_naming_the_damage(cli, run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run.path, copy)
+    segment = sorted((copy / "journal").glob("s*.log"))[0]  # its session went on: whole, once
+    segment.write_bytes(segment.read_bytes()[:-50])
+    r = cli("export", "--run", copy, "--tensorboard", tmp_path / "tb", "--no-grads", "--json")
+    assert r.code == 1 and r.json()["steps"] > 0  # what was readable is exported
+    errors = [line for line in r.err.splitlines() if line.startswith("ckptlab: error:")]
+    assert len(errors) == 1 and segment.name in errors[0] and "corrupt file" in errors[0]
+
+
 def test_refuses_to_mix_two_exports_in_one_folder(cli, run, tmp_path):
     assert cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads").code == 0
     r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads")
