@@ -30,6 +30,8 @@ def committed(run_dir: Path) -> tuple[list[tuple[int, Path, dict]], list[str]]:
             continue
         try:
             commit = read_commit(p)  # every file name checked before any is looked at
+            if commit["step"] != step:
+                raise ValueError(f"{COMMIT} is for step {commit['step']}, in the folder of step {step}")
             for name, meta in commit["files"].items():
                 if (p / name).stat().st_size != meta["bytes"]:
                     raise ValueError(f"{name} has the wrong size")
@@ -96,6 +98,31 @@ def check_commit(commit: Any) -> None:
             or not isinstance(meta.get("sha256"), str)
         ):
             raise ValueError(f"{COMMIT} has a malformed entry for {name!r}")
+    _check_info(commit)
+
+
+def _check_info(commit: dict) -> None:
+    """The checkpoint's facts that info, rollback and report read, with their types."""
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for key, ok, what in (
+        ("healthy", lambda x: isinstance(x, bool), "true or false"),
+        ("first_anomaly", is_int, "a step"),
+        ("session", is_int, "an integer"),
+        ("reason", lambda x: isinstance(x, str), "a string"),
+        ("layout", lambda x: isinstance(x, str), "a string"),
+        (
+            "validation",
+            lambda x: (
+                isinstance(x, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in x.values())
+            ),
+            "an object of numbers",
+        ),
+    ):
+        if commit.get(key) is not None and not ok(commit[key]):
+            raise ValueError(f"{COMMIT}'s {key!r} is not {what}")
 
 
 def _plain_member(name: str) -> bool:

@@ -172,3 +172,19 @@ def test_manifest_fields_of_the_wrong_type(sample_run, edit, says):
     (sample_run / "manifest.json").write_text(json.dumps(manifest))
     for command in ("info", "dirty", "rollback"):
         refused(sample_run, command, "--run", sample_run, names="manifest.json", says=says)
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda c: c.update(healthy="maybe"), "'healthy' is not true or false"),
+        (lambda c: c.update(validation="bad"), "'validation' is not an object of numbers"),
+        (lambda c: c.update(step=c["step"] + 1), "in the folder of step"),
+    ],
+)
+def test_commit_facts_of_the_wrong_type(sample_run, edit, says):
+    ckpt = checkpoint_dirs(sample_run)[-1]
+    commit = json.loads((ckpt / "COMMIT.json").read_text())
+    edit(commit)
+    (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+    refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says=says)
