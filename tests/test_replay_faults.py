@@ -136,3 +136,21 @@ def test_an_outsized_weight_is_told_from_its_peers_or_its_default_init():
         lone[0].weight.normal_(0, 100)
     name, why = outsized_weight(lone, "0")
     assert name == "0.weight" and "default init for fan-in 64" in why
+
+
+def test_a_malformed_recorded_rng_state_is_damage_not_the_users_step():
+    """A batch record whose RNG states cannot be restored (a crafted or damaged record) is one
+    CorruptFileError naming the step, not "step_fn raised ValueError" blamed on the user."""
+    from pathlib import Path
+
+    from ckptlab.errors import CorruptFileError
+    from ckptlab.replayer.driver import Replayer
+
+    run = ckptlab.open_run(Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan")
+    replayer = Replayer(run)
+    trainee = replayer.build()
+    rec = replayer.batch(5000)
+    rec.rng = {**(rec.rng or {}), "python": (3, "x", None)}
+    with pytest.raises(CorruptFileError, match="step 5000's recorded RNG states cannot be restored"):
+        replayer.run_step(trainee, rec)
+    replayer.close(trainee)

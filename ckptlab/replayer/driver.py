@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ckptlab.errors import IntegrityError, ReplayError
+from ckptlab.errors import CorruptFileError, IntegrityError, ReplayError
 from ckptlab.run.reader import Run
 from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
@@ -192,7 +192,14 @@ class Replayer:
         RNG states restored, then the same measured step (training/step.py).
         `measure_update` measures update ratios and weight norms, as the run recorded them."""
         if rec.rng is not None:
-            restore_rng(rec.rng)
+            try:
+                restore_rng(rec.rng)
+            except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:  # the record, not step_fn
+                raise CorruptFileError(
+                    f"step {rec.step}'s recorded RNG states cannot be restored ({type(e).__name__}: {e}); "
+                    "its batch record is damaged",
+                    path=self.run.path,
+                ) from None
         batch = rec.batch if batch is None else batch
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
         return health

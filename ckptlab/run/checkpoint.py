@@ -361,9 +361,12 @@ class Checkpoint:
             with safetensors.safe_open(path, framework="pt") as f:
                 spec = json.loads(f.metadata()[META_KEY])
             tensors = safetensors.torch.load_file(path)
-            return codec.decode(spec, tensors)
+            state = codec.decode(spec, tensors)
         except Exception as e:  # noqa: BLE001
             raise CorruptFileError(f"unreadable training state ({e})", path=path) from None
+        if not isinstance(state, dict) or not isinstance(state.get("rng", {}), dict):
+            raise CorruptFileError("unreadable training state (not the object a checkpoint holds)", path=path)
+        return state
 
 
 def read_dcp(folder: Path) -> dict:
