@@ -154,3 +154,16 @@ def test_a_malformed_recorded_rng_state_is_damage_not_the_users_step():
     with pytest.raises(CorruptFileError, match="step 5000's recorded RNG states cannot be restored"):
         replayer.run_step(trainee, rec)
     replayer.close(trainee)
+
+
+def test_batches_lost_to_a_damaged_log_are_not_blamed_on_retention(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan", run_dir)
+    log = run_dir / "batches" / "rank0" / "s000-000005000.log"
+    log.write_bytes(log.read_bytes()[: log.stat().st_size // 2])
+    with pytest.raises(ckptlab.CkptlabError, match="a batch log is damaged: .*s000-000005000.log") as e:
+        ckptlab.replay(ckptlab.open_run(run_dir), 5432)
+    assert "retention" not in str(e.value)

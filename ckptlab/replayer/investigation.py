@@ -117,8 +117,10 @@ class Investigation:
             )
         missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
         if missing:
+            logs = [d for d in run.damaged if "batches" in d]  # a damaged batch log, not retention
+            why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention?"
             raise ReplayError(
-                f"the batches of steps {missing[0]}..{missing[-1]} are not in the run (pruned by retention?), "
+                f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
                 f"so step {self.step} cannot be replayed from checkpoint {k}",
                 path=run.path,
             )
