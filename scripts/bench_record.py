@@ -242,25 +242,29 @@ TARGETS = {"a": 1.02, "b": 1.04, "c": 0.25, "e": 1.10, "f": 1.5}  # docs/perform
 # --- cases a, b, c: bare and recorded runs of the LM, interleaved step by step ------------------
 
 
+def recorded_copy(mode: str, tmp: Path, ckpt_every: int, health_every: int):
+    """(model, optimizer, Recorder) of a fresh model recorded into a folder named after `mode`."""
+    model, opt = build()
+    rec = ckptlab.Recorder(
+        tmp / mode.replace(" ", "_").replace(",", "").replace("=", ""),
+        model,
+        opt,
+        step_fn=step,
+        build_fn=build,
+        ckpt_every=ckpt_every,
+        health_every=health_every,
+        on_anomaly=None,
+    )
+    return model, opt, rec
+
+
 def interleaved(steps: int, batch: int, ckpt_every: int, health: dict[str, int], tmp: Path) -> dict[str, list[float]]:
     """Step times per mode ("bare" and each recorded mode), alternating step by step in
     rotating order, so each mode meets the same slow and fast moments of the machine."""
     batches = make_batches(steps, batch)
     times: dict[str, list[float]] = defaultdict(list)
     bare_model, bare_opt = build()
-    recorders = {}
-    for mode, health_every in health.items():
-        model, opt = build()
-        recorders[mode] = ckptlab.Recorder(
-            tmp / mode.replace(" ", "_").replace(",", "").replace("=", ""),
-            model,
-            opt,
-            step_fn=step,
-            build_fn=build,
-            ckpt_every=ckpt_every,
-            health_every=health_every,
-            on_anomaly=None,
-        )
+    recorders = {mode: recorded_copy(mode, tmp, ckpt_every, health_every)[2] for mode, health_every in health.items()}
     modes = ["bare", *recorders]
     for i, (b, ids) in enumerate(batches):
         k = i % len(modes)
@@ -337,20 +341,7 @@ def alternating(steps: int, batch: int, ckpt_every: int, health: dict[str, int],
     cannot. Returns, per recorded mode, its bare steps' times, its rounds' differences (recorded
     minus bare, wall clock and the training thread's CPU time), and its run directory."""
     batches = make_batches(steps, batch)
-    runs = {}
-    for mode, health_every in health.items():
-        model, opt = build()
-        rec = ckptlab.Recorder(
-            tmp / mode.replace(" ", "_").replace(",", "").replace("=", ""),
-            model,
-            opt,
-            step_fn=step,
-            build_fn=build,
-            ckpt_every=ckpt_every,
-            health_every=health_every,
-            on_anomaly=None,
-        )
-        runs[mode] = (model, opt, rec)
+    runs = {mode: recorded_copy(mode, tmp, ckpt_every, health_every) for mode, health_every in health.items()}
     out = {mode: {"bare": [], "wall": [], "cpu": [], "run_dir": rec.run_dir} for mode, (_, _, rec) in runs.items()}
     for i, (b, ids) in enumerate(batches):
         for mode, (model, opt, rec) in runs.items():

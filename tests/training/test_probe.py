@@ -32,12 +32,18 @@ def train_step(model, opt, micro_batches, clip=0.1):
     return total
 
 
-def test_grad_norms_are_pre_clip_and_computed_once_per_backward_not_per_parameter(monkeypatch):
+def counted_probe(monkeypatch):
+    """(model, optimizer, a probe on them, the list each batched norm call appends its size to)."""
     model, opt = wide_mlp()
     probe = StepProbe(model, opt)
     calls = []
     real = probe_mod._norms
     monkeypatch.setattr(probe_mod, "_norms", lambda ts: calls.append(len(ts)) or real(ts))
+    return model, opt, probe, calls
+
+
+def test_grad_norms_are_pre_clip_and_computed_once_per_backward_not_per_parameter(monkeypatch):
+    model, opt, probe, calls = counted_probe(monkeypatch)
     for step in batches(3, micro=4):
         calls.clear()
         probe.begin()
@@ -50,11 +56,7 @@ def test_grad_norms_are_pre_clip_and_computed_once_per_backward_not_per_paramete
 
 
 def test_a_closed_probe_measures_nothing_until_attached_again(monkeypatch):
-    model, opt = wide_mlp()
-    probe = StepProbe(model, opt)
-    calls = []
-    real = probe_mod._norms
-    monkeypatch.setattr(probe_mod, "_norms", lambda ts: calls.append(len(ts)) or real(ts))
+    model, opt, probe, calls = counted_probe(monkeypatch)
     (step,) = batches(1)
     probe.close()
     probe.begin()
