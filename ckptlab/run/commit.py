@@ -9,6 +9,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ckptlab.errors import CorruptFileError, IntegrityError
+from ckptlab.io.files import open_regular
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import COMMIT, checkpoints_dir, parse_checkpoint
 
@@ -69,7 +70,8 @@ def read_commit(folder: Path) -> dict:
     """A checkpoint folder's COMMIT.json, parsed and checked (`check_commit`); ValueError saying
     what is wrong when it is malformed, FileNotFoundError when it is missing."""
     try:
-        commit = json.loads((folder / COMMIT).read_bytes())
+        with open_regular(folder / COMMIT) as f:
+            commit = json.loads(f.read())
     except RecursionError:
         raise ValueError(f"{COMMIT} is nested too deeply") from None
     check_commit(commit)

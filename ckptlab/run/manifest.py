@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
+from ckptlab.io.files import open_regular
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
 
@@ -62,10 +63,11 @@ def read_manifest(run_dir: Path) -> dict:
     path = run_dir / MANIFEST
     if not run_dir.is_dir():
         raise NotARunError("no such directory", path=run_dir)
-    if not path.is_file():
+    if not path.exists():
         raise NotARunError("not a ckptlab run (no manifest.json)", path=run_dir)
     try:
-        manifest = json.loads(path.read_text())
+        with open_regular(path) as f:
+            manifest = json.loads(f.read().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptFileError(f"unreadable manifest ({e})", path=path) from None
     except RecursionError:

@@ -188,3 +188,14 @@ def test_commit_facts_of_the_wrong_type(sample_run, edit, says):
     edit(commit)
     (ckpt / "COMMIT.json").write_text(json.dumps(commit))
     refused(sample_run, "info", "--run", sample_run, names=ckpt.name, says=says)
+
+
+def test_a_fifo_manifest_or_commit_record_is_refused_not_waited_on(sample_run):
+    commit = checkpoint_dirs(sample_run)[-1] / "COMMIT.json"
+    commit.unlink()
+    os.mkfifo(commit)
+    refused(sample_run, "info", "--run", sample_run, names=commit.parent.name, says="not a regular file (a FIFO)")
+    manifest = sample_run / "manifest.json"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    refused(sample_run, "info", "--run", sample_run, names="manifest.json", says="not a regular file (a FIFO)")
