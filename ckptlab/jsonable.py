@@ -40,3 +40,13 @@ def plain(obj: Any) -> Any:
     if hasattr(obj, "item"):  # torch scalars
         return plain(obj.item())
     return str(obj)
+
+
+def is_int(x: Any) -> bool:
+    """A JSON integer (Python's bool is an int too, and is not one)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """A JSON number, integer or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ckptlab.errors import CorruptFileError, IntegrityError
 from ckptlab.io.files import open_regular
+from ckptlab.jsonable import is_int, is_number
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import COMMIT, checkpoints_dir, parse_checkpoint
 
@@ -84,7 +85,7 @@ def check_commit(commit: Any) -> None:
     if not isinstance(commit, dict):
         raise ValueError(f"{COMMIT} is not a JSON object")
     step = commit.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"{COMMIT} has no step")
     files = commit.get("files")
     if not isinstance(files, dict):
@@ -106,9 +107,6 @@ def check_commit(commit: Any) -> None:
 def _check_info(commit: dict) -> None:
     """The checkpoint's facts that info, rollback and report read, with their types."""
 
-    def is_int(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
     for key, ok, what in (
         ("healthy", lambda x: isinstance(x, bool), "true or false"),
         ("first_anomaly", is_int, "a step"),
@@ -117,9 +115,7 @@ def _check_info(commit: dict) -> None:
         ("layout", lambda x: isinstance(x, str), "a string"),
         (
             "validation",
-            lambda x: (
-                isinstance(x, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in x.values())
-            ),
+            lambda x: isinstance(x, dict) and all(is_number(v) for v in x.values()),
             "an object of numbers",
         ),
     ):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
 from ckptlab.io.files import open_regular
+from ckptlab.jsonable import is_int, is_number
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
 
@@ -75,7 +76,7 @@ def read_manifest(run_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise NotARunError("manifest.json is not a ckptlab run manifest", path=path)
     version = manifest.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    if not is_int(version) or version < 1:
         raise CorruptFileError("manifest has no valid format_version", path=path)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
@@ -95,9 +96,6 @@ def _check_types(manifest: dict, path: Path) -> None:
     def bad(what: str) -> CorruptFileError:
         return CorruptFileError(f"malformed manifest: {what}", path=path)
 
-    def is_int(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
     for key, kind in (("config", dict), ("functions", dict), ("versions", dict), ("sessions", list)):
         if key in manifest and not isinstance(manifest[key], kind):
             raise bad(f"{key!r} is not {'an object' if kind is dict else 'a list'}")
@@ -113,12 +111,12 @@ def _check_types(manifest: dict, path: Path) -> None:
             raise bad("a session without an integer number")
         if "start_step" in sess and not is_int(sess["start_step"]):
             raise bad(f"session {sess['session']}'s start_step is not an integer")
-        if sess.get("closed") is not None and not isinstance(sess["closed"], (int, float)):
+        if sess.get("closed") is not None and not is_number(sess["closed"]):
             raise bad("a session's 'closed' time is not a number")
     if "world_size" in manifest and not (is_int(manifest["world_size"]) and manifest["world_size"] >= 1):
         raise bad("'world_size' is not a positive integer")
     created = manifest.get("created")
-    if created is not None and not (isinstance(created, (int, float)) and math.isfinite(created)):
+    if created is not None and not (is_number(created) and math.isfinite(created)):
         raise bad("'created' is not a time")
     for role, desc in manifest.get("functions", {}).items():
         if not isinstance(desc, dict):

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 
 from ckptlab.errors import CorruptFileError
+from ckptlab.jsonable import is_int, is_number
 from ckptlab.run import codec
 from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
@@ -268,7 +269,7 @@ def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarr
     except (RecursionError, TypeError) as e:
         raise CorruptFileError(f"unreadable record ({type(e).__name__})", path=where) from None
     _check_fields(scalars, STEP_FIELDS, "step record", where)
-    if not all(_is_number(x) for x in scalars.get("lr", [])):
+    if not all(is_number(x) for x in scalars.get("lr", [])):
         raise CorruptFileError("malformed step record: 'lr' holds something that is not a number", path=where)
     return scalars, arrays
 
@@ -292,17 +293,11 @@ STEP_FIELDS = {
     "rank_grad_norm": "list",
 }
 _KINDS = {
-    "number": (lambda x: _is_number(x), "a number"),
-    "int": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+    "number": (is_number, "a number"),
+    "int": (is_int, "an integer"),
     "bool": (lambda x: isinstance(x, bool), "true or false"),
     "list": (lambda x: isinstance(x, list), "a list"),
-    "dict": (lambda x: isinstance(x, dict), "an object"),
-    "str": (lambda x: isinstance(x, str), "a string"),
 }
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_fields(record: dict, fields: dict[str, str], what: str, where) -> None:
@@ -319,12 +314,12 @@ def check_json_record(kind: str, record: dict, where) -> dict:
     record = {k: v for k, v in record.items() if k != "step"}
     if kind == "validation":
         metrics = record.get("metrics")
-        if not isinstance(metrics, dict) or not all(_is_number(v) for v in metrics.values()):
+        if not isinstance(metrics, dict) or not all(is_number(v) for v in metrics.values()):
             raise CorruptFileError("malformed validation record: 'metrics' is not an object of numbers", path=where)
     else:
-        _check_fields(record, {"kind": "str", "rank": "int"}, f"{kind} record", where)
         if not isinstance(record.get("kind"), str):
-            raise CorruptFileError(f"malformed {kind} record: no 'kind'", path=where)
+            raise CorruptFileError(f"malformed {kind} record: 'kind' is not a string", path=where)
+        _check_fields(record, {"rank": "int"}, f"{kind} record", where)
     return record
 
 

@@ -519,7 +519,9 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [
             torch.linalg.vector_norm(t.coalesce().values() if t.is_sparse else t, dtype=torch.float32) for t in tensors
         ]
-    if all(t.dtype == torch.float32 for t in tensors):  # the same bits, ~30% faster on the CPU than with dtype=
+    # On the CPU, float32 tensors without dtype=: the same bits, ~30% less kernel time (a GPU
+    # launches either way: no loop over the tensors there)
+    if tensors[0].device.type == "cpu" and all(t.dtype == torch.float32 for t in tensors):
         return list(torch._foreach_norm(tensors, 2))
     return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
