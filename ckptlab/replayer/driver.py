@@ -194,7 +194,7 @@ class Replayer:
         if rec.rng is not None:
             try:
                 restore_rng(rec.rng)
-            except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:  # the record, not step_fn
+            except (ValueError, TypeError, KeyError) as e:  # a malformed record (a CUDA error stays itself)
                 raise CorruptFileError(
                     f"step {rec.step}'s recorded RNG states cannot be restored ({type(e).__name__}: {e}); "
                     "its batch record is damaged",

@@ -30,6 +30,7 @@ from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
+from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.probe import StepHealth
@@ -117,7 +118,7 @@ class Investigation:
             )
         missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
         if missing:
-            logs = [d for d in run.damaged if "batches" in d]  # a damaged batch log, not retention
+            logs = [d for d in run.damaged if d.startswith(str(batches_root(run.path)))]  # damage, not retention
             why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention?"
             raise ReplayError(
                 f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "

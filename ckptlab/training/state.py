@@ -452,10 +452,7 @@ def restore_snapshot(captured, model, optimizer, scheduler=None, scaler=None, *,
     if "rng_by_rank" in state:  # (taken in a process group of one, `--rank R`: that rank's, alone)
         by_rank = state["rng_by_rank"]
         state["rng"] = by_rank[rank or 0] if len(by_rank) > 1 else by_rank[0]
-    weights = captured.model
-    if "optimizer_fqn" in state:  # DCP's loader may keep these tensors as the shards of a world of one
-        weights = {k: v.clone() for k, v in weights.items()}
-    restore(model, optimizer, scheduler, scaler, weights, captured.aliases, state)
+    restore(model, optimizer, scheduler, scaler, captured.model, captured.aliases, state)
 
 
 def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, world=None) -> dict:
