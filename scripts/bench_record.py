@@ -34,7 +34,8 @@ is one JSON object with every figure:
      a bare copy and a recorded one: a bare step would change the weights a checkpoint is
      being written from)
   c  a ~2 ms step (the LM at 1 layer x 64 wide, batch 4 x 32): host time added per step, in
-     ms, measured as in a
+     ms, measured as in a. `--c-without step-record,batch` (repeatable) adds the default mode with
+     those parts left out (nothing recorded for them): what would be left if they cost nothing
 The timing cases have glibc keep the memory a step frees (`steady_malloc`).
   e  peak RSS of a ~250M-parameter MLP (AdamW) recorded with health_every=1, over the steps
      after the first checkpoint, vs the same bare (one process each)
@@ -332,7 +333,9 @@ def case_b(args, tmp: Path) -> dict:
     return {"b_ratio_total": sum(times["recorded, default"]) / sum(times["bare"])}
 
 
-def alternating(steps: int, batch: int, ckpt_every: int, health: dict[str, int], tmp: Path) -> dict:
+def alternating(
+    steps: int, batch: int, ckpt_every: int, health: dict[str, int], tmp: Path, without: dict[str, str] | None = None
+) -> dict:
     """Cases a and c: each recorded mode on its own model, whose steps alternate between bare
     (`step_fn` called directly, the probe's hooks taken off) and recorded (`Recorder.step`),
     in alternating order, on the same batch. Two copies of one model differ by up to ~1 ms a
@@ -341,6 +344,8 @@ def alternating(steps: int, batch: int, ckpt_every: int, health: dict[str, int],
     minus bare, wall clock and the training thread's CPU time), and its run directory."""
     batches = make_batches(steps, batch)
     runs = {mode: recorded_copy(mode, tmp, ckpt_every, health_every) for mode, health_every in health.items()}
+    for mode, parts in (without or {}).items():
+        leave_out(runs[mode][2], parts)
     out = {mode: {"bare": [], "wall": [], "cpu": [], "run_dir": rec.run_dir} for mode, (_, _, rec) in runs.items()}
     for i, (b, ids) in enumerate(batches):
         for mode, (model, opt, rec) in runs.items():
@@ -386,14 +391,37 @@ def case_c(args, tmp: Path) -> dict:
     CFG.update(layers=1, width=64, seq=32)
     steps = args.steps * 5 if args.steps else 1000
     health = {"recorded, default": 10, "recorded, health_every=1": 1}
-    res = alternating(steps, 4, 10**9, health, tmp / "c")
+    modes = [("recorded, default", "default"), ("recorded, health_every=1", "health_every_1")]
+    without = {}
+    for parts in args.c_without:  # the floor experiment (--c-without): the same mode, parts left out
+        mode = f"default, without {parts}"
+        health[mode], without[mode] = 10, parts
+        modes.append((mode, "without_" + parts.replace(",", "_").replace("-", "_")))
+    res = alternating(steps, 4, 10**9, health, tmp / "c", without)
     print(f"\n(c) a fast step: the LM at 1 layer x 64 wide, batch 4 x 32, 1 thread; {steps - 1} rounds")
     out = {"c_bare_ms": statistics.median(res["recorded, default"]["bare"]) * 1e3}
-    for mode, key in (("recorded, default", "default"), ("recorded, health_every=1", "health_every_1")):
+    for mode, key in modes:
         print(added(mode, res[mode]))
         out[f"c_added_ms_{key}"] = statistics.median(res[mode]["wall"]) * 1e3
         out[f"c_added_cpu_ms_{key}"] = statistics.median(res[mode]["cpu"]) * 1e3
     return out
+
+
+WITHOUT = ("step-record", "batch")
+
+
+def leave_out(rec, parts: str) -> None:
+    """An experiment, not a mode of the Recorder: `rec` skips these parts of its step, recording
+    nothing for them, to measure what is left (what any design that moved them off the
+    training thread could at best reach). "step-record": the health read, the anomaly rules
+    and the step record; "batch": the batch record."""
+    for part in filter(None, parts.split(",")):
+        if part == "step-record":
+            rec._settle = lambda keep=0, *, raise_nonfinite=True, _q=rec._health_queue: _q.clear()
+        elif part == "batch":
+            rec._append_batch = lambda batch, sample_ids, _rec=rec: setattr(_rec, "_pending_rng", record._WRITTEN)
+        else:
+            raise SystemExit(f"--c-without: unknown part {part!r} (known: {', '.join(WITHOUT)})")
 
 
 def pairs(values: list[float]) -> list[float]:
@@ -591,6 +619,14 @@ def main() -> None:
         "--ef-threads",
         default="all",
         help='torch threads for e/f, comma-separated: "all" (default), a number, or both ("1,all")',
+    )
+    ap.add_argument(
+        "--c-without",
+        action="append",
+        default=[],
+        metavar="PARTS",
+        help="(c) also measure the default mode leaving out these parts (step-record, batch, or both "
+        '"step-record,batch"; repeatable): an experiment measuring what is left',
     )
     ap.add_argument("--worker", choices=("bare", "recorded"), help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
