@@ -49,8 +49,24 @@ def load_pickled(path: Path):
     except pickle.UnpicklingError as e:
         raise UnsafeFileError(_refusal(str(e)), path=path) from None
     except (RuntimeError, EOFError, OSError, ValueError, struct.error, zipfile.BadZipFile) as e:
-        raise CorruptFileError(f"unreadable torch checkpoint ({_first_line(e)})", path=path) from None
+        raise CorruptFileError(f"unreadable torch checkpoint ({_damage(path, e)})", path=path) from None
     return obj, notes
+
+
+def _damage(path: Path, e: BaseException) -> str:
+    """What torch failed on, said plainly where it is the usual damage (torch itself says
+    "failed finding central directory", or for a few bytes cut "[Errno 22] Invalid argument")."""
+    try:
+        with open_regular(path) as f:
+            zip_start = f.read(4) == b"PK\x03\x04"
+        if zip_start and not zipfile.is_zipfile(path):
+            return "truncated: a zip archive without its index at the end (a copy or a save cut short)"
+    except OSError:
+        pass
+    reason = _first_line(e)
+    if "not a ZIP archive" in reason:
+        return "its zip index does not match the bytes before it: truncated or edited"
+    return reason
 
 
 def _refusal(message: str) -> str:

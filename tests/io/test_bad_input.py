@@ -68,10 +68,16 @@ def test_pickle_with_non_tensor_objects_is_refused(tmp_path):
 
 def test_truncated_torch_zip(tmp_path):
     path = write(tmp_path / "a", toy_state(blocks=1), "pt")
-    path.write_bytes(path.read_bytes()[:-100])
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
     with pytest.raises(CorruptFileError) as e:
         open_checkpoint(path)
-    assert "unreadable torch checkpoint" in _one_line(e.value, path)
+    assert "unreadable torch checkpoint (truncated: a zip archive without its index" in _one_line(e.value, path)
+    index = data.find(b"PK\x01\x02")  # bytes cut from the middle, the zip index kept
+    path.write_bytes(data[: index // 2] + data[index:])
+    with pytest.raises(CorruptFileError) as e:
+        open_checkpoint(path)
+    assert "unreadable torch checkpoint (its zip index does not match" in _one_line(e.value, path)
 
 
 @pytest.fixture
