@@ -58,7 +58,7 @@ from ckptlab.errors import CkptlabError, NonFiniteLoss, RecordError
 from ckptlab.run import codec, framelog, records
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import CapturedState, clean_stale, list_checkpoints
-from ckptlab.run.layout import MANIFEST, is_first_leftover
+from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, is_first_leftover
 from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import read_progress
@@ -309,6 +309,8 @@ class Recorder:
             self.manifest.setdefault("functions", {})["batch_fn"] = userfns.describe(
                 self.batch_fn, "batch_fn", self.run_dir
             )
+        # This session writes segments of the current layout (an old run's manifest says so from now).
+        self.manifest["format_version"] = max(self.manifest["format_version"], FORMAT_VERSION)
         self.session = len(self.manifest["sessions"])
         self.manifest["sessions"].append(
             {

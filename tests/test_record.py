@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 import ckptlab
 from ckptlab.errors import RecordError
+from ckptlab.run import framelog
 from tests import models
 from tests.run import strategies
 from tests.run.bits import assert_same
@@ -93,6 +94,43 @@ def test_resume_continues_numbering_and_loses_nothing(run_dir):
         (1, 12, 10),
     ]
     assert run.problems == []
+
+
+def as_run_format_1(run_dir) -> None:
+    """Rewrite a run as ckptlab wrote it before run format 2: LOG_V1 segments (no header
+    CRC), manifest format_version 1."""
+    for path in [*run_dir.glob("journal/*.log"), *run_dir.glob("batches/rank*/*.log")]:
+        data, old = path.read_bytes(), framelog.LOG_V1
+        frames = [
+            framelog.pack_frame(
+                ref.kind, ref.step, data[ref.offset : ref.offset + ref.length], flags=ref.flags, layout=old
+            )
+            for ref in framelog.scan(path, verify=True).frames
+        ]
+        path.write_bytes(old.file_magic + b"".join(frames))
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (run_dir / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+
+
+def test_a_run_of_format_1_reads_and_resumes(run_dir):
+    batches = list(models.mlp_batches(9))
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, batches[:6], ckpt_every=5, keep_last=0)
+    want = ckptlab.open_run(run_dir).metrics().loss.tolist()
+    as_run_format_1(run_dir)
+    old = ckptlab.open_run(run_dir)
+    assert old.manifest["format_version"] == 1 and old.metrics().loss.tolist() == want and old.problems == []
+
+    with resume(run_dir, ckpt_every=5, keep_last=0) as rec:
+        for batch, ids in batches[6:]:
+            rec.step(batch, sample_ids=ids)
+    run = ckptlab.open_run(run_dir)
+    assert run.manifest["format_version"] == 2  # its new segments are LOG_V2
+    heads = {p.read_bytes()[:16] for p in run_dir.glob("journal/*.log")}
+    assert heads == {framelog.LOG_V1.file_magic, framelog.LOG_V2.file_magic}
+    assert run.metrics().loss[:6].tolist() == want and run.steps == list(range(9))
+    for n, (batch, ids) in enumerate(batches):
+        assert_same(run.batch(n), (batch, ids))
+    assert run.verify_logs() == [] and run.problems == []
 
 
 def test_resume_after_a_checkpoint_past_the_last_step_leaves_no_gap(run_dir):
@@ -218,7 +256,7 @@ def test_manifest_describes_the_run(run_dir):
         run_dir, models.build_lm, models.step_lm, models.lm_batches(2), ckpt_every=7, data_info={"pad_id": 0}
     )
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["format"] == "ckptlab-run" and manifest["format_version"] == 1
+    assert manifest["format"] == "ckptlab-run" and manifest["format_version"] == 2
     assert manifest["config"]["ckpt_every"] == 7 and manifest["config"]["has_scheduler"] is True
     assert manifest["functions"]["step_fn"]["qualname"] == "step_lm"
     assert (run_dir / manifest["functions"]["step_fn"]["source_copy"]).read_bytes() == Path(

@@ -360,10 +360,10 @@ def _split(path: Path, archived: Path, k: int) -> None:
         _link_or_copy(path, archived)
     scan = framelog.scan(path)
     data = path.read_bytes()
-    out = bytearray(framelog.FILE_MAGIC)
+    out = bytearray(data[: len(framelog.FILE_MAGIC)])  # the segment's own layout (its frames are copied as they are)
     for ref in scan.frames:
         if keeps(ref.kind, ref.step, k):
-            out += data[ref.offset - framelog.FRAME.size : ref.offset + ref.length]
+            out += data[ref.start : ref.offset + ref.length]
     write_bytes_atomic(path, bytes(out))  # a new inode: the archived link keeps the original
 
 

@@ -1,15 +1,22 @@
 """Append-only, CRC-framed log files: the crash-safe primitive under the batch log and journal.
 
-A log file is a 16-byte file header followed by frames. One frame is one `os.write` of
+A log file is a 16-byte file header, b"ckptlab-log-v2\n\x00", followed by frames. One frame
+is one `os.write` of
 
-    header (24 bytes, little endian)        payload (`length` bytes)
-    magic  b"CKF1"          4s
+    header (28 bytes, little endian)        payload (`length` bytes)
+    magic  b"CKF2"          4s
     kind   u8   (BATCH, STEP, VALIDATION, EVENT)
     flags  u8   bit0: payload is zlib-compressed; bit1: payload is safetensors (else JSON)
     rank   u16
     step   i64
     length u32
     crc32  u32  (of the payload bytes as stored)
+    hcrc   u32  (of the header's 24 bytes before it)
+
+The header has its own CRC so that a scan, which reads headers only, trusts no step, kind or
+length that was damaged. Segments written before run format 2 have the file header
+b"ckptlab-log-v1\n\x00" and 24-byte frame headers without `hcrc` (magic b"CKF1"); they are
+read as they are. The two layouts are `LOG_V1` and `LOG_V2` below.
 
 Why not HDF5 for this: an HDF5 file killed before its first flush is unreadable, and a kill
 during a flush can leave its metadata inconsistent; a frame log can only ever lose a torn tail,
@@ -32,9 +39,34 @@ from pathlib import Path
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.files import open_regular
 
-FILE_MAGIC = b"ckptlab-log-v1\n\x00"  # 16 bytes
-FRAME = struct.Struct("<4sBBHqII")
-FRAME_MAGIC = b"CKF1"
+_FIELDS = struct.Struct("<4sBBHqII")  # magic, kind, flags, rank, step, length, crc32: both layouts
+_HCRC = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class LogLayout:
+    """One version of the segment format: its file header, and its frames' headers (v2 adds
+    a CRC of the header after the fields v1 has)."""
+
+    file_magic: bytes
+    frame_magic: bytes
+    header_size: int
+
+    @property
+    def checks_header(self) -> bool:
+        return self.header_size > _FIELDS.size
+
+    def header_ok(self, data, pos: int) -> bool:
+        """Whether the frame header at `pos` passes its own CRC (v1 headers have none)."""
+        if not self.checks_header:
+            return True
+        return zlib.crc32(data[pos : pos + _FIELDS.size]) == _HCRC.unpack_from(data, pos + _FIELDS.size)[0]
+
+
+LOG_V1 = LogLayout(b"ckptlab-log-v1\n\x00", b"CKF1", _FIELDS.size)
+LOG_V2 = LogLayout(b"ckptlab-log-v2\n\x00", b"CKF2", _FIELDS.size + _HCRC.size)
+LAYOUTS = {layout.file_magic: layout for layout in (LOG_V1, LOG_V2)}
+FILE_MAGIC = LOG_V2.file_magic  # what FrameWriter writes (16 bytes, as in every layout)
 
 BATCH, STEP, VALIDATION, EVENT = 1, 2, 3, 4
 KIND_NAMES = {BATCH: "batch", STEP: "step", VALIDATION: "validation", EVENT: "event"}
@@ -63,6 +95,12 @@ class FrameRef:
     step: int
     length: int
     crc: int
+    header_size: int = LOG_V2.header_size
+
+    @property
+    def start(self) -> int:
+        """Where the frame (its header) starts in the segment."""
+        return self.offset - self.header_size
 
     def read_payload(self) -> tuple[bytes, int]:
         """The payload (decompressed) and its flags; raises CorruptFileError on a CRC mismatch."""
@@ -75,7 +113,7 @@ class FrameRef:
 def check_payload(ref: FrameRef, data: bytes) -> bytes:
     if len(data) != ref.length or zlib.crc32(data) != ref.crc:
         raise CorruptFileError(
-            f"frame for step {ref.step} at byte {ref.offset} fails its CRC (corrupt file)",
+            f"frame for step {ref.step} at byte {ref.start} fails its CRC (corrupt file)",
             path=ref.path,
         )
     return inflate(data, path=ref.path, step=ref.step) if ref.flags & FLAG_ZLIB else data
@@ -101,6 +139,17 @@ def inflate(data, *, path, step: int, limit: int | None = None) -> bytes:
     return out
 
 
+def pack_frame(
+    kind: int, step: int, payload: bytes, *, flags: int = 0, rank: int = 0, layout: LogLayout = LOG_V2
+) -> bytes:
+    """One frame, header and payload (FrameWriter writes LOG_V2; `layout=LOG_V1` makes one
+    that belongs in an older segment)."""
+    fields = _FIELDS.pack(layout.frame_magic, kind, flags, rank, step, len(payload), zlib.crc32(payload))
+    if not layout.checks_header:
+        return fields + payload
+    return b"".join((fields, _HCRC.pack(zlib.crc32(fields)), payload))
+
+
 class FrameWriter:
     """Appends frames to one segment file. Not thread-safe: one writer per file."""
 
@@ -115,11 +164,10 @@ class FrameWriter:
     def append(self, kind: int, step: int, payload: bytes, *, flags: int = 0, rank: int = 0) -> int:
         if len(payload) >= MAX_FRAME:
             raise ValueError(f"frame of {len(payload)} bytes is larger than 4 GiB")
-        header = FRAME.pack(FRAME_MAGIC, kind, flags, rank, step, len(payload), zlib.crc32(payload))
-        self._write_all(header + payload)
-        n = len(header) + len(payload)
-        self.bytes_written += n
-        return n
+        frame = pack_frame(kind, step, payload, flags=flags, rank=rank)
+        self._write_all(frame)
+        self.bytes_written += len(frame)
+        return len(frame)
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -175,33 +223,42 @@ def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
     """
     size = len(data)
     head = bytes(data[: len(FILE_MAGIC)])
-    if head != FILE_MAGIC:
-        if size < len(FILE_MAGIC) and FILE_MAGIC.startswith(head):
+    layout = LAYOUTS.get(head)
+    if layout is None:
+        if size < len(FILE_MAGIC) and any(magic.startswith(head) for magic in LAYOUTS):
             return ScanResult([], size, no_header=True)  # killed while writing the file header
+        if head.startswith(b"ckptlab-log-v") and size >= len(FILE_MAGIC):
+            raise CorruptFileError(
+                f"a log segment of a newer ckptlab (file header {head.rstrip(bytes(1))!r})",
+                path=path,
+                hint="upgrade ckptlab",
+            )
         raise CorruptFileError("not a ckptlab log segment (bad file header)", path=path)
+    hsize = layout.header_size
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)
     why = None
-    while pos + FRAME.size <= size:
-        magic, kind, flags, rank, step, length, crc = FRAME.unpack_from(data, pos)
-        end = pos + FRAME.size + length
-        if magic != FRAME_MAGIC or kind not in KIND_NAMES:
+    while pos + hsize <= size:
+        magic, kind, flags, rank, step, length, crc = _FIELDS.unpack_from(data, pos)
+        end = pos + hsize + length
+        if magic != layout.frame_magic or not layout.header_ok(data, pos) or kind not in KIND_NAMES:
+            # (a v2 header that fails its CRC at the very end may be a torn tail: below)
             why = f"bad frame header at byte {pos}"
             break
         if end > size:
             break
-        if (verify or end == size) and zlib.crc32(data[pos + FRAME.size : end]) != crc:
+        if (verify or end == size) and zlib.crc32(data[pos + hsize : end]) != crc:
             why = f"frame for step {step} at byte {pos} fails its CRC"
             break
-        frames.append(FrameRef(path, pos + FRAME.size, kind, flags, rank, step, length, crc))
+        frames.append(FrameRef(path, pos + hsize, kind, flags, rank, step, length, crc, hsize))
         pos = end
     corrupt = None
-    if pos < size and _intact_frame_after(data, pos + 1):
+    if pos < size and _intact_frame_after(data, pos + 1, layout):
         corrupt = f"{why or f'frame at byte {pos} is cut short'}, with intact frames after it (corrupt file)"
     return ScanResult(frames, size - pos, corrupt)
 
 
-def _intact_frame_after(data, start: int) -> bool:
+def _intact_frame_after(data, start: int, layout: LogLayout) -> bool:
     """Whether a whole frame with a good CRC starts somewhere at or after `start`.
 
     Linear in the bytes after `start`, however many frame-like headers a crafted file holds
@@ -212,16 +269,17 @@ def _intact_frame_after(data, start: int) -> bool:
     every candidate's start and end, and Z_n is applied to all candidates at once.
     """
     size = len(data)
+    hsize = layout.header_size
     starts, ends, crcs = [], [], []
-    i = data.find(FRAME_MAGIC, start)
-    while i != -1 and i + FRAME.size <= size:
-        _, kind, _, _, _, length, crc = FRAME.unpack_from(data, i)
-        end = i + FRAME.size + length
-        if kind in KIND_NAMES and end <= size:
-            starts.append(i + FRAME.size)
+    i = data.find(layout.frame_magic, start)
+    while i != -1 and i + hsize <= size:
+        _, kind, _, _, _, length, crc = _FIELDS.unpack_from(data, i)
+        end = i + hsize + length
+        if kind in KIND_NAMES and end <= size and layout.header_ok(data, i):
+            starts.append(i + hsize)
             ends.append(end)
             crcs.append(crc)
-        i = data.find(FRAME_MAGIC, i + 1)
+        i = data.find(layout.frame_magic, i + 1)
     if not starts:
         return False
     if len(starts) == 1:

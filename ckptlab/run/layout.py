@@ -1,7 +1,7 @@
 """Names and places in a run directory, and the atomic-write primitives. See docs/run-format.md.
 
     RUN/
-      manifest.json                       what recorded this run, and how (format_version 1)
+      manifest.json                       what recorded this run, and how (format_version 2)
       journal/sNNN-SSSSSSSSS.log          rank 0: per-step health, validation, events
       batches/rank0/sNNN-SSSSSSSSS.log    each rank: exact batches, sample ids, RNG states
       checkpoints/step-SSSSSSSSS/         model.safetensors (or dcp/: sharded), state.safetensors, COMMIT.json
@@ -20,7 +20,10 @@ import os
 import re
 from pathlib import Path
 
-FORMAT_VERSION = 1
+# 2: log segments whose frame headers carry their own CRC (framelog.LOG_V2); a run of format 1
+# holds LOG_V1 segments only, and is read as it is (a session resumed on it writes LOG_V2
+# segments and raises its manifest to 2).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT.json"
 MODEL_FILE = "model.safetensors"

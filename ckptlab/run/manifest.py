@@ -1,6 +1,6 @@
 """manifest.json: what recorded the run and how. Written atomically; read with validation.
 
-Keys (format_version 1): format, format_version, created, versions{ckptlab, torch, numpy,
+Keys (format_version 2, as in 1): format, format_version, created, versions{ckptlab, torch, numpy,
 python, platform, cuda}, host, device, world_size, config{ckpt_every, health_every, keep_last,
 ...}, functions{build_fn, step_fn} (module, qualname, file, file_rel, sha256, source_file),
 parameters[{name, shape, dtype, requires_grad}], param_groups, data_info, env (the execution

@@ -82,7 +82,7 @@ def test_json_has_the_documented_keys_and_verifies(recorded, info):
     assert code == 0, err
     s = json.loads(out)
     assert set(s) == KEYS
-    assert s["format_version"] == 1 and s["run"] == str(recorded)
+    assert s["format_version"] == 2 and s["run"] == str(recorded)
     assert s["steps"] == {
         "recorded": 30,
         "first": 0,
@@ -186,7 +186,7 @@ def test_a_crash_torn_tail_is_a_warning_not_a_failure(tmp_path, info):
         (lambda d: d.mkdir(), "not a ckptlab run (no manifest.json)"),
         (
             lambda d: (d.mkdir(), (d / "manifest.json").write_text('{"format": "ckptlab-run", "format_version": 9}')),
-            "written by a newer ckptlab (run format 9; this ckptlab reads up to 1) (upgrade ckptlab)",
+            "written by a newer ckptlab (run format 9; this ckptlab reads up to 2) (upgrade ckptlab)",
         ),
     ],
 )

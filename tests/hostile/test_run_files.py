@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -34,11 +33,8 @@ def test_deep_journal_record(sample_run):
     payload = DEEP.encode()
     with open(last, "ab") as f:
         f.write(
-            framelog.FRAME.pack(
-                framelog.FRAME_MAGIC, framelog.VALIDATION, 0, 0, 9000, len(payload), zlib.crc32(payload)
-            )
+            framelog.pack_frame(framelog.VALIDATION, 9000, payload, layout=framelog.LAYOUTS[last.read_bytes()[:16]])
         )
-        f.write(payload)
     refused(sample_run, "info", "--run", sample_run, names=last.name, says="nested too deeply")
 
 
@@ -126,9 +122,9 @@ def test_special_files_given_to_diff(sample_run, tmp_path):
 
 
 def _append_frame(segment: Path, kind: int, payload: bytes, flags: int = 0, step: int = 9000) -> None:
+    layout = framelog.LAYOUTS[segment.read_bytes()[:16]]  # the segment's own
     with open(segment, "ab") as f:
-        f.write(framelog.FRAME.pack(framelog.FRAME_MAGIC, kind, flags, 0, step, len(payload), zlib.crc32(payload)))
-        f.write(payload)
+        f.write(framelog.pack_frame(kind, step, payload, flags=flags, layout=layout))
 
 
 @pytest.mark.parametrize(

@@ -65,11 +65,11 @@ def test_not_a_run(tmp_path):
 def test_a_run_from_a_newer_format_is_refused_untouched(run_dir):
     record(run_dir, 2)
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = 3
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     with pytest.raises(
-        FormatVersionError, match=r"newer ckptlab \(run format 2; this ckptlab reads up to 1\).*upgrade"
+        FormatVersionError, match=r"newer ckptlab \(run format 3; this ckptlab reads up to 2\).*upgrade"
     ):
         ckptlab.open_run(run_dir)
     model, opt = models.build_mlp()
@@ -96,7 +96,7 @@ def test_a_corrupt_batch_frame_fails_only_its_own_step(run_dir):
     assert_intact(run_dir, batches, [0, 1, 3, 4, 5])
     assert run.damaged and str(path) in run.damaged[0]  # reading it told the run it is damaged
     assert run.verify_logs()[1:] == [
-        f"{path}: frame for step 2 at byte {ref.offset - 24} fails its CRC, with intact frames after it (corrupt file)"
+        f"{path}: frame for step 2 at byte {ref.start} fails its CRC, with intact frames after it (corrupt file)"
     ]
 
 

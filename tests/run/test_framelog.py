@@ -25,27 +25,54 @@ FRAMES = [(framelog.BATCH, 0, b"first", 0), (framelog.STEP, 0, b"second payload"
 def test_bytes_on_disk_are_as_documented(tmp_path):
     """The layout docs/run-format.md specifies, spelled out byte by byte."""
     data = write_log(tmp_path / "s000-000000000.log", [(framelog.STEP, 5, b"abc", framelog.FLAG_SAFETENSORS)])
-    crc = zlib.crc32(b"abc")
-    assert data == (
-        b"ckptlab-log-v1\n\x00"  # 16-byte file header
-        + b"CKF1"  # frame magic
+    fields = (
+        b"CKF2"  # frame magic
         + b"\x02"  # kind: STEP
         + b"\x02"  # flags: bit1 = safetensors payload
         + b"\x00\x00"  # rank 0 (u16)
         + (5).to_bytes(8, "little")  # step (i64)
         + (3).to_bytes(4, "little")  # payload length (u32)
-        + crc.to_bytes(4, "little")  # crc32 of the stored payload (u32)
+        + zlib.crc32(b"abc").to_bytes(4, "little")  # crc32 of the stored payload (u32)
+    )
+    assert data == (
+        b"ckptlab-log-v2\n\x00"  # 16-byte file header
+        + fields
+        + zlib.crc32(fields).to_bytes(4, "little")  # crc32 of the 24 header bytes before it (u32)
         + b"abc"
     )
     (ref,) = framelog.scan(tmp_path / "s000-000000000.log").frames
-    assert (ref.offset, ref.kind, ref.step, ref.length) == (16 + 24, framelog.STEP, 5, 3)
+    assert (ref.offset, ref.kind, ref.step, ref.length) == (16 + 28, framelog.STEP, 5, 3)
+
+
+def test_segments_of_run_format_1_are_read(tmp_path):
+    """Segments written before the header CRC (file header ckptlab-log-v1, 24-byte frame
+    headers) read as they did, torn tail and damage included."""
+    frames = [
+        framelog.pack_frame(kind, step, payload, flags=flags, layout=framelog.LOG_V1)
+        for kind, step, payload, flags in FRAMES
+    ]
+    assert frames[0][:4] == b"CKF1" and len(frames[0]) == 24 + len(b"first")
+    path = tmp_path / "old.log"
+    path.write_bytes(b"ckptlab-log-v1\n\x00" + b"".join(frames) + frames[0][:10])
+    scan = framelog.scan(path, verify=True)
+    assert [(f.kind, f.step) for f in scan.frames] == [(k, n) for k, n, _, _ in FRAMES]
+    assert (scan.torn_bytes, scan.corrupt) == (10, None)
+    assert [p for _, p in framelog.iter_payloads(path)] == [p for _, _, p, _ in FRAMES]
+    assert scan.frames[1].read_payload() == (b"second payload", 2)
+
+
+def test_a_segment_of_a_newer_ckptlab_says_so(tmp_path):
+    path = tmp_path / "new.log"
+    path.write_bytes(b"ckptlab-log-v9\n\x00")
+    with pytest.raises(CorruptFileError, match="newer ckptlab"):
+        framelog.scan(path)
 
 
 def test_every_torn_tail_is_skipped_and_counted(tmp_path):
     full = write_log(tmp_path / "full.log", FRAMES)
     ends, pos = [], 16
     for _, _, payload, _ in FRAMES:
-        pos += 24 + len(payload)
+        pos += 28 + len(payload)
         ends.append(pos)
     cut_path = tmp_path / "cut.log"
     for cut in range(len(full) + 1):  # a kill can stop a write after any byte
@@ -63,16 +90,16 @@ def test_a_full_length_last_frame_with_a_bad_crc_is_a_torn_tail(tmp_path):
     full[-2:] = b"\x00\x00"
     (tmp_path / "a.log").write_bytes(bytes(full))
     scan = framelog.scan(tmp_path / "a.log")
-    assert len(scan.frames) == 2 and scan.torn_bytes == 24 + 2 and scan.corrupt is None
+    assert len(scan.frames) == 2 and scan.torn_bytes == 28 + 2 and scan.corrupt is None
 
 
 def test_damage_before_the_tail_is_corruption_not_a_torn_tail(tmp_path):
     path = tmp_path / "a.log"
     clean = write_log(path, FRAMES)
-    second = 16 + 24 + len(FRAMES[0][2])  # offset of the second frame
+    second = 16 + 28 + len(FRAMES[0][2])  # offset of the second frame
 
     bad = bytearray(clean)
-    bad[second + 24 + 3] ^= 0xFF  # a bit flip in the second frame's payload
+    bad[second + 28 + 3] ^= 0xFF  # a bit flip in the second frame's payload
     path.write_bytes(bytes(bad))
     scan = framelog.scan(path)  # headers only: the frames are all indexed ...
     assert len(scan.frames) == 3
