@@ -214,6 +214,19 @@ def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int
         yield (x, y), ids
 
 
+# --- a negative loss (a Gaussian log-likelihood's, say): the MLP's MSE shifted down by 10 -------
+
+
+def step_negative(model, optimizer, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y) - 10.0
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 # --- a nested batch: strings, a dict of token ids and an attention mask, a float target ---------
 
 

@@ -295,7 +295,7 @@ def curve_shape(loss: np.ndarray) -> str:
     n = len(finite)
     start = float(np.median(finite[: max(5, n // 20)]))
     end = float(np.median(finite[-max(5, n // 5) :]))
-    if end > start * 1.1:
+    if end - start > 0.1 * abs(start):  # (a negative loss, a log-likelihood's, rises towards 0)
         return "rising"
     if start - end < 0.1 * abs(start):
         return "flat"
@@ -389,7 +389,7 @@ def _loss_spikes(m: Metrics, rules: HealthRules) -> list[Finding]:
     out, i = [], 0
     while i < len(spikes):
         idx, spike = spikes[i]
-        level = spike.median * 1.1
+        level = spike.median + 0.1 * abs(spike.median)  # 10% above it, also for a negative loss
         rec = _recovery(m.loss, idx, level)
         j = i + 1
         while j < len(spikes) and (rec is None or spikes[j][0] <= rec):  # spikes before recovery: same episode

@@ -107,6 +107,21 @@ def test_loss_spike_and_its_recovery(reports):
     assert 150 in grad.steps
 
 
+def test_negative_loss_is_not_rising_and_its_spike_recovers(tmp_path):
+    # A loss below 0 (a log-likelihood's): the MLP's MSE - 10 falls from -9.5 to -9.99, and the
+    # planted spike at 150 is back within a step. Read as if positive, -9.99 "rose" 10% above
+    # -9.8 and never got back to 1.1x the median (-11): a diverging warning and an error.
+    batches = am.spiky_regression_batches(200, 150)
+    r = _record(tmp_path, "neg", am.build_healthy, am.step_negative, batches)
+    assert r.curve.shape != "rising" and "diverging" not in kinds(r)
+    f = next(f for f in r.findings if f.kind == "loss_spike")
+    assert f.steps[0] == 150 and f.evidence["recovery"] == "fast", f.title
+    assert f.severity == "warning" and 1e3 < f.evidence["peak"] - f.evidence["level_before"]
+    assert "inf" not in f.title and "never" not in f.title
+    assert curve_shape(-1.0 - np.arange(200) / 4000) == "flat"  # -1 -> -1.05: fell 5%
+    assert curve_shape(-2.0 + np.arange(200) / 100) == "rising"  # -2 -> 0
+
+
 def test_language_model_gets_perplexity(reports):
     r = reports["lm"]
     p = r.perplexity
