@@ -58,6 +58,28 @@ def test_overfitting_found_with_its_best_step(reports):
     assert any("ckptlab rollback --metric val_loss" in x for x in f.remedies)
 
 
+def test_noisy_validation_of_a_healthy_run_is_not_overfitting(tmp_path):
+    # Validation on a fresh 32-sample batch every 10 steps: flat after step ~50, +-40% noise.
+    # Its best is the lowest outlier, and the last evaluation alone sat 75% above it: that was
+    # an overfitting warning on a healthy run.
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(9)
+
+    def validate(i, model):
+        if (i + 1) % 10:
+            return None
+        x = torch.randn(32, 8, generator=g)
+        y = x[:, :1] * 0.5 + 0.1 * torch.randn(32, 1, generator=g)
+        with torch.no_grad():
+            return {"val_loss": F.mse_loss(model(x), y).item()}
+
+    r = _record(tmp_path, "noisy_val", am.build_healthy, models.step_mlp, am.regression_batches(200), validate=validate)
+    assert r.alarms() == [], [f.title for f in r.alarms()]
+    assert [f.kind for f in r.findings] == ["validation_plateau"]
+
+
 def test_oscillation_from_a_too_high_learning_rate(reports):
     r = reports["high_lr"]
     f = next(f for f in r.findings if f.kind == "oscillation")
