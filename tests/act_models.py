@@ -25,6 +25,15 @@ def regression_batches(n: int, batch: int = 16, seed: int = 1, noise: float = 0.
             yield (x, y), [1000 * i + r for r in range(batch)]
 
 
+def noise_batches(n: int, batch: int = 16, seed: int = 1):
+    """Targets independent of the inputs: nothing to learn, the loss stays flat (minibatch noise)."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        x = torch.randn(batch, 8, generator=g)
+        y = torch.randn(batch, 1, generator=g)
+        yield (x, y), [1000 * i + r for r in range(batch)]
+
+
 # --- healthy: the tiny MLP with a sane AdamW learning rate --------------------------------------
 
 

@@ -285,8 +285,10 @@ def curve_shape(loss: np.ndarray) -> str:
     """The loss curve's shape, ignoring pathologies: fast or slow drop, flat, or rising.
 
     Levels are medians of the first 5% and last 20% of steps (robust to noise and spikes).
-    A drop of < 10% of the start is flat; 80% of the drop reached within the first quarter of
-    the run is a fast drop.
+    Rising: the end > 10% above the start, and by more than 3 standard errors of the two
+    medians (on a flat noisy loss the start's few steps alone often sit that far below the
+    end). A drop of < 10% of the start is flat; 80% of the drop reached within the first
+    quarter of the run is a fast drop.
     """
     finite = loss[np.isfinite(loss)]
     if len(finite) == 0:
@@ -294,9 +296,12 @@ def curve_shape(loss: np.ndarray) -> str:
     if len(finite) < 20:
         return "too_short"
     n = len(finite)
-    start = float(np.median(finite[: max(5, n // 20)]))
-    end = float(np.median(finite[-max(5, n // 5) :]))
-    if end - start > 0.1 * abs(start):  # (a negative loss, a log-likelihood's, rises towards 0)
+    k0, k1 = max(5, n // 20), max(5, n // 5)
+    start = float(np.median(finite[:k0]))
+    end = float(np.median(finite[-k1:]))
+    noise = 1.4826 * float(np.median(np.abs(finite - _rolling_median(finite, 9))))  # one step's
+    stderr = 1.2533 * noise * math.sqrt(1 / k0 + 1 / k1)  # of the difference of the two medians
+    if end - start > max(0.1 * abs(start), 3 * stderr):  # (a negative loss rises towards 0)
         return "rising"
     if start - end < 0.1 * abs(start):
         return "flat"
