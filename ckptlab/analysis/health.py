@@ -657,8 +657,8 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
             kind="overfitting",
             severity="warning",
             title=(
-                f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
-                f"{rise:.0%} to {end:.4g} while the training loss kept falling"
+                f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and "
+                f"{'rose' if stop.mode == 'min' else 'fell'} {rise:.0%} to {end:.4g} while the training loss kept falling"
             ),
             steps=[stop.best_step, stop.last_step],
             evidence={

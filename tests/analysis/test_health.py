@@ -80,6 +80,28 @@ def test_noisy_validation_of_a_healthy_run_is_not_overfitting(tmp_path):
     assert [f.kind for f in r.findings] == ["validation_plateau"]
 
 
+def test_overfitting_on_a_metric_to_maximize_says_it_fell(tmp_path):
+    accuracy = [0.5, 0.6, 0.7, 0.65, 0.64, 0.63]  # best at step 30, then down
+
+    def validate(i, model):
+        return {"val_acc": accuracy[i // 10]} if i % 10 == 9 else None
+
+    batches = am.regression_batches(60)
+    r = _record(
+        tmp_path,
+        "acc",
+        am.build_healthy,
+        models.step_mlp,
+        batches,
+        validate=validate,
+        val_metric="val_acc",
+        val_mode="max",
+    )
+    f = next(f for f in r.findings if f.kind == "overfitting")
+    assert f.evidence["best_step"] == 30 and " fell " in f.title and " rose " not in f.title, f.title
+    assert "--metric val_acc --mode max" in f.remedies[0]
+
+
 def test_oscillation_from_a_too_high_learning_rate(reports):
     r = reports["high_lr"]
     f = next(f for f in r.findings if f.kind == "oscillation")
