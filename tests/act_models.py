@@ -25,6 +25,15 @@ def regression_batches(n: int, batch: int = 16, seed: int = 1, noise: float = 0.
             yield (x, y), [1000 * i + r for r in range(batch)]
 
 
+def noise_batches(n: int, batch: int = 16, seed: int = 1):
+    """Targets independent of the inputs: nothing to learn, the loss stays flat (minibatch noise)."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        x = torch.randn(batch, 8, generator=g)
+        y = torch.randn(batch, 1, generator=g)
+        yield (x, y), [1000 * i + r for r in range(batch)]
+
+
 # --- healthy: the tiny MLP with a sane AdamW learning rate --------------------------------------
 
 
@@ -212,6 +221,34 @@ def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int
             y = y.clone()
             y[3] = 1e3
         yield (x, y), ids
+
+
+# --- a negative loss (a Gaussian log-likelihood's, say): the MLP's MSE shifted down by 10 -------
+
+
+def step_negative(model, optimizer, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y) - 10.0
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# --- a loop that skips the update on a loss spike (no backward: the step has no gradient) ------
+
+
+def step_skip_spikes(model, optimizer, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y)
+    if loss.item() > 100:
+        return loss.detach()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 # --- a nested batch: strings, a dict of token ids and an attention mask, a float target ---------

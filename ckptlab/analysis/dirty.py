@@ -595,7 +595,10 @@ def dynamic_flags(run: Run, rules: DirtyRules = DirtyRules(), *, ids_by_step: di
     # A finite loss can hide non-finite gradients (e.g. NaN only at ignored/padded positions):
     # the weights go NaN one step later, so the step that got them is the one to look at.
     # A step a GradScaler skipped overflowed on purpose (float16 finding its scale): not a flag.
-    bad_grads = np.isfinite(m.loss) & (~np.isfinite(m.grad_norm) | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
+    # A step without any gradient (a loop that skipped backward) has a NaN norm that is not one.
+    no_grad = (m.param_grad_norm < 0).all(axis=1) if m.param_grad_norm.shape[1] else np.zeros(len(m), dtype=bool)
+    nonfinite_norm = ~np.isfinite(m.grad_norm) & ~no_grad
+    bad_grads = np.isfinite(m.loss) & (nonfinite_norm | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
     for i in np.flatnonzero(bad_grads):
         out.append(
             {

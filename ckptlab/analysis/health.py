@@ -54,7 +54,8 @@ class HealthRules:
     weight_growth: float = 10.0  # a weight norm that grew 10x is exploding, not learning
     fast_recovery: int = 20  # a spike recovered within 20 steps recovered "fast"
     patience: int = 3  # validation evaluations without improvement before it "turned up"
-    overfit_rise: float = 0.02  # validation must end >= 2% above its best to call it overfitting
+    overfit_rise: float = 0.02  # validation must end >= 2% above its best to call it overfitting ...
+    overfit_noise: float = 4.0  # ... and by 4x its evaluation-to-evaluation noise (else: noise, ~1% false alarms)
     oscillation_spread: float = 0.3  # robust std of log-loss: typical swings of >= 35%
     oscillation_anticorrelation: float = -0.25  # lag-1 autocorrelation of the detrended log-loss
     plateau_band: float = 0.15  # log-loss stays within +-7.5% ...
@@ -211,7 +212,7 @@ def diagnose(run: Run, rules: HealthRules = HealthRules(), *, weights: bool = Tr
     loss_findings += _oscillation(m, rules) or _rising(m, shape) or []
     loss_findings += _plateau(m, rules)
     stop = early_stopping(val, metric, mode, rules.patience)
-    loss_findings += _overfitting(m, stop, rules)
+    loss_findings += _overfitting(m, stop, val, rules)
     findings += loss_findings
     findings += _crashes(run)
     findings += _gradients(run, m, rules)
@@ -284,8 +285,10 @@ def curve_shape(loss: np.ndarray) -> str:
     """The loss curve's shape, ignoring pathologies: fast or slow drop, flat, or rising.
 
     Levels are medians of the first 5% and last 20% of steps (robust to noise and spikes).
-    A drop of < 10% of the start is flat; 80% of the drop reached within the first quarter of
-    the run is a fast drop.
+    Rising: the end > 10% above the start, and by more than 3 standard errors of the two
+    medians (on a flat noisy loss the start's few steps alone often sit that far below the
+    end). A drop of < 10% of the start is flat; 80% of the drop reached within the first
+    quarter of the run is a fast drop.
     """
     finite = loss[np.isfinite(loss)]
     if len(finite) == 0:
@@ -293,9 +296,12 @@ def curve_shape(loss: np.ndarray) -> str:
     if len(finite) < 20:
         return "too_short"
     n = len(finite)
-    start = float(np.median(finite[: max(5, n // 20)]))
-    end = float(np.median(finite[-max(5, n // 5) :]))
-    if end > start * 1.1:
+    k0, k1 = max(5, n // 20), max(5, n // 5)
+    start = float(np.median(finite[:k0]))
+    end = float(np.median(finite[-k1:]))
+    noise = 1.4826 * float(np.median(np.abs(finite - _rolling_median(finite, 9))))  # one step's
+    stderr = 1.2533 * noise * math.sqrt(1 / k0 + 1 / k1)  # of the difference of the two medians
+    if end - start > max(0.1 * abs(start), 3 * stderr):  # (a negative loss rises towards 0)
         return "rising"
     if start - end < 0.1 * abs(start):
         return "flat"
@@ -389,7 +395,7 @@ def _loss_spikes(m: Metrics, rules: HealthRules) -> list[Finding]:
     out, i = [], 0
     while i < len(spikes):
         idx, spike = spikes[i]
-        level = spike.median * 1.1
+        level = spike.median + 0.1 * abs(spike.median)  # 10% above it, also for a negative loss
         rec = _recovery(m.loss, idx, level)
         j = i + 1
         while j < len(spikes) and (rec is None or spikes[j][0] <= rec):  # spikes before recovery: same episode
@@ -606,17 +612,27 @@ def _plateau(m: Metrics, rules: HealthRules) -> list[Finding]:
     ]
 
 
-def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list[Finding]:
+def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]], rules: HealthRules) -> list[Finding]:
+    """Validation turned up (early stopping) and really rose: where it ended (the median of
+    the last `patience` evaluations, so one noisy point does not decide) sits >= 2% above its
+    best and 4x its noise above it. The best of many noisy evaluations is their low outlier:
+    a flat validation loss that bounces +-5% ends 2% above it most of the time. The noise is the
+    robust std of one evaluation, from the differences of successive ones after the best
+    (their median taken out, so a steady rise is not counted as noise)."""
     if stop is None or stop.stop_step is None:
         return []
     sign = 1.0 if stop.mode == "min" else -1.0
-    rise = sign * (stop.last_value - stop.best_value) / max(abs(stop.best_value), 1e-12)
+    after = np.array([v for s, v in val if s >= stop.best_step], dtype=np.float64)
+    end = float(np.median(after[-stop.patience :])) if len(after) else stop.last_value
+    d = np.diff(after)
+    noise = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) >= 2 else 0.0
+    rise = sign * (end - stop.best_value) / max(abs(stop.best_value), 1e-12)
     at_best = m.window(stop.best_step - 10, stop.best_step)
     at_end = m.window(stop.last_step - 20, stop.last_step)
     train_best = float(np.nanmedian(m.loss[at_best])) if at_best.stop > at_best.start else math.nan
     train_end = float(np.nanmedian(m.loss[at_end])) if at_end.stop > at_end.start else math.nan
     train_fell = math.isfinite(train_best) and math.isfinite(train_end) and train_end < train_best
-    if rise < rules.overfit_rise:
+    if rise < rules.overfit_rise or sign * (end - stop.best_value) < rules.overfit_noise * noise:
         return [
             Finding(
                 kind="validation_plateau",
@@ -627,6 +643,8 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list
                     "best_step": stop.best_step,
                     "best": stop.best_value,
                     "last": stop.last_value,
+                    "end": end,
+                    "noise": noise,
                     "patience": stop.patience,
                 },
                 remedies=["training longer is unlikely to help; stop, or lower the learning rate"],
@@ -639,8 +657,8 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list
             kind="overfitting",
             severity="warning",
             title=(
-                f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and rose "
-                f"{rise:.0%} to {stop.last_value:.4g} while the training loss kept falling"
+                f"{stop.metric} was best at step {stop.best_step} ({stop.best_value:.4g}) and "
+                f"{'rose' if stop.mode == 'min' else 'fell'} {rise:.0%} to {end:.4g} while the training loss kept falling"
             ),
             steps=[stop.best_step, stop.last_step],
             evidence={
@@ -648,6 +666,8 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, rules: HealthRules) -> list
                 "best": stop.best_value,
                 "last_step": stop.last_step,
                 "last": stop.last_value,
+                "end": end,
+                "noise": noise,
                 "rise": rise,
                 "train_loss_at_best": train_best,
                 "train_loss_at_end": train_end,

@@ -166,8 +166,6 @@ def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
     es = early_stopping(series, choice.metric, choice.mode, choice.patience)
     choice.early_stop = es
     sign = 1.0 if choice.mode == "min" else -1.0
-    usable = [c for c in choice.candidates if _usable(c)]
-    at_best = next((c for c in usable if c.step == es.best_step), None)
     turned = (
         f"validation turned up after step {es.best_step} (no improvement in {es.patience} evaluations, by step {es.stop_step})"
         if es.stop_step is not None
@@ -182,32 +180,52 @@ def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
             f"{choice.metric} later reached {es.global_best_value:.6g} at step {es.global_best_step}; "
             f"a larger --patience would pick that instead"
         )
-    if at_best is not None:
-        choice.step = at_best.step
+    usable = [c for c in choice.candidates if _usable(c)]
+    ideal = _metric_pick(choice, es, choice.candidates)  # were every checkpoint intact
+    pick = _metric_pick(choice, es, usable)
+    if pick is None:
+        raise CkptlabError(
+            f"no intact checkpoint at or before the best {choice.metric} (step {es.best_step})", path=choice.run
+        )
+    broken = ideal is not None and ideal is not pick and not _usable(ideal)
+    if broken:
+        choice.notes.append(f"checkpoint {ideal.step} failed its integrity check; using {pick.step}")
+    choice.step = pick.step
+    if pick.step == es.best_step:
         choice.why = f"best {choice.metric} = {es.best_value:.6g} at step {es.best_step}: {turned}"
-        return
-    scored = [
-        c
-        for c in usable
-        if isinstance(c.validation.get(choice.metric), (int, float))
-        and math.isfinite(c.validation[choice.metric])
-        and (es.stop_step is None or c.step <= es.stop_step)
-    ]
-    if scored:
-        pick = min(scored, key=lambda c: sign * c.validation[choice.metric])
-        choice.step = pick.step
+    elif ideal is not None and ideal.step == es.best_step:  # there is one, but it is corrupt
+        choice.why = f"the checkpoint at the best step {es.best_step} failed its integrity check; " + (
+            f"checkpoint {pick.step} has the best recorded {choice.metric} = {pick.validation[choice.metric]:.6g} ({turned})"
+            if _scored(choice, es, pick)
+            else f"checkpoint {pick.step} is the latest intact one before it ({turned})"
+        )
+    elif _scored(choice, es, pick):
         choice.why = (
             f"no checkpoint at the best step {es.best_step}; checkpoint {pick.step} has the best recorded "
             f"{choice.metric} = {pick.validation[choice.metric]:.6g} ({turned})"
         )
-        return
-    before = [c for c in usable if c.step <= es.best_step]
-    if not before:
-        raise CkptlabError(
-            f"no intact checkpoint at or before the best {choice.metric} (step {es.best_step})", path=choice.run
+    else:
+        choice.why = (
+            f"no checkpoint at the best step {es.best_step} (record with keep_best=True to keep one); "
+            f"checkpoint {pick.step} is the latest before it ({turned})"
         )
-    choice.step = before[-1].step
-    choice.why = (
-        f"no checkpoint at the best step {es.best_step} (record with keep_best=True to keep one); "
-        f"checkpoint {choice.step} is the latest before it ({turned})"
-    )
+
+
+def _scored(choice: RollbackChoice, es: EarlyStop, c: Candidate) -> bool:
+    """`c` has a recorded value of the metric, up to where validation turned up."""
+    v = c.validation.get(choice.metric)
+    return isinstance(v, (int, float)) and math.isfinite(v) and (es.stop_step is None or c.step <= es.stop_step)
+
+
+def _metric_pick(choice: RollbackChoice, es: EarlyStop, cands: list[Candidate]) -> Candidate | None:
+    """Among `cands`: the checkpoint at the best step, else the one with the best recorded
+    value (up to where validation turned up), else the latest before the best step."""
+    sign = 1.0 if choice.mode == "min" else -1.0
+    at_best = next((c for c in cands if c.step == es.best_step), None)
+    if at_best is not None:
+        return at_best
+    scored = [c for c in cands if _scored(choice, es, c)]
+    if scored:
+        return min(scored, key=lambda c: sign * c.validation[choice.metric])
+    before = [c for c in cands if c.step <= es.best_step]
+    return before[-1] if before else None

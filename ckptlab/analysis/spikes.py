@@ -41,7 +41,11 @@ class Spike:
 
     @property
     def ratio(self) -> float:
-        return self.value / self.median if self.median > 0 else math.inf
+        """How many times the median (a negative median -- a loss that is a log-likelihood's --
+        counts from its magnitude: -1 -> 0 is 2x, as 1 -> 2 is)."""
+        if self.median > 0:
+            return self.value / self.median
+        return 1 + (self.value - self.median) / -self.median if self.median < 0 else math.inf
 
 
 class SpikeDetector:

@@ -56,6 +56,18 @@ def test_skip_list_excludes_length_outliers(lm_run, tmp_path):
     assert {e["sample_id"]: e["reasons"] for e in doc["entries"]}["doc-7-1"] == ["out_of_range"]
 
 
+def test_a_step_without_gradients_is_not_a_nonfinite_gradient(tmp_path):
+    # The loop skips backward and update on the spike at step 50: its gradient norm is "none"
+    # (NaN, every parameter without a gradient), not a non-finite gradient.
+    path = tmp_path / "skipping"
+    batches = am.spiky_regression_batches(80, 50)
+    models.record_run(path, am.build_healthy, am.step_skip_spikes, batches, ckpt_every=20, keep_last=10)
+    run = ckptlab.open_run(path)
+    assert (run.metrics().param_grad_norm[50] < 0).all()  # no gradient recorded
+    r = scan(run)
+    assert [(f["step"], f["kind"]) for f in r.steps] == [(50, "loss_spike")]
+
+
 def test_data_info_overrides_inference(lm_run):
     r = scan(lm_run, data_info={"pad_id": 63, "vocab_size": 1000})
     assert r.data_info["pad_source"] == "data_info" and r.data_info["vocab_size"] == 1000

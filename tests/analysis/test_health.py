@@ -58,6 +58,50 @@ def test_overfitting_found_with_its_best_step(reports):
     assert any("ckptlab rollback --metric val_loss" in x for x in f.remedies)
 
 
+def test_noisy_validation_of_a_healthy_run_is_not_overfitting(tmp_path):
+    # Validation on a fresh 32-sample batch every 10 steps: flat after step ~50, +-40% noise.
+    # Its best is the lowest outlier, and the last evaluation alone sat 75% above it: that was
+    # an overfitting warning on a healthy run.
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(9)
+
+    def validate(i, model):
+        if (i + 1) % 10:
+            return None
+        x = torch.randn(32, 8, generator=g)
+        y = x[:, :1] * 0.5 + 0.1 * torch.randn(32, 1, generator=g)
+        with torch.no_grad():
+            return {"val_loss": F.mse_loss(model(x), y).item()}
+
+    r = _record(tmp_path, "noisy_val", am.build_healthy, models.step_mlp, am.regression_batches(200), validate=validate)
+    assert r.alarms() == [], [f.title for f in r.alarms()]
+    assert [f.kind for f in r.findings] == ["validation_plateau"]
+
+
+def test_overfitting_on_a_metric_to_maximize_says_it_fell(tmp_path):
+    accuracy = [0.5, 0.6, 0.7, 0.65, 0.64, 0.63]  # best at step 30, then down
+
+    def validate(i, model):
+        return {"val_acc": accuracy[i // 10]} if i % 10 == 9 else None
+
+    batches = am.regression_batches(60)
+    r = _record(
+        tmp_path,
+        "acc",
+        am.build_healthy,
+        models.step_mlp,
+        batches,
+        validate=validate,
+        val_metric="val_acc",
+        val_mode="max",
+    )
+    f = next(f for f in r.findings if f.kind == "overfitting")
+    assert f.evidence["best_step"] == 30 and " fell " in f.title and " rose " not in f.title, f.title
+    assert "--metric val_acc --mode max" in f.remedies[0]
+
+
 def test_oscillation_from_a_too_high_learning_rate(reports):
     r = reports["high_lr"]
     f = next(f for f in r.findings if f.kind == "oscillation")
@@ -105,6 +149,32 @@ def test_loss_spike_and_its_recovery(reports):
     assert f.severity == "warning"  # a 10^6 x spike is never "just noise"
     grad = next(f for f in r.findings if f.kind == "gradient_explosion")
     assert 150 in grad.steps
+
+
+def test_negative_loss_is_not_rising_and_its_spike_recovers(tmp_path):
+    # A loss below 0 (a log-likelihood's): the MLP's MSE - 10 falls from -9.5 to -9.99, and the
+    # planted spike at 150 is back within a step. Read as if positive, -9.99 "rose" 10% above
+    # -9.8 and never got back to 1.1x the median (-11): a diverging warning and an error.
+    batches = am.spiky_regression_batches(200, 150)
+    r = _record(tmp_path, "neg", am.build_healthy, am.step_negative, batches)
+    assert r.curve.shape != "rising" and "diverging" not in kinds(r)
+    f = next(f for f in r.findings if f.kind == "loss_spike")
+    assert f.steps[0] == 150 and f.evidence["recovery"] == "fast", f.title
+    assert f.severity == "warning" and 1e3 < f.evidence["peak"] - f.evidence["level_before"]
+    assert "inf" not in f.title and "never" not in f.title
+    assert curve_shape(-1.0 - np.arange(200) / 4000) == "flat"  # -1 -> -1.05: fell 5%
+    assert curve_shape(-2.0 + np.arange(200) / 100) == "rising"  # -2 -> 0
+
+
+def test_flat_noisy_loss_is_not_diverging(tmp_path):
+    # Nothing to learn: the loss is flat at ~1 with minibatch noise (+-35%). The first 5 steps'
+    # median alone sat 10% below the end on these seeds (0.61 -> 0.90): "diverging".
+    for seed in (2, 8):
+        r = _record(tmp_path, f"flat{seed}", am.build_healthy, models.step_mlp, am.noise_batches(100, seed=seed))
+        assert r.curve.shape != "rising" and "diverging" not in kinds(r), r.verdict
+    rng = np.random.default_rng(0)
+    noisy_rise = (1 + np.arange(1000) / 1000) * np.exp(0.3 * rng.standard_normal(1000))
+    assert curve_shape(noisy_rise) == "rising"  # a real rise, as noisy, is still one
 
 
 def test_language_model_gets_perplexity(reports):

@@ -99,6 +99,19 @@ def test_corrupt_target_moves_nothing(cli, run_dir):
     assert doc["step"] == 25 and "sha256" in next(c["integrity"] for c in doc["candidates"] if c["step"] == 30)
 
 
+def test_corrupt_best_checkpoint_is_named_in_a_note(cli, run_dir):
+    # Checkpoint 30 (the best) exists but fails its check: the output must say so, not that
+    # there is "no checkpoint at the best step" (the user would look for keep_best=False).
+    model = run_dir / "checkpoints" / "step-000000030" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0xFF
+    model.write_bytes(bytes(data))
+    doc = cli("rollback", "--run", run_dir, "--dry-run", "--json").json()
+    assert doc["step"] == 25
+    assert "checkpoint 30 failed its integrity check; using 25" in doc["notes"]
+    assert "no checkpoint at the best step" not in doc["why"] and "failed its integrity check" in doc["why"]
+
+
 def test_rerun_finishes_an_interrupted_rewind(cli, run_dir, monkeypatch):
     calls = {"n": 0}
     real = os.rename
