@@ -1,5 +1,6 @@
 """Replay finds the root step, module, op and data sample of each planted fault."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,14 @@ def test_weight_corrupted_outside_step_fn_does_not_reproduce(run_dir):
     assert report.deterministic  # every step before it matched bit for bit
     assert report.origin.kind == "none" and report.samples == []
     assert "did not reproduce" in report.verdict and "transient" in report.verdict
+    # The recorded step had NaN gradients, so the Recorder kept the norms of the weights before
+    # its update: fc1.weight was already NaN then (changed outside the step), the others not.
+    m = ckptlab.open_run(run_dir).metrics()
+    assert np.isnan(m.weight_norm_before[: exp.step]).all()  # kept only where some were bad
+    bad = [n for n, norm in zip(m.param_names, m.weight_norm_before[exp.step]) if not np.isfinite(norm)]
+    assert bad == ["fc1.weight"]
+    assert report.origin.parameter == "fc1.weight"
+    assert "`fc1.weight` already non-finite when step 24 began, before its update" in report.verdict
 
 
 def test_json_has_the_contract_keys(run_dir):

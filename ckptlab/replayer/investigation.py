@@ -204,26 +204,24 @@ class Investigation:
         self.timing["dump_write_s"] = time.perf_counter() - t0
 
     def recorded_weights(self, step: int) -> Origin:
-        """A fault that did not reproduce: the parameters whose weights the record shows going
-        non-finite at `step` (when their norms were measured there, and only some went)."""
+        """A fault that did not reproduce: the parameters whose weights the record shows
+        non-finite at `step`: already before its update (recorded where the weights were bad
+        then), else after it (when their norms were measured there, and only some went)."""
         i = self.metrics.index(step)
-        if i is None:
-            return Origin("none", None, None, None, None, None)
-        norms = self.metrics.weight_norm[i]
-        finite = np.isfinite(norms)
-        if not finite.any() or finite.all():  # not measured at that step (all NaN), or all fine
-            return Origin("none", None, None, None, None, None)
-        names = [n for n, ok in zip(self.metrics.param_names, finite) if not ok]
-        return Origin(
-            "none",
-            None,
-            None,
-            None,
-            names[0],
-            None,
-            detail=f"the record shows the weights of {', '.join(f'`{n}`' for n in names[:3])}"
-            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} going non-finite at step {step}",
-        )
+        for norms, when in (
+            (self.metrics.weight_norm_before, f"already non-finite when step {step} began, before its update"),
+            (self.metrics.weight_norm, f"going non-finite at step {step}"),
+        ):
+            finite = np.isfinite(norms[i]) if i is not None else np.ones(0, dtype=bool)
+            if finite.any() and not finite.all():  # (all NaN: not measured at that step)
+                names = [n for n, ok in zip(self.metrics.param_names, finite) if not ok]
+                listed = ", ".join(f"`{n}`" for n in names[:3]) + (
+                    f" and {len(names) - 3} more" if len(names) > 3 else ""
+                )
+                return Origin(
+                    "none", None, None, None, names[0], None, detail=f"the record shows the weights of {listed} {when}"
+                )
+        return Origin("none", None, None, None, None, None)
 
     def recorded_error(self, step: int) -> str | None:
         """The exception step `step` raised when recorded (its `exception` event), if any: the

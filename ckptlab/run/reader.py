@@ -49,6 +49,9 @@ class Metrics:
     param_grad_norm: np.ndarray  # float32[S, P]; -1 = no gradient
     update_ratio: np.ndarray  # float32[S, P]; NaN except every `health_every` steps
     weight_norm: np.ndarray  # float32[S, P]
+    # float32[S, P]: the norms before the update, NaN except at steps where some were not finite
+    # (recorded then, when known without a device sync: docs/run-format.md)
+    weight_norm_before: np.ndarray
     param_nonfinite: np.ndarray  # int64[S, P]
     scalars: list[dict] = field(default_factory=list, repr=False)  # the raw per-step records
 
@@ -275,13 +278,14 @@ class Run:
             param_grad_norm=per_param(np.float32, np.nan),
             update_ratio=per_param(np.float32, np.nan),
             weight_norm=per_param(np.float32, np.nan),
+            weight_norm_before=per_param(np.float32, np.nan),
             param_nonfinite=per_param(np.int64, 0),
             scalars=[r[0] for _, r in rows],
         )
         for i, (_, (scalars, arrays)) in enumerate(rows):
             lr = scalars.get("lr", [])
             m.lr[i, : len(lr)] = lr
-            for key in ("param_grad_norm", "update_ratio", "weight_norm", "param_nonfinite"):
+            for key in ("param_grad_norm", "update_ratio", "weight_norm", "weight_norm_before", "param_nonfinite"):
                 a = arrays.get(key)
                 if a is not None and len(a) == p:
                     getattr(m, key)[i] = a

@@ -65,6 +65,9 @@ class StepHealth:
     update_ratio: np.ndarray | None = None  # float32[P]: ||w_after - w_before|| / ||w_before||
     update_ratio_global: float | None = None  # the same over all parameters together
     weight_norm: np.ndarray | None = None  # float32[P], after the update
+    # float32[P]: the norms before the update, kept only when some were not finite (the weights
+    # went bad before this step's update: outside the step, or in a step that did not step)
+    weight_norm_before: np.ndarray | None = None
     grad_scale: float | None = None
     step_time: float = 0.0
     rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
@@ -99,7 +102,7 @@ class StepHealth:
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {"param_grad_norm": self.param_grad_norm}
-        for key in ("param_nonfinite", "update_ratio", "weight_norm"):
+        for key in ("param_nonfinite", "update_ratio", "weight_norm", "weight_norm_before"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -228,6 +231,8 @@ class StepProbe:
         self._nonfinite: dict[int, int] = {}  # counted where it costs no sync (CPU)
         self._lr: list[float] | None = None
         self._before = None  # (norms of the weights, their sample or copy) before the update
+        self._before_norms = None  # only the norms before the update (a step with bad gradients)
+        self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
@@ -253,7 +258,9 @@ class StepProbe:
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
+        self._bad_grads = False
         if grads and self._grad_norms.device.type == "cpu" and not math.isfinite(sum(self._grad_norms.tolist())):
+            self._bad_grads = bool(not torch.isfinite(self._grad_norms).all())
             for i, g, n in zip(idx, grads, norms):
                 if not torch.isfinite(n):
                     self._nonfinite[i] = _count_nonfinite(g)
@@ -266,6 +273,13 @@ class StepProbe:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
                 self._before = (_norms(weights), self._take(weights))
+        elif self._bad_grads and not self.world.distributed:
+            # Non-finite gradients (seen on the CPU without a sync): were the weights already
+            # bad before this update? The record can then name them when the fault does not
+            # reproduce (a weight changed outside the recorded step). One rank only: the ranks'
+            # rows must have the same layout when combined.
+            with torch.no_grad():
+                self._before_norms = _norms([local(p.detach()) for p in self.params])
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
         if self._active:
@@ -318,7 +332,7 @@ class StepProbe:
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
-        self._before = None
+        self._before = self._before_norms = None
 
     def end(self, loss) -> PendingHealth:
         """Finish the step: queue its measurements' copy to the host and return at once.
@@ -352,7 +366,9 @@ class StepProbe:
                 if self._stepped:
                     add("d", self._update_norms(weights))
                     meta["d_scale"] = self._update_scales()
-        self._before = None
+        if self._before_norms is not None:
+            add("b0", self._before_norms)
+        self._before = self._before_norms = None
         values, event = _to_host(pieces)
         meta |= {
             "idx": idx,
@@ -448,6 +464,9 @@ class StepProbe:
             with np.errstate(divide="ignore", invalid="ignore"):
                 health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
+        before = np.sqrt(update_sq[2]) if update_sq is not None else values[parts["b0"]] if "b0" in parts else None
+        if before is not None and not np.isfinite(before).all():
+            health.weight_norm_before = np.asarray(before, dtype=np.float32)
         return health
 
     def _combine_ranks(self, value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates):
