@@ -3,8 +3,12 @@ Recorder and offline by info/dirty/report, so they agree on what a spike is.
 
 A value is a spike when it is far above the recent past, robustly measured:
     z = (x - median) / (1.4826 * MAD)   over the last `window` finite, non-spike values
-and it also clears a relative bar (`min_ratio` x median), so a tiny jump on a very flat curve
-(MAD ~ 0) is not an alarm. Defaults follow practice: OLMo flags 6 sigma over 128 steps;
+and it also clears a relative bar (`min_ratio` x median, counted from the median's magnitude:
+a loss below zero, a log-likelihood's, rises 20% from -10 at -8), so a tiny jump on a very flat
+curve (MAD ~ 0) is not an alarm. Where more than half the window is one value (a hinge or
+margin loss that is exactly 0 on most batches: MAD = 0), the spread is taken from the values
+that differ from it, so the usual non-zero losses are not each an infinitely large spike.
+Defaults follow practice: OLMo flags 6 sigma over 128 steps;
 Megatron treats 10x the running level as an explosion. The first `min_points` values only
 fill the window (no baseline yet).
 """
@@ -61,13 +65,16 @@ class SpikeDetector:
         spike = None
         # The median first: most values are below min_ratio x median, and need no MAD (the
         # Recorder runs this twice a step; np.median twice per check cost ~40 us).
-        if len(self._window) >= self.rule.min_points and value >= self.rule.min_ratio * self._median():
+        if len(self._window) >= self.rule.min_points and self._clears_bar(value, self._median()):
             arr = np.fromiter(self._window, dtype=np.float64)
             med = float(np.median(arr))
-            mad = float(np.median(np.abs(arr - med)))
+            dev = np.abs(arr - med)
+            mad = float(np.median(dev))
+            if mad == 0 and dev.any():  # most of the window is one value: the others' spread
+                mad = float(np.median(dev[dev > 0]))
             scale = 1.4826 * max(mad, 1e-3 * abs(med), 1e-12)
             z = (value - med) / scale
-            if z > self.rule.z and value >= self.rule.min_ratio * med:
+            if z > self.rule.z and self._clears_bar(value, med):
                 spike = Spike(value, med, z)
         if spike is None:
             if len(self._window) == self._window.maxlen:
@@ -75,6 +82,11 @@ class SpikeDetector:
             self._window.append(value)
             bisect.insort(self._sorted, value)
         return spike
+
+    def _clears_bar(self, value: float, median: float) -> bool:
+        """`value` >= min_ratio x `median`, counted from the median's magnitude (the same test
+        for a positive median)."""
+        return value - median >= (self.rule.min_ratio - 1) * abs(median)
 
     def _median(self) -> float:
         """np.median of the window, from the sorted copy (the same float: the middle value, or
