@@ -245,7 +245,8 @@ def _verdict(curve: CurveSummary, findings: list[Finding]) -> str:
             return "No finite loss recorded yet: nothing to judge."
         if curve.shape == "too_short":
             return "Too few steps to judge the curves' shape; no problems found."
-        return f"Healthy: the loss shows a {curve.shape.replace('_', ' ')}; no problems found."
+        says = {"fast_drop": "drops fast", "slow_drop": "drops slowly", "flat": "is flat", "rising": "rises"}
+        return f"Healthy: the loss {says.get(curve.shape, 'is ' + curve.shape.replace('_', ' '))}; no problems found."
     more = f" (+{len(alarms) - 1} more: {', '.join(sorted({f.kind for f in alarms[1:]}))})" if len(alarms) > 1 else ""
     return f"{alarms[0].title}{more}."
 

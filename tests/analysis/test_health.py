@@ -212,6 +212,18 @@ def test_nan_explosion(tmp_path):
     assert "ckptlab replay --step 30" in f.remedies[0]
 
 
+def test_verdict_grammar_for_every_shape():
+    from ckptlab.analysis.health import CurveSummary, _verdict
+
+    said = {s: _verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
+    assert said == {
+        "fast_drop": "Healthy: the loss drops fast; no problems found.",
+        "slow_drop": "Healthy: the loss drops slowly; no problems found.",
+        "flat": "Healthy: the loss is flat; no problems found.",
+        "rising": "Healthy: the loss rises; no problems found.",
+    }
+
+
 def test_plots_data_is_kept_out_of_json(reports):
     from ckptlab.render.jsonout import dumps
 
