@@ -214,6 +214,12 @@ def step_dirty_lm(model, optimizer, batch):
     return loss
 
 
+def nan_batches(n: int):
+    """Every input NaN: the loss, the gradients and (after the first update) the weights are NaN."""
+    for (x, y), ids in regression_batches(n):
+        yield (torch.full_like(x, float("nan")), y), ids
+
+
 def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int = 1):
     """Regression batches with one absurd target (y = 1e3) at (spike_step, row 3)."""
     for step, ((x, y), ids) in enumerate(regression_batches(n, batch=batch, seed=seed)):

@@ -630,8 +630,8 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
     rise = sign * (end - stop.best_value) / max(abs(stop.best_value), 1e-12)
     at_best = m.window(stop.best_step - 10, stop.best_step)
     at_end = m.window(stop.last_step - 20, stop.last_step)
-    train_best = float(np.nanmedian(m.loss[at_best])) if at_best.stop > at_best.start else math.nan
-    train_end = float(np.nanmedian(m.loss[at_end])) if at_end.stop > at_end.start else math.nan
+    train_best = _nanmedian(m.loss[at_best])
+    train_end = _nanmedian(m.loss[at_end])
     train_fell = math.isfinite(train_best) and math.isfinite(train_end) and train_end < train_best
     if rise < rules.overfit_rise or sign * (end - stop.best_value) < rules.overfit_noise * noise:
         return [
@@ -783,7 +783,7 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
     vanishing = [
         j for j in range(len(names)) if j not in dead and math.isfinite(med[j]) and 0 < med[j] < rules.grad_vanishing
     ]
-    global_med = float(np.nanmedian(g[len(g) // 2 :])) if len(g) else math.nan
+    global_med = _nanmedian(g[len(g) // 2 :])  # NaN when every step's norm was NaN
     if vanishing or (math.isfinite(global_med) and global_med < rules.grad_vanishing):
         out.append(
             Finding(
@@ -1183,6 +1183,13 @@ def _plot_data(run: Run, m: Metrics, val, metric, findings, snapshots, stop: Ear
 
 def _shapes(run: Run) -> dict[str, tuple]:
     return {p["name"]: tuple(p.get("shape", ())) for p in run.manifest.get("parameters", [])}
+
+
+def _nanmedian(a: np.ndarray) -> float:
+    """np.nanmedian without its "All-NaN slice" RuntimeWarning: NaN for an empty or all-NaN slice."""
+    a = np.asarray(a)
+    a = a[~np.isnan(a)]
+    return float(np.median(a)) if len(a) else math.nan
 
 
 def _nanmedian_cols(a: np.ndarray) -> np.ndarray:
