@@ -851,6 +851,10 @@ def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[Weight
     trainable = {p["name"]: p.get("requires_grad", True) for p in run.manifest.get("parameters", [])}
     measured = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1) & m.stepped) if len(m) else np.array([], dtype=int)
     ur = m.update_ratio[measured].astype(np.float64)
+    # A ratio measured on non-finite weights is recorded as 0 (NaN is not > 0): it says nothing
+    # about whether the parameter moves, so such steps are left out (else an all-NaN run is "frozen").
+    weighed = np.array(["nonfinite_weights" in m.scalars[i] for i in measured], dtype=bool)  # norms measured
+    ur[weighed[:, None] & ~np.isfinite(m.weight_norm[measured])] = np.nan
 
     unchanged = _unchanged_between(snapshots) if len(snapshots) >= 2 else set()
     frozen: dict[int, dict] = {}
@@ -1059,7 +1063,9 @@ def _unchanged_between(snapshots: list[WeightSnapshot]) -> set[str]:
     a, b = snapshots[0], snapshots[-1]
     if a.step == b.step:
         return set()
-    return {n for n, d in a.digests.items() if d and b.digests.get(n) == d}
+    return {  # NaN stays NaN: a tensor non-finite in both is broken, not frozen
+        n for n, d in a.digests.items() if d and b.digests.get(n) == d and not a.stats[n].nonfinite
+    }
 
 
 # --- checkpoints ------------------------------------------------------------------------------------

@@ -212,6 +212,17 @@ def test_nan_explosion(tmp_path):
     assert "ckptlab replay --step 30" in f.remedies[0]
 
 
+def test_all_nan_run_is_broken_not_frozen(tmp_path):
+    # The probe records the update ratio of a NaN weight as 0 (NaN > 0 is false), and NaN
+    # tensors are bit-identical across checkpoints: both read as "frozen" next to the errors.
+    models.record_run(
+        tmp_path / "r", am.build_healthy, models.step_mlp, am.nan_batches(30), stop_on_nonfinite=False, ckpt_every=10
+    )
+    r = diagnose(ckptlab.open_run(tmp_path / "r"))
+    assert {"explosion", "nonfinite_gradient", "nonfinite_weights"} <= kinds(r)
+    assert "frozen" not in kinds(r), r.verdict
+
+
 def test_verdict_grammar_for_every_shape():
     from ckptlab.analysis.health import CurveSummary, _verdict
 
