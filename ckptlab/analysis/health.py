@@ -634,11 +634,20 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
     train_end = _nanmedian(m.loss[at_end])
     train_fell = math.isfinite(train_best) and math.isfinite(train_end) and train_end < train_best
     if rise < rules.overfit_rise or sign * (end - stop.best_value) < rules.overfit_noise * noise:
+        # Validation may have stalled for `patience` evaluations and then beaten that best: then
+        # training on did help, and early stopping with this patience would have stopped too soon.
+        later = sign * (stop.global_best_value - stop.best_value) < 0 and stop.global_best_step > stop.stop_step
+        title = f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})"
+        if later:
+            title = (
+                f"{stop.metric} stalled for {stop.patience} evaluations after step {stop.best_step} "
+                f"({stop.best_value:.4g}), then improved to {stop.global_best_value:.4g} at step {stop.global_best_step}"
+            )
         return [
             Finding(
                 kind="validation_plateau",
                 severity="info",
-                title=f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})",
+                title=title,
                 steps=[stop.best_step],
                 evidence={
                     "best_step": stop.best_step,
@@ -647,8 +656,17 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
                     "end": end,
                     "noise": noise,
                     "patience": stop.patience,
+                    "global_best_step": stop.global_best_step,
+                    "global_best": stop.global_best_value,
                 },
-                remedies=["training longer is unlikely to help; stop, or lower the learning rate"],
+                remedies=(
+                    [
+                        f"early stopping with patience {stop.patience} would have stopped too soon: use a larger "
+                        "patience (ckptlab report/rollback --patience N)"
+                    ]
+                    if later
+                    else ["training longer is unlikely to help; stop, or lower the learning rate"]
+                ),
             )
         ]
     if not train_fell:

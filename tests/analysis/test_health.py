@@ -223,6 +223,19 @@ def test_all_nan_run_is_broken_not_frozen(tmp_path):
     assert "frozen" not in kinds(r), r.verdict
 
 
+def test_validation_that_improves_after_stalling_is_not_advised_to_stop(tmp_path):
+    values = [1.0, 0.8, 0.7, 0.72, 0.71, 0.73, 0.5, 0.45, 0.44]  # stalls 3 evaluations after step 30
+
+    def validate(i, model):
+        return {"val_loss": values[i // 10]} if i % 10 == 9 else None
+
+    r = _record(tmp_path, "late", am.build_healthy, models.step_mlp, am.regression_batches(90), validate=validate)
+    f = next(f for f in r.findings if f.kind == "validation_plateau")
+    assert "then improved to 0.44 at step 90" in f.title, f.title
+    assert not any("unlikely to help" in x for x in f.remedies) and "--patience" in f.remedies[0]
+    assert f.evidence["global_best_step"] == 90
+
+
 def test_verdict_grammar_for_every_shape():
     from ckptlab.analysis.health import CurveSummary, _verdict
 
