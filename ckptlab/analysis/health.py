@@ -51,7 +51,8 @@ class HealthRules:
     dead_fraction: float = 0.5  # a parameter whose gradient is exactly 0 in >= half the steps
     imbalance: float = 1e-2  # "two orders of magnitude" below (or above) its neighbours
     update_ratio_band: tuple[float, float] = (1e-3, 1e-1)  # CS231n / Karpathy: ~1e-3 is healthy
-    weight_growth: float = 10.0  # a weight norm that grew 10x is exploding, not learning
+    weight_growth: float = 10.0  # a weight norm that grew 10x is exploding, not learning ...
+    weight_growth_floor: float = 1.0  # ... from at least this x the other matrices' per-element scale (zero-init ones)
     fast_recovery: int = 20  # a spike recovered within 20 steps recovered "fast"
     patience: int = 3  # validation evaluations without improvement before it "turned up"
     overfit_rise: float = 0.02  # validation must end >= 2% above its best to call it overfitting ...
@@ -1015,13 +1016,18 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
         )
     grown = {}
     if len(wn) >= 2:
-        for j, name in enumerate(names):
-            if len(shapes.get(name, ())) < 2:  # biases and norm gains start near 0 or 1: growth is normal
+        # biases and norm gains start near 0 or 1: growth is normal
+        mats = [j for j, name in enumerate(names) if len(shapes.get(name, ())) >= 2]
+        cols = {j: wn[:, j][np.isfinite(wn[:, j])] for j in mats}
+        numel = {j: max(1, math.prod(shapes[names[j]])) for j in mats}
+        rms = {j: float(cols[j][0]) / math.sqrt(numel[j]) for j in mats if len(cols[j])}
+        for j in mats:
+            col = cols[j]
+            if len(col) < 2:
                 continue
-            col = wn[:, j]
-            col = col[np.isfinite(col)]
-            if len(col) >= 2 and col[0] > 0 and col[-1] / col[0] >= rules.weight_growth:
-                grown[name] = float(col[-1] / col[0])
+            base = max(float(col[0]), _growth_floor(j, names[j], shapes, numel, rms, rules))
+            if base > 0 and col[-1] / base >= rules.weight_growth:
+                grown[names[j]] = float(col[-1] / base)
     if grown:
         out.append(
             Finding(
@@ -1037,6 +1043,21 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
     if len(snapshots) >= 2:
         out += _drift(snapshots)
     return out
+
+
+def _growth_floor(j: int, name: str, shapes: dict, numel: dict, rms: dict, rules: HealthRules) -> float:
+    """The least norm weight growth is measured from: `weight_growth_floor` x the median per-element
+    RMS of the other weight matrices (at their first measurement) x sqrt(numel) -- a matrix that
+    starts at zero (LoRA B, adaLN-Zero, a zero-init output layer) has a first norm of about
+    lr x sqrt(numel) after one update, and growing to its neighbours' scale is learning, not an
+    explosion. With no other matrix: the norm of PyTorch's default init, U(+-1/sqrt(fan_in))."""
+    others = [v for k, v in rms.items() if k != j and math.isfinite(v) and v > 0]
+    if others:
+        ref = float(np.median(others))
+    else:
+        fan_in = max(1, numel[j] // max(1, shapes[name][0]))
+        ref = 1 / math.sqrt(3 * fan_in)
+    return rules.weight_growth_floor * ref * math.sqrt(numel[j])
 
 
 def _drift(snapshots: list[WeightSnapshot]) -> list[Finding]:

@@ -223,6 +223,23 @@ def test_all_nan_run_is_broken_not_frozen(tmp_path):
     assert "frozen" not in kinds(r), r.verdict
 
 
+def test_zero_initialised_layer_is_not_exploding(tmp_path):
+    # fc2 starts at zero (as LoRA B, adaLN-Zero): after its first AdamW update its norm is
+    # ~lr * sqrt(16) = 0.04, and learning brings it to ~0.5: "grew 11.9x" was a warning.
+    r = _record(tmp_path, "zero", am.build_zero_out, models.step_mlp, am.regression_batches(300))
+    assert r.alarms() == [], [f.title for f in r.alarms()]
+
+
+def test_exploding_weights(tmp_path):
+    r = _record(tmp_path, "grow", am.build_grow, am.step_grow, am.regression_batches(100))
+    f = next(f for f in r.findings if f.kind == "exploding_weights")
+    assert {"fc1.weight", "fc2.weight"} <= set(f.params) and min(f.evidence["growth"].values()) >= 10
+    # A matrix that starts at zero and explodes is still found (measured from its neighbours' scale).
+    r = _record(tmp_path, "grow0", am.build_grow_zero_in, am.step_grow, am.regression_batches(100))
+    f = next(f for f in r.findings if f.kind == "exploding_weights")
+    assert "fc1.weight" in f.params
+
+
 def test_validation_that_improves_after_stalling_is_not_advised_to_stop(tmp_path):
     values = [1.0, 0.8, 0.7, 0.72, 0.71, 0.73, 0.5, 0.45, 0.44]  # stalls 3 evaluations after step 30
 
