@@ -214,6 +214,12 @@ def step_dirty_lm(model, optimizer, batch):
     return loss
 
 
+def nan_batches(n: int):
+    """Every input NaN: the loss, the gradients and (after the first update) the weights are NaN."""
+    for (x, y), ids in regression_batches(n):
+        yield (torch.full_like(x, float("nan")), y), ids
+
+
 def spiky_regression_batches(n: int, spike_step: int, batch: int = 16, seed: int = 1):
     """Regression batches with one absurd target (y = 1e3) at (spike_step, row 3)."""
     for step, ((x, y), ids) in enumerate(regression_batches(n, batch=batch, seed=seed)):
@@ -284,3 +290,41 @@ def step_nested(model, optimizer, batch):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+# --- exploding weights: the loss rewards large outputs (unbounded below), so AdamW moves every ---------
+# weight by ~lr per element per step: norms grow 10x+ from the default init within 100 steps.
+
+
+def build_grow():
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
+
+
+def build_grow_zero_in():
+    """The same, with fc1.weight starting at zero: it explodes from nothing."""
+    model, opt = build_grow()
+    nn.init.zeros_(model.fc1.weight)
+    return model, opt
+
+
+def step_grow(model, optimizer, batch):
+    x, _ = batch
+    loss = -model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# --- a zero-initialised output layer (as LoRA B, adaLN-Zero or a zero-init projection): its norm -------
+# after the first update is ~lr * sqrt(numel), so normal learning grows it far more than 10x from there.
+
+
+def build_zero_out():
+    torch.manual_seed(0)
+    model = MLP()
+    nn.init.zeros_(model.fc2.weight)
+    nn.init.zeros_(model.fc2.bias)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -51,7 +51,8 @@ class HealthRules:
     dead_fraction: float = 0.5  # a parameter whose gradient is exactly 0 in >= half the steps
     imbalance: float = 1e-2  # "two orders of magnitude" below (or above) its neighbours
     update_ratio_band: tuple[float, float] = (1e-3, 1e-1)  # CS231n / Karpathy: ~1e-3 is healthy
-    weight_growth: float = 10.0  # a weight norm that grew 10x is exploding, not learning
+    weight_growth: float = 10.0  # a weight norm that grew 10x is exploding, not learning ...
+    weight_growth_floor: float = 1.0  # ... from at least this x the other matrices' per-element scale (zero-init ones)
     fast_recovery: int = 20  # a spike recovered within 20 steps recovered "fast"
     patience: int = 3  # validation evaluations without improvement before it "turned up"
     overfit_rise: float = 0.02  # validation must end >= 2% above its best to call it overfitting ...
@@ -245,7 +246,8 @@ def _verdict(curve: CurveSummary, findings: list[Finding]) -> str:
             return "No finite loss recorded yet: nothing to judge."
         if curve.shape == "too_short":
             return "Too few steps to judge the curves' shape; no problems found."
-        return f"Healthy: the loss shows a {curve.shape.replace('_', ' ')}; no problems found."
+        says = {"fast_drop": "drops fast", "slow_drop": "drops slowly", "flat": "is flat", "rising": "rises"}
+        return f"Healthy: the loss {says.get(curve.shape, 'is ' + curve.shape.replace('_', ' '))}; no problems found."
     more = f" (+{len(alarms) - 1} more: {', '.join(sorted({f.kind for f in alarms[1:]}))})" if len(alarms) > 1 else ""
     return f"{alarms[0].title}{more}."
 
@@ -629,15 +631,24 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
     rise = sign * (end - stop.best_value) / max(abs(stop.best_value), 1e-12)
     at_best = m.window(stop.best_step - 10, stop.best_step)
     at_end = m.window(stop.last_step - 20, stop.last_step)
-    train_best = float(np.nanmedian(m.loss[at_best])) if at_best.stop > at_best.start else math.nan
-    train_end = float(np.nanmedian(m.loss[at_end])) if at_end.stop > at_end.start else math.nan
+    train_best = _nanmedian(m.loss[at_best])
+    train_end = _nanmedian(m.loss[at_end])
     train_fell = math.isfinite(train_best) and math.isfinite(train_end) and train_end < train_best
     if rise < rules.overfit_rise or sign * (end - stop.best_value) < rules.overfit_noise * noise:
+        # Validation may have stalled for `patience` evaluations and then beaten that best: then
+        # training on did help, and early stopping with this patience would have stopped too soon.
+        later = sign * (stop.global_best_value - stop.best_value) < 0 and stop.global_best_step > stop.stop_step
+        title = f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})"
+        if later:
+            title = (
+                f"{stop.metric} stalled for {stop.patience} evaluations after step {stop.best_step} "
+                f"({stop.best_value:.4g}), then improved to {stop.global_best_value:.4g} at step {stop.global_best_step}"
+            )
         return [
             Finding(
                 kind="validation_plateau",
                 severity="info",
-                title=f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})",
+                title=title,
                 steps=[stop.best_step],
                 evidence={
                     "best_step": stop.best_step,
@@ -646,8 +657,17 @@ def _overfitting(m: Metrics, stop: EarlyStop | None, val: list[tuple[int, float]
                     "end": end,
                     "noise": noise,
                     "patience": stop.patience,
+                    "global_best_step": stop.global_best_step,
+                    "global_best": stop.global_best_value,
                 },
-                remedies=["training longer is unlikely to help; stop, or lower the learning rate"],
+                remedies=(
+                    [
+                        f"early stopping with patience {stop.patience} would have stopped too soon: use a larger "
+                        "patience (ckptlab report/rollback --patience N)"
+                    ]
+                    if later
+                    else ["training longer is unlikely to help; stop, or lower the learning rate"]
+                ),
             )
         ]
     if not train_fell:
@@ -782,7 +802,7 @@ def _gradients(run: Run, m: Metrics, rules: HealthRules) -> list[Finding]:
     vanishing = [
         j for j in range(len(names)) if j not in dead and math.isfinite(med[j]) and 0 < med[j] < rules.grad_vanishing
     ]
-    global_med = float(np.nanmedian(g[len(g) // 2 :])) if len(g) else math.nan
+    global_med = _nanmedian(g[len(g) // 2 :])  # NaN when every step's norm was NaN
     if vanishing or (math.isfinite(global_med) and global_med < rules.grad_vanishing):
         out.append(
             Finding(
@@ -850,6 +870,10 @@ def _parameters(run: Run, m: Metrics, rules: HealthRules, snapshots: list[Weight
     trainable = {p["name"]: p.get("requires_grad", True) for p in run.manifest.get("parameters", [])}
     measured = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1) & m.stepped) if len(m) else np.array([], dtype=int)
     ur = m.update_ratio[measured].astype(np.float64)
+    # A ratio measured on non-finite weights is recorded as 0 (NaN is not > 0): it says nothing
+    # about whether the parameter moves, so such steps are left out (else an all-NaN run is "frozen").
+    weighed = np.array(["nonfinite_weights" in m.scalars[i] for i in measured], dtype=bool)  # norms measured
+    ur[weighed[:, None] & ~np.isfinite(m.weight_norm[measured])] = np.nan
 
     unchanged = _unchanged_between(snapshots) if len(snapshots) >= 2 else set()
     frozen: dict[int, dict] = {}
@@ -992,13 +1016,18 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
         )
     grown = {}
     if len(wn) >= 2:
-        for j, name in enumerate(names):
-            if len(shapes.get(name, ())) < 2:  # biases and norm gains start near 0 or 1: growth is normal
+        # biases and norm gains start near 0 or 1: growth is normal
+        mats = [j for j, name in enumerate(names) if len(shapes.get(name, ())) >= 2]
+        cols = {j: wn[:, j][np.isfinite(wn[:, j])] for j in mats}
+        numel = {j: max(1, math.prod(shapes[names[j]])) for j in mats}
+        rms = {j: float(cols[j][0]) / math.sqrt(numel[j]) for j in mats if len(cols[j])}
+        for j in mats:
+            col = cols[j]
+            if len(col) < 2:
                 continue
-            col = wn[:, j]
-            col = col[np.isfinite(col)]
-            if len(col) >= 2 and col[0] > 0 and col[-1] / col[0] >= rules.weight_growth:
-                grown[name] = float(col[-1] / col[0])
+            base = max(float(col[0]), _growth_floor(j, names[j], shapes, numel, rms, rules))
+            if base > 0 and col[-1] / base >= rules.weight_growth:
+                grown[names[j]] = float(col[-1] / base)
     if grown:
         out.append(
             Finding(
@@ -1014,6 +1043,21 @@ def _weight_health(m: Metrics, names, shapes, rules: HealthRules, snapshots: lis
     if len(snapshots) >= 2:
         out += _drift(snapshots)
     return out
+
+
+def _growth_floor(j: int, name: str, shapes: dict, numel: dict, rms: dict, rules: HealthRules) -> float:
+    """The least norm weight growth is measured from: `weight_growth_floor` x the median per-element
+    RMS of the other weight matrices (at their first measurement) x sqrt(numel) -- a matrix that
+    starts at zero (LoRA B, adaLN-Zero, a zero-init output layer) has a first norm of about
+    lr x sqrt(numel) after one update, and growing to its neighbours' scale is learning, not an
+    explosion. With no other matrix: the norm of PyTorch's default init, U(+-1/sqrt(fan_in))."""
+    others = [v for k, v in rms.items() if k != j and math.isfinite(v) and v > 0]
+    if others:
+        ref = float(np.median(others))
+    else:
+        fan_in = max(1, numel[j] // max(1, shapes[name][0]))
+        ref = 1 / math.sqrt(3 * fan_in)
+    return rules.weight_growth_floor * ref * math.sqrt(numel[j])
 
 
 def _drift(snapshots: list[WeightSnapshot]) -> list[Finding]:
@@ -1058,7 +1102,9 @@ def _unchanged_between(snapshots: list[WeightSnapshot]) -> set[str]:
     a, b = snapshots[0], snapshots[-1]
     if a.step == b.step:
         return set()
-    return {n for n, d in a.digests.items() if d and b.digests.get(n) == d}
+    return {  # NaN stays NaN: a tensor non-finite in both is broken, not frozen
+        n for n, d in a.digests.items() if d and b.digests.get(n) == d and not a.stats[n].nonfinite
+    }
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
@@ -1182,6 +1228,13 @@ def _plot_data(run: Run, m: Metrics, val, metric, findings, snapshots, stop: Ear
 
 def _shapes(run: Run) -> dict[str, tuple]:
     return {p["name"]: tuple(p.get("shape", ())) for p in run.manifest.get("parameters", [])}
+
+
+def _nanmedian(a: np.ndarray) -> float:
+    """np.nanmedian without its "All-NaN slice" RuntimeWarning: NaN for an empty or all-NaN slice."""
+    a = np.asarray(a)
+    a = a[~np.isnan(a)]
+    return float(np.median(a)) if len(a) else math.nan
 
 
 def _nanmedian_cols(a: np.ndarray) -> np.ndarray:

@@ -13,7 +13,8 @@ Two ways to choose:
 - before the first anomaly (non-finite loss/gradient/weight, loss or gradient spike): the
   latest checkpoint taken strictly before that step, as the Recorder's retention protects.
 With neither asked for: by the metric when the run has validation points, else before the
-first anomaly. A candidate that fails its integrity check is never chosen.
+first anomaly. A metric other than the run's val_metric needs its mode (min or max) given.
+A candidate that fails its integrity check is never chosen.
 """
 
 from __future__ import annotations
@@ -95,10 +96,19 @@ def choose(
     patience: int = 3,
     verify: bool = True,
 ) -> RollbackChoice:
-    """Pick the checkpoint; raises CkptlabError when there is nothing to choose from."""
+    """Pick the checkpoint; raises CkptlabError when there is nothing to choose from, or when
+    `metric` is not the run's val_metric and `mode` is not given (the run's val_mode is about
+    its own metric: borrowed for an accuracy, it would choose the worst checkpoint)."""
     config = run.manifest.get("config", {})
     explicit = metric is not None
-    metric = metric or config.get("val_metric", "val_loss")
+    run_metric = config.get("val_metric", "val_loss")
+    if explicit and mode is None and metric != run_metric and not before_anomaly:
+        raise CkptlabError(
+            f"--metric {metric} is not the run's val_metric ({run_metric}), so its direction is unknown: "
+            "pass --mode min (lower is better) or --mode max (higher is better)",
+            path=run.path,
+        )
+    metric = metric or run_metric
     mode = mode or config.get("val_mode", "min")
     if mode not in ("min", "max"):
         raise CkptlabError(f"--mode must be min or max, not {mode!r}")

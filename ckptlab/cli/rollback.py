@@ -19,7 +19,7 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option
     "--mode",
     type=click.Choice(["min", "max"]),
     default=None,
-    help="Whether lower or higher --metric is better (default: the run's).",
+    help="Whether lower or higher --metric is better (default: the run's val_mode; required when --metric is not the run's val_metric).",
 )
 @click.option(
     "--before-anomaly", is_flag=True, help="Choose the last healthy checkpoint before the first anomaly instead."

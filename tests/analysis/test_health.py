@@ -212,6 +212,59 @@ def test_nan_explosion(tmp_path):
     assert "ckptlab replay --step 30" in f.remedies[0]
 
 
+def test_all_nan_run_is_broken_not_frozen(tmp_path):
+    # The probe records the update ratio of a NaN weight as 0 (NaN > 0 is false), and NaN
+    # tensors are bit-identical across checkpoints: both read as "frozen" next to the errors.
+    models.record_run(
+        tmp_path / "r", am.build_healthy, models.step_mlp, am.nan_batches(30), stop_on_nonfinite=False, ckpt_every=10
+    )
+    r = diagnose(ckptlab.open_run(tmp_path / "r"))
+    assert {"explosion", "nonfinite_gradient", "nonfinite_weights"} <= kinds(r)
+    assert "frozen" not in kinds(r), r.verdict
+
+
+def test_zero_initialised_layer_is_not_exploding(tmp_path):
+    # fc2 starts at zero (as LoRA B, adaLN-Zero): after its first AdamW update its norm is
+    # ~lr * sqrt(16) = 0.04, and learning brings it to ~0.5: "grew 11.9x" was a warning.
+    r = _record(tmp_path, "zero", am.build_zero_out, models.step_mlp, am.regression_batches(300))
+    assert r.alarms() == [], [f.title for f in r.alarms()]
+
+
+def test_exploding_weights(tmp_path):
+    r = _record(tmp_path, "grow", am.build_grow, am.step_grow, am.regression_batches(100))
+    f = next(f for f in r.findings if f.kind == "exploding_weights")
+    assert {"fc1.weight", "fc2.weight"} <= set(f.params) and min(f.evidence["growth"].values()) >= 10
+    # A matrix that starts at zero and explodes is still found (measured from its neighbours' scale).
+    r = _record(tmp_path, "grow0", am.build_grow_zero_in, am.step_grow, am.regression_batches(100))
+    f = next(f for f in r.findings if f.kind == "exploding_weights")
+    assert "fc1.weight" in f.params
+
+
+def test_validation_that_improves_after_stalling_is_not_advised_to_stop(tmp_path):
+    values = [1.0, 0.8, 0.7, 0.72, 0.71, 0.73, 0.5, 0.45, 0.44]  # stalls 3 evaluations after step 30
+
+    def validate(i, model):
+        return {"val_loss": values[i // 10]} if i % 10 == 9 else None
+
+    r = _record(tmp_path, "late", am.build_healthy, models.step_mlp, am.regression_batches(90), validate=validate)
+    f = next(f for f in r.findings if f.kind == "validation_plateau")
+    assert "then improved to 0.44 at step 90" in f.title, f.title
+    assert not any("unlikely to help" in x for x in f.remedies) and "--patience" in f.remedies[0]
+    assert f.evidence["global_best_step"] == 90
+
+
+def test_verdict_grammar_for_every_shape():
+    from ckptlab.analysis.health import CurveSummary, _verdict
+
+    said = {s: _verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
+    assert said == {
+        "fast_drop": "Healthy: the loss drops fast; no problems found.",
+        "slow_drop": "Healthy: the loss drops slowly; no problems found.",
+        "flat": "Healthy: the loss is flat; no problems found.",
+        "rising": "Healthy: the loss rises; no problems found.",
+    }
+
+
 def test_plots_data_is_kept_out_of_json(reports):
     from ckptlab.render.jsonout import dumps
 

@@ -1,10 +1,13 @@
 """`ckptlab report`: terminal, JSON and a self-contained HTML page that headless Chromium
 renders without errors."""
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +53,24 @@ def test_json_is_the_only_stdout(cli, overfit_run):
 def test_fail_on(cli, overfit_run):
     assert cli("report", "--run", overfit_run, "--fail-on", "warning").code == 1
     assert cli("report", "--run", overfit_run, "--fail-on", "error").code == 0
+
+
+def test_all_nan_run_prints_no_numpy_warning(tmp_path):
+    # numpy's "RuntimeWarning: All-NaN slice encountered" (a median of every-NaN gradient norms)
+    # reached the user's terminal. Run as a user does: warnings print there, not into pytest.
+    models.record_run(
+        tmp_path / "r", am.build_healthy, models.step_mlp, am.nan_batches(20), stop_on_nonfinite=False, ckpt_every=10
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptlab", "report", "--run", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr, done.stderr
+    assert "nonfinite_weights" in done.stdout
 
 
 def test_not_a_run_is_one_line(cli, tmp_path):

@@ -86,6 +86,30 @@ def test_conflicting_options_are_a_usage_error(cli, run_dir):
     assert cli("rollback", "--run", run_dir, "--before-anomaly", "--metric", "val_loss").code == 2
 
 
+def test_another_metric_without_mode_is_refused(cli, tmp_path):
+    # The run chooses by val_loss (min). `--metric val_acc` used to borrow that "min": early
+    # stopping picked the least accurate checkpoint (step 10) and a rewind archived the best.
+    acc = [0.5, 0.6, 0.8, 0.7, 0.65, 0.6]
+
+    def validate(i, model):
+        return {"val_loss": 1.0 - acc[i // 10], "val_acc": acc[i // 10]} if i % 10 == 9 else None
+
+    path = tmp_path / "r"
+    models.record_run(
+        path, am.build_healthy, models.step_mlp, am.regression_batches(60), validate=validate, ckpt_every=20
+    )
+    before = listing(path)
+    r = cli("rollback", "--run", path, "--metric", "val_acc")
+    assert r.code == 1 and r.err.strip().count("\n") == 0, r.err
+    assert "val_acc is not the run's val_metric (val_loss)" in r.err and "--mode" in r.err
+    assert listing(path) == before and ckptlab.open_run(path).manifest["rollback"] is None
+    assert (
+        cli("rollback", "--run", path, "--metric", "val_acc", "--mode", "max", "--dry-run", "--json").json()["step"]
+        == 30
+    )
+    assert cli("rollback", "--run", path, "--metric", "val_loss", "--dry-run", "--json").json()["step"] == 30
+
+
 def test_corrupt_target_moves_nothing(cli, run_dir):
     model = run_dir / "checkpoints" / "step-000000030" / "model.safetensors"
     data = bytearray(model.read_bytes())
