@@ -462,7 +462,9 @@ class StepProbe:
             health.weight_norm = np.sqrt(w_sq).astype(np.float32)
             d, b = np.sqrt(d_sq), np.sqrt(b_sq)
             with np.errstate(divide="ignore", invalid="ignore"):
-                health.update_ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0)).astype(np.float32)
+                ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0))
+                # NaN where the weights (or the update) were not finite: not "no update"
+                health.update_ratio = np.where(np.isnan(b) | np.isnan(d), np.nan, ratio).astype(np.float32)
             health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
         before = np.sqrt(update_sq[2]) if update_sq is not None else values[parts["b0"]] if "b0" in parts else None
         if before is not None and not np.isfinite(before).all():

@@ -167,3 +167,34 @@ def test_a_nan_gradient_is_recorded_as_nan_not_as_no_gradient():
     assert np.isnan(health.grad_norm) and np.isnan(float(total))
     assert health.nonfinite_grads == 1
     assert dict(zip(names, health.param_nonfinite.tolist()))["0.weight"] == 1
+
+
+def test_nonfinite_weights_have_a_nan_update_ratio_and_their_norms_before_the_update():
+    """Weights already NaN when the step begins (changed outside it): their update ratio is NaN,
+    not 0 ("did not move", which reads as a frozen layer), and the norms before the update are
+    kept, naming them, also on a step that does not measure update ratios."""
+    ((x, y),) = batches(1)[0]
+
+    def one_step(measure: bool, corrupt: bool):
+        model, opt = wide_mlp()
+        probe = StepProbe(model, opt)
+        if corrupt:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        probe.begin(measure_update=measure)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        health = probe.end(loss).result(grads_live=True)
+        probe.close()
+        return dict(zip(probe.names, health.update_ratio.tolist())) if measure else None, health
+
+    for measure in (True, False):
+        ratio, health = one_step(measure, corrupt=True)
+        before = dict(zip(StepProbe(*wide_mlp()).names, health.weight_norm_before.tolist()))
+        assert np.isnan(before["2.weight"]) and np.isfinite(before["0.weight"])
+        if measure:
+            # (the NaN reaches every gradient, so every update is NaN: none reads as 0, "frozen")
+            assert np.isnan(ratio["2.weight"]) and not any(r == 0 for r in ratio.values())
+    _, healthy = one_step(True, corrupt=False)
+    assert healthy.weight_norm_before is None  # a healthy step keeps no norms from before the update
