@@ -14,7 +14,9 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
     weights/<param>, grads/<param>                                     histograms (exports)
 
 `scalars` and `arrays` are what the Recorder stores for a step (`StepHealth.scalars()` /
-`.arrays()`, or a row of `Run.metrics()`): NaN marks a value not measured that step.
+`.arrays()`, or a row of `Run.metrics()`). A per-parameter NaN is not sent: it marks a value
+not measured that step, or one that was not finite (a NaN gradient or update), which the
+step's anomaly alert reports.
 """
 
 from __future__ import annotations
