@@ -71,10 +71,12 @@ from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.probe import UPDATE_MODES, PendingHealth, StepHealth, named_parameters
 from ckptlab.training.sharded import save_sharded, start_sharded_save
 from ckptlab.training.state import (
+    AwaitLiveBytes,
     capture_env,
     capture_rng,
     capture_train_state,
     is_compiled,
+    per_tensor_updates,
     restore_checkpoint,
     rng_fingerprint,
     snapshot,
@@ -116,8 +118,10 @@ class RecordConfig:
             rebuilds them with `batch_fn` and checks the digest. Smaller ones are stored whole.
         ckpt_snapshot: "live" (default): on a CPU model, a checkpoint is written from the
             parameters and the optimizer's state themselves, in the background, and the
-            optimizer's next `step()` waits until their bytes are written (usually long
-            done: the forward and backward passes come first); no copy of the state is made.
+            optimizer's next `step()` waits for each tensor's bytes as it updates it (for all
+            of them with `foreach` or `fused`); the forward and backward passes come first,
+            and the files are hashed, read back, at the lowest CPU priority over the next
+            steps; no copy of the state is made.
             A tensor changed in place before it is written (outside the optimizer's step)
             is detected, the checkpoint is taken again at the next step by copy, and copies
             are used from then on. "copy": copy the state when checkpointing (always, on a
@@ -237,6 +241,7 @@ class Recorder:
         self._closed = False
         self._pending = None  # a sharded checkpoint being written in the background
         self._live_snap: CapturedState | None = None  # a checkpoint written from live tensors
+        self._bytes_mode: AwaitLiveBytes | None = None  # on during an optimizer step that follows it
         self._retake = False  # a live checkpoint was torn: take one at the next step
         self._snap_hook = None
         self._health_queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
@@ -349,7 +354,10 @@ class Recorder:
             and hasattr(self.optimizer, "register_step_pre_hook")
         )
         if self._live_ok:
-            self._snap_hook = self.optimizer.register_step_pre_hook(lambda *_: self._await_snapshot())
+            self._snap_hook = (
+                self.optimizer.register_step_pre_hook(lambda *_: self._before_update()),
+                self.optimizer.register_step_post_hook(lambda *_: self._after_update()),
+            )
         self.live = live_log(self._trackers, str(self.run_dir), self.manifest) if self.world.is_main else None
         if self.deferred and not self.world.distributed:  # (a collective at exit could hang)
             self._exit_hook = _settle_at_exit(self)
@@ -752,6 +760,32 @@ class Recorder:
             self._live_snap = captured
         return waited
 
+    def _before_update(self) -> None:
+        """The optimizer's step is about to change the tensors a live checkpoint is written
+        from: it waits for each tensor's bytes as it comes to it (AwaitLiveBytes), or, when it
+        updates them all at once, for the whole checkpoint."""
+        self._after_update()  # (an optimizer's step that raised, called again)
+        snap = self._live_snap
+        if snap is None or snap.released.is_set() or torch.compiler.is_compiling():
+            return self._await_snapshot()
+        if not per_tensor_updates(self.optimizer):
+            return self._await_snapshot()
+        snap.begin_update()
+        self._bytes_mode = AwaitLiveBytes(snap)
+        self._bytes_mode.__enter__()
+
+    def _after_update(self) -> None:
+        """The optimizer's step is over (or raised): AwaitLiveBytes off, its wait counted. A
+        mode the step pushed and left above it (raising inside `with mode:` pops the top one,
+        ours) keeps its place: ours is then let through everything where it is."""
+        mode, self._bytes_mode = self._bytes_mode, None
+        if mode is None:
+            return
+        mode.close()
+        if torch.overrides._get_current_function_mode() is mode:
+            mode.__exit__(None, None, None)
+        self._ckpt_wait += mode.waited
+
     def _await_snapshot(self) -> None:
         """Before anything may change the tensors a live checkpoint is written from (the
         optimizer's step, the end of the step, the next checkpoint): wait for their bytes to
@@ -760,6 +794,7 @@ class Recorder:
         A checkpoint whose tensors changed before they were written (in place, outside the
         optimizer's step) is not committed: it is taken again at the next step, and by copy
         from then on."""
+        self._after_update()  # (an optimizer's step that raised left it on)
         snap, self._live_snap = self._live_snap, None
         if snap is None:
             return
@@ -817,8 +852,8 @@ class Recorder:
             try:  # the last step's health (a non-finite loss there is recorded and warned of, not raised)
                 self._settle(0, raise_nonfinite=False)
             finally:
-                if self._snap_hook is not None:
-                    self._snap_hook.remove()
+                for hook in self._snap_hook or ():
+                    hook.remove()
                 self._await_snapshot()
                 self.trainee.close()
                 self._finish_sharded()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import ckptlab
 import ckptlab.run.checkpoint as checkpoint_mod
+from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.layout import MODEL_FILE, STATE_FILE
 from ckptlab.training import state as state_mod
 
@@ -30,9 +31,9 @@ def slow_writes(monkeypatch):
     change the tensors it is written from."""
     real = checkpoint_mod.write_safetensors
 
-    def slow(path, tensors, metadata):
+    def slow(path, tensors, metadata, **kw):
         time.sleep(0.2)
-        return real(path, tensors, metadata)
+        return real(path, tensors, metadata, **kw)
 
     monkeypatch.setattr(checkpoint_mod, "write_safetensors", slow)
 
@@ -106,9 +107,9 @@ def test_training_thread_runs_forward_and_backward_while_the_checkpoint_is_writt
     written, seen = [], []
     real = checkpoint_mod.write_safetensors
 
-    def slow(path, tensors, metadata):
+    def slow(path, tensors, metadata, **kw):
         time.sleep(0.2)
-        record = real(path, tensors, metadata)
+        record = real(path, tensors, metadata, **kw)
         written.append(path.name)
         return record
 
@@ -122,6 +123,100 @@ def test_training_thread_runs_forward_and_backward_while_the_checkpoint_is_writt
         took = time.perf_counter() - t0
     assert seen == [0]  # the forward pass ran before either file was written
     assert took >= 0.4  # the optimizer's step waited for both
+
+
+def test_the_optimizer_follows_a_slow_writer_tensor_by_tensor(tmp_path, small_tensors_live, monkeypatch):
+    """AdamW on the CPU updates one parameter at a time: each update waits for the bytes of
+    the tensors it touches alone, so the optimizer's step starts while the checkpoint is still
+    being written, and the files still hold the state of their step."""
+    seen = []  # (checkpoint step, fc1.weight's version) as the writer takes each tensor's bytes
+    real = CapturedState.copied
+
+    def slow_copied(self, ptr):
+        time.sleep(0.03)
+        seen.append((self.step, weight._version))
+        real(self, ptr)
+
+    monkeypatch.setattr(CapturedState, "copied", slow_copied)
+    batches = list(models.mlp_batches(4))
+    copy = record(tmp_path / "copy", batches, ckpt_every=2, ckpt_snapshot="copy")
+    model, opt = models.build_mlp()
+    weight = model.fc1.weight  # the optimizer's first parameter: in the first file
+    with ckptlab.Recorder(
+        tmp_path / "live", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=2
+    ) as rec:
+        for b, ids in batches:
+            rec.step(b, ids)
+    live = ckptlab.open_run(tmp_path / "live")
+    at_2 = [version for step, version in seen if step == 2]
+    assert at_2[0] < at_2[-1]  # the optimizer had updated fc1.weight before the writer was done
+    assert live.metrics().scalars[2]["ckpt_wait"] > 0.01  # and it waited for the rest
+    assert copy.checkpoints == live.checkpoints == [0, 2]
+    for a, b in zip(checkpoint_bytes(copy, 2), checkpoint_bytes(live, 2)):
+        assert_same_tensors(a, b)
+    live.checkpoint(2).verify()  # hashed when read back
+    assert (live.metrics().loss == copy.metrics().loss).all()
+
+
+def live_pair():
+    a, b = torch.zeros(4), torch.zeros(4)
+    return a, b, CapturedState(0, {"a": a, "b": b}, {}, None, {}, live=[(a, a._version), (b, b._version)])
+
+
+def test_the_optimizer_may_change_a_tensor_once_the_writer_has_its_bytes():
+    a, b, snap = live_pair()
+    assert snap.unwritten([a.data_ptr()]) and snap.unwritten([b.data_ptr(), 12345])
+    snap.copied(a.data_ptr())
+    assert not snap.unwritten([a.data_ptr()]) and snap.unwritten([b.data_ptr()])
+    snap.wait_copied([a.data_ptr()])  # returns at once
+    snap.begin_update()  # the optimizer's step begins, nothing changed so far
+    a.add_(1)  # the step changes a: its bytes are already taken
+    assert snap.release() and not snap.unwritten([b.data_ptr()])
+
+
+@pytest.mark.parametrize("when", ["before its bytes are taken", "after, before the optimizer's step"])
+def test_a_tensor_changed_outside_the_optimizer_step_tears_the_checkpoint(when):
+    """In place before the optimizer's step: the files would not hold the step's state, or
+    may not (PyTorch bumps the version when the op is done, so an op still under way while
+    its tensor was copied shows only after the copy: every tensor is checked again when the
+    optimizer's step begins, or at the release if it has not)."""
+    a, b, snap = live_pair()
+    if when.startswith("before"):
+        a.add_(1)
+        snap.copied(a.data_ptr())
+    else:
+        snap.copied(a.data_ptr())
+        a.add_(1)
+    snap.begin_update()
+    snap.copied(b.data_ptr())
+    assert snap.release() is False
+    _, b2, no_step = live_pair()
+    no_step.copied(b2.data_ptr())
+    b2.add_(1)  # no optimizer step began: checked at the release
+    assert no_step.release() is False
+
+
+class OwnAdamW(torch.optim.AdamW):
+    """Not torch's: it could change the tensors by means the mode does not see (C++, threads)."""
+
+
+def test_an_optimizer_that_updates_all_at_once_or_is_not_torchs_waits_for_the_whole_checkpoint():
+    model, _ = models.build_mlp()
+    assert state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters()))
+    assert state_mod.per_tensor_updates(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert not state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters(), foreach=True))
+    assert not state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters(), fused=True))
+    assert not state_mod.per_tensor_updates(OwnAdamW(model.parameters()))
+
+
+def test_only_ops_that_change_or_hand_out_memory_wait_for_the_writer():
+    changes = state_mod._changes_memory
+    for func in (torch.Tensor.mul_, torch._foreach_mul_, torch.Tensor.__iadd__, torch.Tensor.__setitem__):
+        assert changes(func, {}), func
+    assert changes(torch.Tensor.numpy, {}) and changes(torch.Tensor.data_ptr, {})
+    assert changes(torch.add, {"out": torch.zeros(1)})
+    for func in (torch.Tensor.add, torch.Tensor.__add__, torch.is_complex, torch.Tensor.sqrt):
+        assert not changes(func, {}), func
 
 
 def nudge_step(model, optimizer, batch):

@@ -22,8 +22,10 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,7 @@ from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run import codec
 from ckptlab.run.commit import committed, read_commit, verify_files
-from ckptlab.run.hashing import sha256_file
+from ckptlab.run.hashing import sha256_file, sha256_uncached
 from ckptlab.run.layout import (
     COMMIT,
     DCP_DIR,
@@ -59,7 +61,8 @@ class CapturedState:
 
     `live` lists (tensor, version) pairs: tensors of the running training that the files are
     written from directly, with their version counters when captured. Training waits for
-    `released` (set by `release()`, once their bytes are written) before it changes them."""
+    `released` (set by `release()`, once their bytes are written) before it changes them, or
+    tensor by tensor (`wait_copied`: the writer reports each one whose bytes it has, `copied`)."""
 
     step: int
     model: dict[str, torch.Tensor]
@@ -70,17 +73,67 @@ class CapturedState:
     live: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     released: threading.Event = field(default_factory=threading.Event)
     intact: bool | None = None
+    # data_ptr -> (tensor, version) of the live tensors whose bytes the writer does not have
+    # yet (made at its first use, under the lock); `_changed`: a live tensor had changed in
+    # place when checked; `_updating`: the optimizer's step began before the release.
+    _unwritten: dict[int, tuple[torch.Tensor, int]] | None = field(default=None, repr=False)
+    _changed: bool = field(default=False, repr=False)
+    _updating: bool = field(default=False, repr=False)
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def release(self) -> bool:
         """The live tensors are written (or never will be): training may go on. Returns
         whether none of them changed in place since it was captured (a change outside the
-        optimizer's step, which waits for this: the files would not hold step `step`).
+        optimizer's step, which waits for them: the files would not hold step `step`).
         Idempotent; the version check is made at the first call."""
-        if self.intact is None:
-            self.intact = all(t._version == v for t, v in self.live)
-            self.live = []
-        self.released.set()
+        with self._cond:
+            if self.intact is None:
+                # As late as possible: PyTorch bumps a version when the in-place op is done, so
+                # an op under way while its tensor was copied shows only after the copy. Once
+                # the optimizer's step began (begin_update checked every tensor then), only those
+                # it may not have touched yet.
+                checked = self._pending().values() if self._updating else self.live
+                self.intact = not self._changed and all(t._version == v for t, v in checked)
+                self.live, self._unwritten = [], {}
+            self.released.set()
+            self._cond.notify_all()
         return self.intact
+
+    def begin_update(self) -> None:
+        """The optimizer's step begins while the writer is still at work: a tensor changed in
+        place by now changed outside it. From here on the step may change every tensor whose
+        bytes the writer has (`copied`)."""
+        with self._cond:
+            if not self.released.is_set():
+                self._changed |= any(t._version != v for t, v in self.live)
+                self._updating = True
+
+    def copied(self, ptr: int) -> None:
+        """The writer has the bytes of the tensor whose data starts at `ptr` (on its thread)."""
+        with self._cond:
+            entry = self._pending().pop(ptr, None)
+            if entry is not None:
+                self._changed |= entry[0]._version != entry[1]
+                self._cond.notify_all()
+
+    def unwritten(self, ptrs) -> bool:
+        """Whether the writer still lacks the bytes of any of the tensors starting at `ptrs`."""
+        with self._cond:
+            return self._lacks(ptrs)
+
+    def wait_copied(self, ptrs) -> None:
+        """Wait until the writer has the bytes of the tensors starting at `ptrs`."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._lacks(ptrs))
+
+    def _lacks(self, ptrs) -> bool:
+        pending = self._pending()
+        return not self.released.is_set() and any(p in pending for p in ptrs)
+
+    def _pending(self) -> dict[int, tuple[torch.Tensor, int]]:
+        if self._unwritten is None:
+            self._unwritten = {t.data_ptr(): (t, v) for t, v in self.live}
+        return self._unwritten
 
 
 class TornSnapshot(Exception):
@@ -94,7 +147,14 @@ class TornSnapshot(Exception):
 def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
     """Write and atomically commit one checkpoint; returns its COMMIT record. The captured
     state is released (training may change its live tensors) as soon as its bytes are in the
-    files, before they are hashed and synced; TornSnapshot if a live tensor changed first."""
+    files, before they are synced; TornSnapshot if a live tensor changed first.
+
+    A live checkpoint's files are hashed after the release, read back from the disk on a
+    thread of the lowest CPU priority: the optimizer's step waits for the bytes alone, and the
+    hash (~2 of the ~2.7 CPU-seconds a 3 GB checkpoint costs) takes the CPU time training
+    leaves idle over the following steps instead of stalling one. The hash is then of what
+    the disk holds. A copied snapshot is hashed as it is written: nothing waits for it."""
+    live = bool(captured.live)
     try:
         root = checkpoints_dir(run_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -103,14 +163,23 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
         try:
             files = {
                 MODEL_FILE: write_safetensors(
-                    tmp / MODEL_FILE, captured.model, {"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)}
+                    tmp / MODEL_FILE,
+                    captured.model,
+                    {"format": "pt", ALIASES_KEY: json.dumps(captured.aliases)},
+                    hash=not live,
+                    on_copied=captured.copied if live else None,
                 ),
-                STATE_FILE: write_state_file(tmp, captured),
+                STATE_FILE: write_state_file(tmp, captured, hash=not live, on_copied=captured.copied if live else None),
             }
             if not captured.release():
                 raise TornSnapshot(captured.step)
             for name in files:
                 fsync_path(tmp / name)
+            unhashed = [name for name, record in files.items() if record["sha256"] is None]
+            if unhashed:
+                digests = at_lowest_priority(lambda: [hash_written(tmp / name) for name in unhashed])
+                for name, digest in zip(unhashed, digests):
+                    files[name]["sha256"] = digest
             return finish_commit(tmp, captured.step, files, captured.info)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -119,9 +188,34 @@ def commit_checkpoint(run_dir: Path, captured: CapturedState) -> dict:
         captured.release()  # never leave training waiting, whatever failed
 
 
-def write_state_file(folder: Path, captured: CapturedState) -> dict:
-    """state.safetensors; returns its {bytes, sha256} (not yet fsynced)."""
-    return write_safetensors(folder / STATE_FILE, captured.state_tensors, {META_KEY: json.dumps(captured.state_spec)})
+def write_state_file(folder: Path, captured: CapturedState, **kw) -> dict:
+    """state.safetensors; returns its {bytes, sha256} (not yet fsynced). `kw`: write_safetensors'."""
+    return write_safetensors(
+        folder / STATE_FILE, captured.state_tensors, {META_KEY: json.dumps(captured.state_spec)}, **kw
+    )
+
+
+def hash_written(path: Path) -> str:
+    """sha256 of a checkpoint file once written: read back around the page cache if it was
+    written that way (as write_safetensors does from DIRECT_MIN bytes)."""
+    if _CAN_DIRECT and path.stat().st_size >= DIRECT_MIN:
+        return sha256_uncached(path)
+    return sha256_file(path)
+
+
+def at_lowest_priority(fn: Callable[[], Any]) -> Any:
+    """fn() on a thread of the lowest CPU priority (nice 19, a per-thread setting on Linux;
+    elsewhere the usual priority): it runs on cores training leaves idle, and takes about 1.5%
+    of a core from a busy one. Its own work must release the GIL (hashing, reads): a thread
+    this low could hold the GIL while it waits for a core."""
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash-back", initializer=_lowest_priority) as pool:
+        return pool.submit(fn).result()
+
+
+def _lowest_priority() -> None:
+    if sys.platform.startswith("linux"):  # elsewhere a thread id is no PRIO_PROCESS target
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 # A checkpoint file is written in pieces of STREAM_CHUNK and hashed as it goes (no second
@@ -143,57 +237,72 @@ _CAN_DIRECT = hasattr(os, "O_DIRECT")
 _DIRECT_ALIGN = max(4096, mmap.PAGESIZE)  # offsets and lengths: a multiple of any block size in use
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> dict:
+def write_safetensors(
+    path: Path, tensors: dict, metadata: dict[str, str], *, hash: bool = True, on_copied: Callable | None = None
+) -> dict:
     """Write `tensors` as the safetensors file `safetensors.torch.save_file` writes; returns
-    {bytes, sha256} of what was written. The caller fsyncs the file."""
+    {bytes, sha256} of what was written (sha256 None with hash=False: the caller hashes the
+    file later, `hash_written`). `on_copied(data_ptr)` is called as each tensor's bytes are
+    out of its memory (written, or in the write buffer), with hash=False only: the hash reads
+    the memory later. The caller fsyncs the file."""
+    if hash:
+        on_copied = None
     laid = layout(tensors, metadata)
     if laid is None:  # a dtype we do not lay out ourselves: the library writes it, we hash it
         safetensors.torch.save_file(tensors, path, metadata=metadata)
-        return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        return {"bytes": path.stat().st_size, "sha256": sha256_file(path) if hash else None}
     head, chunks = laid
     total = len(head) + sum(c.nbytes for c in chunks)
     if _CAN_DIRECT and total >= DIRECT_MIN:
-        record = _write_direct(path, head, chunks, total)
+        record = _write_direct(path, head, chunks, total, hash, on_copied)
         if record is not None:
             return record
-    return _write_buffered(path, head, chunks, total)
+    return _write_buffered(path, head, chunks, total, hash, on_copied)
 
 
 def _pieces(head: bytes, chunks: list):
-    """The file's bytes in order, as pieces of at most STREAM_CHUNK (views, no copies)."""
+    """The file's bytes in order, as pieces of at most STREAM_CHUNK (views, no copies), each
+    with the address of its chunk's data when it is the chunk's last piece (else None)."""
     for data in (head, *chunks):
         view = memoryview(data).cast("B")
+        ends = data.ctypes.data if isinstance(data, np.ndarray) else None
+        if not len(view):
+            yield view, ends
         for i in range(0, len(view), STREAM_CHUNK):
-            yield view[i : i + STREAM_CHUNK]
+            yield view[i : i + STREAM_CHUNK], ends if i + STREAM_CHUNK >= len(view) else None
 
 
 class _Hasher:
     """sha256 of the pieces given in order, computed on its own thread at most one piece
-    behind the writes."""
+    behind the writes (`enabled` False: nothing, and hexdigest() is None)."""
 
-    def __init__(self, pool: ThreadPoolExecutor):
-        self.sha, self._pool, self._last = hashlib.sha256(), pool, None
+    def __init__(self, pool: ThreadPoolExecutor, enabled: bool = True):
+        self.sha, self._pool, self._last = hashlib.sha256() if enabled else None, pool, None
 
     def add(self, piece) -> None:
+        if self.sha is None:
+            return
         if self._last is not None:
             self._last.result()
         self._last = self._pool.submit(self.sha.update, piece)
 
-    def hexdigest(self) -> str:
+    def hexdigest(self) -> str | None:
         if self._last is not None:
             self._last.result()
-        return self.sha.hexdigest()
+        return None if self.sha is None else self.sha.hexdigest()
 
 
-def _write_buffered(path: Path, head: bytes, chunks: list, total: int) -> dict:
+def _write_buffered(path: Path, head: bytes, chunks: list, total: int, hash=True, on_copied=None) -> dict:
     written = synced = 0
     with open(path, "xb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool:
-        fd, hasher = f.fileno(), _Hasher(pool)
-        for piece in _pieces(head, chunks):
+        fd, hasher = f.fileno(), _Hasher(pool, hash)
+        for piece, ends in _pieces(head, chunks):
             hasher.add(piece)
             while piece:  # (a regular file takes it all; a signal may cut a write short)
                 n = f.write(piece)
                 piece, written = piece[n:], written + n
+            if ends is not None and on_copied is not None:
+                on_copied(ends)
             if total > STREAM_SYNC and written - synced >= STREAM_SYNC and _CAN_DROP:
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, synced, written - synced, os.POSIX_FADV_DONTNEED)
@@ -201,7 +310,7 @@ def _write_buffered(path: Path, head: bytes, chunks: list, total: int) -> dict:
         return {"bytes": written, "sha256": hasher.hexdigest()}
 
 
-def _write_direct(path: Path, head: bytes, chunks: list, total: int) -> dict | None:
+def _write_direct(path: Path, head: bytes, chunks: list, total: int, hash=True, on_copied=None) -> dict | None:
     """The file written with O_DIRECT from an aligned buffer of STREAM_CHUNK bytes (copied into
     with numpy, without the GIL); the last piece is padded to the alignment and the file cut to
     its size. None (and no file left) where the filesystem refuses direct writes: the caller
@@ -214,27 +323,68 @@ def _write_direct(path: Path, head: bytes, chunks: list, total: int) -> dict | N
         with contextlib.suppress(OSError):  # (created before the flag was refused, on some kernels)
             path.unlink()
         return None
-    buf = mmap.mmap(-1, STREAM_CHUNK)  # page-aligned, as O_DIRECT needs
-    staged = np.frombuffer(buf, dtype=np.uint8)
+    # Two page-aligned buffers (as O_DIRECT needs): one is copied into while the other's write
+    # is in flight, so the file takes max(copy, write) a piece, not their sum. A live
+    # checkpoint's optimizer step waits for the last piece: under a training step's load the
+    # sum took ~4 s for 3.2 GB on the 2-core VM (docs/performance.md).
+    bufs = [mmap.mmap(-1, STREAM_CHUNK) for _ in range(2)]
+    staged = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+    reported = False  # training was told of a tensor: no second write from its memory
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool:
-            hasher = _Hasher(pool)
-            fill = written = 0
-            for piece in _pieces(head, chunks):
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool,
+            ThreadPoolExecutor(1, thread_name_prefix="ckptlab-write") as writes,
+        ):
+            hasher = _Hasher(pool, hash)
+            cur = fill = written = 0
+            in_flight = None  # the write of the other buffer
+            # Tensors whose bytes are in a buffer, reported once a direct write has gone
+            # through: until then the filesystem may refuse them (EINVAL), and the buffered
+            # path writes every tensor again from its memory, which training may have changed
+            # by then if it was told it could.
+            unreported: list[int] | None = []
+
+            def accepted() -> None:
+                nonlocal unreported, reported
+                for ptr in unreported or ():
+                    on_copied(ptr)
+                    reported = True
+                unreported = None
+
+            def hand_over(n: int) -> None:
+                nonlocal cur, in_flight
+                if in_flight is not None:
+                    in_flight.result()  # the other buffer is free (its error, if any, raised here)
+                    accepted()
+                in_flight = writes.submit(_write_all, fd, bufs[cur], n)
+                cur ^= 1
+
+            for piece, ends in _pieces(head, chunks):
                 hasher.add(piece)
                 src, i = np.frombuffer(piece, dtype=np.uint8), 0
                 while i < src.size:
                     k = min(STREAM_CHUNK - fill, src.size - i)
-                    np.copyto(staged[fill : fill + k], src[i : i + k])
+                    np.copyto(staged[cur][fill : fill + k], src[i : i + k])
                     fill, i = fill + k, i + k
                     if fill == STREAM_CHUNK:
-                        written += _write_all(fd, buf, STREAM_CHUNK)
+                        hand_over(STREAM_CHUNK)
+                        written += STREAM_CHUNK
                         fill = 0
+                if ends is not None and on_copied is not None:  # its bytes are in a write buffer
+                    if unreported is None:
+                        on_copied(ends)
+                        reported = True
+                    else:
+                        unreported.append(ends)
             if fill:
                 padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
-                staged[fill:padded] = 0
-                _write_all(fd, buf, padded)
+                staged[cur][fill:padded] = 0
+                hand_over(padded)
                 written += fill
+            if in_flight is not None:
+                in_flight.result()
+            accepted()
+            if written % _DIRECT_ALIGN:
                 os.ftruncate(fd, written)
             record = {"bytes": written, "sha256": hasher.hexdigest()}
     except OSError as e:
@@ -242,14 +392,15 @@ def _write_direct(path: Path, head: bytes, chunks: list, total: int) -> dict | N
         fd = -1
         with contextlib.suppress(OSError):
             path.unlink()
-        if e.errno == errno.EINVAL:  # a filesystem that takes the flag but not the writes
+        if e.errno == errno.EINVAL and not reported:  # a filesystem that takes the flag but not the writes
             return None
         raise
     finally:
         if fd >= 0:
             os.close(fd)
         del staged
-        buf.close()
+        for b in bufs:
+            b.close()
     return record
 
 

@@ -1,6 +1,7 @@
 """records.pack writes exactly the bytes safetensors.torch.save writes (it is only faster)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -115,6 +116,89 @@ def test_a_large_checkpoint_file_is_written_direct_with_the_same_bytes_and_hash(
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "lib.safetensors").read_bytes()
     assert record == {"bytes": len(ours), "sha256": hashlib.sha256(ours).hexdigest()}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_live_write_reports_each_tensor_as_its_bytes_are_taken_and_is_hashed_when_read_back(
+    tmp_path, monkeypatch, direct
+):
+    """hash=False (a live checkpoint's files): no hash while writing; `on_copied` hears of each
+    tensor once, in file order, once its bytes are out of its memory; the file read back (around
+    the page cache when it was written so, in several reads) hashes to what was written."""
+    import hashlib
+
+    from ckptlab.run import checkpoint, hashing
+
+    if direct and not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(checkpoint, "STREAM_CHUNK", 16384)
+    monkeypatch.setattr(hashing, "DIRECT_CHUNK", 16384)
+    monkeypatch.setattr(checkpoint, "DIRECT_MIN", 0 if direct else 1 << 62)
+    tensors = _tensors_for_direct()
+    reported = []
+    path = tmp_path / "ours.safetensors"
+    record = checkpoint.write_safetensors(path, tensors, {"format": "pt"}, hash=False, on_copied=reported.append)
+    ours = path.read_bytes()
+    assert record == {"bytes": len(ours), "sha256": None}
+    by_ptr = {t.data_ptr(): name for name, t in tensors.items()}
+    assert [by_ptr[p] for p in reported] == ["b", "w", "h"]  # safetensors' order: I64, F32, BF16
+    assert checkpoint.hash_written(path) == hashing.sha256_uncached(path) == hashlib.sha256(ours).hexdigest()
+
+
+@pytest.mark.parametrize("refused_at", [1, 2])
+def test_a_direct_write_refused_after_training_was_told_is_an_error_not_a_second_write(
+    tmp_path, monkeypatch, refused_at
+):
+    """A filesystem that takes O_DIRECT but refuses the writes (EINVAL) gets the page cache
+    path, which writes every tensor again from its memory: only while no tensor has been
+    reported as taken (training may change it from then on). Reports wait for the first
+    direct write to go through."""
+    import errno
+
+    from ckptlab.run import checkpoint
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(checkpoint, "STREAM_CHUNK", 16384)
+    monkeypatch.setattr(checkpoint, "DIRECT_MIN", 0)
+    calls, real = [], checkpoint._write_all
+
+    def refusing(fd, buf, n):
+        calls.append(n)
+        if len(calls) == refused_at:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buf, n)
+
+    monkeypatch.setattr(checkpoint, "_write_all", refusing)
+    tensors = _tensors_for_direct()
+    reported = []
+    path = tmp_path / "ours.safetensors"
+    if refused_at == 1:  # nothing reported yet: written again through the page cache, each reported once
+        checkpoint.write_safetensors(path, tensors, {"format": "pt"}, hash=False, on_copied=reported.append)
+        assert sorted(reported) == sorted(t.data_ptr() for t in tensors.values())
+        safetensors.torch.save_file(tensors, tmp_path / "lib.safetensors", metadata={"format": "pt"})
+        assert path.read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
+    else:
+        with pytest.raises(OSError, match="Invalid argument"):
+            checkpoint.write_safetensors(path, tensors, {"format": "pt"}, hash=False, on_copied=reported.append)
+        assert reported and not path.exists()
+
+
+def test_the_read_back_hash_runs_at_the_lowest_priority_and_passes_errors_on():
+    import os
+    import sys
+    import threading
+
+    from ckptlab.run import checkpoint
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    if sys.platform.startswith("linux"):
+        assert checkpoint.at_lowest_priority(nice) == 19
+        assert nice() < 19  # the caller's own priority is untouched
+    with pytest.raises(FileNotFoundError):
+        checkpoint.at_lowest_priority(lambda: checkpoint.hash_written(Path("/nonexistent/file")))
 
 
 def test_a_filesystem_that_refuses_direct_writes_gets_the_page_cache_path(tmp_path, monkeypatch):
