@@ -764,7 +764,7 @@ class Recorder:
         """The optimizer's step is about to change the tensors a live checkpoint is written
         from: it waits for each tensor's bytes as it comes to it (AwaitLiveBytes), or, when it
         updates them all at once, for the whole checkpoint."""
-        self._after_update()  # (an optimizer's step that raised, called again)
+        self._drop_mode()  # (an optimizer's step that raised, called again)
         snap = self._live_snap
         if snap is None or snap.released.is_set() or torch.compiler.is_compiling():
             return self._await_snapshot()
@@ -775,9 +775,17 @@ class Recorder:
         self._bytes_mode.__enter__()
 
     def _after_update(self) -> None:
-        """The optimizer's step is over (or raised): AwaitLiveBytes off, its wait counted. A
-        mode the step pushed and left above it (raising inside `with mode:` pops the top one,
-        ours) keeps its place: ours is then let through everything where it is."""
+        """The optimizer's step is over: the rest of the step may change tensors it did not
+        touch (an EMA copy of the weights, another hook), so the whole write comes first. By
+        now the optimizer has followed the writer to about its end."""
+        if self._bytes_mode is not None:
+            self._drop_mode()
+            self._await_snapshot()
+
+    def _drop_mode(self) -> None:
+        """AwaitLiveBytes off, its wait counted. A mode the optimizer's step pushed and left
+        above it (raising inside `with mode:` pops the top one, ours) keeps its place: ours
+        then lets everything through where it is."""
         mode, self._bytes_mode = self._bytes_mode, None
         if mode is None:
             return
@@ -794,7 +802,7 @@ class Recorder:
         A checkpoint whose tensors changed before they were written (in place, outside the
         optimizer's step) is not committed: it is taken again at the next step, and by copy
         from then on."""
-        self._after_update()  # (an optimizer's step that raised left it on)
+        self._drop_mode()  # (an optimizer's step that raised left it on)
         snap, self._live_snap = self._live_snap, None
         if snap is None:
             return

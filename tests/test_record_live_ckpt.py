@@ -158,6 +158,57 @@ def test_the_optimizer_follows_a_slow_writer_tensor_by_tensor(tmp_path, small_te
     assert (live.metrics().loss == copy.metrics().loss).all()
 
 
+class WithTeacher(torch.nn.Module):
+    """A student trained by SGD and an EMA teacher of it, outside the optimizer (DINO, MoCo)."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(8, 1)
+        self.teacher = torch.nn.Linear(8, 1).requires_grad_(False)
+
+    def forward(self, x):
+        return self.student(x)
+
+
+def build_teacher():
+    torch.manual_seed(0)
+    model = WithTeacher()
+    return model, torch.optim.SGD(model.student.parameters(), lr=0.1)
+
+
+def step_teacher(model, optimizer, batch):
+    loss = models.step_mlp(model, optimizer, batch)
+    with torch.no_grad():  # after the optimizer's step: tensors it never touched
+        for t, s in zip(model.teacher.parameters(), model.student.parameters()):
+            t.mul_(0.9).add_(s, alpha=0.1)
+    return loss
+
+
+def test_what_the_step_changes_after_the_optimizers_step_waits_for_the_write(tmp_path, small_tensors_live, monkeypatch):
+    """The mode is off once the optimizer's step is over, and the rest of the step may change
+    live tensors the optimizer did not touch (the teacher, written last): the whole write
+    comes first, so the checkpoint holds its step's state and is not torn."""
+    real = CapturedState.copied
+
+    def slow_copied(self, ptr):
+        time.sleep(0.03)
+        real(self, ptr)
+
+    monkeypatch.setattr(CapturedState, "copied", slow_copied)
+    runs = {}
+    for mode in ("copy", "live"):
+        model, opt = build_teacher()
+        with ckptlab.Recorder(
+            tmp_path / mode, model, opt, step_fn=step_teacher, build_fn=build_teacher, ckpt_every=2, ckpt_snapshot=mode
+        ) as rec:
+            for b, ids in models.mlp_batches(4):
+                rec.step(b, ids)
+        runs[mode] = ckptlab.open_run(tmp_path / mode)
+    assert runs["copy"].checkpoints == runs["live"].checkpoints == [0, 2]  # no retake: not torn
+    for a, b in zip(checkpoint_bytes(runs["copy"], 2), checkpoint_bytes(runs["live"], 2)):
+        assert_same_tensors(a, b)
+
+
 def live_pair():
     a, b = torch.zeros(4), torch.zeros(4)
     return a, b, CapturedState(0, {"a": a, "b": b}, {}, None, {}, live=[(a, a._version), (b, b._version)])
@@ -171,6 +222,7 @@ def test_the_optimizer_may_change_a_tensor_once_the_writer_has_its_bytes():
     snap.wait_copied([a.data_ptr()])  # returns at once
     snap.begin_update()  # the optimizer's step begins, nothing changed so far
     a.add_(1)  # the step changes a: its bytes are already taken
+    snap.begin_update()  # a second optimizer step in the same training step: not a change outside one
     assert snap.release() and not snap.unwritten([b.data_ptr()])
 
 

@@ -104,7 +104,7 @@ class CapturedState:
         place by now changed outside it. From here on the step may change every tensor whose
         bytes the writer has (`copied`)."""
         with self._cond:
-            if not self.released.is_set():
+            if not self.released.is_set() and not self._updating:  # (a second step: its own changes)
                 self._changed |= any(t._version != v for t, v in self.live)
                 self._updating = True
 
@@ -315,19 +315,20 @@ def _write_direct(path: Path, head: bytes, chunks: list, total: int, hash=True, 
     with numpy, without the GIL); the last piece is padded to the alignment and the file cut to
     its size. None (and no file left) where the filesystem refuses direct writes: the caller
     writes it through the page cache."""
+    # Two page-aligned buffers (as O_DIRECT needs): one is copied into while the other's write
+    # is in flight, so the file takes max(copy, write) a piece, not their sum (a live
+    # checkpoint's optimizer step follows the copies: docs/performance.md).
+    bufs = [mmap.mmap(-1, STREAM_CHUNK) for _ in range(2)]
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0), 0o666)
     except OSError as e:
+        for b in bufs:
+            b.close()
         if e.errno != errno.EINVAL:
             raise
         with contextlib.suppress(OSError):  # (created before the flag was refused, on some kernels)
             path.unlink()
         return None
-    # Two page-aligned buffers (as O_DIRECT needs): one is copied into while the other's write
-    # is in flight, so the file takes max(copy, write) a piece, not their sum. A live
-    # checkpoint's optimizer step waits for the last piece: under a training step's load the
-    # sum took ~4 s for 3.2 GB on the 2-core VM (docs/performance.md).
-    bufs = [mmap.mmap(-1, STREAM_CHUNK) for _ in range(2)]
     staged = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
     reported = False  # training was told of a tensor: no second write from its memory
     try:

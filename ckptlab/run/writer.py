@@ -1,8 +1,9 @@
 """RunWriter: appends a session's records and commits its checkpoints in the background.
 
 The training thread only serializes (a snapshot of the batch, a copy of the state off the
-device) and hands bytes to the kernel; hashing, fsync and retention run in one background
-thread. At most one checkpoint is in flight: if the next one is due before the last finished,
+device) and hands bytes to the kernel; checkpoint writes, fsync and retention run in one
+background thread (which hashes a live checkpoint's files on a helper thread of the lowest
+priority: run/checkpoint.py). At most one checkpoint is in flight: if the next one is due before the last finished,
 the training thread waits (and the wait is reported as `ckpt_wait` in the step's health).
 """
 

@@ -463,7 +463,8 @@ def per_tensor_updates(optimizer) -> bool:
     foreach nor fused (torch's default for CPU tensors). Another optimizer may change the
     tensors by other means (a C++ kernel given their memory, another thread) that the mode
     cannot see: its step waits for the whole checkpoint."""
-    return type(optimizer).__module__.startswith("torch.optim.") and not any(
+    module = type(optimizer).__module__
+    return (module == "torch.optim" or module.startswith("torch.optim.")) and not any(
         g.get("foreach") or g.get("fused") for g in optimizer.param_groups
     )
 
