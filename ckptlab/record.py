@@ -766,9 +766,12 @@ class Recorder:
         updates them all at once, for the whole checkpoint."""
         self._drop_mode()  # (an optimizer's step that raised, called again)
         snap = self._live_snap
-        if snap is None or snap.released.is_set() or torch.compiler.is_compiling():
-            return self._await_snapshot()
-        if not per_tensor_updates(self.optimizer):
+        if (
+            snap is None
+            or snap.released.is_set()
+            or torch.compiler.is_compiling()
+            or not per_tensor_updates(self.optimizer)
+        ):
             return self._await_snapshot()
         snap.begin_update()
         self._bytes_mode = AwaitLiveBytes(snap)

@@ -41,7 +41,7 @@ from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run import codec
 from ckptlab.run.commit import committed, read_commit, verify_files
-from ckptlab.run.hashing import sha256_file, sha256_uncached
+from ckptlab.run.hashing import DIRECT_ALIGN, sha256_file, sha256_uncached
 from ckptlab.run.layout import (
     COMMIT,
     DCP_DIR,
@@ -234,7 +234,6 @@ STREAM_SYNC = 256 << 20
 DIRECT_MIN = 64 << 20
 _CAN_DROP = hasattr(os, "fdatasync") and hasattr(os, "posix_fadvise")  # (not on macOS or Windows)
 _CAN_DIRECT = hasattr(os, "O_DIRECT")
-_DIRECT_ALIGN = max(4096, mmap.PAGESIZE)  # offsets and lengths: a multiple of any block size in use
 
 
 def write_safetensors(
@@ -378,14 +377,14 @@ def _write_direct(path: Path, head: bytes, chunks: list, total: int, hash=True, 
                     else:
                         unreported.append(ends)
             if fill:
-                padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
                 staged[cur][fill:padded] = 0
                 hand_over(padded)
                 written += fill
             if in_flight is not None:
                 in_flight.result()
             accepted()
-            if written % _DIRECT_ALIGN:
+            if written % DIRECT_ALIGN:
                 os.ftruncate(fd, written)
             record = {"bytes": written, "sha256": hasher.hexdigest()}
     except OSError as e:

@@ -13,15 +13,11 @@ from ckptlab.io.files import open_regular
 
 HASH_CHUNK = 8 << 20
 DIRECT_CHUNK = 32 << 20  # a read of a file written around the page cache (O_DIRECT)
-_DIRECT_ALIGN = max(4096, mmap.PAGESIZE)
+DIRECT_ALIGN = max(4096, mmap.PAGESIZE)  # O_DIRECT offsets and lengths: a multiple of any block size in use
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open_regular(path) as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return _hash_rest(path, hashlib.sha256(), 0)
 
 
 def sha256_uncached(path: str | os.PathLike) -> str:
@@ -54,13 +50,13 @@ def sha256_uncached(path: str | os.PathLike) -> str:
                 n = ahead.result()
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path}: the file ended {size - done} bytes early while read back")
-                unaligned = n % _DIRECT_ALIGN and done + n < size  # a short read: the rest through the cache
+                unaligned = n % DIRECT_ALIGN and done + n < size  # a short read: the rest through the cache
                 if done + n < size and not unaligned:
                     ahead = reader.submit(os.preadv, fd, [bufs[cur ^ 1]], done + n)
                 h.update(views[cur][:n])
                 done, cur = done + n, cur ^ 1
                 if unaligned:
-                    return _finish_buffered(path, h, done)
+                    return _hash_rest(path, h, done)
     except OSError as e:
         if e.errno != errno.EINVAL or done:
             raise
@@ -73,7 +69,8 @@ def sha256_uncached(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _finish_buffered(path, h, offset: int) -> str:
+def _hash_rest(path, h, offset: int) -> str:
+    """`h` fed the file's bytes from `offset` on, read through the page cache; its hexdigest."""
     with open_regular(path) as f:
         f.seek(offset)
         while chunk := f.read(HASH_CHUNK):
