@@ -61,7 +61,7 @@ def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, pa
         )
     if html_path is not None:
         from ckptlab.render.html import report_page
-        from ckptlab.run.layout import write_bytes_atomic
+        from ckptlab.run.atomic import write_bytes_atomic
 
         html_path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(html_path, report_page(report).encode())

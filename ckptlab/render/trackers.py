@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ckptlab.errors import CkptlabError
 from ckptlab.render.export import ExportSummary, export_run, pending, run_key, with_report
-from ckptlab.run.layout import write_bytes_atomic
+from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import run_params
 

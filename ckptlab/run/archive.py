@@ -53,18 +53,16 @@ from pathlib import Path
 
 from ckptlab.errors import CkptlabError, CorruptFileError
 from ckptlab.run import framelog
+from ckptlab.run.atomic import atomic_file, fsync_path, rename_durably, write_bytes_atomic, write_json_atomic
 from ckptlab.run.checkpoint import list_checkpoints
 from ckptlab.run.layout import (
     MANIFEST,
     archive_dir,
     batches_root,
-    fsync_path,
     journal_dir,
     parse_segment,
     segments,
     sources_dir,
-    write_bytes_atomic,
-    write_json_atomic,
 )
 from ckptlab.run.lock import acquire
 from ckptlab.run.manifest import read_manifest, write_manifest
@@ -324,20 +322,18 @@ def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manife
         target.parent.mkdir(parents=True, exist_ok=True)
         if os.path.lexists(target):
             _refuse(target)
-        os.rename(src, target)
-        fsync_path(target.parent)
-        fsync_path(src.parent)
+        rename_durably(src, target)
     for seg in plan.segments:
         target = dest / seg.rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if seg.action == "move":
             if os.path.lexists(target):
                 _refuse(target)
-            os.rename(seg.path, target)
+            rename_durably(seg.path, target)
         else:
             _split(seg.path, target, k)
-        fsync_path(target.parent)
-        fsync_path(seg.path.parent)
+            fsync_path(target.parent)
+            fsync_path(seg.path.parent)
     history = list(manifest.get("rollbacks") or [])
     record = {key: intent[key] for key in intent if key not in ("status", "format_version")}
     if not any(h.get("archive") == plan.archive for h in history):
@@ -378,8 +374,7 @@ def _link_checkpoint(src: Path, target: Path) -> None:
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     os.mkdir(tmp)
     _link_folder(src, tmp)
-    os.rename(tmp, target)
-    fsync_path(target.parent)
+    rename_durably(tmp, target)
 
 
 def _link_folder(src: Path, target: Path) -> None:
@@ -419,7 +414,5 @@ def _link_or_copy(src: Path, target: Path) -> None:
             raise
         if not stat.S_ISREG(os.lstat(src).st_mode):
             raise CkptlabError("is not a regular file; not archiving it", path=src) from None
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.copyfile(src, tmp, follow_symlinks=False)
-        fsync_path(tmp)
-        os.rename(tmp, target)
+        with atomic_file(target) as tmp:
+            shutil.copyfile(src, tmp, follow_symlinks=False)

@@ -40,6 +40,7 @@ from ckptlab.errors import CorruptFileError
 from ckptlab.io.dcp import dcp_tree
 from ckptlab.io.safetensors_file import ALIASES_KEY
 from ckptlab.run import codec
+from ckptlab.run.atomic import create_new, fsync_path, rename_durably, write_synced
 from ckptlab.run.commit import committed, read_commit, verify_files
 from ckptlab.run.hashing import DIRECT_ALIGN, sha256_file, sha256_uncached
 from ckptlab.run.layout import (
@@ -49,7 +50,6 @@ from ckptlab.run.layout import (
     STATE_FILE,
     checkpoint_name,
     checkpoints_dir,
-    fsync_path,
 )
 from ckptlab.run.records import META_KEY, layout
 
@@ -293,7 +293,7 @@ class _Hasher:
 
 def _write_buffered(path: Path, head: bytes, chunks: list, total: int, hash=True, on_copied=None) -> dict:
     written = synced = 0
-    with open(path, "xb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool:
+    with create_new(path) as f, ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool:
         fd, hasher = f.fileno(), _Hasher(pool, hash)
         for piece, ends in _pieces(head, chunks):
             hasher.add(piece)
@@ -426,17 +426,13 @@ def finish_commit(tmp: Path, step: int, files: dict, info: dict) -> dict:
     root = tmp.parent
     final = root / checkpoint_name(step)
     commit = {"format_version": 1, "step": step, "created": time.time(), "files": files, **info}
-    with open(tmp / COMMIT, "w") as f:
-        json.dump(commit, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(tmp / COMMIT, json.dumps(commit, indent=2).encode())
     for sub in {Path(name).parent for name in files} - {Path(".")}:
         fsync_path(tmp / sub)
     fsync_path(tmp)
     if final.exists():  # an orphan from a crashed session at the same step: set it aside
-        final.rename(root / f".superseded-{final.name}-{time.monotonic_ns()}")
-    os.rename(tmp, final)
-    fsync_path(root)
+        rename_durably(final, root / f".superseded-{final.name}-{time.monotonic_ns()}")
+    rename_durably(tmp, final)
     return commit
 
 
@@ -450,7 +446,7 @@ def clean_stale(run_dir: Path) -> None:
 def remove_checkpoint(path: Path) -> None:
     """Rename first, then delete: a half-deleted folder never looks like a checkpoint."""
     doomed = path.with_name(f".deleting-{path.name}-{time.monotonic_ns()}")
-    os.rename(path, doomed)
+    rename_durably(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
 

@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from ckptlab.errors import CkptlabError, CorruptFileError, FormatVersionError
-from ckptlab.run.layout import fsync_path
+from ckptlab.run.atomic import atomic_file
 
 FORMAT = "ckptlab-dump"
 VERSION = 1
@@ -117,29 +117,21 @@ def write_dump(
             total += e.nbytes
         else:
             omitted.append((e.path, e.nbytes))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with h5py.File(tmp, "w") as f:
-            for k, v in {
-                **attrs,
-                "format": FORMAT,
-                "version": VERSION,
-                "max_bytes": max_bytes,
-                "data_bytes": total,
-                "omitted_bytes": sum(b for _, b in omitted),
-            }.items():
-                f.attrs[k] = _attr(v)
-            for e in taken:
-                _write_dataset(f, e)
-            for name, lines in (texts or {}).items():
-                f.create_dataset(name, data=np.array(lines, dtype=object), dtype=_STR)
-            f.create_dataset("index", data=_index(entries, {id(e) for e in taken}))
-        fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    with atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
+        for k, v in {
+            **attrs,
+            "format": FORMAT,
+            "version": VERSION,
+            "max_bytes": max_bytes,
+            "data_bytes": total,
+            "omitted_bytes": sum(b for _, b in omitted),
+        }.items():
+            f.attrs[k] = _attr(v)
+        for e in taken:
+            _write_dataset(f, e)
+        for name, lines in (texts or {}).items():
+            f.create_dataset(name, data=np.array(lines, dtype=object), dtype=_STR)
+        f.create_dataset("index", data=_index(entries, {id(e) for e in taken}))
     return Written(str(path), total, path.stat().st_size, len(taken), omitted)
 
 

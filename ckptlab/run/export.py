@@ -24,8 +24,9 @@ import torch
 
 from ckptlab.errors import CkptlabError
 from ckptlab.io.base import expand_aliases
+from ckptlab.run.atomic import fsync_path, rename_durably, write_json_atomic
 from ckptlab.run.checkpoint import Checkpoint, sha256_file
-from ckptlab.run.layout import MODEL_FILE, fsync_path, write_json_atomic
+from ckptlab.run.layout import MODEL_FILE
 
 LOAD_HINT = (
     "model.load_state_dict(safetensors.torch.load_file('model.safetensors')); "
@@ -87,8 +88,7 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
         fsync_path(tmp)
         if dest.exists():
             dest.rmdir()  # empty, checked above
-        os.rename(tmp, dest)
-        fsync_path(dest.parent)
+        rename_durably(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,4 +1,4 @@
-"""Names and places in a run directory, and the atomic-write primitives. See docs/run-format.md.
+"""Names and places in a run directory. See docs/run-format.md.
 
     RUN/
       manifest.json                       what recorded this run, and how (format_version 2)
@@ -15,7 +15,6 @@ and a resumed session never appends to a file a crash may have torn.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -143,35 +142,6 @@ def segments(folder: Path) -> list[tuple[int, int, Path]]:
         if parsed:
             found.append((*parsed, p))
     return sorted(found)
-
-
-# --- atomic writes: temp file -> fsync -> rename -> fsync parent ---------------------------------
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
 def dir_size(path: Path) -> int:

@@ -22,8 +22,9 @@ from pathlib import Path
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
 from ckptlab.io.files import open_regular
 from ckptlab.jsonable import is_int, is_number
+from ckptlab.run.atomic import write_json_atomic
 from ckptlab.run.hashing import sha256_file
-from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, write_json_atomic
+from ckptlab.run.layout import FORMAT_VERSION, MANIFEST
 
 FORMAT = "ckptlab-run"
 

@@ -18,8 +18,9 @@ import shutil
 from pathlib import Path
 
 from ckptlab.run import codec
+from ckptlab.run.atomic import fsync_path
 from ckptlab.run.checkpoint import CapturedState, file_record, finish_commit, write_state_file
-from ckptlab.run.layout import DCP_DIR, STATE_FILE, checkpoint_name, checkpoints_dir, fsync_path
+from ckptlab.run.layout import DCP_DIR, STATE_FILE, checkpoint_name, checkpoints_dir
 
 
 def temp_folder(run_dir: Path, step: int, session: int) -> Path:

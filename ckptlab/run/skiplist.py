@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
-from ckptlab.run.layout import write_json_atomic
+from ckptlab.run.atomic import write_json_atomic
 
 SKIP_FORMAT = "ckptlab-skip"
 

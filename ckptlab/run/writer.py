@@ -21,8 +21,9 @@ from pathlib import Path
 
 from ckptlab.errors import RecordError
 from ckptlab.run import framelog, records
+from ckptlab.run.atomic import fsync_path
 from ckptlab.run.checkpoint import CapturedState, TornSnapshot, commit_checkpoint
-from ckptlab.run.layout import batches_dir, fsync_path, journal_dir, segment_name
+from ckptlab.run.layout import batches_dir, journal_dir, segment_name
 from ckptlab.run.retention import apply_retention
 
 

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckptlab.errors import RecordError, ReplayError, UntrustedCodeError
+from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.hashing import sha256_file
-from ckptlab.run.layout import sources_dir, write_bytes_atomic
+from ckptlab.run.layout import sources_dir
 from ckptlab.run.manifest import resolve_file
 
 

@@ -19,13 +19,11 @@ holds the run to.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import sys
 import traceback
-import types
 from pathlib import Path
 
 import numpy as np
@@ -121,17 +119,17 @@ def _arm(site: str, rng: random.Random) -> None:
                 _die()
             save_file(tensors, filename, metadata=metadata)
 
-        def torn_dump(obj, f, **kw):
+        write_synced = checkpoint.write_synced
+
+        def torn_commit(path, data):
             if due():
-                text = json.dumps(obj, **kw)
-                f.write(text[: rng.randrange(len(text))])
-                f.flush()
+                Path(path).write_bytes(data[: rng.randrange(len(data))])
                 _die()
-            json.dump(obj, f, **kw)
+            write_synced(path, data)
 
         safetensors.torch.save_file = torn_save
-        checkpoint.json = types.SimpleNamespace(dump=torn_dump, dumps=json.dumps, loads=json.loads)
-    elif site == "ckpt-fsync":  # before fsync of: model, state, the temp folder, checkpoints/
+        checkpoint.write_synced = torn_commit
+    elif site == "ckpt-fsync":  # before fsync of: model, state, the temp folder (checkpoints/'s: ckpt-rename, after)
         fsync_path = checkpoint.fsync_path
 
         def dying_fsync(path):
