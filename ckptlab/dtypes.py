@@ -44,6 +44,30 @@ STORAGE: dict[str, type] = {
 FLOATS = frozenset(n for n in STORAGE if n.startswith(("float", "bfloat")))
 # Stored as raw bits: values come from `pattern_values` (every pattern is a value: exact).
 BITS = frozenset({"bfloat16"} | {n for n in FLOATS if n.startswith("float8")})
+# The safetensors format's dtype codes -> (name, rank in the format's Dtype enum, which orders
+# a file's data: `safetensors.torch.save_file` lays tensors out by descending rank).
+SAFETENSORS: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 0),
+    "U8": ("uint8", 4),
+    "I8": ("int8", 5),
+    "F8_E5M2": ("float8_e5m2", 6),
+    "F8_E4M3": ("float8_e4m3fn", 7),
+    "F8_E8M0": ("float8_e8m0fnu", 8),
+    "I16": ("int16", 9),
+    "U16": ("uint16", 10),
+    "F16": ("float16", 11),
+    "BF16": ("bfloat16", 12),
+    "I32": ("int32", 13),
+    "U32": ("uint32", 14),
+    "F32": ("float32", 15),
+    "F64": ("float64", 17),
+    "I64": ("int64", 18),
+    "U64": ("uint64", 19),
+}
+SAFETENSORS_NAMES = {code: name for code, (name, _) in SAFETENSORS.items()}
+# dtypes of the safetensors format that ckptlab cannot hold: a file with one is refused, not
+# read without it (a diff would call that tensor "only in B", or "identical").
+SAFETENSORS_UNREADABLE = frozenset({"C64", "F4", "F6_E2M3", "F6_E3M2"})
 # In a float32 word, the index of the uint16 that holds its top 16 bits (the bfloat16 prefix).
 HIGH_HALF = 1 if sys.byteorder == "little" else 0
 

@@ -30,7 +30,7 @@ def plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [plain(v) for v in obj]
     if isinstance(obj, float):
-        return obj if math.isfinite(obj) else repr(obj)
+        return json_safe(obj)
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":
@@ -40,6 +40,32 @@ def plain(obj: Any) -> Any:
     if hasattr(obj, "item"):  # torch scalars
         return plain(obj.item())
     return str(obj)
+
+
+def json_safe(d: Any) -> Any:
+    """`d` (JSON values: dicts, lists, tuples, numbers, ...) with every non-finite float as the
+    string "nan", "inf" or "-inf", so that it is standard JSON; everything else as it is."""
+    if isinstance(d, float) and not math.isfinite(d):
+        return repr(d)
+    if isinstance(d, dict):
+        return {k: json_safe(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [json_safe(v) for v in d]
+    return d
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def json_restore(d: Any) -> Any:
+    """The inverse of `json_safe` on parsed JSON: "nan", "inf", "-inf" back to floats."""
+    if isinstance(d, str) and d in _NONFINITE:
+        return _NONFINITE[d]
+    if isinstance(d, dict):
+        return {k: json_restore(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [json_restore(v) for v in d]
+    return d
 
 
 def is_int(x: Any) -> bool:

@@ -24,31 +24,6 @@ MAX_HEADER = 100_000_000  # the safetensors format's own limit
 # Metadata key of ckptlab's own files (run checkpoints): tied names, {"lm_head.weight": "wte.weight"}.
 ALIASES_KEY = "ckptlab.aliases"
 
-# The format's dtype codes -> ckptlab.dtypes names (all of them readable with numpy alone).
-DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-# dtypes of the safetensors format that ckptlab cannot hold: a file with one is refused, not
-# read without it (a diff would call that tensor "only in B", or "identical").
-SPEC_DTYPES = {"C64", "F4", "F6_E2M3", "F6_E3M2"}
-
 
 def looks_like_safetensors(head: bytes) -> bool:
     """The first bytes of a file: a plausible header length, then '{'."""
@@ -100,8 +75,8 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
             raise CorruptFileError(
                 f"truncated: tensor {name!r} needs data bytes up to {end}, the file holds {data_size}", path=path
             )
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None and dtype_name in SPEC_DTYPES:
+        dtype = dtypes.SAFETENSORS_NAMES.get(dtype_name)
+        if dtype is None and dtype_name in dtypes.SAFETENSORS_UNREADABLE:
             raise UnknownFormatError(f"tensor {name!r} has dtype {dtype_name}, which ckptlab cannot read", path=path)
         if dtype is None:
             raise CorruptFileError(

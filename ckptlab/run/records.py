@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -19,8 +18,9 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
-from ckptlab.jsonable import is_int, is_number
+from ckptlab.jsonable import is_int, is_number, json_restore, json_safe
 from ckptlab.run import codec
 from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
@@ -94,25 +94,16 @@ def _as_torch(tensors: dict) -> dict[str, torch.Tensor]:
     }
 
 
-# torch dtype -> (safetensors name, its rank in safetensors' Dtype enum, which orders the data)
-_SAFETENSORS_DTYPES = {
-    torch.bool: ("BOOL", 0),
-    torch.uint8: ("U8", 4),
-    torch.int8: ("I8", 5),
-    torch.int16: ("I16", 9),
-    torch.uint16: ("U16", 10),
-    torch.float16: ("F16", 11),
-    torch.bfloat16: ("BF16", 12),
-    torch.int32: ("I32", 13),
-    torch.uint32: ("U32", 14),
-    torch.float32: ("F32", 15),
-    torch.float64: ("F64", 17),
-    torch.int64: ("I64", 18),
-    torch.uint64: ("U64", 19),
-}
 # Copied through numpy's own dtype (the same bytes, fewer calls); the others are viewed as bytes.
 _VIA_NUMPY = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.int32, torch.float32}
 _VIA_NUMPY |= {torch.float64, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+# torch dtype -> (safetensors code, its rank: dtypes.SAFETENSORS) of the dtypes laid out here
+# (float8 is left to the library).
+_SAFETENSORS_DTYPES = {
+    getattr(torch, name): (code, rank)
+    for code, (name, rank) in dtypes.SAFETENSORS.items()
+    if getattr(torch, name, None) in _VIA_NUMPY | {torch.bfloat16}
+}
 # numpy dtype (native byte order) -> the torch dtype's entry above
 _NUMPY_DTYPES = {
     np.dtype(d).str: _SAFETENSORS_DTYPES[t]
@@ -257,7 +248,7 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
 
 
 def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
-    return pack(_json_safe(scalars), {k: v for k, v in arrays.items() if v is not None})
+    return pack(json_safe(scalars), {k: v for k, v in arrays.items() if v is not None})
 
 
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -265,7 +256,7 @@ def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarr
     if not isinstance(meta, dict):
         raise CorruptFileError("unreadable record (not a JSON object)", path=where)
     try:
-        scalars, arrays = _json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
+        scalars, arrays = json_restore(meta), {k: v.numpy() for k, v in tensors.items()}
     except (RecursionError, TypeError) as e:
         raise CorruptFileError(f"unreadable record ({type(e).__name__})", path=where) from None
     _check_fields(scalars, STEP_FIELDS, "step record", where)
@@ -323,37 +314,13 @@ def check_json_record(kind: str, record: dict, where) -> dict:
     return record
 
 
-def _json_safe(d: Any) -> Any:
-    """Non-finite floats as strings, so every record is standard JSON."""
-    if isinstance(d, float) and not math.isfinite(d):
-        return repr(d)
-    if isinstance(d, dict):
-        return {k: _json_safe(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return [_json_safe(v) for v in d]
-    return d
-
-
-_SPECIAL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-
-
-def _json_restore(d: Any) -> Any:
-    if isinstance(d, str) and d in _SPECIAL:
-        return _SPECIAL[d]
-    if isinstance(d, dict):
-        return {k: _json_restore(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_json_restore(v) for v in d]
-    return d
-
-
 def encode_json(meta: dict) -> bytes:
-    return _JSON(_json_safe(meta)).encode()
+    return _JSON(json_safe(meta)).encode()
 
 
 def decode_json(payload: bytes, *, where: str) -> dict:
     try:
-        record = _json_restore(json.loads(payload))
+        record = json_restore(json.loads(payload))
     except ValueError as e:
         raise CorruptFileError(f"unreadable record ({e})", path=where) from None
     except RecursionError:
