@@ -20,6 +20,7 @@ import torch
 
 from ckptlab.errors import CorruptFileError, UnknownFormatError, UnsafeFileError
 from ckptlab.io.base import LazyTensor, check_extent, require_safe_torch, safe_member
+from ckptlab.io.files import open_regular
 from ckptlab.io.mapped import MappedFile
 from ckptlab.io.nested import describe, find_state_dict
 
@@ -72,7 +73,7 @@ def read_metadata(folder: Path):
         raise UnknownFormatError("reading a DCP checkpoint needs a torch built with torch.distributed", path=folder)
     importlib.import_module(_DCP_META)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             meta = _MetadataUnpickler(f, path).load()
     except (UnsafeFileError, OSError):
         raise

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.base import TensorRef, safe_member
+from ckptlab.io.files import read_text
 from ckptlab.io.safetensors_file import open_safetensors
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -30,7 +31,7 @@ def open_sharded(index_path: Path, *, sequential: bool = False):
     """(refs, aliases, notes, skipped, closers) for all shards named by the index."""
     folder = index_path.parent
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads(read_text(index_path))
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")

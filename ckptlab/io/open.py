@@ -6,7 +6,6 @@ pickle or safetensors. Folders are recognised by what they hold.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +14,7 @@ from ckptlab.errors import CkptlabError, CorruptFileError, UnknownFormatError
 from ckptlab.io.base import LazyStateDict
 from ckptlab.io.files import open_regular
 from ckptlab.io.hf_sharded import find_index, open_sharded
-from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors
+from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors, read_aliases
 from ckptlab.run.layout import MODEL_FILE, is_run
 
 # torch is imported only for what needs it (.pt files, DCP folders, in-memory state dicts):
@@ -68,7 +67,7 @@ def _open_file(path: Path, label: str, *, sequential: bool, aliases=None, notes=
     ):  # damaged: say how
         refs, metadata, skipped, file = open_safetensors(path, sequential=sequential)
         if aliases is None and ALIASES_KEY in metadata:
-            aliases = _aliases(metadata[ALIASES_KEY], path)
+            aliases = read_aliases(metadata, path)
         return LazyStateDict(
             refs,
             label=label,
@@ -158,13 +157,3 @@ def open_run_checkpoint(run_dir: Path, step: str, *, sequential: bool, verify: b
             refs, label=f"{run_dir}@{number}", format="ckptlab-run (dcp)", notes=notes, skipped=skipped, closers=closers
         )
     return _open_file(ck.model_path, f"{run_dir}@{number}", sequential=sequential, format="ckptlab-run")
-
-
-def _aliases(text: str, path: Path) -> dict[str, str]:
-    try:
-        aliases = json.loads(text)
-    except (ValueError, RecursionError):
-        raise CorruptFileError(f"metadata {ALIASES_KEY} is not JSON", path=path) from None
-    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        raise CorruptFileError(f"metadata {ALIASES_KEY} is not a name -> name map", path=path)
-    return aliases

@@ -102,6 +102,30 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
     return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
 
 
+def load_safetensors(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:
+    """Every tensor of a safetensors file as a torch tensor, by name (sorted, as
+    `safetensors.torch.load_file` gives them), and its metadata. The tensors view a private
+    mapping of the file, which lives as long as they do; writing to one changes no file."""
+    refs, metadata, _, file = open_safetensors(path)
+    try:
+        return {name: refs[name].load() for name in sorted(refs)}, metadata
+    finally:
+        file.close()
+
+
+def read_aliases(metadata: dict[str, str], path: str | os.PathLike) -> dict[str, str]:
+    """The tied names of a ckptlab file (metadata ALIASES_KEY): {} where it has none."""
+    if ALIASES_KEY not in metadata:
+        return {}
+    try:
+        aliases = json.loads(metadata[ALIASES_KEY])
+    except (ValueError, RecursionError):
+        raise CorruptFileError(f"metadata {ALIASES_KEY} is not JSON", path=path) from None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise CorruptFileError(f"metadata {ALIASES_KEY} is not a name -> name map", path=path)
+    return aliases
+
+
 def _check_entry(path: Path, name, e) -> tuple[int, int, tuple[int, ...], str]:
     where = f"corrupt safetensors header: entry {name!r}"
     if not isinstance(e, dict):

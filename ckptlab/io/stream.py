@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from ckptlab import stats
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, CorruptFileError
 from ckptlab.io.base import TensorRef
+from ckptlab.io.files import read_text
 from ckptlab.io.mapped import FileTensor
 
 # 32 MiB: big enough that per-unit costs (a syscall, an accumulator) vanish, small enough that
@@ -195,9 +196,8 @@ def _use_processes(jobs: Sequence[Job], asked: bool | None) -> bool:
 
 def _resident_bytes() -> int:
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        return int(read_text("/proc/self/statm").split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, CorruptFileError):
         return 0
 
 

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
+from ckptlab.io.files import read_text
 from ckptlab.render.export import ExportSummary, export_run, pending, run_key, with_report
 from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Run
@@ -124,7 +125,7 @@ def _read_state(folder: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(read_text(path))
     except (ValueError, UnicodeDecodeError) as e:
         raise CkptlabError(f"unreadable export cursor ({e})", path=path) from None
     if not isinstance(state, dict):

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError, CorruptFileError
+from ckptlab.io.files import read_bytes, read_text
 from ckptlab.run import framelog
 from ckptlab.run.atomic import atomic_file, fsync_path, rename_durably, write_bytes_atomic, write_json_atomic
 from ckptlab.run.checkpoint import list_checkpoints
@@ -308,7 +309,7 @@ def unfinished_rollback(run_dir: str | os.PathLike) -> Path | None:
 
 def _read_intent(dest: Path) -> dict:
     try:
-        return json.loads((dest / INTENT).read_text())
+        return json.loads(read_text(dest / INTENT))
     except (OSError, ValueError) as e:
         raise CorruptFileError(f"unreadable rollback record ({e})", path=dest / INTENT) from None
 
@@ -355,7 +356,7 @@ def _split(path: Path, archived: Path, k: int) -> None:
     else:
         _link_or_copy(path, archived)
     scan = framelog.scan(path)
-    data = path.read_bytes()
+    data = read_bytes(path)
     out = bytearray(data[: len(framelog.FILE_MAGIC)])  # the segment's own layout (its frames are copied as they are)
     for ref in scan.frames:
         if keeps(ref.kind, ref.step, k):

@@ -38,7 +38,7 @@ import torch
 
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.dcp import dcp_tree
-from ckptlab.io.safetensors_file import ALIASES_KEY
+from ckptlab.io.safetensors_file import ALIASES_KEY, load_safetensors, read_aliases
 from ckptlab.run import codec
 from ckptlab.run.atomic import create_new, fsync_path, rename_durably, write_synced
 from ckptlab.run.commit import committed, read_commit, verify_files
@@ -485,12 +485,10 @@ class Checkpoint:
         if self.sharded:
             return read_dcp(self.model_path).get("model", {}), {}
         try:
-            with safetensors.safe_open(self.model_path, framework="pt") as f:
-                aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
-            tensors = safetensors.torch.load_file(self.model_path)
-        except Exception as e:  # noqa: BLE001
+            tensors, metadata = load_safetensors(self.model_path)
+        except OSError as e:
             raise CorruptFileError(f"unreadable safetensors ({e})", path=self.model_path) from None
-        return tensors, aliases
+        return tensors, read_aliases(metadata, self.model_path)
 
     def load_sharded(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
         """A sharded checkpoint's shards assembled in this process: (the whole model state dict,
@@ -505,15 +503,18 @@ class Checkpoint:
             self.verify()
         path = self.path / STATE_FILE
         try:
-            with safetensors.safe_open(path, framework="pt") as f:
-                spec = json.loads(f.metadata()[META_KEY])
-            tensors = safetensors.torch.load_file(path)
-            state = codec.decode(spec, tensors)
+            state = codec.decode(*read_state_file(path))
         except Exception as e:  # noqa: BLE001
             raise CorruptFileError(f"unreadable training state ({e})", path=path) from None
         if not isinstance(state, dict) or not isinstance(state.get("rng", {}), dict):
             raise CorruptFileError("unreadable training state (not the object a checkpoint holds)", path=path)
         return state
+
+
+def read_state_file(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(codec spec, tensors) of a state.safetensors, to `codec.decode`."""
+    tensors, metadata = load_safetensors(path)
+    return json.loads(metadata[META_KEY]), tensors
 
 
 def read_dcp(folder: Path) -> dict:
@@ -541,9 +542,8 @@ def load_captured(path: Path) -> CapturedState:
     ckpt = Checkpoint(int(commit["step"]), path, commit)
     ckpt.verify()
     tensors, aliases = ckpt.load_model(verify=False)
-    with safetensors.safe_open(path / STATE_FILE, framework="pt") as f:
-        spec = json.loads(f.metadata()[META_KEY])
-    return CapturedState(ckpt.step, tensors, aliases, spec, safetensors.torch.load_file(path / STATE_FILE), {})
+    spec, state_tensors = read_state_file(path / STATE_FILE)
+    return CapturedState(ckpt.step, tensors, aliases, spec, state_tensors, {})
 
 
 def list_checkpoints(run_dir: Path) -> tuple[list[Checkpoint], list[str]]:

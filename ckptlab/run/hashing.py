@@ -9,7 +9,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptlab.io.files import open_regular
+from ckptlab.io.files import open_fd, open_regular
 
 HASH_CHUNK = 8 << 20
 DIRECT_CHUNK = 32 << 20  # a read of a file written around the page cache (O_DIRECT)
@@ -29,7 +29,7 @@ def sha256_uncached(path: str | os.PathLike) -> str:
     if not flags:
         return sha256_file(path)
     try:
-        fd = os.open(path, os.O_RDONLY | flags | getattr(os, "O_CLOEXEC", 0))
+        fd = open_fd(path, flags)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
+from ckptlab.io.files import read_text
 from ckptlab.run.atomic import write_json_atomic
 
 SKIP_FORMAT = "ckptlab-skip"
@@ -40,7 +41,7 @@ def read(path: str | os.PathLike) -> list:
     """The sample ids of a skip list (or of a plain JSON list of ids)."""
     p = Path(path)
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(read_text(p))
     except FileNotFoundError:
         raise CkptlabError("no such skip list", path=p) from None
     except ValueError as e:
