@@ -218,67 +218,89 @@ def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, mer
         claimed = ctx.Value("q", 0)  # the next unit index to take
     except (OSError, ImportError):  # no usable /dev/shm (some sandboxes)
         return False
-    for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
-        stats.codec_for(ref.dtype)  # (cached: built once here, not once per worker)
-    for ref in (r for job in jobs for r in (job.a, job.b) if r is not None):
-        if not ref.file.sequential:
-            ref.file.mapping()  # mapped here: every worker inherits the mapping, none takes its lock
+    _before_fork(jobs)
     children: dict[int, Connection] = {}
     reaped: set[int] = set()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _CAUGHT)  # no handler runs between fork and set-up
     try:
         for _ in range(workers):
-            try:
-                recv, send = ctx.Pipe(duplex=False)
-            except OSError:  # out of file descriptors
+            if not _start_worker(ctx, blocked, children, lambda send: _worker(jobs, units, claimed, send)):
                 return False  # (the finally below stops the ones already started)
-            try:
-                pid = os.fork()
-            except OSError:  # out of memory or processes
-                recv.close()
-                send.close()
-                return False
-            if pid == 0:  # the worker: never returns
-                try:
-                    _worker_setup(blocked, [recv, *children.values()])
-                    _worker(jobs, units, claimed, send)
-                finally:
-                    os._exit(1)
-            children[pid] = recv
-            send.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        done = 0
-        open_pipes = dict(children)
-        while done < len(units):
-            if not open_pipes:
-                raise CkptlabError("a diff worker process exited before its work was done")
-            for conn in wait_any(list(open_pipes.values())):
-                try:
-                    kind, index, payload = conn.recv()
-                except (EOFError, OSError):  # it exited, or died in the middle of a message
-                    pid = next(p for p, c in open_pipes.items() if c is conn)
-                    del open_pipes[pid]
-                    status = _reap(pid)
-                    reaped.add(pid)
-                    if status != 0:
-                        raise CkptlabError(f"a diff worker process died ({_exit_text(status)})") from None
-                    continue
-                if kind == "error":
-                    error, remote = payload
-                    raise error from _WorkerTraceback(remote)
-                merge.add(units[index], payload)
-                done += 1
+        _collect(units, children, reaped, merge)
         return True
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        alive = [pid for pid in children if pid not in reaped]
-        for pid in alive:  # all killed first, then reaped (long gone when all went well)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in alive:
-            _reap(pid)
-        for conn in children.values():
-            conn.close()
+        _stop(children, reaped)
+
+
+def _before_fork(jobs: Sequence[Job]) -> None:
+    """What every worker needs, made once here so that each inherits it."""
+    for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
+        stats.codec_for(ref.dtype)  # (cached: built once here, not once per worker)
+    for ref in (r for job in jobs for r in (job.a, job.b) if r is not None):
+        if not ref.file.sequential:
+            ref.file.mapping()  # mapped here: every worker inherits the mapping, none takes its lock
+
+
+def _start_worker(ctx, blocked, children: dict[int, Connection], work: Callable[[Connection], None]) -> bool:
+    """Fork one worker running `work(send)`; its pipe's reading end goes into `children`.
+    False when the system refuses (out of file descriptors, memory or processes)."""
+    try:
+        recv, send = ctx.Pipe(duplex=False)
+    except OSError:
+        return False
+    try:
+        pid = os.fork()
+    except OSError:
+        recv.close()
+        send.close()
+        return False
+    if pid == 0:  # the worker: never returns
+        try:
+            _worker_setup(blocked, [recv, *children.values()])
+            work(send)
+        finally:
+            os._exit(1)
+    children[pid] = recv
+    send.close()
+    return True
+
+
+def _collect(units: list[_Unit], children: dict[int, Connection], reaped: set[int], merge: _Merger) -> None:
+    """Merge every unit's result as the workers send them; a worker's error raised here."""
+    done = 0
+    open_pipes = dict(children)
+    while done < len(units):
+        if not open_pipes:
+            raise CkptlabError("a diff worker process exited before its work was done")
+        for conn in wait_any(list(open_pipes.values())):
+            try:
+                kind, index, payload = conn.recv()
+            except (EOFError, OSError):  # it exited, or died in the middle of a message
+                pid = next(p for p, c in open_pipes.items() if c is conn)
+                del open_pipes[pid]
+                status = _reap(pid)
+                reaped.add(pid)
+                if status != 0:
+                    raise CkptlabError(f"a diff worker process died ({_exit_text(status)})") from None
+                continue
+            if kind == "error":
+                error, remote = payload
+                raise error from _WorkerTraceback(remote)
+            merge.add(units[index], payload)
+            done += 1
+
+
+def _stop(children: dict[int, Connection], reaped: set[int]) -> None:
+    alive = [pid for pid in children if pid not in reaped]
+    for pid in alive:  # all killed first, then reaped (long gone when all went well)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in alive:
+        _reap(pid)
+    for conn in children.values():
+        conn.close()
 
 
 # Signals whose handlers (the parent's: a framework's "save on SIGTERM") must not run in a worker.

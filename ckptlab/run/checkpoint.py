@@ -328,80 +328,97 @@ def _write_direct(path: Path, head: bytes, chunks: list, total: int, hash=True, 
         with contextlib.suppress(OSError):  # (created before the flag was refused, on some kernels)
             path.unlink()
         return None
-    staged = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
-    reported = False  # training was told of a tensor: no second write from its memory
+    job = None
     try:
         with (
             ThreadPoolExecutor(1, thread_name_prefix="ckptlab-hash") as pool,
             ThreadPoolExecutor(1, thread_name_prefix="ckptlab-write") as writes,
         ):
-            hasher = _Hasher(pool, hash)
-            cur = fill = written = 0
-            in_flight = None  # the write of the other buffer
-            # Tensors whose bytes are in a buffer, reported once a direct write has gone
-            # through: until then the filesystem may refuse them (EINVAL), and the buffered
-            # path writes every tensor again from its memory, which training may have changed
-            # by then if it was told it could.
-            unreported: list[int] | None = []
-
-            def accepted() -> None:
-                nonlocal unreported, reported
-                for ptr in unreported or ():
-                    on_copied(ptr)
-                    reported = True
-                unreported = None
-
-            def hand_over(n: int) -> None:
-                nonlocal cur, in_flight
-                if in_flight is not None:
-                    in_flight.result()  # the other buffer is free (its error, if any, raised here)
-                    accepted()
-                in_flight = writes.submit(_write_all, fd, bufs[cur], n)
-                cur ^= 1
-
+            job = _DirectWrite(fd, bufs, writes, _Hasher(pool, hash), on_copied)
             for piece, ends in _pieces(head, chunks):
-                hasher.add(piece)
-                src, i = np.frombuffer(piece, dtype=np.uint8), 0
-                while i < src.size:
-                    k = min(STREAM_CHUNK - fill, src.size - i)
-                    np.copyto(staged[cur][fill : fill + k], src[i : i + k])
-                    fill, i = fill + k, i + k
-                    if fill == STREAM_CHUNK:
-                        hand_over(STREAM_CHUNK)
-                        written += STREAM_CHUNK
-                        fill = 0
-                if ends is not None and on_copied is not None:  # its bytes are in a write buffer
-                    if unreported is None:
-                        on_copied(ends)
-                        reported = True
-                    else:
-                        unreported.append(ends)
-            if fill:
-                padded = -(-fill // DIRECT_ALIGN) * DIRECT_ALIGN
-                staged[cur][fill:padded] = 0
-                hand_over(padded)
-                written += fill
-            if in_flight is not None:
-                in_flight.result()
-            accepted()
-            if written % DIRECT_ALIGN:
-                os.ftruncate(fd, written)
-            record = {"bytes": written, "sha256": hasher.hexdigest()}
+                job.add(piece, ends)
+            record = job.finish()
     except OSError as e:
         os.close(fd)
         fd = -1
         with contextlib.suppress(OSError):
             path.unlink()
-        if e.errno == errno.EINVAL and not reported:  # a filesystem that takes the flag but not the writes
+        if e.errno == errno.EINVAL and not (
+            job and job.reported
+        ):  # a filesystem that takes the flag but not the writes
             return None
         raise
     finally:
         if fd >= 0:
             os.close(fd)
-        del staged
+        if job is not None:
+            job.staged.clear()  # (no array may view a buffer when it is closed)
         for b in bufs:
             b.close()
     return record
+
+
+class _DirectWrite:
+    """One O_DIRECT write in progress: pieces are copied into one buffer while the other's
+    write is in flight on `writes`."""
+
+    def __init__(self, fd: int, bufs: list[mmap.mmap], writes: ThreadPoolExecutor, hasher: _Hasher, on_copied):
+        self.fd, self.bufs, self.writes, self.hasher, self.on_copied = fd, bufs, writes, hasher, on_copied
+        self.staged = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+        self.cur = self.fill = self.written = 0
+        self.in_flight = None  # the write of the other buffer
+        # Tensors whose bytes are in a buffer, reported once a direct write has gone through:
+        # until then the filesystem may refuse them (EINVAL), and the buffered path writes
+        # every tensor again from its memory, which training may have changed by then if it
+        # was told it could.
+        self.unreported: list[int] | None = []
+        self.reported = False  # training was told of a tensor: no second write from its memory
+
+    def add(self, piece, ends: int | None) -> None:
+        """Copy `piece` in, handing each full buffer over; report its tensor (`ends`) once copied."""
+        self.hasher.add(piece)
+        src, i = np.frombuffer(piece, dtype=np.uint8), 0
+        while i < src.size:
+            k = min(STREAM_CHUNK - self.fill, src.size - i)
+            np.copyto(self.staged[self.cur][self.fill : self.fill + k], src[i : i + k])
+            self.fill, i = self.fill + k, i + k
+            if self.fill == STREAM_CHUNK:
+                self._hand_over(STREAM_CHUNK)
+                self.written += STREAM_CHUNK
+                self.fill = 0
+        if ends is not None and self.on_copied is not None:  # its bytes are in a write buffer
+            if self.unreported is None:
+                self.on_copied(ends)
+                self.reported = True
+            else:
+                self.unreported.append(ends)
+
+    def finish(self) -> dict:
+        """The last piece written (padded), every write waited for, the file cut to its size."""
+        if self.fill:
+            padded = -(-self.fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            self.staged[self.cur][self.fill : padded] = 0
+            self._hand_over(padded)
+            self.written += self.fill
+        if self.in_flight is not None:
+            self.in_flight.result()
+        self._accepted()
+        if self.written % DIRECT_ALIGN:
+            os.ftruncate(self.fd, self.written)
+        return {"bytes": self.written, "sha256": self.hasher.hexdigest()}
+
+    def _hand_over(self, n: int) -> None:
+        if self.in_flight is not None:
+            self.in_flight.result()  # the other buffer is free (its error, if any, raised here)
+            self._accepted()
+        self.in_flight = self.writes.submit(_write_all, self.fd, self.bufs[self.cur], n)
+        self.cur ^= 1
+
+    def _accepted(self) -> None:
+        for ptr in self.unreported or ():
+            self.on_copied(ptr)
+            self.reported = True
+        self.unreported = None
 
 
 def _write_all(fd: int, buf: mmap.mmap, n: int) -> int:
