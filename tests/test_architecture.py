@@ -133,3 +133,93 @@ def test_the_checker_sees_circles_and_arrows_up():
     assert _layer("ckptlab.replayer.blame") == ("ckptlab.replayer", 4)
     assert _layer("ckptlab.run") == ("ckptlab.run", 2)
     assert _layer("ckptlab.stats") == ("base", 0)
+
+
+# --- one discipline for files -------------------------------------------------------------------
+# Files are read through ckptlab/io/files.py (a regular file, or one clear error: a FIFO would
+# hang a reader, a device feed it forever) and written through ckptlab/run/atomic.py (temp file,
+# fsync, rename, fsync the folder). Nothing else opens, reads or writes a file by itself, and
+# nothing else renames one.
+FILE_MODULES = {"ckptlab/io/files.py", "ckptlab/run/atomic.py"}
+FILE_CALLS = {"open", "io.open", "os.open", ".open", ".read_bytes", ".read_text", ".write_bytes", ".write_text"}
+RENAME_CALLS = {"os.replace", "os.rename", ".rename", "shutil.move"}
+# (module, call) -> why it opens a file itself.
+FILE_EXCEPTIONS = {
+    ("ckptlab/run/lock.py", "os.open"): "the run lock's own file: O_CREAT|O_EXCL to take it, O_NOFOLLOW to read it",
+    ("ckptlab/run/checkpoint.py", "os.open"): "big checkpoint files written around the page cache (O_DIRECT)",
+    ("ckptlab/run/framelog.py", "os.open"): "journal and batch segments: append-only (O_APPEND), fsynced when closed",
+    ("ckptlab/training/userfns.py", ".read_bytes"): "the user's own step_fn/build_fn source, copied into the run",
+    ("ckptlab/replayer/distributed.py", ".read_text"): "replay ranks' results, in a private temp folder",
+    ("ckptlab/replayer/distributed.py", ".write_text"): "replay ranks' results, in a private temp folder",
+    ("ckptlab/render/export.py", ".write_text"): "the HTML page `ckptlab export --html` writes where it is told",
+}
+
+
+def _file_calls(source: str) -> list[tuple[int, str]]:
+    """(line, call) of each call that opens, reads, writes or renames a file by itself: `open`,
+    `os.open`, `io.open`, `x.open`, `x.read_bytes/read_text/write_bytes/write_text`,
+    `os.replace`, `os.rename`, `x.rename`, `shutil.move`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            found.append((node.lineno, "open"))
+        elif isinstance(f, ast.Attribute):
+            owner = f.value.id if isinstance(f.value, ast.Name) else ""
+            call = f"{owner}.{f.attr}" if owner in ("os", "io", "shutil") else f".{f.attr}"
+            if call in FILE_CALLS | RENAME_CALLS:
+                found.append((node.lineno, call))
+    return found
+
+
+def _file_offences(sources: dict[str, str]) -> list[str]:
+    """`module:line call` for each file call outside FILE_MODULES that FILE_EXCEPTIONS does not
+    name, and each rename outside run/atomic.py."""
+    out = []
+    for module, source in sorted(sources.items()):
+        for line, call in _file_calls(source):
+            if call in RENAME_CALLS and module != "ckptlab/run/atomic.py":
+                out.append(f"{module}:{line} {call}")
+            elif call in FILE_CALLS and module not in FILE_MODULES and (module, call) not in FILE_EXCEPTIONS:
+                out.append(f"{module}:{line} {call}")
+    return out
+
+
+def _sources() -> dict[str, str]:
+    return {path.relative_to(ROOT.parent).as_posix(): path.read_text() for path in ROOT.rglob("*.py")}
+
+
+def test_files_are_opened_only_by_the_reader_and_the_atomic_writer():
+    offences = [o for o in _file_offences(_sources()) if o.split()[1] in FILE_CALLS]
+    assert not offences, "open, read or write files through ckptlab/io/files.py or ckptlab/run/atomic.py"
+
+
+def test_only_the_atomic_writer_renames():
+    offences = [o for o in _file_offences(_sources()) if o.split()[1] in RENAME_CALLS]
+    assert not offences, "rename through ckptlab/run/atomic.py (rename_durably, atomic_file)"
+
+
+def test_every_file_exception_is_still_needed():
+    sources = _sources()
+    used = {(module, call) for module, source in sources.items() for _, call in _file_calls(source)}
+    assert set(FILE_EXCEPTIONS) <= used, set(FILE_EXCEPTIONS) - used
+
+
+def test_the_file_checker_sees_opens_reads_and_renames():
+    source = (
+        "import os, io, shutil\n"
+        "open('a')\nio.open('a')\nos.open('a', 0)\np.open()\np.read_bytes()\np.read_text()\n"
+        "p.write_bytes(b'')\np.write_text('')\nos.replace('a', 'b')\nos.rename('a', 'b')\np.rename('b')\n"
+        "shutil.move('a', 'b')\ns.replace('a', 'b')\nos.path.join('a')\nread_text('a')\n"
+    )
+    assert [call for _, call in _file_calls(source)] == [
+        "open", "io.open", "os.open", ".open", ".read_bytes", ".read_text", ".write_bytes", ".write_text",
+        "os.replace", "os.rename", ".rename", "shutil.move",
+    ]  # fmt: skip
+    assert _file_offences({"ckptlab/render/x.py": "open('a')", "ckptlab/run/atomic.py": "os.rename('a', 'b')"}) == [
+        "ckptlab/render/x.py:1 open"
+    ]
+    assert _file_offences({"ckptlab/io/files.py": "os.rename('a', 'b')"}) == ["ckptlab/io/files.py:1 os.rename"]
+    assert _file_offences({"ckptlab/run/lock.py": "os.open('a', 0)\nopen('a')"}) == ["ckptlab/run/lock.py:2 open"]
