@@ -8,7 +8,8 @@
     plain(finding)   # {"name": ...}: dataclasses -> dicts, numpy/torch scalars -> numbers
 
 Non-finite floats become the strings "nan", "inf", "-inf" (standard JSON has no NaN, and null
-would hide which one it was). A field whose metadata is NOT_IN_JSON stays out of the document:
+would hide which one it was); `json_safe` does that alone to JSON values (a run's records) and
+`json_restore` undoes it. A field whose metadata is NOT_IN_JSON stays out of the document:
 internal working values (sort keys, histograms for plots) that the terminal renderers read.
 """
 
