@@ -3,7 +3,7 @@
     python scripts/bench_stream_workers.py            # 16M float32 pairs, 6 rounds per setting
 
 The work is what `ckptlab diff` does per segment of a float32 tensor pair
-(`stats.PairAccumulator.add`), on arrays already in memory (no file reads). It is timed
+(`PairAccumulator.add`), on arrays already in memory (no file reads). It is timed
 three ways in one run: one worker doing it `--rounds` times; two threads each doing it
 `--rounds` times at once; two forked processes each doing it `--rounds` times at once. The
 printed gain is work done per second against one worker: 2.0 would be two whole cores.
@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckptlab import stats  # noqa: E402
+from ckptlab.stats.kernels import count_without_torch  # noqa: E402
+from ckptlab.stats.pair import PairAccumulator  # noqa: E402
 
 
 def main() -> None:
@@ -36,12 +37,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     a = (rng.standard_normal(args.pairs) * 0.02).astype(np.float32)
     b = a + (rng.standard_normal(args.pairs) * 2e-5).astype(np.float32)
-    stats.count_without_torch()
+    count_without_torch()
     piece = 1 << 23
 
     def work() -> None:
         for _ in range(args.rounds):
-            acc = stats.PairAccumulator("float32", "float32")
+            acc = PairAccumulator("float32", "float32")
             for s in range(0, args.pairs, piece):
                 acc.add(a[s : s + piece], b[s : s + piece], s)
 

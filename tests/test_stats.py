@@ -8,8 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptlab import stats
-from ckptlab.stats import HIST_EDGES, PairAccumulator, StatsAccumulator, hist_bins, pair_stats, symlog, tensor_stats
+from ckptlab.stats import kernels
+from ckptlab.stats.histogram import HIST_EDGES, QUANTILES, hist_bins, symlog
+from ckptlab.stats.kernels import BLOCK
+from ckptlab.stats.pair import PairAccumulator, pair_stats
+from ckptlab.stats.patterns import codec_for, pattern_codes
+from ckptlab.stats.tensor import StatsAccumulator, tensor_stats
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -49,7 +53,7 @@ def test_16_bit_histograms_and_quantiles_are_exact(dtype):
     t = (torch.randn(50_001) * 10).to(dtype)
     s = tensor_stats(t)
     assert (s.hist == np.bincount(hist_bins(t.double().numpy()), minlength=len(HIST_EDGES) - 1)).all()
-    for q, got in zip(stats.QUANTILES, s.quantiles):
+    for q, got in zip(QUANTILES, s.quantiles):
         assert got == float(torch.quantile(t.double(), q, interpolation="lower"))
 
 
@@ -69,13 +73,13 @@ def test_float32_is_binned_by_its_bfloat16_prefix():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pattern_counts_are_the_same_with_and_without_torch(dtype, monkeypatch):
-    """Blocks of stats.SMALL codes and more are counted by torch where it is imported and by
+    """Blocks of kernels.SMALL codes and more are counted by torch where it is imported and by
     numpy where it is not (a safetensors diff): the same counts either way."""
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(3 * stats.BLOCK // 2 + 7, generator=g) * 0.02).to(dtype)
+    x = (torch.randn(3 * BLOCK // 2 + 7, generator=g) * 0.02).to(dtype)
     x[5] = math.nan
-    codec = stats.codec_for(dtype)
-    codes = stats._codes(
+    codec = codec_for(dtype)
+    codes = pattern_codes(
         x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
         .numpy()
         .view(np.uint16 if dtype == torch.bfloat16 else np.float32),
@@ -84,7 +88,7 @@ def test_pattern_counts_are_the_same_with_and_without_torch(dtype, monkeypatch):
     expected = np.bincount(codes.astype(np.int64), minlength=codec.size)
     with_torch = StatsAccumulator(dtype)
     with_torch.add(x)
-    monkeypatch.setattr(stats, "_loaded_torch", lambda: None)
+    monkeypatch.setattr(kernels, "_loaded_torch", lambda: None)
     without = StatsAccumulator(dtype)
     without.add(x)
     assert (with_torch.counts == expected).all() and (without.counts == expected).all()

@@ -103,7 +103,7 @@ class WeightSnapshot:
     """Value statistics of every stored tensor at one checkpoint (for histograms and drift)."""
 
     step: int
-    stats: dict  # name -> ckptlab.stats.TensorStats
+    stats: dict  # name -> ckptlab.stats.results.TensorStats
     digests: dict  # name -> content hash, so bit-identical tensors (a frozen layer) are found
 
 
@@ -1118,7 +1118,7 @@ def weight_snapshots(run: Run, limit: int = 6) -> list[WeightSnapshot]:
     import torch
 
     from ckptlab.io import open_checkpoint
-    from ckptlab.stats import tensor_stats
+    from ckptlab.stats.tensor import tensor_stats
 
     steps = run.checkpoints
     if not steps:

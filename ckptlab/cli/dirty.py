@@ -77,7 +77,8 @@ def command(
     """
     from dataclasses import replace
 
-    from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
+    from ckptlab.analysis.dirty import scan, skip_ids, write_skip_list
+    from ckptlab.analysis.dirty.findings import DirtyRules
     from ckptlab.render.dirty import render
     from ckptlab.run.reader import open_run
 

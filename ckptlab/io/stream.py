@@ -41,11 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab import stats
 from ckptlab.errors import CkptlabError, CorruptFileError
 from ckptlab.io.base import TensorRef
 from ckptlab.io.files import read_text
 from ckptlab.io.mapped import FileTensor
+from ckptlab.stats.kernels import CHUNK, count_without_torch
+from ckptlab.stats.patterns import codec_for
 
 # 32 MiB: big enough that per-unit costs (a syscall, an accumulator) vanish, small enough that
 # two threads x two files x one segment stay ~128 MiB resident.
@@ -237,7 +238,7 @@ def _run_in_processes(jobs: Sequence[Job], units: list[_Unit], workers: int, mer
 def _before_fork(jobs: Sequence[Job]) -> None:
     """What every worker needs, made once here so that each inherits it."""
     for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
-        stats.codec_for(ref.dtype)  # (cached: built once here, not once per worker)
+        codec_for(ref.dtype)  # (cached: built once here, not once per worker)
     for ref in (r for job in jobs for r in (job.a, job.b) if r is not None):
         if not ref.file.sequential:
             ref.file.mapping()  # mapped here: every worker inherits the mapping, none takes its lock
@@ -329,7 +330,7 @@ def _worker(jobs: Sequence[Job], units: list[_Unit], claimed, send: Connection) 
     or finalizers (the caller's os._exit)."""
     code = 0
     try:
-        stats.count_without_torch()
+        count_without_torch()
         local = threading.local()
         while True:
             with claimed.get_lock():
@@ -398,7 +399,7 @@ def _units(index: int, job: Job) -> list[_Unit]:
     if n == 0:
         return []
     itemsize = max(job.a.itemsize, job.b.itemsize if job.b is not None else 1)
-    step = max(stats.CHUNK, SEGMENT_BYTES // itemsize // stats.CHUNK * stats.CHUNK)  # whole chunks
+    step = max(CHUNK, SEGMENT_BYTES // itemsize // CHUNK * CHUNK)  # whole chunks
     if not (job.a.splittable and (job.b is None or job.b.splittable)):
         step = n
     return [_Unit(index, start, min(step, n - start)) for start in range(0, n, step)]

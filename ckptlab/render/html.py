@@ -21,7 +21,7 @@ import numpy as np
 from ckptlab.analysis.health import HealthReport, PlotData
 from ckptlab.render import svg
 from ckptlab.render.jsonout import plain
-from ckptlab.stats import HIST_EDGES
+from ckptlab.stats.histogram import HIST_EDGES
 
 SEVERITY_COLORS = {"error": "#d62728", "warning": "#e6a100", "info": "#7f7f7f"}
 MARKER_COLORS = {"error": "#d62728", "warning": "#e6a100", "info": "#999999"}

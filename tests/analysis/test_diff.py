@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ckptlab
-from ckptlab.analysis.diff import align, canonical, role
+from ckptlab.analysis.diff.names import align, canonical
+from ckptlab.analysis.diff.ranking import role
 from ckptlab.errors import CkptlabError
 from ckptlab.io import from_tensors
 from ckptlab.render.jsonout import dumps

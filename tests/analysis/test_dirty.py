@@ -8,7 +8,8 @@ import torch
 import torch.utils.data as tud
 
 import ckptlab
-from ckptlab.analysis.dirty import DirtyRules, scan, skip_ids, write_skip_list
+from ckptlab.analysis.dirty import scan, skip_ids, write_skip_list
+from ckptlab.analysis.dirty.findings import DirtyRules
 from ckptlab.analysis.spikes import SpikeRule
 from ckptlab.run.skiplist import read as read_skip_list
 from ckptlab.training.sampler import skip_samples

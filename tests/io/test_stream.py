@@ -11,11 +11,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from ckptlab import stats
 from ckptlab.io import open_checkpoint
 from ckptlab.io import stream as streaming
 from ckptlab.io.base import MemoryTensor
 from ckptlab.io.stream import Job, stream
+from ckptlab.stats.pair import PairAccumulator
 
 
 def _rss_file_kb() -> int | None:
@@ -63,7 +63,7 @@ def _pair_files(tmp_path, n: int):
 
 def _jobs(sd_a, sd_b):
     ra, rb = sd_a.info("w"), sd_b.info("w")
-    return [Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype))]
+    return [Job(ra, rb, lambda: PairAccumulator(ra.dtype, rb.dtype))]
 
 
 @pytest.mark.skipif(_rss_file_kb() is None, reason="needs /proc/self/status (Linux)")
@@ -97,7 +97,7 @@ def test_units_run_concurrently_on_two_threads(tmp_path, monkeypatch):
                 both.wait()  # returns only when a second thread is inside a unit at the same time
             except threading.BrokenBarrierError:
                 pass
-        return stats.PairAccumulator(ra.dtype, rb.dtype)
+        return PairAccumulator(ra.dtype, rb.dtype)
 
     stream([Job(ra, rb, make)], workers=2, processes=False)
     assert len(threads) == 2 and not both.broken
@@ -180,12 +180,10 @@ def test_worker_processes_take_every_unit_once_and_report_progress(tmp_path, mon
 
     def make():
         assert os.getpid() != parent  # counted in a worker process, not here
-        return stats.PairAccumulator("float32", "float32")
+        return PairAccumulator("float32", "float32")
 
     ra, rb = sd_a.info("w"), sd_b.info("w")
-    merged = stream(
-        [Job(ra, rb, make, finish=stats.PairAccumulator.result)], workers=2, progress=done.append, processes=True
-    )
+    merged = stream([Job(ra, rb, make, finish=PairAccumulator.result)], workers=2, progress=done.append, processes=True)
     assert merged[0].a.numel == 1 << 20 and merged[0].delta.compared == 1 << 20
     assert sum(done) == 2 * 4 * (1 << 20) and len(done) == 8
 
@@ -239,14 +237,14 @@ def test_worker_processes_do_not_run_the_callers_signal_handlers(tmp_path, monke
 
         def interrupted():  # a Ctrl-C reaching a worker: ignored there
             os.kill(os.getpid(), signal.SIGINT)
-            return stats.PairAccumulator("float32", "float32")
+            return PairAccumulator("float32", "float32")
 
         merged = stream([Job(ra, rb, interrupted)], workers=2, processes=True)
         assert merged[0].result().delta.compared == 1 << 20
 
         def terminated():
             os.kill(os.getpid(), signal.SIGTERM)
-            return stats.PairAccumulator("float32", "float32")
+            return PairAccumulator("float32", "float32")
 
         from ckptlab.errors import CkptlabError
 
@@ -277,7 +275,7 @@ def test_a_file_lock_held_by_another_thread_does_not_hang_the_workers(tmp_path, 
 
 
 def _jobs_of(ra, rb):
-    return [Job(ra, rb, lambda: stats.PairAccumulator(ra.dtype, rb.dtype))]
+    return [Job(ra, rb, lambda: PairAccumulator(ra.dtype, rb.dtype))]
 
 
 @needs_fork
