@@ -254,9 +254,10 @@ def test_validation_that_improves_after_stalling_is_not_advised_to_stop(tmp_path
 
 
 def test_verdict_grammar_for_every_shape():
-    from ckptlab.analysis.health import CurveSummary, _verdict
+    from ckptlab.analysis.health import CurveSummary
+    from ckptlab.analysis.health.report import verdict
 
-    said = {s: _verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
+    said = {s: verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
     assert said == {
         "fast_drop": "Healthy: the loss drops fast; no problems found.",
         "slow_drop": "Healthy: the loss drops slowly; no problems found.",
