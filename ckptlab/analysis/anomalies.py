@@ -61,7 +61,7 @@ def nonfinite_grad(nonfinite_grads, param_grad_norm, scaler_skipped):
     return ((np.asarray(nonfinite_grads) > 0) | bad_norm) & ~np.asarray(scaler_skipped, dtype=bool)
 
 
-def nonfinite_weights(weight_norm):
+def nonfinite_weight(weight_norm):
     """How many weight tensors have a non-finite norm after the update (a step: an int; a
     series: one count a row). Only meaningful where the norms were measured."""
     return (~np.isfinite(np.asarray(weight_norm))).sum(axis=-1)
@@ -92,8 +92,8 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
         events.append({"kind": "nonfinite_loss", "value": h.loss})
     if nonfinite_grad(h.nonfinite_grads, h.param_grad_norm, h.scaler_skipped):
         events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
-    if h.weight_norm is not None and nonfinite_weights(h.weight_norm):
-        events.append({"kind": "nonfinite_weight", "value": int(nonfinite_weights(h.weight_norm))})
+    if h.weight_norm is not None and nonfinite_weight(h.weight_norm):
+        events.append({"kind": "nonfinite_weight", "value": int(nonfinite_weight(h.weight_norm))})
     spike = dets["loss"].check(h.loss)
     if spike is not None:
         events.append({"kind": "loss_spike", "value": h.loss, "median": spike.median, "z": spike.z})

@@ -78,7 +78,7 @@ def test_a_gradient_norm_over_the_bar_is_an_explosion_without_history():
 
 
 def test_one_step_and_a_series_of_steps_get_the_same_verdict():
-    from ckptlab.analysis.anomalies import detectors, nonfinite_grad, nonfinite_weights, step_anomalies
+    from ckptlab.analysis.anomalies import detectors, nonfinite_grad, nonfinite_weight, step_anomalies
 
     inf, nan = float("inf"), float("nan")
     steps = [
@@ -111,4 +111,4 @@ def test_one_step_and_a_series_of_steps_get_the_same_verdict():
     assert list(series) == ["nonfinite_grad" in k for k in kinds]
     # A recorded row without per-parameter norms (all NaN: not measured) is not a fault.
     assert not nonfinite_grad(np.array([0]), np.full((1, 2), nan), np.array([False]))[0]
-    assert list(nonfinite_weights(np.array([[1.0, nan], [1.0, 2.0]]))) == [1, 0]
+    assert list(nonfinite_weight(np.array([[1.0, nan], [1.0, 2.0]]))) == [1, 0]

@@ -50,8 +50,8 @@ def curve_shape(loss: np.ndarray) -> str:
 # --- non-finite loss --------------------------------------------------------------------------------
 
 
-def nonfinite_loss_finding(d: RunData, rules: HealthRules) -> list[Finding]:
-    """The loss became NaN/Inf: an error, at the first such step (anomalies.nonfinite_loss)."""
+def loss_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
+    """The loss became NaN/Inf (anomalies.nonfinite_loss): an error, finding kind "explosion"."""
     m = d.m
     bad = np.flatnonzero(nonfinite_loss(m.loss))
     if len(bad) == 0:

@@ -25,8 +25,8 @@ from ckptlab.analysis.health.layers import (
 )
 from ckptlab.analysis.health.loss import (
     curve_shape,
+    loss_explosion,
     loss_spikes,
-    nonfinite_loss_finding,
     oscillation_or_divergence,
     plateau,
 )
@@ -34,7 +34,7 @@ from ckptlab.analysis.health.rules import SEVERITY_ORDER, Finding, HealthRules
 from ckptlab.analysis.health.series import smooth
 from ckptlab.analysis.health.snapshots import WeightSnapshot
 from ckptlab.analysis.health.validation import overfitting
-from ckptlab.analysis.health.weights import exploding_weights, nonfinite_weight, update_explosion, weight_drift
+from ckptlab.analysis.health.weights import exploding_weights, nonfinite_weights, update_explosion, weight_drift
 from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.run.reader import Metrics, Run
 
@@ -43,16 +43,14 @@ DEFAULT_RULES = HealthRules()
 
 # The detectors whose findings describe the loss curve (the most severe names `curve.kind`) ...
 LOSS_DETECTORS: list[Detector] = [
-    nonfinite_loss_finding,
+    loss_explosion,
     loss_spikes,
     oscillation_or_divergence,
     plateau,
     overfitting,
 ]
-# ... and all of them, in the order the report runs them (findings of equal severity and first
-# step keep this order).
-DETECTORS: list[Detector] = [
-    *LOSS_DETECTORS,
+# ... and the rest of the run's: gradients, parameters, weights.
+RUN_DETECTORS: list[Detector] = [
     crashes,
     gradient_explosion,
     nonfinite_gradient,
@@ -64,10 +62,13 @@ DETECTORS: list[Detector] = [
     requires_grad_false,
     update_ratio_band,
     update_explosion,
-    nonfinite_weight,
+    nonfinite_weights,
     exploding_weights,
     weight_drift,
 ]
+# All of them, in the order the report runs them (findings of equal severity and first step keep
+# this order).
+DETECTORS: list[Detector] = [*LOSS_DETECTORS, *RUN_DETECTORS]
 # Findings marked on the HTML page's loss and gradient charts, at their steps.
 MARKED = (
     "explosion",
@@ -141,7 +142,7 @@ def diagnose(run: Run, rules: HealthRules = DEFAULT_RULES, *, weights: bool = Tr
     d = load(run, rules, weights)
     m = d.m
     loss_findings = [f for detect in LOSS_DETECTORS for f in detect(d, rules)]
-    findings = loss_findings + [f for detect in DETECTORS[len(LOSS_DETECTORS) :] for f in detect(d, rules)]
+    findings = loss_findings + [f for detect in RUN_DETECTORS for f in detect(d, rules)]
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.steps[0] if f.steps else -1))
     curve = curve_summary(m, curve_shape(m.loss), loss_findings)
     val_loss = d.val if d.metric == "val_loss" else validation_series(run, "val_loss")

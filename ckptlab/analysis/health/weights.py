@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, nonfinite_weights, update_exploded
+from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, nonfinite_weight, update_exploded
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules, few
 from ckptlab.analysis.health.snapshots import WeightSnapshot
@@ -41,12 +41,12 @@ def update_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
     ]
 
 
-def nonfinite_weight(d: RunData, rules: HealthRules) -> list[Finding]:
-    """Steps whose measured weight norms were non-finite (anomalies.nonfinite_weights), and
+def nonfinite_weights(d: RunData, rules: HealthRules) -> list[Finding]:
+    """Steps whose measured weight norms were non-finite (anomalies.nonfinite_weight), and
     checkpoint tensors with NaN/Inf."""
     m, measured = d.m, d.weights_measured
     wn = m.weight_norm[measured].astype(np.float64) if len(measured) else np.zeros((0, len(m.param_names)))
-    bad_rows = measured[nonfinite_weights(wn) > 0] if len(wn) else measured
+    bad_rows = measured[nonfinite_weight(wn) > 0] if len(wn) else measured
     bad_cols = np.flatnonzero((~np.isfinite(wn)).any(axis=0)) if len(wn) else np.array([], dtype=int)
     ckpt_bad = sorted({(s.step, n) for s in d.snapshots for n, st in s.stats.items() if st.nonfinite})
     if not len(bad_rows) and not ckpt_bad:
