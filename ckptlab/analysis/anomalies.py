@@ -1,15 +1,22 @@
-"""What makes a step faulty: one rule for the Recorder (events while training) and replay
-(finding the root step), so both call the same steps anomalous.
+"""What makes a step faulty: each anomaly kind defined once, for the Recorder (events while
+training), replay (finding the root step) and report (its per-step findings), so all three call
+the same steps anomalous.
 
-A step is anomalous when its loss, a gradient or (when measured) a weight is non-finite; when
-its loss or gradient norm spikes (analysis/spikes.py); or when its update moves the weights by
-more than UPDATE_EXPLOSION of their norm (measured every `health_every` steps while recording,
-every step near the fault while replaying).
+A step is anomalous when
+- `nonfinite_loss`: its loss is NaN/Inf;
+- `nonfinite_grad`: a gradient element, or a parameter's gradient norm, is NaN/Inf -- except on a
+  step a GradScaler skipped (`scaler_skipped`: its gradients overflowed, the update was not
+  applied and the scale backed off: that is how float16 training finds its scale);
+- `nonfinite_weight`: (when measured) a weight tensor's norm after the update is NaN/Inf;
+- `loss_spike`: its loss spikes (LOSS_RULE, analysis/spikes.py);
+- `grad_spike`: its gradient norm explodes: a spike (GRAD_RULE, >= 5x the median), or over
+  GRAD_EXPLOSION whatever came before (which needs no history: it holds from the first step);
+- `update_explosion`: its update moves the weights by more than UPDATE_EXPLOSION of their norm
+  (measured every `health_every` steps while recording, every step near the fault while
+  replaying).
 
-A step a GradScaler skipped (`scaler_skipped`: its gradients overflowed, the update was not
-applied and the scale backed off) is not anomalous for its gradients: that is how float16
-training finds its scale. Its loss still counts: a non-finite loss is a fault whatever the
-scaler does (backing off the scale cannot fix a forward pass that overflows).
+Each predicate takes one step's values or a whole series (numpy arrays, one row a step), so the
+Recorder's per-step check and report's scan of the recorded metrics are the same test.
 """
 
 from __future__ import annotations
@@ -18,15 +25,59 @@ import math
 
 import numpy as np
 
-from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector
+from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, Spike, SpikeDetector, SpikeRule
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
 # (healthy training moves ~1e-3..1e-2 of it per step; see report's update-ratio band).
 UPDATE_EXPLOSION = 0.5
+# A pre-clip global gradient norm over this is an explosion with or without history: healthy
+# norms are O(0.1..10), and the spike rule needs 16 steps of baseline before it says anything.
+GRAD_EXPLOSION = 1000.0
 # Anomalous steps at most this far apart belong to one fault episode: after a real root the
 # damage shows step after step (huge or non-finite weights), while isolated spikes that
 # recovered are not the cause of a later NaN.
 EPISODE_GAP = 3
+
+
+# --- the definitions -------------------------------------------------------------------------------
+
+
+def nonfinite_loss(loss):
+    """The loss is NaN/Inf (a scaler skip does not excuse it: backing off the scale cannot fix a
+    forward pass that overflows). A bool, or a bool array for a series."""
+    return ~np.isfinite(loss)
+
+
+def nonfinite_grad(nonfinite_grads, param_grad_norm, scaler_skipped):
+    """Non-finite gradient elements, or a non-finite per-parameter gradient norm (an overflowed
+    norm of finite elements), on a step the GradScaler did not skip. `param_grad_norm` is
+    float[P] for a step or float[S, P] for a series; a row that is all NaN was not recorded
+    (NO_GRAD, -1, is finite: no gradient is not a bad one)."""
+    norms = np.asarray(param_grad_norm, dtype=np.float64)
+    if norms.shape[-1] == 0:
+        bad_norm = np.zeros(norms.shape[:-1], dtype=bool)
+    else:
+        bad_norm = ~np.isfinite(norms).all(axis=-1) & ~np.isnan(norms).all(axis=-1)
+    return ((np.asarray(nonfinite_grads) > 0) | bad_norm) & ~np.asarray(scaler_skipped, dtype=bool)
+
+
+def nonfinite_weight(weight_norm):
+    """How many weight tensors have a non-finite norm after the update (a step: an int; a
+    series: one count a row). Only meaningful where the norms were measured."""
+    return (~np.isfinite(np.asarray(weight_norm))).sum(axis=-1)
+
+
+def grad_exploded(norm: float, spike: Spike | None, bar: float = GRAD_EXPLOSION) -> bool:
+    """A gradient-norm spike (the detector's verdict on `norm`), or a finite norm over `bar`."""
+    return spike is not None or (math.isfinite(norm) and norm > bar)
+
+
+def update_exploded(ratio):
+    """||dw|| / ||w|| over all parameters together above UPDATE_EXPLOSION (None: not measured)."""
+    return ratio is not None and ratio > UPDATE_EXPLOSION
+
+
+# --- a step, as the Recorder and replay see it ----------------------------------------------------
 
 
 def detectors() -> dict[str, SpikeDetector]:
@@ -35,21 +86,40 @@ def detectors() -> dict[str, SpikeDetector]:
 
 def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
     """The anomalies of one step's health (a probe.StepHealth), as events {kind, value, ...};
-    feeds the step to the spike detectors."""
+    feeds the step to the spike detectors (a spike's event adds its median and z)."""
     events = []
-    if not math.isfinite(h.loss):
+    if nonfinite_loss(h.loss):
         events.append({"kind": "nonfinite_loss", "value": h.loss})
-    if not h.scaler_skipped and (h.nonfinite_grads or not np.isfinite(h.param_grad_norm).all()):
+    if nonfinite_grad(h.nonfinite_grads, h.param_grad_norm, h.scaler_skipped):
         events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
-    if h.weight_norm is not None and not np.isfinite(h.weight_norm).all():
-        events.append({"kind": "nonfinite_weight", "value": int((~np.isfinite(h.weight_norm)).sum())})
-    for kind, det, value in (("loss_spike", dets["loss"], h.loss), ("grad_spike", dets["grad"], h.grad_norm)):
-        spike = det.check(value)
-        if spike is not None:
-            events.append({"kind": kind, "value": value, "median": spike.median, "z": spike.z})
-    if h.update_ratio_global is not None and h.update_ratio_global > UPDATE_EXPLOSION:
+    if h.weight_norm is not None and nonfinite_weight(h.weight_norm):
+        events.append({"kind": "nonfinite_weight", "value": int(nonfinite_weight(h.weight_norm))})
+    spike = dets["loss"].check(h.loss)
+    if spike is not None:
+        events.append({"kind": "loss_spike", "value": h.loss, "median": spike.median, "z": spike.z})
+    spike = dets["grad"].check(h.grad_norm)
+    if grad_exploded(h.grad_norm, spike):
+        spread = {"median": spike.median, "z": spike.z} if spike is not None else {}
+        events.append({"kind": "grad_spike", "value": h.grad_norm, **spread})
+    if update_exploded(h.update_ratio_global):
         events.append({"kind": "update_explosion", "value": h.update_ratio_global})
     return events
+
+
+# --- a series, as report sees it ------------------------------------------------------------------
+
+
+def grad_explosions(norms, rule: SpikeRule = GRAD_RULE, bar: float = GRAD_EXPLOSION) -> list[tuple[int, Spike | None]]:
+    """(index, spike or None) of every step whose gradient norm explodes, scanning the series as
+    the Recorder would (None: over `bar` without being a spike)."""
+    det = SpikeDetector(rule)
+    out = []
+    for i, v in enumerate(norms):
+        v = float(v)
+        spike = det.check(v)
+        if grad_exploded(v, spike, bar):
+            out.append((i, spike))
+    return out
 
 
 def episode_start(anomalies: dict[int, list[str]], step: int) -> int:

@@ -254,9 +254,10 @@ def test_validation_that_improves_after_stalling_is_not_advised_to_stop(tmp_path
 
 
 def test_verdict_grammar_for_every_shape():
-    from ckptlab.analysis.health import CurveSummary, _verdict
+    from ckptlab.analysis.health import CurveSummary
+    from ckptlab.analysis.health.report import verdict
 
-    said = {s: _verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
+    said = {s: verdict(CurveSummary(s, s, 1.0, 0.5, 0.5, 1), []) for s in ("fast_drop", "slow_drop", "flat", "rising")}
     assert said == {
         "fast_drop": "Healthy: the loss drops fast; no problems found.",
         "slow_drop": "Healthy: the loss drops slowly; no problems found.",
@@ -295,3 +296,27 @@ def test_rules_are_settable(reports):
     run = ckptlab.open_run(reports["spike"].run)
     quiet = diagnose(run, HealthRules(loss_spike=SpikeRule(z=1e12)), weights=False)
     assert "loss_spike" not in {f.kind for f in quiet.findings}
+
+
+# The Recorder's anomaly events and the report findings that name the same steps.
+ANOMALY_FINDINGS = {
+    "nonfinite_loss": "explosion",
+    "nonfinite_grad": "nonfinite_gradient",
+    "nonfinite_weight": "nonfinite_weights",
+    "loss_spike": "loss_spike",
+    "grad_spike": "gradient_explosion",
+    "update_explosion": "update_explosion",
+}
+
+
+@pytest.mark.parametrize("name", ["healthy", "spike", "high_lr"])
+def test_report_names_the_steps_the_recorder_called_anomalous(reports, name):
+    r = reports[name]
+    alarmed = {
+        (e["step"], ANOMALY_FINDINGS[e["kind"]])
+        for e in ckptlab.open_run(r.run).events()
+        if e["kind"] in ANOMALY_FINDINGS
+    }
+    found = {(s, f.kind) for f in r.findings if f.kind in ANOMALY_FINDINGS.values() for s in f.steps}
+    assert alarmed == found
+    assert name == "healthy" or alarmed  # the planted faults were seen

@@ -40,3 +40,75 @@ def test_a_negative_loss_rises_by_its_magnitude():
     loss[100], loss[200], loss[250] = -9.0, -7.0, -30.0
     (spike,) = find_spikes(loss, LOSS_RULE)
     assert spike[0] == 200 and abs(spike[1].ratio - 1.3) < 0.01
+
+
+# --- analysis/anomalies.py: each anomaly defined once, for a step and for a series ---------------
+
+
+def _health(loss=1.0, grad=1.0, *, norms=(1.0, 1.0), nonfinite=0, skipped=False, weights=None, ratio=None):
+    from ckptlab.training.probe import StepHealth
+
+    return StepHealth(
+        loss=loss,
+        grad_norm=grad,
+        param_grad_norm=np.array(norms, dtype=np.float32),
+        nonfinite_grads=nonfinite,
+        param_nonfinite=None,
+        lr=[0.1],
+        stepped=not skipped,
+        update_ratio_global=ratio,
+        weight_norm=None if weights is None else np.array(weights, dtype=np.float32),
+        scaler_skipped=skipped,
+    )
+
+
+def test_a_gradient_norm_over_the_bar_is_an_explosion_without_history():
+    from ckptlab.analysis.anomalies import GRAD_EXPLOSION, detectors, grad_explosions, step_anomalies
+
+    # Over the bar, 5000 needs no baseline; under it, 500 is an explosion once there is one
+    # (16 values) to be a spike against.
+    early = [1.0, 2.0, 5e3, 1.5, GRAD_EXPLOSION / 2]
+    late = [1.0 + 0.01 * (i % 3) for i in range(20)] + [GRAD_EXPLOSION / 2]
+    for norms, expected in ((early, [(2, False)]), (late, [(20, True)])):
+        assert [(i, s is not None) for i, s in grad_explosions(norms)] == expected  # (step, a spike?)
+        dets = detectors()
+        events = [step_anomalies(_health(grad=g), dets) for g in norms]
+        assert [i for i, e in enumerate(events) if e] == [i for i, _ in expected]
+    assert step_anomalies(_health(grad=5e3), detectors()) == [{"kind": "grad_spike", "value": 5e3}]  # no median, z
+
+
+def test_one_step_and_a_series_of_steps_get_the_same_verdict():
+    from ckptlab.analysis.anomalies import detectors, nonfinite_grad, nonfinite_weight, step_anomalies
+
+    inf, nan = float("inf"), float("nan")
+    steps = [
+        _health(),
+        _health(loss=nan),
+        _health(nonfinite=3, norms=(nan, 1.0)),
+        _health(nonfinite=3, norms=(nan, 1.0), skipped=True),  # the GradScaler's overflow: routine
+        _health(norms=(inf, 1.0)),  # an overflowed norm of finite elements
+        _health(norms=(-1.0, 1.0)),  # no gradient (NO_GRAD) is not a bad one
+        _health(weights=[1.0, nan]),
+        _health(ratio=0.9),
+    ]
+    dets = detectors()
+    kinds = [{e["kind"] for e in step_anomalies(h, dets)} for h in steps]
+    assert kinds == [
+        set(),
+        {"nonfinite_loss"},
+        {"nonfinite_grad"},
+        set(),
+        {"nonfinite_grad"},
+        set(),
+        {"nonfinite_weight"},
+        {"update_explosion"},
+    ]
+    series = nonfinite_grad(
+        np.array([h.nonfinite_grads for h in steps]),
+        np.stack([h.param_grad_norm for h in steps]),
+        np.array([h.scaler_skipped for h in steps]),
+    )
+    assert list(series) == ["nonfinite_grad" in k for k in kinds]
+    # A recorded row without per-parameter norms (all NaN: not measured) is not a fault.
+    assert not nonfinite_grad(np.array([0]), np.full((1, 2), nan), np.array([False]))[0]
+    assert list(nonfinite_weight(np.array([[1.0, nan], [1.0, 2.0]]))) == [1, 0]

@@ -1,0 +1,69 @@
+"""What the detectors read: a run's metrics, validation series, parameter shapes and weight
+snapshots, loaded once per report (`RunData`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ckptlab.analysis.health.earlystop import EarlyStop, early_stopping, validation_series
+from ckptlab.analysis.health.rules import HealthRules
+from ckptlab.analysis.health.snapshots import WeightSnapshot, weight_snapshots
+from ckptlab.run.reader import Metrics, Run
+
+
+@dataclass
+class RunData:
+    run: Run
+    m: Metrics
+    metric: str  # the validation metric (the run's `val_metric`) and its direction
+    mode: str
+    val: list[tuple[int, float]]  # its finite points
+    stop: EarlyStop | None  # early stopping over them, with the report's patience
+    snapshots: list[WeightSnapshot]
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple]:
+        return {p["name"]: tuple(p.get("shape", ())) for p in self.run.manifest.get("parameters", [])}
+
+    @cached_property
+    def trainable(self) -> dict[str, bool]:
+        return {p["name"]: p.get("requires_grad", True) for p in self.run.manifest.get("parameters", [])}
+
+    @cached_property
+    def weights_measured(self) -> np.ndarray:
+        """Rows where weight norms were measured: their record counts the non-finite ones (a NaN
+        in weight_norm alone could also mean "not measured")."""
+        return np.array([i for i, sc in enumerate(self.m.scalars) if "nonfinite_weights" in sc], dtype=int)
+
+    @cached_property
+    def update_ratios(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, ratios[rows, P]) of the stepped steps that measured update ratios. A ratio
+        measured on non-finite weights is recorded as 0 (NaN is not > 0): it says nothing about
+        whether the parameter moves, so it is NaN here (else an all-NaN run is "frozen")."""
+        m = self.m
+        if not len(m):
+            return np.array([], dtype=int), np.zeros((0, len(m.param_names)))
+        rows = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1) & m.stepped)
+        ur = m.update_ratio[rows].astype(np.float64)
+        weighed = np.array(["nonfinite_weights" in m.scalars[i] for i in rows], dtype=bool)  # norms measured
+        ur[weighed[:, None] & ~np.isfinite(m.weight_norm[rows])] = np.nan
+        return rows, ur
+
+
+def load(run: Run, rules: HealthRules, weights: bool) -> RunData:
+    """Everything the detectors look at. `weights=False` reads no checkpoint."""
+    config = run.manifest.get("config", {})
+    metric, mode = config.get("val_metric", "val_loss"), config.get("val_mode", "min")
+    val = validation_series(run, metric)
+    return RunData(
+        run=run,
+        m=run.metrics(),
+        metric=metric,
+        mode=mode,
+        val=val,
+        stop=early_stopping(val, metric, mode, rules.patience),
+        snapshots=weight_snapshots(run, rules.max_checkpoints) if weights else [],
+    )
