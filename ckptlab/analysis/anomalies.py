@@ -34,7 +34,7 @@ def detectors() -> dict[str, SpikeDetector]:
 
 
 def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
-    """The anomalies of one step's health (a probe.StepHealth), as events {kind, value, ...};
+    """The anomalies of one step's health (a training.health.StepHealth), as events {kind, value, ...};
     feeds the step to the spike detectors."""
     events = []
     if not math.isfinite(h.loss):
