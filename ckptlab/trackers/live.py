@@ -23,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from ckptlab.trackers.points import ALERT_GAP, Row, alert, anomaly_points, health_points, run_params, validation_points
+from ckptlab.trackers.tracker import Tracker
 
 FLUSH_S = 2.0  # W&B and MLflow servers take batches well; a point is on screen within seconds
 MAX_PENDING = 10_000  # steps queued before the oldest are dropped (~minutes of a fast run)
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class LiveLog:
     def __init__(
         self,
-        trackers: list,
+        trackers: list[Tracker],
         *,
         run_dir: str,
         param_names: list[str],
@@ -135,7 +136,7 @@ class LiveLog:
             if ordered:
                 self._call(t, "log_rows", ordered)
 
-    def _call(self, tracker, method: str, *args) -> None:
+    def _call(self, tracker: Tracker, method: str, *args) -> None:
         if id(tracker) in self._failed:
             return
         try:
@@ -146,7 +147,7 @@ class LiveLog:
             log.warning("ckptlab: %s stopped receiving points (%s); training and recording go on", tracker.kind, why)
 
 
-def live_log(trackers: list, run_dir: str, manifest: dict) -> LiveLog | None:
+def live_log(trackers: list[Tracker], run_dir: str, manifest: dict) -> LiveLog | None:
     """The Recorder's LiveLog on `trackers` (None without any): params first, then each step."""
     if not trackers:
         return None

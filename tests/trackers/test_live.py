@@ -20,7 +20,9 @@ pytest.importorskip("wandb")
 import torch  # noqa: E402
 
 import ckptlab  # noqa: E402
-from ckptlab.trackers import MLflow, WandB, live  # noqa: E402
+from ckptlab.render.export import ExportSink  # noqa: E402
+from ckptlab.render.tensorboard import TensorBoardSink  # noqa: E402
+from ckptlab.trackers import MLflow, Tracker, WandB, live  # noqa: E402
 from tests import fault_models as fm  # noqa: E402
 from tests.models import build_mlp, step_mlp  # noqa: E402
 from tests.trackers.readers import (  # noqa: E402
@@ -80,6 +82,8 @@ def recorder(run_dir, trackers, **kw):
 def test_recorder_logs_health_validation_params_and_one_alert_per_episode(tmp_path):
     ml = MLflow(tmp_path / "mlruns", experiment="live")
     wb = WandB(project="live", dir=tmp_path / "wb", mode="offline")
+    assert isinstance(ml, Tracker) and isinstance(wb, Tracker)  # what live.py sends through
+    assert all(issubclass(cls, ExportSink) for cls in (MLflow, WandB, TensorBoardSink))  # and exports write to
     with recorder(tmp_path / "run", [ml, wb]) as rec:
         train(rec, 14, nan_at=NAN_STEP)
     run = ckptlab.open_run(tmp_path / "run")
