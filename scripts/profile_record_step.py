@@ -54,7 +54,7 @@ PHASES = {
     "probe: begin": [(StepProbe, "begin")],
     "probe: gradient hooks (per parameter)": [(StepProbe, "_on_grad")],
     "probe: grad norms (end of backward)": [(StepProbe, "_on_backward_end")],
-    "probe: the norm kernels themselves (every call)": [(probe, "_norms")],
+    "probe: the norm kernels themselves (every call)": [(probe, "batched_norms")],
     "probe: optimizer pre/post hooks": [(StepProbe, "_on_pre_step"), (StepProbe, "_on_post_step")],
     "probe: end (gather, copy)": [(StepProbe, "end"), (Trainee, "finish")],
     "probe: read the health (host arithmetic)": [(PendingHealth, "result")],

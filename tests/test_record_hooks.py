@@ -75,14 +75,14 @@ def test_accumulated_step_measures_the_pre_clip_norm_once_on_the_last_backward(r
     real_norm = torch.linalg.vector_norm
     with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp) as rec:
         rec.begin_step()  # no batch yet: the micro-batches arrive one by one
-        batched = probe._norms  # the probe's one batched norm call per measured backward
-        monkeypatch.setattr(probe, "_norms", lambda ts: norms.append(len(ts)) or batched(ts))
+        batched = probe.batched_norms  # the probe's one batched norm call per measured backward
+        monkeypatch.setattr(probe, "batched_norms", lambda ts: norms.append(len(ts)) or batched(ts))
         for i, (x, y) in enumerate(micro):
             accumulating(opt, i < len(micro) - 1)
             if i == len(micro) - 1:
                 rec.record_batch({"micro_batches": micro, "micro_rows": [4] * 4}, list(range(16)))
             (torch.nn.functional.mse_loss(model(x), y) / len(micro)).backward()
-        monkeypatch.setattr(probe, "_norms", batched)
+        monkeypatch.setattr(probe, "batched_norms", batched)
         expected = real_norm(torch.stack([real_norm(p.grad) for p in model.parameters()])).item()
         assert norms == [len(list(model.parameters()))]  # every gradient once: the last backward only
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)

@@ -85,7 +85,7 @@ def detectors() -> dict[str, SpikeDetector]:
 
 
 def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
-    """The anomalies of one step's health (a probe.StepHealth), as events {kind, value, ...};
+    """The anomalies of one step's health (a training.health.StepHealth), as events {kind, value, ...};
     feeds the step to the spike detectors (a spike's event adds its median and z)."""
     events = []
     if nonfinite_loss(h.loss):

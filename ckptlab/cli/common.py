@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -34,15 +35,46 @@ json_option = click.option(
 def open_terminal(as_json: bool):
     """The command's Terminal. With --json it holds stdout for the JSON document alone (the
     user's code and child processes print to stderr: render/console.py `StdoutClaim`) until
-    the command ends, however it ends."""
+    the command ends, however it ends. ckptlab's log records go to its stderr meanwhile
+    (`TerminalLog`)."""
     from ckptlab.render.console import Terminal
 
     term = Terminal(json_mode=as_json)
     ctx = click.get_current_context(silent=True)
-    if as_json and ctx is not None:  # click closes the context however the command ends
-        term.claim_stdout()
-        ctx.call_on_close(term.close)
+    if ctx is not None:  # click closes the context however the command ends
+        if as_json:
+            term.claim_stdout()
+            ctx.call_on_close(term.close)
+        ctx.call_on_close(TerminalLog.install(term))
     return term
+
+
+class TerminalLog(logging.Handler):
+    """The one handler on the `ckptlab` logger while a command runs: each record's message
+    (a failing tracker, which recorded code replay runs) as a line on the command's stderr,
+    through its Terminal, so --json keeps stdout for the document. The library only logs;
+    showing is the CLI's part (where no handler is set, Python's last resort prints warnings)."""
+
+    def __init__(self, term):
+        super().__init__()
+        self.term = term
+
+    @classmethod
+    def install(cls, term):
+        """Put a handler for `term` on the `ckptlab` logger (in place of an earlier command's)
+        and return what takes it off."""
+        logger = logging.getLogger("ckptlab")
+        for old in [h for h in logger.handlers if isinstance(h, cls)]:
+            logger.removeHandler(old)
+        handler = cls(term)
+        logger.addHandler(handler)
+        return lambda: logger.removeHandler(handler)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.term.line(record.getMessage())
+        except Exception:  # noqa: BLE001 - logging's own policy for a handler that fails
+            self.handleError(record)
 
 
 def find_run(run_dir: Path | None, term) -> Path:

@@ -115,6 +115,10 @@ class Terminal:
         if not self.quiet:
             self.err.print(f"[dim]{_escape(message)}[/dim]")
 
+    def line(self, message: str) -> None:
+        """A line for stderr as it is, without style (ckptlab's log records: cli/common.py)."""
+        self.err.print(_escape(message), emoji=False)
+
     def warn(self, message: str) -> None:
         self.err.print(f"[yellow]warning:[/yellow] {_escape(message)}")
 

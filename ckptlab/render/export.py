@@ -6,9 +6,9 @@
 in increasing order only): the step's health (trackers/points.py names it), its validation
 metrics, the anomalies recorded there (`anomaly/<kind>` points, and one alert per episode:
 the one-line verdict and the replay command), and at each checkpoint the histograms of every
-weight tensor and, with `gradients`, of the gradients of the step that starts there. A sink
-(render/tensorboard.py, trackers.MLflow, trackers.WandB) writes rows; exports that can be
-resumed keep a cursor (how far each stream was sent), so exporting twice sends every point
+weight tensor and, with `gradients`, of the gradients of the step that starts there. An
+`ExportSink` (render/tensorboard.py's TensorBoardSink, trackers.MLflow, trackers.WandB) writes
+rows; exports that can be resumed keep a cursor (how far each stream was sent), so exporting twice sends every point
 once, and exporting a run that went on sends only what is new.
 """
 
@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +37,10 @@ from ckptlab.trackers.points import (
     validation_points,
 )
 
+if TYPE_CHECKING:
+    from ckptlab.trackers.mlflow_tracker import MLflow
+    from ckptlab.trackers.wandb_tracker import WandB
+
 STREAMS = ("health", "validation", "events", "checkpoints")
 ROWS_PER_CALL = 100  # rows per sink call (and per saved cursor)
 
@@ -52,6 +57,20 @@ class ExportSummary:
     run_id: str | None = None  # the MLflow / W&B run written
     already_exported: bool = False  # nothing new since the previous export
     notes: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class ExportSink(Protocol):
+    """Where `export_run` writes a run's rows: TensorBoardSink (render/tensorboard.py), and
+    trackers.MLflow / trackers.WandB (render/trackers.py), which are live Trackers too."""
+
+    def log_rows(self, rows: list[Row]) -> None:
+        """Write these rows (in increasing step order): scalars, histograms, alerts."""
+        ...
+
+    def close(self) -> None:
+        """Finish writing (flush files, end the run it started)."""
+        ...
 
 
 def run_key(run: Run) -> str:
@@ -158,7 +177,7 @@ def _histograms(row: Row, group: str, tensors: dict[str, torch.Tensor]) -> None:
             row.histograms[f"{group}/{name}"] = h
 
 
-def export_run(run: Run, sink, out: ExportSummary, *, cursor=None, save_cursor=None, **kw) -> ExportSummary:
+def export_run(run: Run, sink: ExportSink, out: ExportSummary, *, cursor=None, save_cursor=None, **kw) -> ExportSummary:
     """Write every row of `run` (after `cursor`) through `sink.log_rows`, ROWS_PER_CALL at a
     time; `save_cursor(cursor)` after each batch, so an interrupted export resumes."""
     batch: list[Row] = []
@@ -187,7 +206,7 @@ def report_html(run: Run, folder: Path) -> Path:
     return path
 
 
-def with_report(run: Run, sink, out: ExportSummary) -> None:
+def with_report(run: Run, sink: MLflow | WandB, out: ExportSummary) -> None:
     """Attach the report page to `sink` (a note, not a failure, when it cannot be made)."""
     with tempfile.TemporaryDirectory() as tmp:
         try:

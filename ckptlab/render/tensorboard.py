@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ckptlab.errors import CkptlabError
-from ckptlab.render.export import ExportSummary, export_run
+from ckptlab.render.export import ExportSink, ExportSummary, export_run
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import Row
 
@@ -51,7 +51,8 @@ def summary_writer(logdir: str | os.PathLike):
 
 
 class TensorBoardSink:
-    """Rows as TensorBoard scalars, histograms (binned by render/export.py) and text."""
+    """An ExportSink: rows as TensorBoard scalars, histograms (binned by render/export.py)
+    and text."""
 
     def __init__(self, logdir: str | os.PathLike):
         self.writer = summary_writer(logdir)
@@ -80,7 +81,7 @@ def write_tensorboard(
     progress: Callable[[int, int], None] | None = None,
 ) -> ExportSummary:
     """Write `run` into `logdir`. `progress(done, total)` is called per checkpoint."""
-    sink = TensorBoardSink(logdir)
+    sink: ExportSink = TensorBoardSink(logdir)
     try:
         return export_run(
             run, sink, ExportSummary(str(logdir), 0, 0, 0, [], []), gradients=gradients, progress=progress

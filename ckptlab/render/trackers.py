@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptlab.errors import CkptlabError
 from ckptlab.io.files import read_text
@@ -23,17 +24,20 @@ from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import run_params
 
+if TYPE_CHECKING:
+    from ckptlab.trackers.mlflow_tracker import MLflow
+
 CURSOR_FILE = "ckptlab-export.json"
 
 
-def open_mlflow(uri, *, run: Run, experiment: str, run_name: str | None):
+def open_mlflow(uri, *, run: Run, experiment: str, run_name: str | None) -> MLflow:
     """The MLflow run this ckptlab run exports into (checked reachable: before any work)."""
     from ckptlab.trackers.mlflow_tracker import MLflow
 
     return MLflow.for_export(uri, experiment=experiment, run_name=run_name or run.path.name, run_key=run_key(run))
 
 
-def write_mlflow(run: Run, sink, *, html: bool = True, **kw) -> ExportSummary:
+def write_mlflow(run: Run, sink: MLflow, *, html: bool = True, **kw) -> ExportSummary:
     """Export `run` into the MLflow run `sink` (from `open_mlflow`)."""
     out = ExportSummary(sink.where, 0, 0, 0, [], [], run_id=sink.run_id)
     try:

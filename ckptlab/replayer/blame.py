@@ -30,7 +30,8 @@ from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.run.reader import Run
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.crash import is_step_error
-from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import restore_snapshot, unwrap
 
 # A row is "absurd" when its largest |value| is this many times the run's typical row maximum

@@ -21,7 +21,7 @@ from ckptlab.errors import CorruptFileError, IntegrityError, ReplayError
 from ckptlab.run.reader import Run
 from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.health import StepHealth
 from ckptlab.training.sharded import full_snapshot
 from ckptlab.training.state import (
     apply_env,

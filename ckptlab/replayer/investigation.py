@@ -33,7 +33,7 @@ from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Run
 from ckptlab.training.crash import describe, is_step_error
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.health import StepHealth
 
 
 @dataclass

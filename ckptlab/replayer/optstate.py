@@ -24,7 +24,7 @@ import torch
 
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION
 from ckptlab.run.records import NO_GRAD
-from ckptlab.training.probe import StepHealth
+from ckptlab.training.health import StepHealth
 
 # The new gradient's RMS over the second moment's (bias-corrected) RMS above which the
 # optimizer was not expecting that gradient.

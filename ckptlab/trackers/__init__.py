@@ -4,14 +4,17 @@
     rec = ckptlab.Recorder(..., trackers=[MLflow("file:./mlruns", experiment="exp1"), WandB(project="exp1")])
     rec = ckptlab.Recorder(..., trackers="auto")   # the W&B / MLflow run already active here
 
-`points.py` names what is sent (shared with `ckptlab export`), `live.py` sends it off the
-training thread, `mlflow_tracker.py` / `wandb_tracker.py` talk to the libraries (imported only
-when a tracker is made). docs/integrations.md lists every name and step.
+`points.py` names what is sent (shared with `ckptlab export`), `tracker.py` declares what a
+tracker is (the `Tracker` Protocol), `live.py` sends it off the training thread,
+`mlflow_tracker.py` / `wandb_tracker.py` talk to the libraries (imported only when a tracker
+is made). docs/integrations.md lists every name and step.
 """
 
 from __future__ import annotations
 
 import sys
+
+from ckptlab.trackers.tracker import Tracker
 
 
 def __getattr__(name: str):
@@ -26,7 +29,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ckptlab.trackers' has no attribute {name!r}")
 
 
-def resolve(spec, loggers=()) -> list:
+def resolve(spec, loggers=()) -> list[Tracker]:
     """The trackers to log into, from `RecordConfig.trackers`: a list of `MLflow`/`WandB`
     objects (or W&B runs, or framework loggers), or "auto": the W&B run and MLflow run
     already active in this process, and `loggers` (a Lightning trainer's W&B / MLflow
@@ -67,9 +70,9 @@ def resolve(spec, loggers=()) -> list:
     return out
 
 
-def _wrap(obj):
-    """A tracker for `obj`: one of ours as is; a wandb run; Lightning's WandbLogger /
-    MLFlowLogger (by name: no Lightning import here)."""
+def _wrap(obj) -> Tracker | None:
+    """A Tracker for `obj`: one with `log_rows` and `kind` as is (ours, or the user's own);
+    a wandb run; Lightning's WandbLogger / MLFlowLogger (by name: no Lightning import here)."""
     if hasattr(obj, "log_rows") and hasattr(obj, "kind"):
         return obj
     name = type(obj).__name__

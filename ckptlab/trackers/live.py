@@ -8,30 +8,34 @@ training thread.
 
 A background thread wakes every `flush_s` seconds, names the queued steps' points
 (trackers/points.py) and sends them in one batch per tracker, so the training thread pays
-one queue append per step. A tracker that raises is reported once on stderr and sent nothing
-more; training and recording go on. If a tracker cannot keep up, the queue holds at most
-`max_pending` steps and the oldest are dropped (and counted in that report).
+one queue append per step. A tracker that raises is reported once (a WARNING on the
+`ckptlab.trackers.live` logger: on stderr unless the user's logging routes it elsewhere) and
+sent nothing more; training and recording go on. If a tracker cannot keep up, the queue
+holds at most `max_pending` steps and the oldest are dropped (and counted in one warning).
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 from collections import deque
 
 import numpy as np
 
 from ckptlab.trackers.points import ALERT_GAP, Row, alert, anomaly_points, health_points, run_params, validation_points
+from ckptlab.trackers.tracker import Tracker
 
 FLUSH_S = 2.0  # W&B and MLflow servers take batches well; a point is on screen within seconds
 MAX_PENDING = 10_000  # steps queued before the oldest are dropped (~minutes of a fast run)
 CLOSE_TIMEOUT_S = 60.0  # a hung server must not keep the training process from exiting
 
+log = logging.getLogger(__name__)
+
 
 class LiveLog:
     def __init__(
         self,
-        trackers: list,
+        trackers: list[Tracker],
         *,
         run_dir: str,
         param_names: list[str],
@@ -73,7 +77,9 @@ class LiveLog:
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            _report(f"trackers did not finish sending within {timeout:g} s; leaving them (training is done)")
+            log.warning(
+                "ckptlab: trackers did not finish sending within %g s; leaving them (training is done)", timeout
+            )
             return
         for t in self.trackers:
             if id(t) not in self._failed:
@@ -121,7 +127,7 @@ class LiveLog:
                         row.alerts.append(alert(self.run_dir, step, events))
                     self._last_anomaly = step
         if self._dropped:
-            _report(f"trackers fell behind: {self._dropped} steps were not sent")
+            log.warning("ckptlab: trackers fell behind: %d steps were not sent", self._dropped)
             self._dropped = 0
         ordered = [rows[s] for s in sorted(rows)]
         for t in self.trackers:
@@ -130,7 +136,7 @@ class LiveLog:
             if ordered:
                 self._call(t, "log_rows", ordered)
 
-    def _call(self, tracker, method: str, *args) -> None:
+    def _call(self, tracker: Tracker, method: str, *args) -> None:
         if id(tracker) in self._failed:
             return
         try:
@@ -138,19 +144,15 @@ class LiveLog:
         except Exception as e:  # noqa: BLE001 - a tracker never breaks the training
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             self._failed[id(tracker)] = why
-            _report(f"{tracker.kind} stopped receiving points ({why}); training and recording go on")
+            log.warning("ckptlab: %s stopped receiving points (%s); training and recording go on", tracker.kind, why)
 
 
-def live_log(trackers: list, run_dir: str, manifest: dict) -> LiveLog | None:
+def live_log(trackers: list[Tracker], run_dir: str, manifest: dict) -> LiveLog | None:
     """The Recorder's LiveLog on `trackers` (None without any): params first, then each step."""
     if not trackers:
         return None
     names = [p["name"] for p in manifest.get("parameters", [])]
     return LiveLog(trackers, run_dir=run_dir, param_names=names, params=run_params(manifest))
-
-
-def _report(line: str) -> None:
-    print(f"ckptlab: {line}", file=sys.stderr, flush=True)
 
 
 def copy_arrays(arrays: dict) -> dict:

@@ -80,7 +80,8 @@ class MLflow:
         tags: tags of a new run.
 
     The store is checked (and the run created) here: a missing package or an unreachable
-    tracking server is one CkptlabError before training starts.
+    tracking server is one CkptlabError before training starts. A Tracker (trackers/tracker.py)
+    for the Recorder, and an ExportSink (render/export.py) for `ckptlab export --mlflow`.
     """
 
     kind = "mlflow"

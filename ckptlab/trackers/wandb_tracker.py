@@ -46,6 +46,9 @@ class WandB:
         project, name, id, dir, mode, config: `wandb.init` arguments for a run of its own
             (mode "offline" writes a run that `wandb sync` uploads later); finished on close.
         prefix: put before every name: "ckptlab/" by default in a run that is not its own.
+
+    A Tracker (trackers/tracker.py) for the Recorder, and an ExportSink (render/export.py) for
+    `ckptlab export --wandb`.
     """
 
     kind = "wandb"

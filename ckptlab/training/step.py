@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ckptlab.errors import RecordError
-from ckptlab.training.probe import PendingHealth, StepHealth, StepProbe
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import PendingHealth, StepProbe
 from ckptlab.training.world import World
 
 

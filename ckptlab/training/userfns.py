@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -27,6 +28,9 @@ from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import sources_dir
 from ckptlab.run.manifest import resolve_file
+
+# Which recorded code replay runs is said at WARNING: a user with no logging set up sees it.
+log = logging.getLogger(__name__)
 
 
 def describe(fn: Callable, role: str, run_dir: Path) -> dict:
@@ -168,7 +172,7 @@ def _copy_in_run(desc: dict, run_dir: Path) -> Path | None:
 
 def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[Callable, bool]:
     """(the recorded function, whether its file is unchanged since recording): imported when
-    `trusted_file` allows it, saying on stderr which file's code it is. ReplayError says what
+    `trusted_file` allows it, saying which file's code it is (a WARNING: on stderr by default). ReplayError says what
     to do when it cannot."""
     module, qualname = desc.get("module"), desc.get("qualname")
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
@@ -196,7 +200,7 @@ def _announce(role: str, path, unchanged: bool) -> None:
         return
     _announced.add((role, path))
     how = "unchanged since recording" if unchanged else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
-    print(f"ckptlab: running {role} from {path} ({how})", file=sys.stderr)
+    log.warning("ckptlab: running %s from %s (%s)", role, path, how)
 
 
 def _import(module: str, path: Path | None, role: str, run_dir: Path, *, verified: bool, recorded: dict):

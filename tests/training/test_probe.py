@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from ckptlab.training import probe as probe_mod
-from ckptlab.training.probe import MEMORY_SHARE, UPDATE_SAMPLE, StepProbe, sample_plans
+from ckptlab.training.norms import batched_norms
+from ckptlab.training.probe import StepProbe
+from ckptlab.training.update_sample import MEMORY_SHARE, UPDATE_SAMPLE, sample_plans
 
 
 def wide_mlp(seed: int = 0):
@@ -37,8 +39,8 @@ def counted_probe(monkeypatch):
     model, opt = wide_mlp()
     probe = StepProbe(model, opt)
     calls = []
-    real = probe_mod._norms
-    monkeypatch.setattr(probe_mod, "_norms", lambda ts: calls.append(len(ts)) or real(ts))
+    real = probe_mod.batched_norms
+    monkeypatch.setattr(probe_mod, "batched_norms", lambda ts: calls.append(len(ts)) or real(ts))
     return model, opt, probe, calls
 
 
@@ -134,7 +136,7 @@ def test_norms_are_float32_and_the_same_bits_whatever_the_gradients_dtype():
     f32 = [torch.randn(s, generator=g) * 10.0**k for k, s in enumerate([(4096, 64), (64,), (333, 17), (1,)])]
     mixed = [*f32, torch.randn(100, 10, generator=g).bfloat16()]
     for tensors in (f32, mixed):
-        got = probe_mod._norms(tensors)
+        got = batched_norms(tensors)
         want = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
         assert all(a.dtype == torch.float32 for a in got)
         assert torch.equal(torch.stack(got), torch.stack(want))

@@ -1,0 +1,220 @@
+"""A step's health: the record the probe returns (StepHealth), and the host arithmetic that
+turns the numbers the probe copied off the device into it (`read_health`), combined with the
+other ranks' when distributed. Host arithmetic only: the same bits whether the Recorder reads a
+step late or replay reads it at once (training/probe.py says where each number is measured)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ckptlab.run.records import NO_GRAD
+from ckptlab.training.norms import count_nonfinite
+from ckptlab.training.world import World, local
+
+
+@dataclass
+class StepHealth:
+    loss: float
+    grad_norm: float  # global L2 norm over all parameters, before clipping, unscaled
+    param_grad_norm: np.ndarray  # float32[P]; NO_GRAD where a parameter got no gradient
+    nonfinite_grads: int  # non-finite gradient elements, all parameters
+    param_nonfinite: np.ndarray | None  # int64[P], only when nonfinite_grads > 0
+    lr: list[float]
+    stepped: bool  # the optimizer's step ran (a GradScaler skips it on overflow)
+    update_ratio: np.ndarray | None = None  # float32[P]: ||w_after - w_before|| / ||w_before||
+    update_ratio_global: float | None = None  # the same over all parameters together
+    weight_norm: np.ndarray | None = None  # float32[P], after the update
+    # float32[P]: the norms before the update, kept only when some were not finite (the weights
+    # went bad before this step's update: outside the step, or in a step that did not step)
+    weight_norm_before: np.ndarray | None = None
+    grad_scale: float | None = None
+    step_time: float = 0.0
+    rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
+    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    scaler_skipped: bool = False  # a GradScaler found non-finite gradients and skipped the update
+
+    @property
+    def loss_finite(self) -> bool:
+        return math.isfinite(self.loss)
+
+    def scalars(self) -> dict:
+        out = {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "nonfinite_grads": self.nonfinite_grads,
+            "lr": self.lr,
+            "stepped": self.stepped,
+            "step_time": self.step_time,
+        }
+        if self.grad_scale is not None:
+            out["grad_scale"] = self.grad_scale
+        if self.scaler_skipped:
+            out["scaler_skipped"] = True
+        if self.weight_norm is not None:
+            out["nonfinite_weights"] = int((~np.isfinite(self.weight_norm)).sum())
+        if self.update_ratio_global is not None:
+            out["update_ratio_global"] = self.update_ratio_global
+        if self.rank_loss is not None:
+            out["rank_loss"] = self.rank_loss
+            out["rank_grad_norm"] = self.rank_grad_norm
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"param_grad_norm": self.param_grad_norm}
+        for key in ("param_nonfinite", "update_ratio", "weight_norm", "weight_norm_before"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def read_health(
+    values: np.ndarray,
+    parts: dict,
+    meta: dict,
+    *,
+    params: list[torch.Tensor],
+    world: World,
+    optimizer,
+    grads_live: bool,
+) -> StepHealth:
+    """This rank's numbers (`values`, laid out by `parts`, with the step's `meta`), combined
+    with the other ranks' (one small all_gather when distributed), as the step's health.
+    `grads_live`: the step's gradients are still on `params`, so a non-finite norm's elements
+    can be counted now."""
+    value = float(values[parts["loss"]][0])
+    scale = float(values[parts["scale"]][0]) if "scale" in parts else None
+    grad_sq, nonfinite = _local_grads(values[parts["grad"]], meta, scale, params, grads_live)
+    updates = None
+    if "w" in parts:
+        d_sq = values[parts["d"]].astype(np.float64) ** 2 * meta["d_scale"] if "d" in parts else np.zeros(len(params))
+        updates = [values[parts["w"]].astype(np.float64) ** 2, d_sq, values[parts["b"]].astype(np.float64) ** 2]
+    norms, grad_norm, nonfinite_all, counted, update_sq, ranks = _gradients(
+        value, grad_sq, nonfinite, updates, len(meta["idx"]), world
+    )
+    health = StepHealth(
+        loss=ranks[0] if ranks is not None else value,
+        grad_norm=grad_norm,
+        param_grad_norm=norms,
+        nonfinite_grads=counted,
+        param_nonfinite=nonfinite_all,
+        lr=meta["lr"],
+        stepped=meta["stepped"],
+        grad_scale=scale,
+        step_time=meta["step_time"],
+        scaler_skipped=_scaler_skipped(optimizer, meta["stepped"], scale, values, parts),
+    )
+    if ranks is not None:
+        _, health.rank_loss, health.rank_grad_norm = ranks
+    if update_sq is not None:
+        _set_updates(health, update_sq)
+    before = np.sqrt(update_sq[2]) if update_sq is not None else values[parts["b0"]] if "b0" in parts else None
+    if before is not None and not np.isfinite(before).all():
+        health.weight_norm_before = np.asarray(before, dtype=np.float32)
+    return health
+
+
+def _gradients(value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates, measured: int, world: World):
+    """(the float32 norm per parameter, the global norm, the non-finite counts or None, their
+    total, the squared weight / update / pre-update weight norms or None, the ranks' numbers or
+    None) over every rank; `measured`: how many parameters this rank measured."""
+    P = len(grad_sq)
+    ranks = None  # distributed: (the mean loss, each rank's loss, each rank's local gradient norm)
+    total = grad_sq.sum() if not world.distributed and measured == P > 0 else math.nan
+    if math.isfinite(total):
+        # One rank, every parameter with a gradient, every norm finite (the usual step): what
+        # the general case computes, in fewer calls (its masks select all, its counts are 0).
+        norms = np.sqrt(grad_sq).astype(np.float32)
+        nonfinite_all = np.zeros(P, dtype=np.int64) if not np.isfinite(norms).all() else None
+        return norms, math.sqrt(total), nonfinite_all, 0, updates, ranks
+    if world.distributed:
+        any_grad, combined, nonfinite_all, update_sq, ranks = _combine_ranks(world, value, grad_sq, nonfinite, updates)
+    else:  # one rank: the same numbers without the rows (the mean of one row is that row)
+        any_grad = ~(grad_sq < 0)  # NO_GRAD is negative; a NaN norm was measured (and is kept)
+        combined = np.where(any_grad, grad_sq, 0.0)
+        # -1: non-finite, but the gradient was gone before it could be counted (a deferred
+        # read on a GPU); it counts as at least one element in the total.
+        nonfinite_all = np.where(nonfinite < 0, -1, np.where(nonfinite > 0, nonfinite, 0)).astype(np.int64)
+        update_sq = updates
+    norms = np.where(any_grad, np.sqrt(combined), NO_GRAD).astype(np.float32)
+    present = combined[any_grad]
+    grad_norm = float(np.sqrt(present.sum())) if present.size else float("nan")
+    counted = int(np.abs(nonfinite_all).sum())
+    if not (nonfinite_all.any() or not np.isfinite(norms).all()):
+        nonfinite_all = None  # recorded only for a step with something non-finite
+    return norms, grad_norm, nonfinite_all, counted, update_sq, ranks
+
+
+def _set_updates(health: StepHealth, update_sq: list[np.ndarray]) -> None:
+    """The weight norms and update ratios, from the squared weight / update / pre-update norms."""
+    w_sq, d_sq, b_sq = update_sq
+    health.weight_norm = np.sqrt(w_sq).astype(np.float32)
+    d, b = np.sqrt(d_sq), np.sqrt(b_sq)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(b > 0, d / b, np.where(d > 0, np.inf, 0.0))
+        # NaN where the weights (or the update) were not finite: not "no update"
+        health.update_ratio = np.where(np.isnan(b) | np.isnan(d), np.nan, ratio).astype(np.float32)
+    health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
+
+
+def _combine_ranks(world: World, value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates):
+    """Every rank's numbers (one small all_gather) combined: (which parameters have a
+    gradient on any rank, the squared gradient norms, the non-finite counts, the squared
+    weight / update / pre-update weight norms or None, (the ranks' mean loss, each rank's
+    loss, each rank's local gradient norm))."""
+    P = len(grad_sq)
+    # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
+    row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
+    rows = world.gather(row)
+    got = ~(rows[:, 2 : 2 + P] < 0)  # NO_GRAD rows are negative; NaN ones were measured
+    grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
+    combined = world.combine(grad_sq_all)
+    counts = rows[:, 2 + P : 2 + 2 * P]
+    # -1: non-finite, but the gradient was gone before it could be counted (a deferred read
+    # on a GPU); it counts as at least one element in the total.
+    unknown = (counts < 0).any(axis=0)
+    nonfinite_all = np.where(unknown, -1, np.where(counts > 0, counts, 0).sum(axis=0)).astype(np.int64)
+    update_sq = None
+    if rows[0, 1]:
+        update_sq = [world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4)]
+    ranks = float(rows[:, 0].mean()), rows[:, 0].tolist(), np.sqrt(grad_sq_all.sum(axis=1)).tolist()
+    return got.any(axis=0), combined, nonfinite_all, update_sq, ranks
+
+
+def _scaler_skipped(optimizer, stepped: bool, scale: float | None, values: np.ndarray, parts: dict) -> bool:
+    """The GradScaler skipped this step: `scaler.update()` backed the scale off (what it does,
+    and only does, after finding inf/NaN gradients), and the optimizer did not step -- or
+    it did, but is one (fused AdamW: the HF Trainer's default) that `scaler.step` calls with
+    the inf flag, to skip the update itself."""
+    if scale is None or "scale_after" not in parts or not values[parts["scale_after"]][0] < scale:
+        return False
+    return not stepped or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _local_grads(norms: np.ndarray, meta: dict, scale: float | None, params: list[torch.Tensor], grads_live: bool):
+    """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""
+    P = len(params)
+    idx = meta["idx"]
+    values = norms.astype(np.float64)
+    if scale:
+        values = values / scale
+    if len(idx) == P:  # every parameter has a gradient (idx is ascending, without repeats)
+        sq = values * values
+    else:
+        sq = np.full(P, NO_GRAD, dtype=np.float64)
+        sq[idx] = values * values
+    nonfinite = np.zeros(P, dtype=np.float64)
+    if math.isfinite(sq.sum()):  # the common case, in one call (an overflow only means: look)
+        return sq, nonfinite
+    for i in np.flatnonzero(~np.isfinite(sq)).tolist():  # (NO_GRAD is finite: only measured ones)
+        known = meta["nonfinite"].get(i)
+        nonfinite[i] = known if known is not None else (_count_now(params[i]) if grads_live else -1)
+    return sq, nonfinite
+
+
+def _count_now(p: torch.Tensor) -> int:
+    g = p.grad
+    return count_nonfinite(local(g)) if g is not None else -1
