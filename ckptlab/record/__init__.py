@@ -36,7 +36,7 @@ with RunLockedError naming this process (session.py).
 
 The package's parts: config.py (RecordConfig), session.py (the run directory, its lock and
 manifest, resuming), batches.py, health.py, snapshots.py, and recorder.py (the Recorder, which
-says when each part acts within a step).
+says when each part acts within a step). Its messages go to the `ckptlab.record.*` loggers.
 """
 
 from ckptlab.record.config import RecordConfig

@@ -58,7 +58,8 @@ class RecordConfig:
             the next step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
-            (default) prints one warning line per anomaly episode naming the replay command;
+            (default) logs one warning per anomaly episode naming the replay command (logger
+            `ckptlab.record.health`: on stderr unless logging is configured otherwise);
             None is silent. Events are recorded either way.
         trackers: MLflow / W&B runs that receive the health as it is recorded, batched off
             the training thread, with an alert per anomaly episode: a list of

@@ -5,11 +5,15 @@ Where the health is read (`health_read`): "immediate" reads it as the step ends 
 sync on a GPU); "deferred" reads step n's health when step n+1 ends, so nothing in a recorded
 step waits for the GPU. Either way the steps that ran wait in a queue until `settle` reads
 and records them (and raises NonFiniteLoss for a non-finite loss among them, when asked to).
+
+The default alert (`on_anomaly="warn"`) is a WARNING on this module's logger, a child of the
+`ckptlab` logger: with no logging configured, Python prints it on stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,6 +27,8 @@ from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.probe import PendingHealth, StepHealth
 from ckptlab.training.world import World
+
+log = logging.getLogger(__name__)
 
 Alert = Callable[[int, list[dict]], None]
 
@@ -123,20 +129,14 @@ class HealthLog:
 
 
 def _warn_anomaly(run_dir: str) -> Alert:
-    """The default alert: one line on stderr per anomaly episode (steps more than ALERT_GAP apart
+    """The default alert: one warning per anomaly episode (steps more than ALERT_GAP apart
     start a new one), naming what happened and the command that explains it."""
     last = [-(10**9)]
 
     def warn(step: int, events: list[dict]) -> None:
         quiet = step - last[0] <= ALERT_GAP
         last[0] = step
-        if quiet:
-            return
-        from rich.console import Console
-        from rich.markup import escape
-
-        Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[yellow]ckptlab:[/yellow] {escape(alert_text(run_dir, step, events))}"
-        )
+        if not quiet:
+            log.warning("ckptlab: %s", alert_text(run_dir, step, events))
 
     return warn
