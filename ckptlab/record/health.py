@@ -42,8 +42,8 @@ class HealthLog:
         self.writer, self.world, self.config = writer, world, config
         self.deferred, self.live = deferred, live
         self.run_dir = writer.run_dir
-        warn = config.on_anomaly == "warn"  # (rank 0's alone: its values are the ones recorded)
-        alert = _warn_anomaly(str(self.run_dir)) if world.is_main else None
+        warn = config.on_anomaly == "warn"
+        alert = _warn_anomaly(str(self.run_dir)) if world.is_main else None  # one warning a run, not a rank
         self.on_anomaly: Alert | None = alert if warn else config.on_anomaly
         self._spikes = detectors()
         self.first_anomaly: int | None = None
