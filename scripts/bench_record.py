@@ -68,9 +68,11 @@ import torch.nn.functional as F
 
 import ckptlab
 from bench_replay import CFG, VOCAB, build, step  # the same LM (scripts/ is on sys.path)
-from ckptlab import record
 from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.integrations._common import MicroBatches
+from ckptlab.record import Recorder
+from ckptlab.record import batches as record_batches
+from ckptlab.record import health as record_health
 from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
@@ -122,10 +124,10 @@ PHASES = {
     "step record (health, anomalies)": [
         (records, "encode_step"),
         (RunWriter, "append_step"),
-        (record.Recorder, "_anomalies"),
+        (record_health, "step_anomalies"),
     ],
-    "RNG fingerprint + capture": [(record, "rng_fingerprint"), (record, "capture_rng")],
-    "checkpoint capture (sync part)": [(record.Recorder, "_checkpoint")],
+    "RNG fingerprint + capture": [(record_batches, "rng_fingerprint"), (record_batches, "capture_rng")],
+    "checkpoint capture (sync part)": [(Recorder, "_checkpoint")],
     "live trackers (queue a step)": [(LiveLog, "step"), (LiveLog, "validation")],
     "micro-batch RNG checks": [(MicroBatches, "add"), (MicroBatches, "add_loss")],
 }
@@ -418,9 +420,9 @@ def leave_out(rec, parts: str) -> None:
     and the step record; "batch": the batch record."""
     for part in filter(None, parts.split(",")):
         if part == "step-record":
-            rec._settle = lambda keep=0, *, raise_nonfinite=True, _q=rec._health_queue: _q.clear()
+            rec._health.settle = lambda keep=0, *, raise_nonfinite=True, _q=rec._health._queue: _q.clear()
         elif part == "batch":
-            rec._append_batch = lambda batch, sample_ids, _rec=rec: setattr(_rec, "_pending_rng", record._WRITTEN)
+            rec._batches.append = lambda n, batch, sample_ids, _log=rec._batches: _log.drop()
         else:
             raise SystemExit(f"--c-without: unknown part {part!r} (known: {', '.join(WITHOUT)})")
 

@@ -35,8 +35,10 @@ import torch
 import ckptlab
 from bench_record import make_batches, steady_malloc  # scripts/ is on sys.path
 from bench_replay import CFG, build, step
-from ckptlab import record
 from ckptlab.analysis import anomalies
+from ckptlab.record import Recorder
+from ckptlab.record import batches as record_batches
+from ckptlab.record import health as record_health
 from ckptlab.run import framelog, records
 from ckptlab.run.writer import RunWriter
 from ckptlab.training import probe
@@ -45,11 +47,11 @@ from ckptlab.training.step import Trainee
 
 # phase -> the functions whose own time it is (owner, attribute name)
 PHASES = {
-    "step: open (writer check, RNG capture/compare)": [(record.Recorder, "_open_step")],
-    "RNG: fingerprint (did the loop draw?)": [(record, "rng_fingerprint")],
-    "RNG: capture (recorded states)": [(record, "capture_rng")],
-    "RNG: compare (older ckptlab: full states)": [(record, "rng_equal")],
-    "batch: ids, encode (codec, pack)": [(record.Recorder, "_append_batch"), (records, "encode_batch")],
+    "step: open (writer check, RNG capture/compare)": [(Recorder, "_open_step")],
+    "RNG: fingerprint (did the loop draw?)": [(record_batches, "rng_fingerprint")],
+    "RNG: capture (recorded states)": [(record_batches, "capture_rng")],
+    "RNG: compare (older ckptlab: full states)": [(record_batches, "rng_equal")],
+    "batch: ids, encode (codec, pack)": [(record_batches.BatchLog, "append"), (records, "encode_batch")],
     "batch: zlib + frame write": [(RunWriter, "append_batch")],
     "probe: begin": [(StepProbe, "begin")],
     "probe: gradient hooks (per parameter)": [(StepProbe, "_on_grad")],
@@ -59,10 +61,10 @@ PHASES = {
     "probe: end (gather, copy)": [(StepProbe, "end"), (Trainee, "finish")],
     "probe: read the health (host arithmetic)": [(PendingHealth, "result")],
     "step record: anomaly rules": [(anomalies, "step_anomalies")],
-    "step record: health dicts, encode": [(record.Recorder, "_record_health"), (records, "encode_step")],
+    "step record: health dicts, encode": [(record_health.HealthLog, "_record"), (records, "encode_step")],
     "step record: frame write": [(RunWriter, "append_step"), (framelog.FrameWriter, "append")],
-    "step: close (after_step, settle)": [(record.Recorder, "_after_step"), (record.Recorder, "_settle")],
-    "step: the Recorder's own step() and run_step": [(record.Recorder, "step"), (Trainee, "run_step")],
+    "step: close (after_step, settle)": [(Recorder, "_after_step"), (record_health.HealthLog, "settle")],
+    "step: the Recorder's own step() and run_step": [(Recorder, "step"), (Trainee, "run_step")],
 }
 USER = "the user's step_fn (its own work, not the Recorder's)"
 
@@ -77,7 +79,7 @@ CLOCK = [time.thread_time_ns]
 
 def instrument() -> None:
     """Wrap each phase's functions; a nested call's time is taken off its caller's phase.
-    Functions imported by name into another module are wrapped there too (record.capture_rng)."""
+    Functions imported by name into another module are wrapped there too (record_batches.capture_rng)."""
     for phase, targets in PHASES.items():
         for owner, name in targets:
             fn = getattr(owner, name, None)
@@ -101,8 +103,8 @@ def instrument() -> None:
 
             setattr(owner, name, wraps(fn)(timed))
     PHASES[USER] = []
-    # the anomaly rules are called through the name record.py imported
-    record.step_anomalies = anomalies.step_anomalies
+    # the anomaly rules are called through the name record/health.py imported
+    record_health.step_anomalies = anomalies.step_anomalies
 
 
 def timed_user_step(step_fn):

@@ -1,5 +1,9 @@
 """Recorder hooks for loops it does not drive (begin_step/end_step) and anomaly alerts."""
 
+import logging
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -39,7 +43,7 @@ def test_misuse_of_begin_end_is_a_clear_error(run_dir):
             rec.begin_step(batch, ids)
 
 
-def test_on_anomaly_callback_and_default_warning(tmp_path, capsys):
+def test_on_anomaly_callback_and_default_warning(tmp_path, caplog):
     seen = []
     fm._record(
         tmp_path / "cb",
@@ -50,8 +54,16 @@ def test_on_anomaly_callback_and_default_warning(tmp_path, capsys):
     )
     assert seen[0][0] == 27 and "nonfinite_loss" in seen[0][1]
     fm._record(tmp_path / "warn", fm.build_mlp, fm.step_mlp, _nan_at(27))
-    err = capsys.readouterr().err
+    (alert,) = [r for r in caplog.records if r.name.startswith("ckptlab.")]
+    assert alert.levelno == logging.WARNING  # what Python prints on stderr with no logging configured
+    err = alert.getMessage()
     assert "step 27: nonfinite loss" in err and f"ckptlab replay --run {tmp_path / 'warn'} --step 27" in err
+
+
+def test_the_default_alert_reaches_stderr_with_no_logging_configured(tmp_path):
+    code = "from ckptlab.record.health import _warn_anomaly; _warn_anomaly('RUN')(27, [{'kind': 'nonfinite_loss'}])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "ckptlab: step 27: nonfinite loss; explain it with ckptlab replay --run RUN --step 27" in done.stderr
 
 
 def _nan_at(step):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import ckptlab
 import ckptlab.run.checkpoint as checkpoint_mod
+from ckptlab.record import snapshots
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.layout import MODEL_FILE, STATE_FILE
 from ckptlab.training import state as state_mod
@@ -254,15 +255,15 @@ class OwnAdamW(torch.optim.AdamW):
 
 def test_an_optimizer_that_updates_all_at_once_or_is_not_torchs_waits_for_the_whole_checkpoint():
     model, _ = models.build_mlp()
-    assert state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters()))
-    assert state_mod.per_tensor_updates(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    assert not state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters(), foreach=True))
-    assert not state_mod.per_tensor_updates(torch.optim.AdamW(model.parameters(), fused=True))
-    assert not state_mod.per_tensor_updates(OwnAdamW(model.parameters()))
+    assert snapshots.per_tensor_updates(torch.optim.AdamW(model.parameters()))
+    assert snapshots.per_tensor_updates(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert not snapshots.per_tensor_updates(torch.optim.AdamW(model.parameters(), foreach=True))
+    assert not snapshots.per_tensor_updates(torch.optim.AdamW(model.parameters(), fused=True))
+    assert not snapshots.per_tensor_updates(OwnAdamW(model.parameters()))
 
 
 def test_only_ops_that_change_or_hand_out_memory_wait_for_the_writer():
-    changes = state_mod._changes_memory
+    changes = snapshots._changes_memory
     for func in (torch.Tensor.mul_, torch._foreach_mul_, torch.Tensor.__iadd__, torch.Tensor.__setitem__):
         assert changes(func, {}), func
     assert changes(torch.Tensor.numpy, {}) and changes(torch.Tensor.data_ptr, {})

@@ -18,12 +18,10 @@ import ctypes
 import os
 import random
 import struct
-import time
 from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ckptlab.io.base import expand_aliases, split_tied
 from ckptlab.run import codec
@@ -398,75 +396,6 @@ def _live_candidate(t: torch.Tensor) -> bool:
 def _live_state(path: str, t: torch.Tensor) -> bool:
     """The optimizer's per-parameter state (Adam's moments): changed only by its step."""
     return path.startswith("state/optimizer/state/") and _live_candidate(t)
-
-
-class AwaitLiveBytes(TorchFunctionMode):
-    """Around the optimizer's step while a live checkpoint is still being written from its
-    tensors: an op that changes a live tensor (or hands out its memory) waits for that
-    tensor's bytes alone, not for the whole checkpoint; reads go on (the writer only reads).
-    A CPU optimizer updates one parameter at a time (AdamW: the parameter, then its two
-    moments), so it follows the writer instead of waiting for all of it: on the
-    250M-parameter MLP of scripts/bench_record.py the write takes ~1.5 s longer than the
-    forward and backward passes, and the optimizer's step ~2 s (docs/performance.md). An op
-    over all the tensors at once (foreach, fused) waits for all of them, as before. Tensors
-    are told apart by their storage, so a view into a live tensor counts as it. `waited`:
-    seconds waited. `close()` makes it let everything through, for good."""
-
-    def __init__(self, captured: CapturedState):
-        super().__init__()
-        self.captured: CapturedState | None = captured
-        self.waited = 0.0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        captured = self.captured
-        if captured is not None and not captured.released.is_set() and _changes_memory(func, kwargs):
-            ptrs = _storage_ptrs((*args, *kwargs.values()))
-            if captured.unwritten(ptrs):
-                t0 = time.perf_counter()
-                captured.wait_copied(ptrs)
-                self.waited += time.perf_counter() - t0
-        return func(*args, **kwargs)
-
-    def close(self) -> None:
-        self.captured = None
-
-
-# What, besides in-place ops (`mul_`, `_foreach_add_`: names ending in one underscore) and
-# `out=`, may change a tensor's memory or let code outside torch change it.
-_CHANGES_MEMORY = frozenset(
-    f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor")
-) | {"__ilshift__", "__irshift__", "__setitem__", "numpy", "data_ptr", "untyped_storage", "storage", "__dlpack__"}
-
-
-def _changes_memory(func, kwargs) -> bool:
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _CHANGES_MEMORY or "out" in kwargs
-
-
-def _storage_ptrs(values) -> list[int]:
-    """Where the storage of each tensor among `values` (or in a list or tuple there) starts."""
-    ptrs = []
-    for v in values:
-        for t in v if isinstance(v, (list, tuple)) else (v,):
-            if isinstance(t, torch.Tensor):
-                try:
-                    ptrs.append(t.untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper subclass)
-                    pass
-    return ptrs
-
-
-def per_tensor_updates(optimizer) -> bool:
-    """Whether the optimizer's step updates its parameters one at a time through torch's
-    Python API, so that AwaitLiveBytes lets it start early: one of torch.optim's own, neither
-    foreach nor fused (torch's default for CPU tensors). Another optimizer may change the
-    tensors by other means (a C++ kernel given their memory, another thread) that the mode
-    cannot see: its step waits for the whole checkpoint."""
-    module = type(optimizer).__module__
-    return (module == "torch.optim" or module.startswith("torch.optim.")) and not any(
-        g.get("foreach") or g.get("fused") for g in optimizer.param_groups
-    )
 
 
 def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None, *, live=False):

@@ -279,7 +279,7 @@ def test_full_disk_while_writing_the_manifest(run_dir, monkeypatch):
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("ckptlab.record.write_manifest", full)
+    monkeypatch.setattr("ckptlab.record.session.write_manifest", full)
     model, opt = models.build_mlp()
     with pytest.raises(RecordError, match="no space left on device while writing manifest.json"):
         ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp)

@@ -1,0 +1,142 @@
+"""Each step's health record (loss, grad norms, lr, update ratios, ...) and its anomalies,
+read when they are due, and the alerts they raise.
+
+Where the health is read (`health_read`): "immediate" reads it as the step ends (a device
+sync on a GPU); "deferred" reads step n's health when step n+1 ends, so nothing in a recorded
+step waits for the GPU. Either way the steps that ran wait in a queue until `settle` reads
+and records them (and raises NonFiniteLoss for a non-finite loss among them, when asked to).
+
+The default alert (`on_anomaly="warn"`) is a WARNING on this module's logger, a child of the
+`ckptlab` logger: with no logging configured, Python prints it on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from ckptlab.analysis.anomalies import detectors, step_anomalies
+from ckptlab.errors import NonFiniteLoss
+from ckptlab.record.config import RecordConfig
+from ckptlab.run import framelog, records
+from ckptlab.run.reader import Progress
+from ckptlab.run.writer import RunWriter
+from ckptlab.trackers.points import ALERT_GAP, alert_text
+from ckptlab.training.crash import describe, is_step_error
+from ckptlab.training.probe import PendingHealth, StepHealth
+from ckptlab.training.world import World
+
+log = logging.getLogger(__name__)
+
+Alert = Callable[[int, list[dict]], None]
+
+
+class HealthLog:
+    """The health of the steps that ran, queued until read, then appended to the journal
+    (rank 0), sent to the trackers (`live`) and judged for anomalies (`first_anomaly`: the
+    run's first step with one, earlier sessions included)."""
+
+    def __init__(self, writer: RunWriter, world: World, config: RecordConfig, *, deferred: bool, live=None):
+        self.writer, self.world, self.config = writer, world, config
+        self.deferred, self.live = deferred, live
+        self.run_dir = writer.run_dir
+        warn = config.on_anomaly == "warn"
+        alert = _warn_anomaly(str(self.run_dir)) if world.is_main else None  # one warning a run, not a rank
+        self.on_anomaly: Alert | None = alert if warn else config.on_anomaly
+        self._spikes = detectors()
+        self.first_anomaly: int | None = None
+        self._queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
+
+    def resume(self, progress: Progress | None) -> None:
+        """Continue a run: its first anomaly, and spikes judged against the run so far, not a blank."""
+        if progress is None:
+            return
+        self.first_anomaly = progress.first_anomaly
+        for loss, grad in progress.recent:
+            self._spikes["loss"].check(loss)
+            self._spikes["grad"].check(grad)
+
+    def queue(self, n: int, pending: PendingHealth, ckpt_wait: float) -> StepHealth | None:
+        """Step n ran: queue its health; record what is due (all of it when read at once, all
+        but this step's when deferred). Returns this step's health when read."""
+        self._queue.append((n, pending, ckpt_wait, time.time()))
+        return self.settle(keep=1 if self.deferred else 0)
+
+    def settle(self, keep: int = 0, *, raise_nonfinite: bool = True) -> StepHealth | None:
+        """Read and record the health of the steps that ran, leaving the last `keep` pending;
+        then NonFiniteLoss for the first non-finite loss among them (if asked to), once the
+        steps after it are recorded too. Returns the last health recorded."""
+        health, bad = None, None
+        while len(self._queue) > keep:
+            n, pending, wait, t = self._queue.pop(0)
+            health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
+            if bad is None and not health.loss_finite:
+                bad = (n, health.loss)
+        if bad is not None and raise_nonfinite and self.config.on_nonfinite == "raise":
+            self.settle(0, raise_nonfinite=False)
+            raise NonFiniteLoss(bad[0], bad[1], str(self.run_dir))
+        return health
+
+    def settle_quietly(self) -> None:
+        """On the way out of a failed step (or the interpreter): record the health still
+        pending, without raising over the error that is already on its way. Not when
+        distributed: reading combines the ranks (a collective), and the other ranks are not
+        failing with this one."""
+        if self.world.distributed:
+            return
+        with contextlib.suppress(Exception):
+            self.settle(0, raise_nonfinite=False)
+
+    def _record(self, n: int, health: StepHealth, ckpt_wait: float, t: float) -> StepHealth:
+        """Step n's health and anomalies, appended to the journal."""
+        events = step_anomalies(health, self._spikes)
+        if events and self.first_anomaly is None:
+            self.first_anomaly = n
+        scalars = {"step": n, "time": t, **health.scalars()}
+        if ckpt_wait:
+            scalars["ckpt_wait"] = ckpt_wait
+        arrays = health.arrays()
+        if self.world.is_main:
+            self.writer.append_step(n, records.encode_step(scalars, arrays))
+            for event in events:
+                self.writer.append_json(framelog.EVENT, n, event)
+        if self.live is not None:  # queued: the trackers are sent to off this thread
+            self.live.step(n, scalars, arrays, events)
+        if events and self.on_anomaly is not None:
+            self.on_anomaly(n, events)
+        return health
+
+    def record_error(self, n: int, error: BaseException, model) -> None:
+        """Step n raised: an `exception` event (what, and where in the user's code), when its
+        own code raised it (not ckptlab, not a KeyboardInterrupt). Never raises over the error
+        on its way."""
+        if not is_step_error(error):
+            return
+        event = {"kind": "exception", **describe(error, model)}
+        if self.world.distributed:
+            event["rank"] = self.world.rank
+        with contextlib.suppress(Exception):
+            if self.first_anomaly is None:
+                self.first_anomaly = n
+            if self.world.is_main:
+                self.writer.append_json(framelog.EVENT, n, event)
+            else:  # (a peer's collective then fails too: rank 0 records that error, not this one)
+                self.writer.append_rank_event(n, event)
+            if self.on_anomaly is not None:
+                self.on_anomaly(n, [event])
+
+
+def _warn_anomaly(run_dir: str) -> Alert:
+    """The default alert: one warning per anomaly episode (steps more than ALERT_GAP apart
+    start a new one), naming what happened and the command that explains it."""
+    last = [-(10**9)]
+
+    def warn(step: int, events: list[dict]) -> None:
+        quiet = step - last[0] <= ALERT_GAP
+        last[0] = step
+        if not quiet:
+            log.warning("ckptlab: %s", alert_text(run_dir, step, events))
+
+    return warn

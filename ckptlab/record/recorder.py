@@ -1,0 +1,301 @@
+"""The Recorder: the coordinator of one recorded training step. What each part records is
+its own module's: the run directory and its lock (session.py), the batch records (batches.py),
+the health records and alerts (health.py), the checkpoints (snapshots.py); this module says
+when each happens within a step, and runs the step itself (training/step.py)."""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptlab import trackers
+from ckptlab.errors import RecordError
+from ckptlab.record.batches import BatchLog
+from ckptlab.record.config import RecordConfig
+from ckptlab.record.health import HealthLog
+from ckptlab.record.session import Session
+from ckptlab.record.snapshots import Snapshots
+from ckptlab.run import framelog
+from ckptlab.run.writer import RunWriter
+from ckptlab.trackers.live import live_log
+from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.step import Trainee, scaler_argument
+from ckptlab.training.world import World
+
+
+class Recorder:
+    """Records a training run into `run_dir`. See the package docstring and docs/run-format.md.
+
+    Args:
+        run_dir: the run directory (created; must not already hold a run unless `resume`).
+        model, optimizer: what `step_fn` trains.
+        step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
+        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
+        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
+        scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
+            `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
+            `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
+        batch_fn: module-level `batch_fn(sample_ids, step) -> batch` that rebuilds a step's
+            batch exactly (same data, transforms and seeds). With it, batches of at least
+            `batch_ref_bytes` are stored by reference, not whole (large images, video).
+        config, **options: how to record (`RecordConfig`: ckpt_every, health_every, keep_last,
+            on_nonfinite, resume, restore, val_metric, val_mode, keep_best, data_info,
+            step_scheduler, on_anomaly, batch_ref_bytes, async_sharded, ckpt_snapshot, trackers,
+            update_ratio, health_read), as one RecordConfig or as keywords (or both: the keywords win).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step_fn: Callable,
+        build_fn: Callable,
+        scheduler=None,
+        scaler=None,
+        batch_fn: Callable | None = None,
+        config: RecordConfig | None = None,
+        **options,
+    ):
+        self.config = config = RecordConfig.of(config, **options)
+        scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
+        stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
+        self.run_dir, self.batch_fn = Path(run_dir), batch_fn
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.step_fn, self.build_fn = step_fn, build_fn
+        self._in_step = self._closed = False
+        self._exit_hook = None
+        # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
+        # the journal and checkpoints; every rank writes its own batches (see training/world.py).
+        self.world = world = World.detect(model)
+        on_cuda = any(p.device.type == "cuda" for _, p in named_parameters(model)[:1])
+        self.deferred = config.health_read == "deferred" or (config.health_read == "auto" and on_cuda)
+        training = (model, optimizer, scheduler, scaler)
+        fns = {"build_fn": build_fn, "step_fn": step_fn, "batch_fn": batch_fn}
+        self._session = session = Session(self.run_dir, world, config, training, fns, deferred=self.deferred)
+        try:
+            self.next_step = session.start_step
+            self.restored_step = session.restored_step
+            self.trainee = Trainee(
+                *training, step_scheduler=config.step_scheduler, world=world, update_ratio=config.update_ratio
+            )
+            self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
+            self.live = live_log(stores, str(self.run_dir), session.manifest) if world.is_main else None
+            self._health = HealthLog(self.writer, world, config, deferred=self.deferred, live=self.live)
+            self._health.resume(session.progress)
+            self._batches = BatchLog(self.writer, self.run_dir, batch_fn, config.batch_ref_bytes)
+            self._snaps = Snapshots(self.writer, world, config, training, self._health)
+            self._snaps.steps = list(session.checkpoints)  # committed ones are never written again
+            for step, value in session.validation(config.val_metric):
+                self._snaps.new_best(step, value)
+        except BaseException:
+            session.release()
+            raise
+        if self.deferred and not world.distributed:  # (a collective at exit could hang)
+            self._exit_hook = _settle_at_exit(self)
+            atexit.register(self._exit_hook)
+
+    # --- a step -----------------------------------------------------------------------------
+
+    def step(self, batch: Any, sample_ids=None):
+        """Record and run one training step; returns what `step_fn` returned (the loss)."""
+        measure = self._open_step()
+        self._batches.append(self.next_step, batch, sample_ids)
+        self._in_step = True
+        try:  # the same measured step that replay runs (training/step.py)
+            loss, pending = self.trainee.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
+        except BaseException as e:
+            self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
+            self._fail(e)
+            raise
+        self._in_step = False
+        self._after_step(pending)
+        return loss
+
+    # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
+
+    def begin_step(self, batch: Any = None, sample_ids=None) -> int:
+        """Record the batch of the step about to run (checkpointing first when one is due);
+        returns its step number. The step's gradients and update are measured until
+        `end_step(loss)`.
+
+        With no batch (gradient accumulation: the micro-batches arrive one by one), the step
+        starts all the same (its checkpoint, its RNG states, the measuring) and
+        `record_batch(batch, sample_ids)` records its batch once it is known (before its last
+        micro-batch runs, so that a step that crashes there can be replayed)."""
+        measure = self._open_step(keep_start=batch is None)
+        if batch is not None:
+            self._batches.append(self.next_step, batch, sample_ids)
+        self.trainee.begin(measure_update=measure)
+        self._in_step = True
+        return self.next_step
+
+    def record_batch(self, batch: Any, sample_ids=None) -> None:
+        """The batch of the step `begin_step()` began without one (once per step)."""
+        if not self._in_step or self._batches.written:
+            raise RecordError("record_batch needs a step begun by begin_step() without a batch", path=self.run_dir)
+        self._batches.append(self.next_step, batch, sample_ids)
+
+    def abort_step(self, error: BaseException | None = None) -> None:
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded
+        (a batch not yet given to `record_batch` is not recorded). `error`: the exception
+        (default: the one being handled), recorded as an `exception` event when the step's
+        own code raised it."""
+        written = self._batches.written
+        self.trainee.abort()
+        self._in_step = False
+        self._batches.drop()
+        self._fail((error if error is not None else sys.exc_info()[1]) if written else None)
+
+    def end_step(self, loss) -> StepHealth | None:
+        """Finish the step begun by `begin_step`: record its health (and any anomaly), step
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to.
+        Returns the step's health, or None when it is read later (`health_read`)."""
+        if not self._in_step:
+            raise RecordError("end_step called without begin_step", path=self.run_dir)
+        if not self._batches.written:
+            raise RecordError("end_step called before record_batch: the step has no batch", path=self.run_dir)
+        try:
+            pending = self.trainee.finish(loss)
+        finally:
+            self._in_step = False
+        return self._after_step(pending)
+
+    @property
+    def in_step(self) -> bool:
+        """Between `begin_step` and `end_step`/`abort_step`."""
+        return self._in_step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _open_step(self, keep_start: bool = False) -> bool:
+        """Before step `next_step` runs: a checkpoint when one is due, and the RNG states it
+        starts in (batches.py). Returns whether this step measures its update."""
+        if self._closed:
+            raise RecordError("the Recorder is closed", path=self.run_dir)
+        if self._in_step:
+            raise RecordError("begin_step called twice without end_step", path=self.run_dir)
+        self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
+        snaps = self._snaps
+        snaps.await_write()
+        n, start = self.next_step, self._session.start_step
+        due = n == start or n % self.config.ckpt_every == 0
+        retake = snaps.retake_due() and not due and n not in snaps.steps  # a torn live checkpoint: again
+        self._batches.open(forced=due or retake, keep_start=keep_start)
+        # A sharded checkpoint started at the previous step commits now: its write had a step.
+        snaps.wait = snaps.finish_sharded()
+        if due or retake:
+            self._health.settle()  # the segment and the checkpoint's "healthy" flag need every step before
+            if due:
+                self.writer.roll(n)
+            if n not in snaps.steps:
+                reason = "retake" if retake else "start" if n == start else "periodic"
+                snaps.wait += self._checkpoint(n, reason)
+        return n % self.config.health_every == 0
+
+    def _after_step(self, pending) -> StepHealth | None:
+        """Step `next_step` ran: its health queued (and what is due recorded)."""
+        n = self.next_step
+        self._snaps.await_write()
+        self._batches.step_ended()
+        self.next_step = n + 1
+        return self._health.queue(n, pending, self._snaps.wait)
+
+    def _fail(self, error: BaseException | None) -> None:
+        """The running step failed: the live checkpoint's write finished, the health still
+        pending recorded, and the step's own error (when given) as an `exception` event."""
+        self._snaps.await_write()
+        self._health.settle_quietly()
+        if error is not None:
+            self._health.record_error(self.next_step, error, self.model)
+
+    # --- between steps ----------------------------------------------------------------------
+
+    def log_validation(self, **metrics: float) -> None:
+        """Record validation metrics measured on the current state (the state in which step
+        `next_step` starts, i.e. after `next_step` steps). Checkpoints a new best (keep_best).
+        Distributed: call it on every rank; rank 0's values are the ones recorded."""
+        self._health.settle()
+        step = self.next_step
+        clean = self.world.broadcast({k: float(v) for k, v in metrics.items()})
+        if self.world.is_main:
+            self.writer.append_json(framelog.VALIDATION, step, {"metrics": clean})
+            if self.live is not None:
+                self.live.validation(step, clean)
+        value = clean.get(self.config.val_metric)
+        if value is None or not math.isfinite(value) or not self._snaps.new_best(step, value):
+            return
+        if self.config.keep_best and step not in self._snaps.steps:
+            self._checkpoint(step, "best")
+            self._batches.force_rng()
+
+    def checkpoint(self, reason: str = "manual") -> int:
+        """Checkpoint the current state now (it becomes the state at `next_step`)."""
+        self._health.settle()
+        if self.next_step not in self._snaps.steps:
+            self._checkpoint(self.next_step, reason)
+            self._batches.force_rng()
+        return self.next_step
+
+    def _checkpoint(self, step: int, reason: str) -> float:
+        if self._in_step:
+            self._batches.checkpoint_mid_step()
+        return self._snaps.take(step, reason, self._session.number)
+
+    # --- end --------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Record the health still pending, and wait until every checkpoint handed to the
+        background writer is committed."""
+        self._health.settle()
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+        try:
+            try:  # the last step's health (a non-finite loss there is recorded and warned of, not raised)
+                self._health.settle(0, raise_nonfinite=False)
+            finally:
+                self._snaps.close()
+                self.trainee.close()
+                self.writer.close()
+                if self.live is not None:
+                    self.live.close()
+            if self.world.is_main and self.writer.failed is None:  # every frame is whole on disk
+                self._session.mark_closed()
+        finally:
+            self._session.release()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _settle_at_exit(rec: Recorder) -> Callable[[], None]:
+    """At interpreter exit (an uncaught exception, Ctrl-C between steps, sys.exit): record the
+    health a deferred read still holds. Holds the Recorder weakly."""
+    ref = weakref.ref(rec)
+
+    def settle() -> None:
+        r = ref()
+        if r is not None and not r.closed:
+            r._health.settle_quietly()
+
+    return settle
