@@ -307,7 +307,7 @@ class Investigation:
         report.recorded_error = self.recorded_error(report.root_step if report.root_step is not None else self.step)
         if root is None and plan.fault_recorded:
             self.not_reproduced(report, plan, trace)
-        captured = self.explain(report, window, trace, counterfactuals) if root is not None else None
+        captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
         if self.dump is not None and window.crash is None:
             self.write_dump(report, captured)
@@ -329,7 +329,7 @@ class Investigation:
             report.divergence = check_divergence(self, report.left_record_step)
             self.timing["divergence_s"] = time.perf_counter() - t0
 
-    def explain(self, report: ReplayReport, window: Window, trace: bool, counterfactuals: bool):
+    def blame_root(self, report: ReplayReport, window: Window, trace: bool, counterfactuals: bool):
         """blame.py's stages over the root step; what the dump will hold (None: no dump)."""
         root = RootStep(self, window)
         if window.crash is None:
