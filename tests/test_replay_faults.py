@@ -129,7 +129,7 @@ def test_micro_batch_loop_without_trace_blames_the_row_that_fails_alone(run_dir)
 
 
 def test_an_outsized_weight_is_told_from_its_peers_or_its_default_init():
-    from ckptlab.replayer.blame import outsized_weight
+    from ckptlab.replayer.parameters import outsized_weight
 
     torch.manual_seed(0)
     heads = torch.nn.ModuleDict({"heads": torch.nn.ModuleList(torch.nn.Linear(16, 1) for _ in range(3))})

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from ckptlab.replayer.findings import (
     Counterfactual,
     Culprit,
+    EarlierCause,
     Origin,
     ReplayReport,
-    Rewind,
     SampleBlame,
     StepCheck,
     verdict,
@@ -100,7 +100,7 @@ culprits = st.builds(
     detail=st.text(max_size=20),
 )
 rewinds = st.builds(
-    Rewind,
+    EarlierCause,
     searched=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(list),
     step=st.one_of(maybe(), st.integers(0, 10**6)),
     rows=ROWS,

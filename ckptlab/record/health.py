@@ -25,7 +25,8 @@ from ckptlab.run.reader import Progress
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training.crash import describe, is_step_error
-from ckptlab.training.probe import PendingHealth, StepHealth
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import PendingHealth
 from ckptlab.training.world import World
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from ckptlab.record.snapshots import Snapshots
 from ckptlab.run import framelog
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
-from ckptlab.training.probe import StepHealth, named_parameters
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import named_parameters
 from ckptlab.training.step import Trainee, scaler_argument
 from ckptlab.training.world import World
 

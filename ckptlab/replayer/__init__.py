@@ -13,12 +13,14 @@ What happens, in order:
    every loss and grad norm against the record bit for bit, and watching for the root step:
    the first non-finite loss/gradient/weight, loss or grad-norm spike, or exploding update
    (the rule is analysis/anomalies.py, shared with the Recorder);
-4-6. blame.py: trace the root step per op (trace.py) from an in-memory snapshot of the state it
-   started in; blame batch rows (non-finite or absurd values, the rows the origin op's bad
-   elements map to, per-row loss and gradient norm) and parameters (non-finite or exploding
-   gradients, weights, update ratios against their recorded typical values); prove it by
-   counterfactual replay (the root step without the blamed rows; the same batch from an older
-   model state; the recent learning rate);
+4-6. blame.py, stage by stage over the root step (rootstep.py), from an in-memory snapshot of
+   the state it started in: trace it per op (trace.py); blame batch rows (rows.py: non-finite
+   or absurd values, per-row loss and gradient norm) and parameters (parameters.py:
+   non-finite or exploding gradients, weights, update ratios against their recorded typical
+   values); find the origin (origin.py: the op, the rows its bad elements map to); prove it by
+   counterfactual replay (counterfactuals.py: the root step without the blamed rows; the same
+   batch from an older model state; the recent learning rate); search deeper within a budget
+   (search.py: the minimal culprit, the earlier cause);
 7. say it in one sentence (findings.py's `verdict`), or say honestly that the fault did not
    reproduce.
 
@@ -34,21 +36,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptlab.errors import ReplayError
-from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.distributed import replay_distributed
 from ckptlab.replayer.findings import (
     Counterfactual,
     Culprit,
     DivergenceCheck,
     DumpInfo,
+    EarlierCause,
     Origin,
     ParameterBlame,
     ReplayReport,
-    Rewind,
     SampleBlame,
     StepCheck,
 )
 from ckptlab.replayer.investigation import Investigation
+from ckptlab.replayer.rootstep import RootStep
+from ckptlab.replayer.rows import per_row
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run, open_run
 from ckptlab.training.state import apply_env, capture_env
@@ -62,10 +65,10 @@ __all__ = [
     "Culprit",
     "DivergenceCheck",
     "DumpInfo",
+    "EarlierCause",
     "Origin",
     "ParameterBlame",
     "ReplayReport",
-    "Rewind",
     "SampleBlame",
     "StepCheck",
     "attribute_rows",
@@ -103,12 +106,8 @@ def replay(
     writes the root step's tensors to an HDF5 file (dump.py; docs/replay.md, "The dump
     file"); `report.dump` says what it holds."""
     run = open_run(run) if not isinstance(run, Run) else run
-    if dump is not None:  # imported only when asked: the plain replay does not load h5py
-        from ckptlab.replayer.dump import DumpRequest
-        from ckptlab.run.dumpfile import check_target
-
-        dump = dump if isinstance(dump, DumpRequest) else DumpRequest(Path(dump))
-        check_target(Path(dump.path), dump.force)  # before minutes of replay, not after
+    dump = _dump_request(dump) if dump is not None else None
+    how = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}  # both replays' settings
     saved_env = capture_env()
     try:
         if run.world_size > 1 and rank is None:
@@ -119,30 +118,12 @@ def replay(
                     hint="dump one rank's micro-batches with --rank R",
                 )
             return replay_distributed(
-                run,
-                step,
-                device=device,
-                from_step=from_step,
-                trace=trace,
-                counterfactuals=counterfactuals,
-                log=log,
-                nproc=nproc,
-                trust_code=trust_code,
-                budget=budget,
+                run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
             )
         if rank is not None and not 0 <= rank < run.world_size:
             raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
         with solo_world(run.needs_process_group):
-            inv = Investigation(
-                run,
-                step,
-                device=device,
-                from_step=from_step,
-                log=log,
-                rank=rank or 0,
-                trust_code=trust_code,
-                dump=dump,
-            )
+            inv = Investigation(run, step, rank=rank or 0, dump=dump, **how)
             inv.budget = Budget(budget)
             if progress is not None:
                 inv.progress = progress
@@ -154,6 +135,17 @@ def replay(
             return inv.investigate(trace=trace, counterfactuals=counterfactuals)
     finally:
         apply_env(saved_env)
+
+
+def _dump_request(dump: DumpRequest | str | Path) -> DumpRequest:
+    """The dump asked for, its target checked before minutes of replay, not after. Imported
+    only when asked: the plain replay does not load h5py."""
+    from ckptlab.replayer.dump import DumpRequest
+    from ckptlab.run.dumpfile import check_target
+
+    dump = dump if isinstance(dump, DumpRequest) else DumpRequest(Path(dump))
+    check_target(Path(dump.path), dump.force)
+    return dump
 
 
 def attribute_rows(
@@ -168,12 +160,12 @@ def attribute_rows(
     try:
         with solo_world(run.needs_process_group):
             inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code)
-            blame = Blame(inv, inv.root_at(step))
+            root = RootStep(inv, inv.root_at(step))
             try:
-                rows = blame.per_row()
+                rows = per_row(root)
             finally:
-                blame.close()
+                root.close()
     finally:
         apply_env(saved)
-    out = [SampleBlame(r, blame.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
+    out = [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
     return sorted(out, key=lambda s: -(s.grad_norm if math.isfinite(s.grad_norm) else math.inf))

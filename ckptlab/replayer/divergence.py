@@ -25,8 +25,8 @@ import hashlib
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ckptlab.replayer.blame import Blame
 from ckptlab.replayer.findings import DivergenceCheck, same
+from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.training.world import local
 
@@ -63,7 +63,7 @@ def check_divergence(inv, step: int) -> DivergenceCheck:
     """Replay `step` twice from the state it started in (investigation.py's `root_at`) and
     compare the replays with each other, op by op, and with the record."""
     inv.log(f"replaying step {step} twice, hashing every op, to see why it left the record")
-    blame = Blame(inv, inv.root_at(step))
+    blame = RootStep(inv, inv.root_at(step))
     runs = []
     try:
         for _ in range(2):

@@ -193,7 +193,7 @@ class Capture:
 def capture_root_step(
     blame, origin: OpEvent | None, request: DumpRequest
 ) -> tuple[list[DumpEntry], list[str], list[str]]:
-    """Replay the root step once more (blame.py's `Blame`), copying what the dump holds.
+    """Replay the root step once more (rootstep.py's `RootStep`), copying what the dump holds.
     Returns (entries in order of priority, the origin's came-from lines, notes)."""
     capture = Capture(blame.trainee.model, origin, request)
     tracer = Tracer(blame.trainee.model, blame.trainee.optimizer, rows=blame.rows, batch=blame.rec.batch, watch=capture)

@@ -104,8 +104,9 @@ class Culprit:
 
 
 @dataclass
-class Rewind:
-    """Doomed earlier: the earliest step whose removal prevents the fault (search.py)."""
+class EarlierCause:
+    """The earliest step whose removal prevents the fault (search.py's `earlier_cause`); the
+    report's JSON names it `rewind`."""
 
     searched: list[int]  # [first, last]: the steps that could be skipped (start..root-1)
     step: int | None  # the step found; None: none alone (see detail)
@@ -181,7 +182,7 @@ class ReplayReport:
     # The deeper searches (search.py), each within `budget` extra replays of the root step or
     # of the window: None when not run.
     culprit: Culprit | None = None
-    rewind: Rewind | None = None
+    rewind: EarlierCause | None = None
     budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
     dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
     divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record

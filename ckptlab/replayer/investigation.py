@@ -25,13 +25,14 @@ import numpy as np
 from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
-from ckptlab.replayer.blame import Blame
+from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
+from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.layout import batches_root
-from ckptlab.run.reader import Run
+from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 
@@ -175,7 +176,8 @@ class Investigation:
                 kept[s] = (snap, dets_before)
                 break
             found = self.anomalies(h, dets)
-            checks.append(self.compare(s, h, found))
+            error = self.recorded_error(s) if self.metrics.index(s) is None else None
+            checks.append(compare(self.metrics, s, h, found, error))
             if found:
                 kept[s] = (snap, dets_before)
                 for old in [x for x in kept if x < s - 16 * EPISODE_GAP]:
@@ -203,26 +205,6 @@ class Investigation:
         report.dump = write(report, entries, came_from, self.dump)
         self.timing["dump_write_s"] = time.perf_counter() - t0
 
-    def recorded_weights(self, step: int) -> Origin:
-        """A fault that did not reproduce: the parameters whose weights the record shows
-        non-finite at `step`: already before its update (recorded where the weights were bad
-        then), else after it (when their norms were measured there, and only some went)."""
-        i = self.metrics.index(step)
-        for norms, when in (
-            (self.metrics.weight_norm_before, f"already non-finite when step {step} began, before its update"),
-            (self.metrics.weight_norm, f"going non-finite at step {step}"),
-        ):
-            finite = np.isfinite(norms[i]) if i is not None else np.ones(0, dtype=bool)
-            if finite.any() and not finite.all():  # (all NaN: not measured at that step)
-                names = [n for n, ok in zip(self.metrics.param_names, finite) if not ok]
-                listed = ", ".join(f"`{n}`" for n in names[:3]) + (
-                    f" and {len(names) - 3} more" if len(names) > 3 else ""
-                )
-                return Origin(
-                    "none", None, None, None, names[0], None, detail=f"the record shows the weights of {listed} {when}"
-                )
-        return Origin("none", None, None, None, None, None)
-
     def recorded_error(self, step: int) -> str | None:
         """The exception step `step` raised when recorded (its `exception` event), if any: the
         replayed rank's own when it recorded one (a rank whose step raised makes its peers'
@@ -249,34 +231,6 @@ class Investigation:
             recorded_error=recorded,
         )
 
-    def compare(self, s: int, h: StepHealth, found: list[str]) -> StepCheck:
-        m = self.metrics
-        i = m.index(s)
-        rec_loss = float(m.loss[i]) if i is not None else None
-        rec_grad = float(m.grad_norm[i]) if i is not None else None
-        match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
-        rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
-        rec_scale = m.scalars[i].get("grad_scale") if i is not None else None
-        if rec_scale is not None or h.grad_scale is not None:  # the GradScaler's state replays too
-            match = match and same(h.grad_scale, rec_scale)
-        if h.rank_loss is not None:
-            match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
-        return StepCheck(
-            s,
-            h.loss,
-            rec_loss,
-            h.grad_norm,
-            rec_grad,
-            match,
-            found,
-            h.rank_loss,
-            rec_ranks,
-            h.rank_grad_norm,
-            h.grad_scale,
-            rec_scale,
-            recorded_error=self.recorded_error(s) if i is None else None,
-        )
-
     def state_before(self, k: int, root: int):
         """A snapshot of the state in which `root` starts, by replaying k..root-1 again."""
         r = self.replayer
@@ -301,20 +255,6 @@ class Investigation:
             window.root_state = self.state_before(window.start, window.root)
             window.root_detectors = self.detectors(window.root)
         return window
-
-    def execution(self, report: ReplayReport) -> None:
-        """How the replay ran against how the run was recorded: compiled or eager, and
-        whether every replayed step (the faulty ones too) matched the record bit for bit."""
-        recorded = self.run.manifest.get("config", {}).get("compiled")
-        report.compiled = self.replayer.compiled
-        report.recorded_compiled = recorded
-        report.bit_exact = all(c.match for c in report.steps) if report.steps else None
-        if recorded is not None and report.compiled is not None and bool(recorded) != report.compiled:
-            how = ("compiled", "eagerly") if recorded else ("eagerly", "compiled")
-            report.notes.append(
-                f"recorded {how[0]}, replayed {how[1]} (the model build_fn returns): "
-                + ("bit-exact all the same" if report.bit_exact else "kernels differ, so the numbers may too")
-            )
 
     # the whole investigation ---------------------------------------------------------------------
 
@@ -343,19 +283,6 @@ class Investigation:
         if root is None and plan.fault_recorded:
             pre_fault = [c for c in checks if c.step < self.step]
         divergence = next((c for c in pre_fault if not c.match), None)
-        first_div = None
-        if divergence is not None:
-            first_div = {
-                "step": divergence.step,
-                "loss": divergence.loss,
-                "recorded_loss": divergence.recorded_loss,
-                "grad_norm": divergence.grad_norm,
-                "recorded_grad_norm": divergence.recorded_grad_norm,
-                "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
-            }
-            if divergence.grad_scale is not None or divergence.recorded_grad_scale is not None:
-                first_div["grad_scale"] = divergence.grad_scale
-                first_div["recorded_grad_scale"] = divergence.recorded_grad_scale
         report = ReplayReport(
             run=str(self.run.path),
             requested_step=self.step,
@@ -365,7 +292,7 @@ class Investigation:
             fault_recorded=plan.fault_recorded,
             reproduced=root is not None,
             deterministic=divergence is None,
-            first_divergence=first_div,
+            first_divergence=first_divergence(divergence),
             origin=Origin("none", None, None, None, None, None),
             samples=[],
             parameters=[],
@@ -376,30 +303,122 @@ class Investigation:
             notes=self.replayer.notes,
             rank=rank,
         )
-        self.execution(report)
+        execution(report, self.run, self.replayer.compiled)
         report.recorded_error = self.recorded_error(report.root_step if report.root_step is not None else self.step)
-        if root is None and plan.fault_recorded and report.recorded_error is not None:
-            report.left_record_step = next((c.step for c in checks if not c.match), None)
-        elif root is None and plan.fault_recorded:
-            report.left_record_step = next((c.step for c in checks if not c.match), None)
-            report.origin = self.recorded_weights(plan.episode)
-            # One process only: a distributed run replayed in this process (one rank's share)
-            # never matches its record, so "the replays agree but not the record" would mislead.
-            if trace and report.left_record_step is not None and self.run.world_size == 1:
-                t0 = time.perf_counter()
-                report.divergence = check_divergence(self, report.left_record_step)
-                self.timing["divergence_s"] = time.perf_counter() - t0
-        blame = None
-        if root is not None and window.crash is not None:
-            if self.dump is not None:
-                report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
-            Blame(self, window).explain_crash(report, window.crash)
-        elif root is not None:
-            blame = Blame(self, window)
-            blame.explain(report, trace, counterfactuals, dump=self.dump)
+        if root is None and plan.fault_recorded:
+            self.not_reproduced(report, plan, trace)
+        captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
         if self.dump is not None and window.crash is None:
-            self.write_dump(report, getattr(blame, "captured", None))
+            self.write_dump(report, captured)
         self.timing["total_s"] = time.perf_counter() - self.t0
         report.timing = self.timing
         return report
+
+    def not_reproduced(self, report: ReplayReport, plan: Plan, trace: bool) -> None:
+        """A recorded fault the replay did not reproduce: where the replay left the record, and
+        (no exception recorded) the weights the record shows non-finite, and why it left."""
+        report.left_record_step = next((c.step for c in report.steps if not c.match), None)
+        if report.recorded_error is not None:
+            return
+        report.origin = recorded_weights(self.metrics, plan.episode)
+        # One process only: a distributed run replayed in this process (one rank's share)
+        # never matches its record, so "the replays agree but not the record" would mislead.
+        if trace and report.left_record_step is not None and self.run.world_size == 1:
+            t0 = time.perf_counter()
+            report.divergence = check_divergence(self, report.left_record_step)
+            self.timing["divergence_s"] = time.perf_counter() - t0
+
+    def blame_root(self, report: ReplayReport, window: Window, trace: bool, counterfactuals: bool):
+        """blame.py's stages over the root step; what the dump will hold (None: no dump)."""
+        root = RootStep(self, window)
+        if window.crash is None:
+            return explain(root, report, trace, counterfactuals, dump=self.dump)
+        if self.dump is not None:
+            report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
+        explain_crash(root, report, window.crash)
+        return None
+
+
+def first_divergence(divergence: StepCheck | None) -> dict | None:
+    """The report's `first_divergence`: the first replayed step before the fault that did not
+    match the record, against the record."""
+    if divergence is None:
+        return None
+    out = {
+        "step": divergence.step,
+        "loss": divergence.loss,
+        "recorded_loss": divergence.recorded_loss,
+        "grad_norm": divergence.grad_norm,
+        "recorded_grad_norm": divergence.recorded_grad_norm,
+        "abs_diff": absdiff(divergence.loss, divergence.recorded_loss),
+    }
+    if divergence.grad_scale is not None or divergence.recorded_grad_scale is not None:
+        out["grad_scale"] = divergence.grad_scale
+        out["recorded_grad_scale"] = divergence.recorded_grad_scale
+    return out
+
+
+def compare(m: Metrics, s: int, h: StepHealth, found: list[str], recorded_error: str | None) -> StepCheck:
+    """Replayed step `s` (`h`, its anomalies `found`) against the record: loss, gradient norm,
+    GradScaler scale and per-rank losses, bit for bit. `recorded_error`: the exception the
+    record has for a step it has no health for."""
+    i = m.index(s)
+    rec_loss = float(m.loss[i]) if i is not None else None
+    rec_grad = float(m.grad_norm[i]) if i is not None else None
+    match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
+    rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
+    rec_scale = m.scalars[i].get("grad_scale") if i is not None else None
+    if rec_scale is not None or h.grad_scale is not None:  # the GradScaler's state replays too
+        match = match and same(h.grad_scale, rec_scale)
+    if h.rank_loss is not None:
+        match = match and rec_ranks is not None and all(map(same, h.rank_loss, rec_ranks))
+    return StepCheck(
+        s,
+        h.loss,
+        rec_loss,
+        h.grad_norm,
+        rec_grad,
+        match,
+        found,
+        h.rank_loss,
+        rec_ranks,
+        h.rank_grad_norm,
+        h.grad_scale,
+        rec_scale,
+        recorded_error=recorded_error,
+    )
+
+
+def recorded_weights(metrics: Metrics, step: int) -> Origin:
+    """A fault that did not reproduce: the parameters whose weights the record shows
+    non-finite at `step`: already before its update (recorded where the weights were bad
+    then), else after it (when their norms were measured there, and only some went)."""
+    i = metrics.index(step)
+    for norms, when in (
+        (metrics.weight_norm_before, f"already non-finite when step {step} began, before its update"),
+        (metrics.weight_norm, f"going non-finite at step {step}"),
+    ):
+        finite = np.isfinite(norms[i]) if i is not None else np.ones(0, dtype=bool)
+        if finite.any() and not finite.all():  # (all NaN: not measured at that step)
+            names = [n for n, ok in zip(metrics.param_names, finite) if not ok]
+            listed = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            return Origin(
+                "none", None, None, None, names[0], None, detail=f"the record shows the weights of {listed} {when}"
+            )
+    return Origin("none", None, None, None, None, None)
+
+
+def execution(report: ReplayReport, run: Run, compiled: bool | None) -> None:
+    """How the replay ran against how the run was recorded: compiled or eager, and
+    whether every replayed step (the faulty ones too) matched the record bit for bit."""
+    recorded = run.manifest.get("config", {}).get("compiled")
+    report.compiled = compiled
+    report.recorded_compiled = recorded
+    report.bit_exact = all(c.match for c in report.steps) if report.steps else None
+    if recorded is not None and report.compiled is not None and bool(recorded) != report.compiled:
+        how = ("compiled", "eagerly") if recorded else ("eagerly", "compiled")
+        report.notes.append(
+            f"recorded {how[0]}, replayed {how[1]} (the model build_fn returns): "
+            + ("bit-exact all the same" if report.bit_exact else "kernels differ, so the numbers may too")
+        )

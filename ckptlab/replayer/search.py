@@ -1,19 +1,21 @@
-"""The deeper searches after blame, each within a budget of extra replays:
+"""The deeper searches after the blame, each within a budget of extra replays:
 
-    budget = Budget(32)
-    culprit = minimal_culprit(blame, budget)   # fewest rows, then positions, that still fault;
-                                               # moved into a healthy batch: do they still?
-    rewind = doomed_earlier(blame, budget)     # the earliest step whose removal prevents it
+    search(root, report)                        # both, as the root step's findings call for them
+    culprit = minimal_culprit(root, budget)     # fewest rows, then positions, that still fault;
+                                                # moved into a healthy batch: do they still?
+    earlier = earlier_cause(root, budget)       # the earliest step whose removal prevents it
 
-A culprit test replays the root step from the state it started in (one replay each); a rewind
-test replays the window from its checkpoint with some steps (or rows) left out (one replay
-each, of every step from the checkpoint to the requested one). A search that runs out of budget
-keeps the best answer so far and says so.
+`root` is rootstep.py's RootStep. A culprit test replays the root step from the state it started
+in (one replay each); an earlier-cause test replays the window from its checkpoint with some
+steps (or rows) left out (one replay each, of every step from the checkpoint to the requested
+one). A search that runs out of budget keeps the best answer so far and says so. The report
+holds the earlier cause under `rewind` (and a budget spent on it as "rewind").
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -28,7 +30,9 @@ from ckptlab.analysis.batches import (
     select_rows,
     zip_leaves,
 )
-from ckptlab.replayer.findings import Culprit, Rewind, ranges
+from ckptlab.replayer.findings import Culprit, EarlierCause, ReplayReport, ranges
+from ckptlab.replayer.origin import lr_jump
+from ckptlab.replayer.rootstep import RootStep
 
 DEFAULT_BUDGET = 32
 
@@ -78,12 +82,12 @@ def ddmin(items: list, test: Callable[[list], bool | None]) -> tuple[list, bool]
 # --- the minimal culprit ------------------------------------------------------------------------
 
 
-def minimal_culprit(blame, budget: Budget) -> Culprit | None:
+def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     """Shrink the blamed rows to the fewest that, alone through the root step, still make it
     fault; then, where the batch has a sequence dimension, the fewest positions of those rows
     whose values the fault needs (every other position taken from a healthy row of the batch);
     then put the rows into a healthy nearby step's batch, in place of the same rows."""
-    rep, n = blame.report, blame.rows
+    rep, n = root.report, root.rows
     if not rep.samples or not n:
         return None
     blamed = sorted({r for r in map(_batch_row, rep.samples) if 0 <= r < n})
@@ -94,10 +98,10 @@ def minimal_culprit(blame, budget: Budget) -> Culprit | None:
         if not budget.take("culprit"):
             return None
         try:
-            h = blame.step(batch if batch is not None else select_rows(blame.rec.batch, rows, n))
+            h = root.step(batch if batch is not None else select_rows(root.rec.batch, rows, n))
         except Exception:  # noqa: BLE001 - a model that cannot take this many rows (BatchNorm...)
             return False
-        return bool(blame.fault(h))
+        return bool(root.fault(h))
 
     start = blamed
     alone = faults(blamed) if len(blamed) < n else True
@@ -108,21 +112,21 @@ def minimal_culprit(blame, budget: Budget) -> Culprit | None:
             return _localize(
                 Culprit(
                     blamed,
-                    [blame.sample_id(r) for r in blamed],
+                    [root.sample_id(r) for r in blamed],
                     True,
                     detail="the blamed rows alone do not make the step fault: they need the rest of their batch",
                     cause="data x batch",
                 ),
-                blame.rec.batch,
+                root.rec.batch,
             )
     rows, minimal = ddmin(start, faults) if len(start) > 1 else (start, True)
-    culprit = Culprit(rows, [blame.sample_id(r) for r in rows], minimal)
+    culprit = Culprit(rows, [root.sample_id(r) for r in rows], minimal)
     if minimal:
-        _positions(blame, culprit, faults, n)
-    _transplant(blame, culprit, budget)
-    culprit.cause = _cause(culprit, blame.older_fault)
-    culprit.detail = _culprit_detail(culprit, blame)
-    return _localize(culprit, blame.rec.batch)
+        _positions(root, culprit, faults, n)
+    _transplant(root, culprit, budget)
+    culprit.cause = _cause(culprit, root.older_fault)
+    culprit.detail = _culprit_detail(culprit, root)
+    return _localize(culprit, root.rec.batch)
 
 
 def _localize(found, batch):
@@ -153,16 +157,16 @@ def _sequence_length(batch, rows: int) -> int | None:
     return Counter(dims).most_common(1)[0][0] if dims else None
 
 
-def _positions(blame, culprit: Culprit, faults, n: int) -> None:
+def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
     """Which positions of the culprit rows the fault needs: the others come from a healthy row
     (a row of the same batch that is not blamed), field by field along dimension 1."""
-    healthy = [r for r in range(n) if r not in set(map(_batch_row, blame.report.samples))]
-    T = _sequence_length(blame.rec.batch, n)
+    healthy = [r for r in range(n) if r not in set(map(_batch_row, root.report.samples))]
+    T = _sequence_length(root.rec.batch, n)
     if not healthy or T is None:
         return
     k = len(culprit.rows)
-    bad = select_rows(blame.rec.batch, culprit.rows, n)
-    donor = select_rows(blame.rec.batch, [healthy[0]] * k, n)
+    bad = select_rows(root.rec.batch, culprit.rows, n)
+    donor = select_rows(root.rec.batch, [healthy[0]] * k, n)
     fields = [
         path
         for path, leaf in python_leaves(bad)
@@ -193,34 +197,34 @@ def _positions(blame, culprit: Culprit, faults, n: int) -> None:
     culprit.minimal = complete
 
 
-def _transplant(blame, culprit: Culprit, budget: Budget) -> None:
+def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
     """Put the culprit rows into the batch of the nearest healthy earlier step, in place of
     the same rows, and run it from the root step's state: does the fault follow the rows?"""
-    run, n, root = blame.inv.run, blame.rows, blame.root
-    m = blame.inv.metrics
-    if micro_rows(blame.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
+    run, n = root.inv.run, root.rows
+    m = root.inv.metrics
+    if micro_rows(root.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
         return
     recorded_faults = {int(e["step"]) for e in run.events()}
-    for s in sorted((s for s in run.steps if s < root), reverse=True)[:8]:
+    for s in sorted((s for s in run.steps if s < root.root), reverse=True)[:8]:
         i = m.index(s)
         if s in recorded_faults or i is None or not math.isfinite(float(m.loss[i])):
             continue
         try:
-            other = blame.replayer.batch(s)
+            other = root.replayer.batch(s)
         except Exception:  # noqa: BLE001 - a damaged or foreign batch: try the one before
             continue
         if other.sample_ids is not None and len(other.sample_ids) != n:
             continue
         try:
             batch = replace_rows(
-                other.batch, n, culprit.rows, select_rows(blame.rec.batch, culprit.rows, n), len(culprit.rows)
+                other.batch, n, culprit.rows, select_rows(root.rec.batch, culprit.rows, n), len(culprit.rows)
             )
         except ValueError:
             continue
         if not budget.take("transplant"):
             return
         try:
-            culprit.transplant_fault = bool(blame.fault(blame.step(batch)))
+            culprit.transplant_fault = bool(root.fault(root.step(batch)))
         except Exception:  # noqa: BLE001
             return
         culprit.transplant_step = s
@@ -242,8 +246,8 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
     return None
 
 
-def _culprit_detail(c: Culprit, blame) -> str:
-    rows = ", ".join(f"{_where(blame.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+def _culprit_detail(c: Culprit, root: RootStep) -> str:
+    rows = ", ".join(f"{_where(root.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
@@ -254,28 +258,64 @@ def _culprit_detail(c: Culprit, blame) -> str:
     return out
 
 
-# --- doomed earlier -----------------------------------------------------------------------------
+# --- the earlier cause ------------------------------------------------------------------------
 
 
-def doomed_earlier(blame, budget: Budget) -> Rewind | None:
+def earlier_cause(root: RootStep, budget: Budget) -> EarlierCause | None:
     """Replay the window with earlier steps left out (bisection over the steps since the
     checkpoint, the earlier half first) and name the earliest step whose removal prevents the
     fault, then the fewest of its rows whose removal does."""
-    inv, r = blame.inv, blame.replayer
-    start, root, last = blame.start, blame.root, inv.step
-    if root <= start:
+    start, fault_step = root.start, root.root
+    if fault_step <= start:
         return None
-    rw = Rewind([start, root - 1], None)
+    found = EarlierCause([start, fault_step - 1], None)
+    faults = _window_faults(root, budget, found)
+    everything = faults(range(start, fault_step))
+    if everything is None:
+        return found
+    if everything:
+        found.detail = (
+            f"leaving out every step from {start} to {fault_step - 1} does not prevent it: "
+            f"step {fault_step}'s batch faults from checkpoint {start}'s state"
+        )
+        return found
+    step = _bisect(faults, start, fault_step, found)
+    if step is None:
+        return found
+    found.step = step
+    rec = root.replayer.batch(step)
+    n = batch_rows(rec.batch, rec.sample_ids)
+    if n and n > 1:
+        rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(step, d)) if len(d) < n else False))
+        found.complete = found.complete and complete
+        found.rows = rows
+        ids = rec.sample_ids
+        found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
+    partial = found.rows and len(found.rows) < (n or 0)
+    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
+    _localize(found, rec.batch)
+    found.detail = (
+        f"without {who} of step {step}" if partial else f"without step {step}"
+    ) + f", step {fault_step} does not fault"
+    return found
+
+
+def _window_faults(root: RootStep, budget: Budget, found: EarlierCause):
+    """faults(skip, drop): replay the window from its checkpoint to the requested step, with
+    the steps in `skip` left out and, with drop=(step, rows), those rows of that step: does it
+    still fault at or after the root step? None: the budget is spent (`found` says so)."""
+    inv, r = root.inv, root.replayer
+    start, fault_step = root.start, root.root
 
     def faults(skip: range | set = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
         if not budget.take("rewind"):
-            rw.complete = False
+            found.complete = False
             return None
         t = r.build()
         try:
             r.load_checkpoint(t, start)
             dets = inv.detectors(start)
-            for s in range(start, last + 1):
+            for s in range(start, inv.step + 1):
                 if s in skip:
                     continue
                 rec = r.batch(s)
@@ -283,20 +323,21 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
                 if drop is not None and drop[0] == s:
                     rows = batch_rows(rec.batch, rec.sample_ids)
                     batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
-                h = r.run_step(t, rec, batch, measure_update=s >= root)
-                if inv.anomalies(h, dets) and s >= root:
+                h = r.run_step(t, rec, batch, measure_update=s >= fault_step)
+                if inv.anomalies(h, dets) and s >= fault_step:
                     return True
             return False
         finally:
             r.close(t)
 
-    everything = faults(range(start, root))
-    if everything is None:
-        return rw
-    if everything:
-        rw.detail = f"leaving out every step from {start} to {root - 1} does not prevent it: step {root}'s batch faults from checkpoint {start}'s state"
-        return rw
-    lo, hi = start, root  # leaving out steps lo..hi-1 prevents the fault
+    return faults
+
+
+def _bisect(faults, start: int, fault_step: int, found: EarlierCause) -> int | None:
+    """The one step in start..fault_step-1 whose removal prevents the fault (leaving them all
+    out does), bisecting the earlier half first; None when no single step does or the budget
+    ran out first (`found.detail` says which)."""
+    lo, hi = start, fault_step  # leaving out steps lo..hi-1 prevents the fault
     while hi - lo > 1:
         mid = (lo + hi) // 2
         first = faults(range(lo, mid))
@@ -311,26 +352,39 @@ def doomed_earlier(blame, budget: Budget) -> Rewind | None:
         if not second:
             lo = mid
             continue
-        rw.detail = f"no single step: leaving out steps {lo}..{hi - 1} together prevents it, neither half does"
-        return rw
+        found.detail = f"no single step: leaving out steps {lo}..{hi - 1} together prevents it, neither half does"
+        return None
     if hi - lo > 1:
-        rw.detail = f"leaving out steps {lo}..{hi - 1} prevents it (the budget ran out before one step was found)"
-        return rw
-    rw.step = lo
-    rec = r.batch(lo)
-    n = batch_rows(rec.batch, rec.sample_ids)
-    if n and n > 1:
-        rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(lo, d)) if len(d) < n else False))
-        rw.complete = rw.complete and complete
-        rw.rows = rows
-        ids = rec.sample_ids
-        rw.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
-    partial = rw.rows and len(rw.rows) < (n or 0)
-    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(rw.rows, rw.sample_ids))
-    _localize(rw, rec.batch)
-    rw.detail = (f"without {who} of step {lo}" if partial else f"without step {lo}") + f", step {root} does not fault"
-    return rw
+        found.detail = f"leaving out steps {lo}..{hi - 1} prevents it (the budget ran out before one step was found)"
+        return None
+    return lo
 
 
 def _negate(x: bool | None) -> bool | None:
     return None if x is None else not x
+
+
+# --- both, for the root step -------------------------------------------------------------------
+
+
+def search(root: RootStep, rep: ReplayReport) -> None:
+    """Within the investigation's budget of replays: the minimal culprit of a fault with
+    blamed rows, and the earlier step that doomed a fault the batch alone does not explain
+    (it needs this model state, or no row is to blame)."""
+    inv = root.inv
+    budget = inv.budget
+    if budget.limit <= 0:
+        return
+    t0 = time.perf_counter()
+    inv.log(f"searching for the minimal culprit of step {root.root}")
+    rep.culprit = minimal_culprit(root, budget)
+    # an optimizer origin already explained: a learning-rate jump, or its own state
+    explained = rep.origin.kind == "optimizer" and (
+        rep.origin.state is not None or lr_jump(inv.metrics, root.root, root.base) is not None
+    )
+    doomed = root.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
+    if doomed and inv.run.world_size == 1:  # (one process replays one rank: no window)
+        inv.log(f"looking for an earlier step that doomed step {root.root}")
+        rep.rewind = earlier_cause(root, budget)
+    rep.budget = budget.to_json()
+    inv.timing["search_s"] = time.perf_counter() - t0

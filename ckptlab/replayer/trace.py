@@ -134,6 +134,19 @@ class OpEvent:
     def output_finite(self) -> bool:
         return all(o.finite for o in self.outputs)
 
+    def to_json(self) -> dict:
+        """The event as the report's causal chain holds it."""
+        return {
+            "phase": self.phase,
+            "module": self.module,
+            "op": self.op,
+            "call": self.call,
+            "source": self.source,
+            "inputs": [s.describe() for s in self.inputs[:4]],
+            "outputs": [s.describe() for s in self.outputs[:2]],
+            "rows": sorted((self.bad_rows or {}).keys())[:16],
+        }
+
     def where(self) -> str:
         mod = "<root>" if self.module == "" else (self.module or "<outside the model>")
         return f"{mod} {self.op}" + (f" ({self.call}, {self.source})" if self.source else "")

@@ -1,0 +1,202 @@
+"""Counterfactual replays that prove the blame: the root step changed in one way, run again.
+
+    root.report.counterfactuals = counterfactuals(root, samples)
+
+Without the blamed rows; with its recent learning rate (a learning-rate jump); with the origin's
+module, then the whole model, in float32 (a precision origin); with Adam's second moment in tune
+with its gradient (an optimizer-state origin); the same batch from an older checkpoint (which
+sets `root.older_fault` for search.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ckptlab.analysis.anomalies import step_anomalies
+from ckptlab.analysis.batches import select_rows
+from ckptlab.replayer.findings import Counterfactual, Origin, SampleBlame
+from ckptlab.replayer.optstate import in_tune
+from ckptlab.replayer.origin import lr_jump
+from ckptlab.replayer.precision import in_float32
+from ckptlab.replayer.rootstep import RootStep
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import named_parameters
+from ckptlab.training.state import restore_snapshot
+
+# The anomalies of a step that its own update causes (spikes of its loss and gradient come
+# before the update).
+AFTER_AN_UPDATE = ("update_explosion", "nonfinite_weight")
+
+
+def counterfactuals(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:
+    """Each counterfactual the origin and the blamed rows call for, in the report's order."""
+    return (
+        _without_rows(root, samples)
+        + _recent_learning_rate(root)
+        + _in_float32(root, root.report.origin)
+        + _second_moment_in_tune(root)
+        + _older_state(root, samples)
+    )
+
+
+def _without_rows(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:
+    if not samples or not root.rows:
+        return []
+    keep = [r for r in range(root.rows) if r not in {s.batch_row for s in samples}]
+    ids = ", ".join(str(s.sample_id) for s in samples[:5])
+    if not keep:
+        question = f"does step {root.root} still fail without the blamed rows?"
+        return [Counterfactual(question, None, "every row is blamed; nothing left to run")]
+    h = root.step(select_rows(root.rec.batch, keep, root.rows))
+    found = root.fault(h)
+    return [
+        Counterfactual(
+            f"does step {root.root} still fail without the blamed rows ({ids})?",
+            bool(found),
+            f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+            + (f" -> still {', '.join(found)}" if found else " -> the fault vanishes"),
+        )
+    ]
+
+
+def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
+    """An optimizer origin with a learning-rate jump: the step with the recent learning rate."""
+    lr = lr_jump(root.inv.metrics, root.root, root.base) if root.report.origin.kind == "optimizer" else None
+    if lr is None:
+        return []
+    typical = lr[1] / lr[0]
+    root.fresh()
+    for g in root.trainee.optimizer.param_groups:
+        g["lr"] = typical
+    h = root.replayer.run_step(root.trainee, root.rec)
+    found = root.fault(h)
+    return [
+        Counterfactual(
+            f"does step {root.root} still fail with its recent learning rate {typical:.3g} instead of {lr[1]:.3g}?",
+            bool(found),
+            f"with lr {typical:.3g}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
+            + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
+        )
+    ]
+
+
+def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
+    """A precision origin: the trace's answer (the op re-run in float32), then the root step
+    with the origin's module in float32, then (if that is not enough) the whole model: which
+    part must stay in float32 for the fault to go away."""
+    if o.kind != "precision":
+        return []
+    out = [
+        Counterfactual(
+            f"does {o.op} still produce {o.produced} in float32 on the same inputs?",
+            False,
+            f"in {o.dtype} it produced {o.produced}; in float32 it is finite -> a reduced-precision overflow",
+        )
+    ]
+    if o.module is None:
+        return out
+    for path in dict.fromkeys([o.module, ""]):
+        what = f"`{path}`" if path else "the whole model"
+        t = root.replayer.build()
+        try:
+            restore_snapshot(root.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=root.replayer.rank)
+            with in_float32(t.model, path):
+                h = root.replayer.run_step(t, root.rec)
+            found = root.fault(h)
+        except Exception as e:  # noqa: BLE001 - a model that cannot run this part in float32
+            out.append(Counterfactual(f"does step {root.root} still fail with {what} in float32?", None, str(e)))
+            continue
+        finally:
+            root.replayer.close(t)
+        # The fault here is the non-finite value; a spike that remains in float32 is an
+        # outlier's, which float32 survives.
+        nonfinite = [k for k in found if k.startswith("nonfinite")]
+        out.append(
+            Counterfactual(
+                f"does step {root.root} still go non-finite with {what} in float32?",
+                bool(nonfinite),
+                f"in float32: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                + (
+                    f" -> still {', '.join(nonfinite)}"
+                    if nonfinite
+                    else f" -> finite: keep {what} in float32"
+                    + (f" ({', '.join(found)} remain: an outlier)" if found else "")
+                ),
+            )
+        )
+        if not nonfinite:
+            o.float32_module = path
+            break
+    return out
+
+
+def _second_moment_in_tune(root: RootStep) -> list[Counterfactual]:
+    """An optimizer-state origin: the root step (and the steps after it) with the parameter's
+    second moment in tune with the gradient that arrives."""
+    if root.report.origin.state != "exp_avg_sq":
+        return []
+    name = root.report.origin.parameter
+    param = dict(named_parameters(root.trainee.model)).get(name)
+    if param is None:
+        return []
+    h, found = _update_and_after(root, in_tune(root.trainee.optimizer, param))
+    last = root.inv.step
+    return [
+        Counterfactual(
+            f"does the fault {f'(to step {last}) ' if last > root.root else ''}remain with `{name}`'s "
+            "second moment in tune with its gradient at the root step (exp_avg_sq = max(exp_avg_sq, grad^2))?",
+            bool(found),
+            f"in tune: update ratio {h.update_ratio_global or 0:.3g}"
+            + (
+                f" -> still {', '.join(found)}: the optimizer state is not the whole cause"
+                if found
+                else " -> no fault: the out-of-tune second moment is the cause"
+            ),
+        )
+    ]
+
+
+def _update_and_after(root: RootStep, around) -> tuple[StepHealth, list[str]]:
+    """The root step with its update changed by the context manager `around`, then the
+    recorded steps after it up to the requested one: the root step's health, and the
+    anomalies an update can cause (the root step's own update explosion or non-finite
+    weights; anything after it)."""
+    root.fresh()
+    dets = copy.deepcopy(root.dets)
+    with around:
+        h = root.replayer.run_step(root.trainee, root.rec)
+    found = [k for k in (e["kind"] for e in step_anomalies(h, dets)) if k in AFTER_AN_UPDATE]
+    inv = root.inv
+    for s in range(root.root + 1, inv.step + 1):
+        later = inv.anomalies(root.replayer.run_step(root.trainee, root.replayer.batch(s)), dets)
+        found += [f"{k} at step {s}" for k in later]
+    return h, found
+
+
+def _older_state(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:
+    """Blamed rows: the same batch from an older checkpoint (not the one the window started
+    from, when there is another). Whether it faults there says whether the data alone does."""
+    older = [c for c in root.inv.run.checkpoints if c < root.root]
+    if not older or not samples:
+        return []
+    c = older[0] if older[-1] == root.root else older[-1]
+    if c == root.start and len(older) > 1:
+        c = older[-2]
+    t = root.replayer.build()
+    root.replayer.load_checkpoint(t, c)
+    h = root.replayer.run_step(t, root.rec)
+    root.replayer.close(t)
+    found = root.fault(h)
+    root.older_fault = bool(found)
+    return [
+        Counterfactual(
+            f"does the same batch fail from the older model state at step {c}?",
+            bool(found),
+            f"from checkpoint {c}: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+            + (
+                " -> fails too: the data alone triggers it"
+                if found
+                else " -> no fault: it needs this model state as well as this data"
+            ),
+        )
+    ]

@@ -1,0 +1,215 @@
+"""The origin of the fault in the root step, and the rows it blames.
+
+    o, samples = origin(root, tracer, h, data_rows(root), per_row(root))
+
+Three cases, in order: the batch itself carries non-finite values (the origin is the data);
+the per-op trace saw an op produce the first NaN/Inf (that op, its module and kind: numeric,
+precision, optimizer, or data when its bad rows are absurd ones); nothing went non-finite in
+the root step (a finite explosion: the rows that dominate it, Adam's second moment out of tune,
+a learning-rate jump, or gradients that exploded with no row to blame).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ckptlab.analysis.batches import micro_row
+from ckptlab.replayer.findings import Origin, SampleBlame
+from ckptlab.replayer.optstate import SecondMomentGap, second_moment_gaps
+from ckptlab.replayer.parameters import outsized_weight
+from ckptlab.replayer.rootstep import RootStep
+from ckptlab.replayer.rows import dominant_rows, nonfinite_alone, repeated_sample
+from ckptlab.replayer.trace import OpEvent, Tracer
+from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import named_parameters
+from ckptlab.training.state import unwrap
+
+Samples = dict[int, SampleBlame]  # the blamed rows, by row across the step's micro-batches
+
+
+def origin(
+    root: RootStep,
+    tracer: Tracer | None,
+    h: StepHealth,
+    data_rows: dict[str, dict[int, str]],
+    rows: dict[int, StepHealth],
+) -> tuple[Origin, list[SampleBlame]]:
+    """The origin of the fault and the blamed rows, most to blame first. `h`: the root step
+    replayed; `data_rows`: rows.data_rows; `rows`: rows.per_row (empty for a single row)."""
+    samples: Samples = {}
+    ev: OpEvent | None = tracer.origin if tracer is not None else None
+    if data_rows["nonfinite"]:
+        o = _nonfinite_batch(root, tracer, data_rows["nonfinite"], samples)
+    elif ev is not None:
+        o = _first_nonfinite_op(root, ev, data_rows["absurd"], nonfinite_alone(rows), samples)
+    else:
+        o = _finite_explosion(root, h, data_rows["absurd"], rows, samples)
+    return o, _ranked(root, samples, data_rows, rows)
+
+
+def lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:
+    """(how many times its recent value, the learning rate) when the root step's learning rate
+    jumped more than tenfold over the recorded steps before it."""
+    hist = m.window(max(0, root - 32), root - 1)
+    if hist.stop <= hist.start or not h.lr:
+        return None
+    typical = float(np.nanmedian(m.lr[hist, 0]))
+    lr = float(h.lr[0])
+    if typical > 0 and lr > 10 * typical:
+        return lr / typical, lr
+    return None
+
+
+def _blame(root: RootStep, samples: Samples, row: int, reason: str) -> None:
+    if row in samples:
+        samples[row].reason += "; " + reason
+    else:
+        samples[row] = SampleBlame(row, root.sample_id(row), reason, batch_row=row)
+
+
+def _top_parameter(root: RootStep) -> str | None:
+    """The parameter parameters.py blames most, if any."""
+    return root.report.parameters[0].name if root.report.parameters else None
+
+
+def _nonfinite_batch(root: RootStep, tracer: Tracer | None, nonfinite: dict[int, str], samples: Samples) -> Origin:
+    """The batch carries non-finite values: its rows are blamed, and the trace says where they
+    enter the model."""
+    for r, why in nonfinite.items():
+        _blame(root, samples, r, why)
+    events = tracer.events if tracer else []
+    enters = next((e for e in events if e.phase == "forward" and any(not s.finite for s in e.inputs)), None)
+    where = (
+        f"; it enters the model at `{enters.module or '<root>'}` ({enters.op})"
+        if enters is not None and enters.module is not None
+        else ""
+    )
+    return Origin("data", "forward", None, None, None, None, detail="the batch carries non-finite values" + where)
+
+
+def _first_nonfinite_op(
+    root: RootStep, ev: OpEvent, absurd: dict[int, str], alone: dict[int, str], samples: Samples
+) -> Origin:
+    """The traced op that produced the step's first NaN/Inf: the rows its bad elements map
+    to, and for a forward op in a module, the weight there that is out of scale (if one is)."""
+    for r, n in sorted((ev.bad_rows or {}).items(), key=lambda kv: -kv[1]):
+        _blame(root, samples, r, f"{n} non-finite value(s) first appear in this row at {ev.op}")
+    for r, why in absurd.items():
+        _blame(root, samples, r, why)
+    if not samples:
+        # The trace could not map the op to rows (e.g. a loss reduced over a micro-batch
+        # of several rows): the rows that fail when replayed alone, the others not.
+        for r, why in alone.items():
+            _blame(root, samples, r, why)
+    kind = _op_kind(ev, absurd)
+    outsized = None
+    if ev.phase == "forward" and ev.module is not None and kind == "numeric":
+        root.fresh()  # the weights the root step started with (the replays left theirs)
+        outsized = outsized_weight(unwrap(root.trainee.model), ev.module)
+    produced = "NaN" if ev.new_nan else "Inf"
+    return Origin(
+        kind,
+        ev.phase,
+        ev.module,
+        ev.op,
+        _top_parameter(root) if ev.phase != "forward" else outsized[0] if outsized else None,
+        ev.source,
+        call=ev.call,
+        produced=produced,
+        inputs_finite=all(x.finite for x in ev.inputs) and not ev.scalar_nonfinite,
+        detail=f"{ev.op} produced {produced} from {'finite' if ev.new_inf else 'NaN-free'} inputs "
+        f"({', '.join(s.describe() for s in ev.inputs[:3])})"
+        + ("; in float32 the same op on the same inputs is finite" if kind == "precision" else "")
+        + (f"; `{outsized[0]}` {outsized[1]}" if outsized else ""),
+        dtype=ev.dtype,
+    )
+
+
+def _op_kind(ev: OpEvent, absurd: dict[int, str]) -> str:
+    if absurd and (not ev.bad_rows or set(ev.bad_rows) <= set(absurd)):
+        return "data"
+    if ev.phase == "optimizer":
+        return "optimizer"
+    if ev.fp32_finite:  # the op overflowed in float16/bfloat16 only (trace.py)
+        return "precision"
+    return "numeric"
+
+
+def _finite_explosion(
+    root: RootStep, h: StepHealth, absurd: dict[int, str], rows: dict[int, StepHealth], samples: Samples
+) -> Origin:
+    """Nothing went non-finite in the root step itself: an explosion (finite) that breaks
+    later. The rows that explain it, else the optimizer (its state, its learning rate), else
+    the gradients with no row to blame."""
+    jump = lr_jump(root.inv.metrics, root.root, h)
+    alone, dominant = nonfinite_alone(rows), dominant_rows(rows)
+    for r, why in absurd.items():
+        _blame(root, samples, r, why)
+    for r, why in alone.items():
+        _blame(root, samples, r, why)
+    for r, ratio in dominant.items():
+        if r not in alone:
+            _blame(root, samples, r, f"its gradient norm is {ratio:.3g}x the median row's")
+    repeated = {} if samples or jump else repeated_sample(root.ids, root.rows)
+    for r, why in repeated.items():
+        _blame(root, samples, r, why)
+    param = _top_parameter(root)
+    if absurd or dominant or alone or repeated:
+        detail = (
+            "an absurd value in the batch makes the gradients explode"
+            if absurd
+            else "a row alone makes the step non-finite"
+            if alone
+            else "one row dominates the update"
+            if dominant
+            else "one sample repeated across the batch is the whole update"
+        )
+        phase = None if alone and not (absurd or dominant) else "backward"
+        return Origin("data", phase, None, None, param, None, detail=detail)
+    if jump is None and (gaps := _second_moment_gaps(root, h)):
+        g = gaps[0]
+        return Origin("optimizer", "optimizer", None, None, g.name, None, detail=g.describe(), state="exp_avg_sq")
+    if jump is not None or "update_explosion" in root.fault(h):
+        detail = (
+            f"learning rate {jump[1]:.3g} is {jump[0]:.0f}x its recent value"
+            if jump
+            else "the update exploded without a gradient explosion"
+        )
+        return Origin("optimizer", "optimizer", None, None, param, None, detail=detail)
+    if root.report.parameters:
+        detail = "gradients exploded with no single row to blame"
+        return Origin("numeric", "backward", None, None, param, None, detail=detail)
+    return Origin("none", None, None, None, None, None)
+
+
+def _second_moment_gaps(root: RootStep, h: StepHealth) -> list[SecondMomentGap]:
+    """optstate.py's check, on the optimizer state the root step started in."""
+    root.fresh()
+    return second_moment_gaps(root.trainee.optimizer, named_parameters(root.trainee.model), h)
+
+
+def _ranked(
+    root: RootStep, samples: Samples, data_rows: dict[str, dict[int, str]], rows: dict[int, StepHealth]
+) -> list[SampleBlame]:
+    """The blamed rows with what else is wrong with their content, their own loss and gradient
+    norm, and their place in an accumulated step; the largest gradient norm first."""
+    for category in ("empty", "out_of_range"):
+        for r, why in data_rows[category].items():
+            if r in samples:
+                samples[r].reason = why + "; " + samples[r].reason
+    for r, row_h in rows.items():
+        if r in samples:
+            samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
+    for s in samples.values():  # an accumulated step: the row within its micro-batch
+        where = micro_row(root.rec.batch, s.row)
+        if where is not None:
+            s.batch_row, (s.micro_batch, s.row) = s.row, where
+
+    def norm(s: SampleBlame) -> float:
+        if s.grad_norm is None:
+            return 0
+        return s.grad_norm if math.isfinite(s.grad_norm) else math.inf
+
+    return sorted(samples.values(), key=lambda s: -norm(s))

@@ -1,0 +1,67 @@
+"""The root step of a fault, ready to be replayed as often as the analysis needs.
+
+    root = RootStep(investigation, window)   # window.root: the step; window.root_state: its state
+    h = root.step()                          # the root step again, from the state it started in
+    h = root.step(batch, tracer=tracer)      # with another batch (some rows), traced per op
+    root.fault(h)                            # the anomalies that replay shows
+    root.close()
+
+The stages of blame.py (rows.py, parameters.py, origin.py, counterfactuals.py, search.py) are
+plain functions of this one object: it holds what they share (the recorded batch and its rows,
+the replay handle, the report being written, the replays' findings that later stages read).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ckptlab.analysis.anomalies import step_anomalies
+from ckptlab.analysis.batches import batch_rows
+from ckptlab.replayer.findings import ReplayReport
+from ckptlab.training.health import StepHealth
+from ckptlab.training.state import restore_snapshot
+
+
+class RootStep:
+    """The traced root step: its batch, rows and sample ids, the trainee it replays on, the
+    state and spike detectors it started with, and the report its analysis writes."""
+
+    def __init__(self, inv, window):
+        """`inv`: the Investigation (its run, metrics, replayer, budget, log and timing);
+        `window`: the replayed window whose root step is analysed, with the state that step
+        started in."""
+        self.inv, self.root, self.start = inv, window.root, window.start
+        self.snap, self.dets = window.root_state, window.root_detectors
+        self.replayer = inv.replayer
+        self.rec = self.replayer.batch(self.root)
+        self.ids = self.rec.sample_ids
+        self.rows = batch_rows(self.rec.batch, self.ids)
+        self.trainee = self.replayer.build()
+        self.report: ReplayReport | None = None  # the report the stages write into
+        self.base: StepHealth | None = None  # the root step as replayed (parameter blame)
+        self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
+
+    def close(self) -> None:
+        self.replayer.close(self.trainee)
+
+    def fresh(self) -> None:
+        """Put the trainee back in the state the root step started in."""
+        restore_snapshot(
+            self.snap,
+            self.trainee.model,
+            self.trainee.optimizer,
+            self.trainee.scheduler,
+            self.trainee.scaler,
+            rank=self.replayer.rank,
+        )
+
+    def step(self, batch=None, tracer=None) -> StepHealth:
+        self.fresh()
+        return self.replayer.run_step(self.trainee, self.rec, batch, tracer=tracer)
+
+    def fault(self, h: StepHealth) -> list[str]:
+        """The anomalies of a replay of the root step, judged by the detectors it started with."""
+        return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
+
+    def sample_id(self, row: int):
+        return self.ids[row] if self.ids is not None and row < len(self.ids) else None
