@@ -14,6 +14,7 @@ BASE = (
     "ckptlab.dtypes",
     "ckptlab.errors",
     "ckptlab.jsonable",
+    "ckptlab.numbers",
     "ckptlab.stats",
 )  # the root: version, lazy names
 LAYERS = {

@@ -13,8 +13,8 @@ from ckptlab.replayer.findings import (
     Rewind,
     SampleBlame,
     StepCheck,
-    verdict,
 )
+from ckptlab.replayer.verdict import verdict
 
 maybe = st.none
 

@@ -22,7 +22,8 @@ from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, step_anomalies
 from ckptlab.analysis.batches import batch_rows, micro_row, python_leaves, row_groups, select_rows
 from ckptlab.analysis.spikes import GRAD_RULE
 from ckptlab.errors import CkptlabError
-from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame, same
+from ckptlab.numbers import same
+from ckptlab.replayer.findings import Counterfactual, Origin, ParameterBlame, ReplayReport, SampleBlame
 from ckptlab.replayer.optstate import SecondMomentGap, in_tune, second_moment_gaps
 from ckptlab.replayer.precision import in_float32
 from ckptlab.replayer.search import doomed_earlier, minimal_culprit

@@ -25,8 +25,9 @@ import hashlib
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ckptlab.numbers import same
 from ckptlab.replayer.blame import Blame
-from ckptlab.replayer.findings import DivergenceCheck, same
+from ckptlab.replayer.findings import DivergenceCheck
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.training.world import local
 

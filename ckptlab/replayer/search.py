@@ -28,7 +28,8 @@ from ckptlab.analysis.batches import (
     select_rows,
     zip_leaves,
 )
-from ckptlab.replayer.findings import Culprit, Rewind, ranges
+from ckptlab.numbers import ranges
+from ckptlab.replayer.findings import Culprit, Rewind
 
 DEFAULT_BUDGET = 32
 
