@@ -40,6 +40,7 @@ from ckptlab.errors import CkptlabError
 from ckptlab.io import LazyStateDict, open_checkpoint
 from ckptlab.io.stream import Job, default_workers, stream
 from ckptlab.jsonable import NOT_IN_JSON
+from ckptlab.numbers import short_number
 
 # Thresholds. Healthy training changes a weight's norm by percents per thousand steps; the
 # explosions this is for are 100x-10000x. Ratios are compared in log10 ("dex").
@@ -614,14 +615,3 @@ def _median(values: list[float]) -> float:
 
 def _finite_or(x: float, default: float) -> float:
     return x if math.isfinite(x) else default
-
-
-def short_number(x: float, digits: int = 3) -> str:
-    """A number in few characters: 0.0123, 4.56, 1.23e4 (not 1.23e+04), inf."""
-    if not math.isfinite(x):
-        return str(x)
-    text = f"{x:.{digits}g}"
-    if "e" in text:
-        mantissa, exp = text.split("e")
-        text = f"{mantissa}e{int(exp)}"
-    return text
