@@ -14,6 +14,7 @@ BASE = (
     "ckptlab.dtypes",
     "ckptlab.errors",
     "ckptlab.jsonable",
+    "ckptlab.numbers",
 )  # the root: version, lazy names
 BASE_PACKAGES = ("ckptlab.stats",)  # base layer, submodules included
 LAYERS = {

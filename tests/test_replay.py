@@ -136,7 +136,8 @@ def test_compiled_model_and_printing_build_fn(run_dir, cli):
 def test_verdict_of_an_op_fault_with_no_row_to_blame():
     """A numeric origin found by the trace, but no batch row blamed (e.g. every row alone is
     healthy): the verdict names the op, and does not reach for a blamed row that is not there."""
-    from ckptlab.replayer.findings import Origin, ReplayReport, verdict
+    from ckptlab.replayer.findings import Origin, ReplayReport
+    from ckptlab.replayer.verdict import verdict
 
     report = ReplayReport(
         run="r",

@@ -13,8 +13,8 @@ from ckptlab.replayer.findings import (
     ReplayReport,
     SampleBlame,
     StepCheck,
-    verdict,
 )
+from ckptlab.replayer.verdict import verdict
 
 maybe = st.none
 

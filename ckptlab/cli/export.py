@@ -85,32 +85,14 @@ def command(
     from ckptlab.run.reader import open_run
 
     term = open_terminal(as_json)
-    sink = None
-    # Before anything runs: a missing extra or an unreachable store is one line, not a late failure.
-    if tb_dir is not None:
-        from ckptlab.render.tensorboard import require_tensorboard
-
-        require_tensorboard()
-    elif wandb_dir is not None:
-        from ckptlab.render.trackers import check_wandb
-
-        check_wandb()
-    else:
-        from ckptlab.trackers.mlflow_tracker import require_mlflow
-
-        require_mlflow()
+    _require_viewer(tb_dir, wandb_dir)
     run = open_run(find_run(run_dir, term))
+    sink = None
     if mlflow_uri is not None:
         from ckptlab.render.trackers import open_mlflow
 
         sink = open_mlflow(mlflow_uri, run=run, experiment=experiment, run_name=run_name)
-    gradients = None
-    if grads:
-        from ckptlab.replayer.driver import Replayer
-        from ckptlab.replayer.gradients import checkpoint_gradients
-
-        replayer = Replayer(run, trust_code=trust_code)
-        gradients = lambda step: checkpoint_gradients(run, step, replayer=replayer)  # noqa: E731
+    gradients = _gradients(run, trust_code) if grads else None
     with term.progress("exporting checkpoints", total=len(run.checkpoints)) as advance:
         if tb_dir is not None:
             from ckptlab.render.tensorboard import write_tensorboard
@@ -126,6 +108,39 @@ def command(
             summary = write_wandb(
                 run, wandb_dir, project=experiment, run_name=run_name, html=html, gradients=gradients, progress=advance
             )
+    _say(term, summary, run, as_json, tb_dir, wandb_dir)
+    # What was readable is exported; damage (a corrupt segment, a checkpoint that fails its
+    # check) is then the command's one error line and exit 1, as in `info`.
+    end_with_problems(run.problems, run.damaged, term)
+
+
+def _require_viewer(tb_dir, wandb_dir) -> None:
+    """Before anything runs: a missing extra or an unreachable store is one line, not a late failure."""
+    if tb_dir is not None:
+        from ckptlab.render.tensorboard import require_tensorboard
+
+        require_tensorboard()
+    elif wandb_dir is not None:
+        from ckptlab.render.trackers import check_wandb
+
+        check_wandb()
+    else:
+        from ckptlab.trackers.mlflow_tracker import require_mlflow
+
+        require_mlflow()
+
+
+def _gradients(run, trust_code: bool):
+    """step -> the gradients of the step that starts at that checkpoint, by replaying it."""
+    from ckptlab.replayer.driver import Replayer
+    from ckptlab.replayer.gradients import checkpoint_gradients
+
+    replayer = Replayer(run, trust_code=trust_code)
+    return lambda step: checkpoint_gradients(run, step, replayer=replayer)
+
+
+def _say(term, summary, run, as_json: bool, tb_dir, wandb_dir) -> None:
+    """The export's notes on stderr, then what it wrote (or that nothing was new)."""
     for note in summary.notes:
         term.warn(note)
     if as_json:
@@ -135,9 +150,6 @@ def command(
         term.print(f"{where}: already holds everything in {run.path}; nothing new to export")
     else:
         _wrote(term, summary, tb_dir, wandb_dir)
-    # What was readable is exported; damage (a corrupt segment, a checkpoint that fails its
-    # check) is then the command's one error line and exit 1, as in `info`.
-    end_with_problems(run.problems, run.damaged, term)
 
 
 def _wrote(term, summary, tb_dir, wandb_dir) -> None:

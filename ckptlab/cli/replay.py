@@ -107,29 +107,46 @@ def command(
     they are your own files, unchanged since recording (it says which file runs); anything
     else needs --trust-run-code.
     """
-    from ckptlab.render.replay import render
-    from ckptlab.replayer import replay
     from ckptlab.run.reader import open_run
 
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
+    report = _replay(
+        run,
+        step,
+        term,
+        device=device,
+        from_step=from_step,
+        trace=not no_trace,
+        counterfactuals=not no_counterfactuals,
+        rank=rank,
+        nproc=nproc,
+        trust_code=trust_code,
+        budget=budget,
+        dump=dump,
+    )
+    _say(report, term, as_json)
+
+
+def _replay(run, step: int, term, **options):
+    """`replayer.replay`, its progress shown on the terminal (nothing under --json)."""
+    from ckptlab.replayer import replay
+
     with term.progress(f"replaying up to step {step}") as update:
-        report = replay(
+        return replay(
             run,
             step,
-            device=device,
-            from_step=from_step,
-            trace=not no_trace,
-            counterfactuals=not no_counterfactuals,
-            rank=rank,
-            nproc=nproc,
-            trust_code=trust_code,
-            budget=budget,
-            dump=dump,
             log=lambda msg: update(description=msg),
             progress=lambda done, total: update(done, total=total),
+            **options,
         )
+
+
+def _say(report, term, as_json: bool) -> None:
+    """The report's notes on stderr, then the report: JSON, or the terminal view."""
+    from ckptlab.render.replay import render
+
     for note in report.notes:
         term.warn(note)
     if as_json:

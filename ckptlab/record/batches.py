@@ -40,7 +40,7 @@ class BatchLog:
         """The running step's batch is written (or no step runs)."""
         return self.pending_rng is WRITTEN
 
-    def open(self, *, forced: bool, keep_start: bool = False) -> None:
+    def begin_step(self, *, forced: bool, keep_start: bool = False) -> None:
         """A step is about to start: the RNG states it starts in, kept for its batch record
         when they changed (or `forced`: a segment, and a replay, can start at a checkpoint, so
         its first batch carries them whatever they are); `keep_start`: kept anyway, for a

@@ -193,7 +193,7 @@ class Recorder:
         n, start = self.next_step, self._session.start_step
         due = n == start or n % self.config.ckpt_every == 0
         retake = snaps.retake_due() and not due and n not in snaps.steps  # a torn live checkpoint: again
-        self._batches.open(forced=due or retake, keep_start=keep_start)
+        self._batches.begin_step(forced=due or retake, keep_start=keep_start)
         # A sharded checkpoint started at the previous step commits now: its write had a step.
         snaps.wait = snaps.finish_sharded()
         if due or retake:

@@ -11,9 +11,10 @@ import re
 
 import numpy as np
 
-from ckptlab.analysis.diff.findings import UNFLAGGED, DiffFindings, TensorFinding, short_number
+from ckptlab.analysis.diff.findings import UNFLAGGED, DiffFindings, TensorFinding
 from ckptlab.errors import CkptlabError
-from ckptlab.render.text import human_bytes, safe
+from ckptlab.numbers import human_bytes, short_number
+from ckptlab.render.text import safe
 from ckptlab.stats.histogram import DECADES, HIST_EDGES
 
 TIER_STYLE = {0: "bold red", 1: "red", 2: "yellow", 3: "magenta", 4: "cyan"}

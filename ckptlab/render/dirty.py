@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from ckptlab.numbers import value
 from ckptlab.render.text import safe
 
 
@@ -58,7 +59,7 @@ def _evidence(ev: dict) -> str:
         if k in ("also",):
             continue
         if isinstance(v, float):
-            v = f"{v:.4g}"
+            v = value(v)
         elif isinstance(v, dict):
             v = "{" + ", ".join(f"{a}={b}" for a, b in v.items()) + "}"
         parts.append(f"{k}={v}")

@@ -12,13 +12,13 @@ gradient norm; per-layer update-ratio heat map; weight histograms across checkpo
 from __future__ import annotations
 
 import json
-import math
 import time
 from html import escape
 
 import numpy as np
 
 from ckptlab.analysis.health import HealthReport, PlotData
+from ckptlab.numbers import value
 from ckptlab.render import svg
 from ckptlab.render.jsonout import plain
 from ckptlab.stats.histogram import HIST_EDGES
@@ -67,7 +67,7 @@ def _header(r: HealthReport) -> str:
         f'<div class="meta">steps {st["first"]}..{st["last"]} ({st["recorded"]} recorded) &middot; '
         f"loss curve: <b>{escape(c.kind.replace('_', ' '))}</b> (shape: {escape(c.shape.replace('_', ' '))})"
         + (
-            f" &middot; loss {_f(c.first)} &rarr; {_f(c.last)}, best {_f(c.best)} at step {c.best_step}"
+            f" &middot; loss {value(c.first)} &rarr; {value(c.last)}, best {value(c.best)} at step {c.best_step}"
             if c.first is not None
             else ""
         )
@@ -76,8 +76,8 @@ def _header(r: HealthReport) -> str:
     if r.perplexity:
         p = r.perplexity
         lines.append(
-            f'<div class="meta">perplexity {_f(p.first)} &rarr; {_f(p.last)}, best {_f(p.best)} at step {p.best_step}'
-            + (f", best validation {_f(p.val_best)}" if p.val_best is not None else "")
+            f'<div class="meta">perplexity {value(p.first)} &rarr; {value(p.last)}, best {value(p.best)} at step {p.best_step}'
+            + (f", best validation {value(p.val_best)}" if p.val_best is not None else "")
             + "</div>"
         )
     lines.append(f'<p class="verdict {"ok" if ok else "bad"}">{escape(r.verdict)}</p>')
@@ -204,9 +204,3 @@ def _largest(p: PlotData, limit: int) -> list[str]:
         n for n in sorted(last, key=lambda n: -last[n].numel)[:limit] if last[n].numel >= 16
     ]  # no histogram of 4 values
     return [n for n in last if n in order]  # model order
-
-
-def _f(x) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.4g}" if math.isfinite(x) else str(x)

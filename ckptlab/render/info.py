@@ -6,15 +6,41 @@ import time
 
 from rich.table import Table
 
-from ckptlab.render.text import human_bytes, safe
+from ckptlab.numbers import human_bytes, precise, value
+from ckptlab.render.text import safe
 
 
 def render(s, term) -> None:
-    st = s.steps
+    """The run in a screenful: what was recorded, its checkpoints, anomalies, validation, disk
+    use and whether the recorded functions' sources still match."""
     term.print(
         f"[bold]{safe(s.run)}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
         f"torch {safe(s.versions.get('torch'))}, {safe(s.device)})"
     )
+    _steps(s, term)
+    term.print(_checkpoints(s.checkpoints))
+    _anomalies(s.anomalies, term)
+    v = s.validation
+    if v["count"]:
+        best = v["best"]
+        term.print(
+            f"validation {v['count']} points"
+            + (f"; best {safe(v['metric'])}={precise(best['value'])} at step {best['step']}" if best else "")
+        )
+    d = s.disk
+    term.print(
+        "disk       "
+        + ", ".join(
+            f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]
+        )
+        + f"; total {human_bytes(d['total'])}"
+    )
+    _functions(s.functions, term)
+
+
+def _steps(s, term) -> None:
+    """The steps, ranks and sessions recorded, and any step that never returned."""
+    st = s.steps
     if st["recorded"]:
         term.print(
             f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
@@ -40,16 +66,18 @@ def render(s, term) -> None:
         )
     )
 
+
+def _checkpoints(checkpoints) -> Table:
     table = Table(title="checkpoints", title_justify="left", show_edge=False)
     for col in ("step", "reason", "size", "integrity", "health", "validation"):
         table.add_column(col)
-    for c in s.checkpoints:
+    for c in checkpoints:
         integrity = (
             "[green]ok[/green]"
             if c.verified
             else ("[dim]not checked[/dim]" if c.verified is None else f"[red]FAILED[/red] {safe(c.problem)}")
         )
-        val = safe(", ".join(f"{k}={v:.4g}" for k, v in (c.validation or {}).items()))
+        val = safe(", ".join(f"{k}={value(v)}" for k, v in (c.validation or {}).items()))
         table.add_row(
             str(c.step),
             safe(c.reason),
@@ -58,33 +86,24 @@ def render(s, term) -> None:
             "healthy" if c.healthy else "[yellow]after anomaly[/yellow]",
             val,
         )
-    term.print(table)
+    return table
 
-    if s.anomalies:
-        first = s.anomalies[0]
-        term.print(f"[red]anomalies[/red]  {len(s.anomalies)}, first at step {first['step']} ({safe(first['kind'])})")
-        for e in s.anomalies[:10]:
-            term.print(f"  step {e['step']:>8}  {safe(e['kind']):<18} {safe(_fmt_value(e.get('value')))}")
-        if len(s.anomalies) > 10:
-            term.print(f"  ... {len(s.anomalies) - 10} more (--json lists all)")
-    else:
+
+def _anomalies(anomalies, term) -> None:
+    if not anomalies:
         term.print("anomalies  none seen while recording")
-    v = s.validation
-    if v["count"]:
-        best = v["best"]
-        term.print(
-            f"validation {v['count']} points"
-            + (f"; best {safe(v['metric'])}={best['value']:.6g} at step {best['step']}" if best else "")
-        )
-    d = s.disk
-    term.print(
-        "disk       "
-        + ", ".join(
-            f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]
-        )
-        + f"; total {human_bytes(d['total'])}"
-    )
-    for role, f in s.functions.items():
+        return
+    first = anomalies[0]
+    term.print(f"[red]anomalies[/red]  {len(anomalies)}, first at step {first['step']} ({safe(first['kind'])})")
+    for e in anomalies[:10]:
+        term.print(f"  step {e['step']:>8}  {safe(e['kind']):<18} {safe(value(e.get('value'), missing=''))}")
+    if len(anomalies) > 10:
+        term.print(f"  ... {len(anomalies) - 10} more (--json lists all)")
+
+
+def _functions(functions, term) -> None:
+    """Each recorded function (build_fn, step_fn): is its source file still as recorded?"""
+    for role, f in functions.items():
         state = (
             "[yellow]source changed since recording[/yellow]"
             if f["changed"]
@@ -95,9 +114,3 @@ def render(s, term) -> None:
 
 def _spans(ranges) -> str:
     return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in ranges)
-
-
-def _fmt_value(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)

@@ -6,37 +6,66 @@ import math
 
 from rich.table import Table
 
-from ckptlab.render.text import human_bytes, safe
-
-
-def _num(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.4g}" if math.isfinite(x) else str(x)
-    return str(x)
+from ckptlab.numbers import human_bytes, value
+from ckptlab.render.text import safe
 
 
 def render(r, term) -> None:
+    """The verdict, then one labelled line (or table) per piece of evidence, in the order a
+    reader checks them: how replay went, where the fault began, its origin, the blamed rows and
+    parameters, the counterfactuals and the deeper searches."""
     colour = "red" if r.reproduced else ("yellow" if r.fault_recorded else "green")
     term.print(f"[bold {colour}]{safe(r.verdict)}[/]")
     term.print()
+    _replayed(r, term)
+    _root_step(r, term)
+    if r.divergence is not None:
+        d = r.divergence
+        verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
+        term.print(f"twice      step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
+    if r.origin.kind != "none":
+        _origin(r.origin, term)
+    if r.chain:
+        term.print("op chain   " + " -> ".join(safe(_chain_link(c)) for c in r.chain))
+    if r.samples:
+        _samples(r.samples, term)
+    if r.parameters:
+        _parameters(r, term)
+    for c in r.counterfactuals:
+        mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
+        term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")
+    _searches(r, term)
+    if r.dump is not None:
+        render_dump_line(r.dump, term)
+
+
+def _replayed(r, term) -> None:
+    """Which steps ran, how, and whether they matched the record."""
     matched = sum(1 for c in r.steps if c.match)
     det = (
         f"[green]bit-exact[/green]: {matched}/{len(r.steps)} replayed steps match the record"
         if r.deterministic
-        else f"[yellow]diverged[/yellow] at step {r.first_divergence['step']}: loss {_num(r.first_divergence['loss'])} "
-        f"vs recorded {_num(r.first_divergence['recorded_loss'])}"
-        + (
-            f", grad scale {_num(r.first_divergence['grad_scale'])} vs {_num(r.first_divergence['recorded_grad_scale'])}"
-            if r.first_divergence.get("grad_scale") != r.first_divergence.get("recorded_grad_scale")
-            else ""
-        )
+        else _diverged(r.first_divergence)
     )
     how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
     term.print(
         f"replayed   steps {r.start_checkpoint}..{r.requested_step}{how} from checkpoint {r.start_checkpoint}; {det}"
     )
+
+
+def _diverged(d: dict) -> str:
+    scale = (
+        f", grad scale {value(d['grad_scale'])} vs {value(d['recorded_grad_scale'])}"
+        if d.get("grad_scale") != d.get("recorded_grad_scale")
+        else ""
+    )
+    return (
+        f"[yellow]diverged[/yellow] at step {d['step']}: loss {value(d['loss'])} "
+        f"vs recorded {value(d['recorded_loss'])}{scale}"
+    )
+
+
+def _root_step(r, term) -> None:
     if r.root_step is not None and r.reproduced:
         term.print(
             f"root step  {r.root_step}"
@@ -48,71 +77,67 @@ def render(r, term) -> None:
             f"; replay first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
         )
         term.print(f"root step  {r.root_step} as recorded (it did not reproduce{left})")
-    if r.divergence is not None:
-        d = r.divergence
-        verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
-        term.print(f"twice      step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
-    o = r.origin
-    if o.kind != "none":
-        where = " ".join(
-            x
-            for x in (
-                f"module [bold]{safe(o.module or '<root>')}[/bold]" if o.module is not None else "",
-                f"op [bold]{safe(o.op)}[/bold]" if o.op else "",
-                f"at {safe(o.source)}" + (f" in {safe(o.call)}" if o.call and o.kind == "exception" else "")
-                if o.source
-                else "",
-                f"parameter [bold]{safe(o.parameter)}[/bold]" if o.parameter else "",
-            )
-            if x
+
+
+def _origin(o, term) -> None:
+    where = " ".join(
+        x
+        for x in (
+            f"module [bold]{safe(o.module or '<root>')}[/bold]" if o.module is not None else "",
+            f"op [bold]{safe(o.op)}[/bold]" if o.op else "",
+            f"at {safe(o.source)}" + (f" in {safe(o.call)}" if o.call and o.kind == "exception" else "")
+            if o.source
+            else "",
+            f"parameter [bold]{safe(o.parameter)}[/bold]" if o.parameter else "",
         )
-        dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
-        phase = f" ({o.phase}{dtype})" if o.phase or dtype else ""
-        term.print(f"origin     [bold]{o.kind}[/bold]{phase} {where}")
-        if o.detail:
-            term.print(f"           {safe(o.detail)}")
-    if r.chain:
+        if x
+    )
+    dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
+    phase = f" ({o.phase}{dtype})" if o.phase or dtype else ""
+    term.print(f"origin     [bold]{o.kind}[/bold]{phase} {where}")
+    if o.detail:
+        term.print(f"           {safe(o.detail)}")
+
+
+def _chain_link(c: dict) -> str:
+    """One op of the chain: `module:op` (`<root>` the model itself, `<step_fn>` outside it)."""
+    module = (c["module"] or "<root>") if c["module"] is not None else "<step_fn>"
+    return f"{module}:{c['op'].removeprefix('aten.')}"
+
+
+def _samples(samples, term) -> None:
+    t = Table(title="blamed rows", title_justify="left", show_edge=False)
+    micro = any(s.micro_batch is not None for s in samples)  # gradient accumulation
+    for col in ("micro-batch", "row", "sample_id", "loss", "grad norm", "why")[0 if micro else 1 :]:
+        t.add_column(col)
+    for s in samples[:16]:
+        cells = (str(s.row), safe(str(s.sample_id)), value(s.loss), value(s.grad_norm), safe(s.reason))
+        t.add_row(*((str(s.micro_batch),) if micro else ()), *cells)
+    term.print(t)
+
+
+def _parameters(r, term) -> None:
+    nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
+    if len(nonfinite) > 5 and r.origin.kind in ("data", "numeric") and r.origin.phase == "forward":
+        # A NaN from the forward pass poisons every gradient: the list says nothing more.
         term.print(
-            "op chain   "
-            + " -> ".join(
-                safe(
-                    f"{c['module'] or '<root>' if c['module'] is not None else '<step_fn>'}:{c['op'].removeprefix('aten.')}"
-                )
-                for c in r.chain
-            )
+            f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
+            f"e.g. {safe(', '.join(p.name for p in nonfinite[:3]))}"
         )
-    if r.samples:
-        t = Table(title="blamed rows", title_justify="left", show_edge=False)
-        micro = any(s.micro_batch is not None for s in r.samples)  # gradient accumulation
-        for col in ("micro-batch", "row", "sample_id", "loss", "grad norm", "why")[0 if micro else 1 :]:
-            t.add_column(col)
-        for s in r.samples[:16]:
-            cells = (str(s.row), safe(str(s.sample_id)), _num(s.loss), _num(s.grad_norm), safe(s.reason))
-            t.add_row(*((str(s.micro_batch),) if micro else ()), *cells)
-        term.print(t)
-    if r.parameters:
-        nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
-        if len(nonfinite) > 5 and o.kind in ("data", "numeric") and o.phase == "forward":
-            # A NaN from the forward pass poisons every gradient: the list says nothing more.
-            term.print(
-                f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
-                f"e.g. {safe(', '.join(p.name for p in nonfinite[:3]))}"
-            )
-        else:
-            t = Table(title="parameters", title_justify="left", show_edge=False)
-            t.add_column("parameter", no_wrap=True)
-            for col in ("grad norm", "typical", "update ratio", "why"):
-                t.add_column(col)
-            for p in r.parameters[:8]:
-                t.add_row(
-                    safe(p.name), _num(p.grad_norm), _num(p.typical_grad_norm), _num(p.update_ratio), safe(p.reason)
-                )
-            if len(r.parameters) > 8:
-                t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
-            term.print(t)
-    for c in r.counterfactuals:
-        mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
-        term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")
+        return
+    t = Table(title="parameters", title_justify="left", show_edge=False)
+    t.add_column("parameter", no_wrap=True)
+    for col in ("grad norm", "typical", "update ratio", "why"):
+        t.add_column(col)
+    for p in r.parameters[:8]:
+        t.add_row(safe(p.name), value(p.grad_norm), value(p.typical_grad_norm), value(p.update_ratio), safe(p.reason))
+    if len(r.parameters) > 8:
+        t.add_row(f"... {len(r.parameters) - 8} more", "", "", "", "")
+    term.print(t)
+
+
+def _searches(r, term) -> None:
+    """The deeper searches (replayer/search.py): culprit, rewind, and the budget they used."""
     c = r.culprit
     if c is not None:
         term.print(
@@ -130,8 +155,6 @@ def render(r, term) -> None:
     if r.budget:
         ran_out = f"; ran out: {', '.join(r.budget['ran_out'])}" if r.budget["ran_out"] else ""
         term.print(f"budget     {r.budget['used']}/{r.budget['replays']} extra replays{ran_out}")
-    if r.dump is not None:
-        render_dump_line(r.dump, term)
 
 
 def render_dump_line(d, term) -> None:

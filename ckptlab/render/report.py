@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ckptlab.numbers import value
 from ckptlab.render.text import safe, sparkline
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
@@ -18,7 +19,7 @@ def render(r, run, term) -> None:
         return
     term.print(f"[bold]{r.run}[/bold]  steps {st['first']}..{st['last']} ({st['recorded']} recorded)")
     term.print(
-        f"loss        {sparkline(m.loss)}  {_g(c.first)} -> {_g(c.last)} (best {_g(c.best)} at step {c.best_step})  "
+        f"loss        {sparkline(m.loss)}  {value(c.first)} -> {value(c.last)} (best {value(c.best)} at step {c.best_step})  "
         f"[bold]{c.kind.replace('_', ' ')}[/bold]"
         + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else "")
     )
@@ -27,20 +28,20 @@ def render(r, run, term) -> None:
         with np.errstate(over="ignore"):
             ppl = np.exp(np.minimum(m.loss, 700))
         term.print(
-            f"perplexity  {sparkline(ppl)}  {_g(p.first)} -> {_g(p.last)} (best {_g(p.best)} at step {p.best_step})"
-            + (f"; validation best {_g(p.val_best)}" if p.val_best is not None else "")
+            f"perplexity  {sparkline(ppl)}  {value(p.first)} -> {value(p.last)} (best {value(p.best)} at step {p.best_step})"
+            + (f"; validation best {value(p.val_best)}" if p.val_best is not None else "")
         )
     val = [(pt["step"], pt["metrics"]) for pt in run.validation()]
     metric = run.manifest.get("config", {}).get("val_metric", "val_loss")
     values = [mm[metric] for _, mm in val if metric in mm]
     if values:
         best = min(values) if run.manifest.get("config", {}).get("val_mode", "min") == "min" else max(values)
-        term.print(f"{safe(metric):<11} {sparkline(values)}  {len(values)} points, best {_g(best)}")
+        term.print(f"{safe(metric):<11} {sparkline(values)}  {len(values)} points, best {value(best)}")
     g = m.grad_norm
     if np.isfinite(g).any():
         term.print(
-            f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {_g(float(np.nanmedian(g)))}, "
-            f"max {_g(float(np.nanmax(g)))} (log scale, before clipping)"
+            f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {value(float(np.nanmedian(g)))}, "
+            f"max {value(float(np.nanmax(g)))} (log scale, before clipping)"
         )
     term.print("")
     if not r.findings:
@@ -66,13 +67,9 @@ def _evidence(ev: dict, limit: int = 6) -> str:
 
 def _short(v) -> str:
     if isinstance(v, float):
-        return _g(v)
+        return value(v)
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_short(x)}" for k, x in list(v.items())[:3]) + (", ...}" if len(v) > 3 else "}")
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_short(x) for x in list(v)[:5]) + (", ...]" if len(v) > 5 else "]")
     return str(v)
-
-
-def _g(x) -> str:
-    return "-" if x is None else f"{x:.4g}"

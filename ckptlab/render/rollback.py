@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from ckptlab.numbers import value
 from ckptlab.render.text import safe
 
 
@@ -12,7 +13,7 @@ def render(choice, action: dict, term) -> None:
     for col in ("", "step", "reason", "validation", "health", "integrity"):
         table.add_column(col)
     for c in choice.candidates:
-        val = safe(", ".join(f"{k}={v:.4g}" for k, v in c.validation.items()) or "-")
+        val = safe(", ".join(f"{k}={value(v)}" for k, v in c.validation.items()) or "-")
         integrity = (
             "[green]ok[/green]"
             if c.integrity == "ok"

@@ -3,7 +3,8 @@ index, tensor by tensor, and what was left out."""
 
 from __future__ import annotations
 
-from ckptlab.render.text import human_bytes, safe
+from ckptlab.numbers import human_bytes
+from ckptlab.render.text import safe
 
 # Rows of the index listed in full; the rest is counted.
 MAX_ROWS = 200

@@ -20,6 +20,8 @@ from html import escape
 
 import numpy as np
 
+from ckptlab.numbers import precise, tick
+
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 BAD = "#d62728"
 MAX_POINTS = 1500  # per series: more are bucketed (min and max per bucket, so spikes survive)
@@ -140,14 +142,14 @@ def _axes(f: Frame, x_label: str) -> str:
         px = f.px(x)
         out.append(
             f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{f.height - f.bottom}" y2="{f.height - f.bottom + 4}" stroke="#888"/>'
-            f'<text x="{px:.1f}" y="{f.height - f.bottom + 15}" text-anchor="middle">{_num(x)}</text>'
+            f'<text x="{px:.1f}" y="{f.height - f.bottom + 15}" text-anchor="middle">{tick(x)}</text>'
         )
     ticks = log_ticks(f.y0, f.y1) if f.log_y else nice_ticks(f.y0, f.y1, 5)
     for y in ticks:
         py = f.py(y)
         out.append(
             f'<line x1="{f.left}" x2="{f.width - f.right}" y1="{py:.1f}" y2="{py:.1f}" stroke="#eee"/>'
-            f'<text x="{f.left - 4}" y="{py + 4:.1f}" text-anchor="end">{_num(y)}</text>'
+            f'<text x="{f.left - 4}" y="{py + 4:.1f}" text-anchor="end">{tick(y)}</text>'
         )
     out.append(
         f'<text x="{f.width - f.right}" y="{f.height - 4}" text-anchor="end" fill="#555">{escape(x_label)}</text>'
@@ -179,7 +181,7 @@ def _series(f: Frame, s: Series, color: str) -> str:
             if good:
                 out.append(
                     f'<circle cx="{f.px(xi):.1f}" cy="{f.py(yi):.1f}" r="3" fill="{color}">'
-                    f"<title>{escape(s.name)} @ {_num(xi)}: {yi:.6g}</title></circle>"
+                    f"<title>{escape(s.name)} @ {tick(xi)}: {precise(yi)}</title></circle>"
                 )
         if path:
             out.append(
@@ -189,7 +191,7 @@ def _series(f: Frame, s: Series, color: str) -> str:
         px = f.px(xi)
         out.append(
             f'<path d="M{px - 4:.1f},{f.top + 1} L{px + 4:.1f},{f.top + 1} L{px:.1f},{f.top + 8}" fill="{BAD}">'
-            f"<title>{escape(s.name)} @ {_num(xi)}: {yi}</title></path>"
+            f"<title>{escape(s.name)} @ {tick(xi)}: {yi}</title></path>"
         )
     return "\n".join(out)
 
@@ -226,7 +228,7 @@ def _marker(f: Frame, mk: Marker) -> str:
     return (
         f'<g><line x1="{px:.1f}" x2="{px:.1f}" y1="{f.top}" y2="{f.height - f.bottom}" stroke="{mk.color}" stroke-opacity="0.35"/>'
         f'<circle cx="{px:.1f}" cy="{f.height - f.bottom}" r="4" fill="{mk.color}"/>'
-        f"<title>{escape(mk.label)} at step {_num(mk.x)}</title></g>"
+        f"<title>{escape(mk.label)} at step {tick(mk.x)}</title></g>"
     )
 
 
@@ -283,7 +285,7 @@ def heatmap(
             v = m[i, j]
             out.append(
                 f'<rect x="{label_w + j * cw:.2f}" y="{y}" width="{cw + 0.3:.2f}" height="{cell_h - 1}" fill="{_heat(v, lo, hi)}">'
-                f"<title>{escape(label)} @ {_num(cols[j])}: {value_name} {v:.3g}</title></rect>"
+                f"<title>{escape(label)} @ {tick(cols[j])}: {value_name} {v:.3g}</title></rect>"
             )
     y = top + m.shape[0] * cell_h + 6
     out.append(_color_bar(label_w, y, plot_w, lo, hi, band))
@@ -415,7 +417,7 @@ def symlog_label(v: float) -> str:
     return f"{'-' if v < 0 else ''}1e{mag:.0f}"
 
 
-# --- ticks and numbers -------------------------------------------------------------------------------
+# --- ticks -------------------------------------------------------------------------------------------
 
 
 def nice_ticks(lo: float, hi: float, n: int) -> list[float]:
@@ -432,13 +434,3 @@ def log_ticks(lo: float, hi: float) -> list[float]:
     a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     every = max(1, (b - a) // 6)
     return [10.0**e for e in range(a, b + 1, every) if lo <= 10.0**e <= hi]
-
-
-def _num(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1e5 or abs(v) < 1e-3:
-        return f"{v:.0e}"
-    if float(v).is_integer():
-        return str(int(v))
-    return f"{v:.3g}"

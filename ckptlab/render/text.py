@@ -1,4 +1,6 @@
-"""Small text helpers for terminal rendering."""
+"""Small text helpers for terminal rendering: inert run text (`safe`) and sparklines.
+
+Numbers are written by ckptlab.numbers."""
 
 from __future__ import annotations
 
@@ -11,14 +13,6 @@ import re
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 _BARS = "▁▂▃▄▅▆▇█"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def sparkline(values, width: int = 40) -> str:

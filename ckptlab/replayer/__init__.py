@@ -21,7 +21,7 @@ What happens, in order:
    counterfactual replay (counterfactuals.py: the root step without the blamed rows; the same
    batch from an older model state; the recent learning rate); search deeper within a budget
    (search.py: the minimal culprit, the earlier cause);
-7. say it in one sentence (findings.py's `verdict`), or say honestly that the fault did not
+7. say it in one sentence (verdict.py's `verdict`), or say honestly that the fault did not
    reproduce.
 
 A distributed run is replayed on its recorded world size (distributed.py). The gradients of

@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 
 from ckptlab.analysis.batches import micro_row, select_rows
+from ckptlab.numbers import same
 from ckptlab.replayer.counterfactuals import counterfactuals
-from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame, same
+from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame
 from ckptlab.replayer.origin import origin
 from ckptlab.replayer.parameters import parameters
 from ckptlab.replayer.rootstep import RootStep

@@ -25,7 +25,8 @@ import hashlib
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ckptlab.replayer.findings import DivergenceCheck, same
+from ckptlab.numbers import same
+from ckptlab.replayer.findings import DivergenceCheck
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.training.world import local

@@ -25,12 +25,14 @@ import numpy as np
 from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError
+from ckptlab.numbers import absdiff, same
 from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
-from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck, absdiff, same, verdict
+from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
+from ckptlab.replayer.verdict import verdict
 from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error

@@ -30,7 +30,8 @@ from ckptlab.analysis.batches import (
     select_rows,
     zip_leaves,
 )
-from ckptlab.replayer.findings import Culprit, EarlierCause, ReplayReport, ranges
+from ckptlab.numbers import ranges
+from ckptlab.replayer.findings import Culprit, EarlierCause, ReplayReport
 from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rootstep import RootStep
 

@@ -177,14 +177,3 @@ def _delta(r: PairStats, shape: tuple[int, ...]) -> Delta:
         max_b=d.max_b,
         w1=r.w1,
     )
-
-
-def short_number(x: float, digits: int = 3) -> str:
-    """A number in few characters: 0.0123, 4.56, 1.23e4 (not 1.23e+04), inf."""
-    if not math.isfinite(x):
-        return str(x)
-    text = f"{x:.{digits}g}"
-    if "e" in text:
-        mantissa, exp = text.split("e")
-        text = f"{mantissa}e{int(exp)}"
-    return text

@@ -9,7 +9,8 @@ import re
 import statistics
 
 from ckptlab import dtypes
-from ckptlab.analysis.diff.findings import UNFLAGGED, Delta, Side, TensorFinding, short_number
+from ckptlab.analysis.diff.findings import UNFLAGGED, Delta, Side, TensorFinding
+from ckptlab.numbers import short_number
 
 # Thresholds. Healthy training changes a weight's norm by percents per thousand steps; the
 # explosions this is for are 100x-10000x. Ratios are compared in log10 ("dex").
