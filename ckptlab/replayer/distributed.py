@@ -169,6 +169,7 @@ def _rank_worker(
         if root is not None and root < snap_from:
             window.root_state = inv.state_before(k, root)
         faulty = _faulty_rank(checks, root)
+        assert inv.replayer.world is not None  # detected when the window's replay built the model
         writer = 0 if inv.replayer.world.sharded else faulty  # sharded: whole state on rank 0, all RNGs
         if root is not None and rank == writer:
             # The state the root step started in, with the faulty rank's RNG streams.
