@@ -15,7 +15,7 @@ between the two, and `batch_rows` / `select_rows` count and select across them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -95,9 +95,13 @@ def micro_rows(batch) -> list[int] | None:
     return [int(n) for n in sizes]
 
 
-def row_groups(batch, rows: int | None) -> list[tuple[int, Any, int | None]]:
+@overload
+def row_groups(batch, rows: int) -> list[tuple[int, Any, int]]: ...
+@overload
+def row_groups(batch, rows: int | None) -> list[tuple[int, Any, int | None]]: ...
+def row_groups(batch, rows):
     """(first row, the part of the batch that holds its rows, row count): one per micro-batch
-    of an accumulated step, else the batch itself."""
+    of an accumulated step (each counted), else the batch itself (`rows` rows)."""
     sizes = micro_rows(batch)
     if sizes is None:
         return [(0, batch, rows)]

@@ -123,8 +123,8 @@ def choose(
     choice = RollbackChoice(str(run.path), "metric", metric, mode, patience, None, "", cands, anomaly, None, last)
     if before_anomaly:
         _before_anomaly(choice)
-    elif series:
-        _by_metric(choice, series)
+    elif (es := early_stopping(series, metric, mode, patience)) is not None:  # None: no validation points
+        _by_metric(choice, es)
     elif explicit:
         raise CkptlabError(
             f"no validation values of {metric!r} recorded (log them with rec.log_validation({metric}=...))",
@@ -172,8 +172,7 @@ def _before_anomaly(choice: RollbackChoice) -> None:
     )
 
 
-def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
-    es = early_stopping(series, choice.metric, choice.mode, choice.patience)
+def _by_metric(choice: RollbackChoice, es: EarlyStop) -> None:
     choice.early_stop = es
     sign = 1.0 if choice.mode == "min" else -1.0
     turned = (
@@ -197,8 +196,7 @@ def _by_metric(choice: RollbackChoice, series: list[tuple[int, float]]) -> None:
         raise CkptlabError(
             f"no intact checkpoint at or before the best {choice.metric} (step {es.best_step})", path=choice.run
         )
-    broken = ideal is not None and ideal is not pick and not _usable(ideal)
-    if broken:
+    if ideal is not None and ideal is not pick and not _usable(ideal):
         choice.notes.append(f"checkpoint {ideal.step} failed its integrity check; using {pick.step}")
     choice.step = pick.step
     if pick.step == es.best_step:

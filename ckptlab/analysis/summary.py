@@ -4,6 +4,7 @@ disk use per part, and whether the recorded build_fn/step_fn source changed sinc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptlab.errors import CkptlabError
 from ckptlab.run.layout import dir_size, parts
@@ -50,7 +51,7 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
     m = run.metrics()
     batch_steps = run.steps
     done = set(m.step.tolist())
-    steps = {
+    steps: dict[str, Any] = {
         "recorded": len(m),
         "first": int(m.step[0]) if len(m) else None,
         "last": int(m.step[-1]) if len(m) else None,
@@ -62,7 +63,7 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         steps["ranks"] = {r: _ranges(run.steps_of(r)) for r in run.ranks}
     checkpoints = [_checkpoint_status(run, s, verify) for s in run.checkpoints]
     anomalies = run.events()  # reads the journal, noting its problems
-    failed = [c.problem for c in checkpoints if c.verified is False]
+    failed = [c.problem for c in checkpoints if c.verified is False and c.problem is not None]
     return RunSummary(
         run=str(run.path),
         format_version=run.manifest["format_version"],

@@ -72,20 +72,22 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
                 f"a rollback into {pending} was interrupted", path=path, hint="run without --dry-run to finish it"
             )
         plan = archive.finish_interrupted(path)
-        result = {"finished_interrupted": True, "action": {"kind": "rewind", **plan.summary()}}
-        if as_json:
-            term.json(result)
-        else:
-            term.print(
-                f"finished the interrupted rollback to step {plan.step} (archive {plan.archive}); nothing else was changed. "
-                "Run the command again to choose anew."
-            )
-        return
+        if plan is not None:  # None: another process finished it first; go on as if we had started later
+            result = {"finished_interrupted": True, "action": {"kind": "rewind", **plan.summary()}}
+            if as_json:
+                term.json(result)
+            else:
+                term.print(
+                    f"finished the interrupted rollback to step {plan.step} (archive {plan.archive}); nothing else was changed. "
+                    "Run the command again to choose anew."
+                )
+            return
     run = open_run(path)
     with term.status("verifying checkpoints"):
         choice = choose(
             run, metric=metric, mode=mode, before_anomaly=before_anomaly, patience=patience, verify=not no_verify
         )
+    assert choice.step is not None  # choose() picks a checkpoint or raises
     target = run.checkpoint(choice.step)
     target.verify()  # always, even with --no-verify: nothing moves on a corrupt target
     action = _act(run, path, choice, to_dir, dry_run)

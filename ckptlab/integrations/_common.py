@@ -79,11 +79,11 @@ class MicroBatches:
     batch) can move them: then the micro-batch records the states it starts in under "rng",
     and the replayed step function restores them before it (`restore_micro_rng`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.parts: list = []
         self.rows: list[int] = []
         self.ids: list | None = []
-        self.loss = None
+        self.loss: Any = None  # the losses so far, summed (add_losses); None before the first
         self.recorded = False
         self._rng_after: dict | None = None  # the RNG states as the previous micro-batch left them
 

@@ -56,7 +56,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # the standalone package
     try:
-        import pytorch_lightning as pl
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its old name
     except ImportError:
         raise ImportError(
             "ckptlab.integrations.lightning needs PyTorch Lightning: pip install 'ckptlab[lightning]'"
@@ -102,7 +102,7 @@ class CkptlabCallback(pl.Callback):
         self.run_dir, self.build_fn, self.sample_ids, self.val_prefix = run_dir, build_fn, sample_ids, val_prefix
         # The framework steps the scheduler, and on resume restores its own checkpoint.
         self.config = RecordConfig.of(config, **{**options, "step_scheduler": False, "restore": False})
-        self.rec = None
+        self.rec: Recorder | None = None
         self._micro: _common.MicroBatches | None = None  # the running step's, with accumulation
         self._scheduler_count: int | None = None
         self._warned_scheduler = False
@@ -150,11 +150,13 @@ class CkptlabCallback(pl.Callback):
         if not self.rec.in_step:
             self.rec.begin_step()
             self._micro = _common.MicroBatches()
-        self._micro.add({"batch": batch, "batch_idx": batch_idx}, ids)
+        micro = self._micro
+        assert micro is not None  # made as the step began, with its first micro-batch
+        micro.add({"batch": batch, "batch_idx": batch_idx}, ids)
         last = not trainer.fit_loop._should_accumulate()  # the optimizer steps after this one
         accumulating(self.rec.optimizer, not last)  # pre-clip gradient norms: measured once, on the last
         if last:
-            self._micro.record(self.rec, {"lightning": self._config(trainer, batch_idx, k)})
+            micro.record(self.rec, {"lightning": self._config(trainer, batch_idx, k)})
 
     def _config(self, trainer, batch_idx: int, accumulate: int = 1) -> dict:
         """How the trainer finishes the step whose last batch is `batch_idx`."""
@@ -179,10 +181,12 @@ class CkptlabCallback(pl.Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if trainer.accumulate_grad_batches != 1:
-            self._micro.add_loss(loss)  # already divided by accumulate_grad_batches
-            if not self._micro.recorded:
+            micro = self._micro
+            assert micro is not None  # made as the step began (on_train_batch_start)
+            micro.add_loss(loss)  # already divided by accumulate_grad_batches
+            if not micro.recorded:
                 return  # more micro-batches to come
-            loss = self._micro.loss
+            loss = micro.loss
         if loss is None:  # training_step returned None: Lightning skipped backward
             self.rec.abort_step()
             return
@@ -327,7 +331,7 @@ def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, la
                 model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
         return loss
 
-    closure.loss = None
+    closure.loss = None  # type: ignore[attr-defined]  # a function's own attribute, which mypy does not model
     return closure
 
 

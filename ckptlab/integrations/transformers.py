@@ -46,6 +46,7 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
@@ -101,9 +102,9 @@ class CkptlabCallback(TrainerCallback):
             base = replace(base, val_metric="eval_loss")
         # The framework steps the scheduler, and on resume restores its own checkpoint.
         self.config = RecordConfig.of(base, **{**options, "step_scheduler": False, "restore": False})
-        self.trainer = None
-        self.rec = None
-        self._loss = None
+        self.trainer: Trainer | None = None
+        self.rec: Recorder | None = None
+        self._loss: Any = None  # the running step's loss, without accumulation
         self._micro: _common.MicroBatches | None = None  # the running step's, with accumulation
 
     # --- set-up ---------------------------------------------------------------------------
@@ -116,7 +117,8 @@ class CkptlabCallback(TrainerCallback):
         self.trainer = trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        trainer.training_step = functools.partial(self._training_step, trainer.training_step)
+        # Wrapping the Trainer's own methods is the point (mypy forbids assigning to a method).
+        trainer.training_step = functools.partial(self._training_step, trainer.training_step)  # type: ignore[method-assign]
         train = trainer.train
 
         @functools.wraps(train)
@@ -126,7 +128,7 @@ class CkptlabCallback(TrainerCallback):
             finally:
                 self.close()  # also when training raised: everything recorded reaches the disk
 
-        trainer.train = train_and_close
+        trainer.train = train_and_close  # type: ignore[method-assign]
         if self.sample_id_key is not None and trainer.args.remove_unused_columns:
             # The Trainer drops dataset columns its model's forward does not take; keep the ids.
             # No public way keeps one column: a collator wrapper is too late (a datasets.Dataset
@@ -135,8 +137,9 @@ class CkptlabCallback(TrainerCallback):
             # to compute_metrics as labels, callbacks never see inputs. With
             # remove_unused_columns=False nothing private is touched (docs/integrations.md).
             trainer._set_signature_columns_if_needed()
-            if self.sample_id_key not in trainer._signature_columns:
-                trainer._signature_columns.append(self.sample_id_key)
+            columns = cast(list[str], trainer._signature_columns)  # a list from here on (None before)
+            if self.sample_id_key not in columns:
+                columns.append(self.sample_id_key)
         return self
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
@@ -213,19 +216,22 @@ class CkptlabCallback(TrainerCallback):
     def _accumulate(self, part: dict, ids, how: dict) -> None:
         """Gradient accumulation: the step begins with its first micro-batch (its checkpoint and
         RNG states); its batch, the micro-batches together, is recorded before the last runs."""
-        trainer = self.trainer
-        if not self.rec.in_step:
-            self.rec.begin_step()
+        trainer, rec = self.trainer, self.rec
+        assert trainer is not None and rec is not None  # _training_step comes here only while recording
+        if not rec.in_step:
+            rec.begin_step()
             self._micro = _common.MicroBatches()
-        self._micro.add(part, ids)
+        micro = self._micro
+        assert micro is not None  # made as the step began, with its first micro-batch
+        micro.add(part, ids)
         # The loop sets sync_gradients for the micro-batch after which the optimizer steps.
         last = trainer.accelerator.sync_gradients
-        accumulating(self.rec.optimizer, not last)  # pre-clip gradient norms: measured once, on the last
+        accumulating(rec.optimizer, not last)  # pre-clip gradient norms: measured once, on the last
         # How training_step scales each micro-batch's loss when the model does not normalize it
         # by num_items_in_batch: by the micro-batches of this step (fewer at an epoch's end).
         how["transformers"]["current_gradient_accumulation_steps"] = int(trainer.current_gradient_accumulation_steps)
         if last:
-            self._micro.record(self.rec, how)
+            micro.record(rec, how)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.rec is not None and self.rec.in_step:

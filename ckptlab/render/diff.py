@@ -61,12 +61,12 @@ def _verdict(f: DiffFindings, term) -> None:
     if f.b is None:
         term.print(f"[bold green]healthy:[/bold green] {len(f.ranked)} tensors, none non-finite, extreme or dead")
         return
-    moved = [x for x in f.ranked if x.delta and math.isfinite(x.delta.rel_change)]
-    if moved and max(x.delta.rel_change for x in moved) == 0:
+    moved = [(x.delta.rel_change, x) for x in f.ranked if x.delta and math.isfinite(x.delta.rel_change)]
+    if moved and max(ratio for ratio, _ in moved) == 0:
         term.print(f"[bold green]identical:[/bold green] all {len(f.ranked)} compared tensors are bit-for-bit equal")
         return
-    top = max(moved, key=lambda x: x.delta.rel_change) if moved else None
-    most = f"; largest update ratio {_n(top.delta.rel_change)} ({_esc(top.name)})" if top else ""
+    top = max(moved, key=lambda rx: rx[0]) if moved else None
+    most = f"; largest update ratio {_n(top[0])} ({_esc(top[1].name)})" if top else ""
     term.print(f"[bold green]nothing wrong found:[/bold green] {len(f.ranked)} tensors compared{most}")
 
 
@@ -130,6 +130,7 @@ def _rows_to_show(f: DiffFindings, show_all: bool) -> list[TensorFinding]:
 
 def _pair_cells(x: TensorFinding, wide: bool) -> list[str]:
     d, a, b = x.delta, x.a, x.b
+    assert d is not None and b is not None  # every finding of a pair diff has its B side
     cells = [_n(d.rel_change), f"{_n(a.absmax)}→{_n(b.absmax)}"]
     if wide:
         where = ""
@@ -169,6 +170,7 @@ def bin_range(i: int) -> tuple[float, float]:
 
 def _histogram(x: TensorFinding, term, *, pair: bool) -> None:
     ha = x.hist_a
+    assert ha is not None  # diff bins every tensor it compares
     hb = x.hist_b if pair else None
     both = ha + (hb if hb is not None else 0)
     present = np.flatnonzero(both)
@@ -237,6 +239,7 @@ def plot(f: DiffFindings, path, *, names: list[str]) -> None:
     fig, axes = plt.subplots(len(picked), 1, figsize=(9, 2.6 * len(picked)), squeeze=False)
     centers = (HIST_EDGES[:-1] + HIST_EDGES[1:]) / 2
     for ax, x in zip(axes[:, 0], picked):
+        assert x.hist_a is not None  # diff bins every tensor it compares
         for hist, label, color in ((x.hist_a, f"A {f.a}", "tab:blue"), (x.hist_b, f"B {f.b}", "tab:red")):
             if hist is not None:
                 ax.step(centers, hist, where="mid", label=label, color=color)

@@ -13,6 +13,7 @@ import math
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.checkpoint import commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_dir
 from ckptlab.run.reader import Run, open_run
-from ckptlab.training.world import solo_world
+from ckptlab.training.world import World, solo_world
 
 
 def replay_distributed(
@@ -169,7 +170,7 @@ def _rank_worker(
         if root is not None and root < snap_from:
             window.root_state = inv.state_before(k, root)
         faulty = _faulty_rank(checks, root)
-        writer = 0 if inv.replayer.world.sharded else faulty  # sharded: whole state on rank 0, all RNGs
+        writer = 0 if cast(World, inv.replayer.world).sharded else faulty  # sharded: whole state on rank 0, all RNGs
         if root is not None and rank == writer:
             # The state the root step started in, with the faulty rank's RNG streams.
             commit_checkpoint(Path(out) / "snapshot", window.root_state)

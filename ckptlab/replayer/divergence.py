@@ -35,14 +35,15 @@ from ckptlab.training.world import local
 class OpHasher:
     """A Tracer's watcher: one digest per traced op, of all its tensor outputs."""
 
-    def __init__(self):
-        self.tracer: Tracer | None = None
+    def __init__(self) -> None:
+        self.tracer: Tracer | None = None  # set once the Tracer watching with this hasher is built
         self.digests: list[bytes] = []
 
     def before_op(self, index: int, name: str, flat_in: list) -> None:
         pass
 
     def after_op(self, ev: OpEvent, flat_in: list, out) -> None:
+        assert self.tracer is not None  # only a running Tracer calls this
         with self.tracer.pause(), torch.no_grad():
             self.digests.append(digest(out))
 
@@ -91,6 +92,7 @@ def check_divergence(inv, step: int) -> DivergenceCheck:
         a = t1.events[i] if i < len(t1.events) else None
         b = t2.events[i] if i < len(t2.events) else None
         ev = a or b
+        assert ev is not None  # i is within the longer replay's ops
         check.first_nondeterministic_op = {
             "index": i,
             "op": ev.op,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -202,7 +203,7 @@ class Replayer:
                 ) from None
         batch = rec.batch if batch is None else batch
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
-        return health
+        return cast(StepHealth, health)  # not deferred: measured now, never a PendingHealth
 
     def snapshot(self, t: Trainee, step: int):
         """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a

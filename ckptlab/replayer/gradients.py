@@ -45,4 +45,5 @@ def checkpoint_gradients(run: Run, step: int, *, replayer: Replayer | None = Non
 
 
 def _keep_grad(grads: dict[str, torch.Tensor], name: str, p: torch.Tensor) -> None:
+    assert p.grad is not None  # the hook runs once the step's gradient is in .grad
     grads[name] = p.grad.detach().to("cpu", copy=True)
