@@ -33,8 +33,8 @@ _LAZY = {
     "Run": ("ckptlab.run.reader", "Run"),
     "replay": ("ckptlab.replayer", "replay"),
     "diff": ("ckptlab.analysis.diff", "diff"),
-    "skip_samples": ("ckptlab.training.sampler", "skip_samples"),
-    "with_sample_ids": ("ckptlab.training.sampler", "with_sample_ids"),
+    "skip_samples": ("ckptlab.training.sample_ids", "skip_samples"),
+    "with_sample_ids": ("ckptlab.training.sample_ids", "with_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
 }

@@ -354,7 +354,7 @@ def alternating(
         for mode, (model, opt, rec) in runs.items():
             spent = {}
             for kind in ("bare", "recorded") if i % 2 else ("recorded", "bare"):
-                probe = rec.trainee.probe
+                probe = rec.runner.probe
                 if kind == "bare":
                     probe.close()  # the bare step pays for no hook of ours
                 current["mode"] = mode if kind == "recorded" else "bare"

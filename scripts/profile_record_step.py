@@ -43,7 +43,7 @@ from ckptlab.run import framelog, records
 from ckptlab.run.writer import RunWriter
 from ckptlab.training import probe
 from ckptlab.training.probe import PendingHealth, StepProbe
-from ckptlab.training.step import Trainee
+from ckptlab.training.step import StepRunner
 
 # phase -> the functions whose own time it is (owner, attribute name)
 PHASES = {
@@ -58,13 +58,13 @@ PHASES = {
     "probe: grad norms (end of backward)": [(StepProbe, "_on_backward_end")],
     "probe: the norm kernels themselves (every call)": [(probe, "batched_norms")],
     "probe: optimizer pre/post hooks": [(StepProbe, "_on_pre_step"), (StepProbe, "_on_post_step")],
-    "probe: end (gather, copy)": [(StepProbe, "end"), (Trainee, "finish")],
+    "probe: end (gather, copy)": [(StepProbe, "end"), (StepRunner, "finish")],
     "probe: read the health (host arithmetic)": [(PendingHealth, "result")],
     "step record: anomaly rules": [(anomalies, "step_anomalies")],
     "step record: health dicts, encode": [(record_health.HealthLog, "_record"), (records, "encode_step")],
     "step record: frame write": [(RunWriter, "append_step"), (framelog.FrameWriter, "append")],
     "step: close (after_step, settle)": [(Recorder, "_after_step"), (record_health.HealthLog, "settle")],
-    "step: the Recorder's own step() and run_step": [(Recorder, "step"), (Trainee, "run_step")],
+    "step: the Recorder's own step() and run_step": [(Recorder, "step"), (StepRunner, "run_step")],
 }
 USER = "the user's step_fn (its own work, not the Recorder's)"
 
@@ -167,7 +167,7 @@ def main() -> None:
             measured = i >= warm
             for mode in ("bare", "recorded")[:: 1 if i % 2 else -1]:  # alternate which runs first
                 if mode == "bare":  # the same model, without our hooks (see bench_record.case_c)
-                    rec.trainee.probe.close()
+                    rec.runner.probe.close()
                 t0 = CLOCK[0]()
                 if mode == "bare":
                     step(model, opt, batch)
@@ -181,7 +181,7 @@ def main() -> None:
                     _on[0] = False
                 if measured:
                     times[mode].append((CLOCK[0]() - t0) / 1e9)
-                rec.trainee.probe.attach()
+                rec.runner.probe.attach()
         rec.close()
     n = len(times["recorded"])
     bare_ms = statistics.median(times["bare"]) * 1e3

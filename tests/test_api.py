@@ -7,7 +7,7 @@ import sys
 def test_public_functions_stay_functions_whatever_was_imported_first():
     import ckptlab
     import ckptlab.replayer  # noqa: F401
-    import ckptlab.training.sampler  # noqa: F401 - the module behind ckptlab.skip_samples
+    import ckptlab.training.sample_ids  # noqa: F401 - the module behind ckptlab.skip_samples
 
     assert callable(ckptlab.replay) and ckptlab.replay.__module__ == "ckptlab.replayer"
     assert callable(ckptlab.open_run) and callable(ckptlab.diff) and callable(ckptlab.skip_samples)

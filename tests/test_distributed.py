@@ -196,7 +196,7 @@ def test_rollback_exports_a_sharded_checkpoint_loadable_without_ckptlab(fsdp_run
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    from ckptlab.run.export import export_checkpoint
+    from ckptlab.run.portable import export_checkpoint
     from tests.models import MLP
 
     run = ckptlab.open_run(fsdp_run)

@@ -157,12 +157,12 @@ def test_a_malformed_recorded_rng_state_is_damage_not_the_users_step():
 
     run = ckptlab.open_run(Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan")
     replayer = Replayer(run)
-    trainee = replayer.build()
+    runner = replayer.build()
     rec = replayer.batch(5000)
     rec.rng = {**(rec.rng or {}), "python": (3, "x", None)}
     with pytest.raises(CorruptFileError, match="step 5000's recorded RNG states cannot be restored"):
-        replayer.run_step(trainee, rec)
-    replayer.close(trainee)
+        replayer.run_step(runner, rec)
+    replayer.close(runner)
 
 
 def test_batches_lost_to_a_damaged_log_are_not_blamed_on_retention(tmp_path):

@@ -14,8 +14,8 @@ import torch
 import ckptlab
 from ckptlab.analysis.rollback import choose
 from ckptlab.run import archive, framelog
-from ckptlab.run.export import export_checkpoint
 from ckptlab.run.layout import parse_checkpoint, parse_segment
+from ckptlab.run.portable import export_checkpoint
 from ckptlab.training.state import load_model, load_train_state, restore_rng
 from tests import act_models as am
 from tests import models

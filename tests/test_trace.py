@@ -93,11 +93,11 @@ def test_a_replayed_step_charges_no_op_to_ckptlab_itself(run_dir):
 
     models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(2))
     replayer = Replayer(ckptlab.open_run(run_dir))
-    trainee = replayer.build()
-    replayer.load_checkpoint(trainee, 0)
-    tracer = Tracer(trainee.model, trainee.optimizer, rows=4)
-    replayer.run_step(trainee, replayer.batch(0), tracer=tracer, measure_update=True)
-    replayer.close(trainee)
+    runner = replayer.build()
+    replayer.load_checkpoint(runner, 0)
+    tracer = Tracer(runner.model, runner.optimizer, rows=4)
+    replayer.run_step(runner, replayer.batch(0), tracer=tracer, measure_update=True)
+    replayer.close(runner)
     files = {e.source.split(":")[0] for e in tracer.events if e.source}
     assert files == {"models.py"}
 

@@ -1,5 +1,5 @@
 """Choose the checkpoint to roll back to. Pure: reads a run, returns a choice (moving files
-is run/archive.py's job, exporting run/export.py's).
+is run/archive.py's job, exporting run/portable.py's).
 
     choice = choose(run, metric="val_loss", mode="min")     # best validation, early-stopping style
     choice = choose(run, before_anomaly=True)               # last healthy checkpoint before trouble

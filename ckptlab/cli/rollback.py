@@ -99,7 +99,7 @@ def command(run_dir, as_json, metric, mode, before_anomaly, patience, to_dir, dr
 
 def _act(run, path: Path, choice, to_dir: Path | None, dry_run: bool) -> dict:
     from ckptlab.run import archive
-    from ckptlab.run.export import export_checkpoint
+    from ckptlab.run.portable import export_checkpoint
 
     if to_dir is not None:
         if dry_run:

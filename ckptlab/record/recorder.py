@@ -28,7 +28,7 @@ from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
-from ckptlab.training.step import Trainee, scaler_argument
+from ckptlab.training.step import StepRunner, scaler_argument
 from ckptlab.training.world import World
 
 
@@ -86,7 +86,7 @@ class Recorder:
         try:
             self.next_step = session.start_step
             self.restored_step = session.restored_step
-            self.trainee = Trainee(
+            self.runner = StepRunner(
                 *training, step_scheduler=config.step_scheduler, world=world, update_ratio=config.update_ratio
             )
             self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
@@ -113,7 +113,7 @@ class Recorder:
         self._batches.append(self.next_step, batch, sample_ids)
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
-            loss, pending = self.trainee.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
+            loss, pending = self.runner.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
         except BaseException as e:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
             self._fail(e)
@@ -136,7 +136,7 @@ class Recorder:
         measure = self._open_step(keep_start=batch is None)
         if batch is not None:
             self._batches.append(self.next_step, batch, sample_ids)
-        self.trainee.begin(measure_update=measure)
+        self.runner.begin(measure_update=measure)
         self._in_step = True
         return self.next_step
 
@@ -152,7 +152,7 @@ class Recorder:
         (default: the one being handled), recorded as an `exception` event when the step's
         own code raised it."""
         written = self._batches.written
-        self.trainee.abort()
+        self.runner.abort()
         self._in_step = False
         self._batches.drop()
         self._fail((error if error is not None else sys.exc_info()[1]) if written else None)
@@ -166,7 +166,7 @@ class Recorder:
         if not self._batches.written:
             raise RecordError("end_step called before record_batch: the step has no batch", path=self.run_dir)
         try:
-            pending = self.trainee.finish(loss)
+            pending = self.runner.finish(loss)
         finally:
             self._in_step = False
         return self._after_step(pending)
@@ -273,7 +273,7 @@ class Recorder:
                 self._health.settle(0, raise_nonfinite=False)
             finally:
                 self._snaps.close()
-                self.trainee.close()
+                self.runner.close()
                 self.writer.close()
                 if self.live is not None:
                     self.live.close()

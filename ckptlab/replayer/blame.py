@@ -62,7 +62,7 @@ def _trace(root: RootStep, rep: ReplayReport) -> Tracer:
     and events) for the stages after it."""
     t0 = time.perf_counter()
     root.inv.log(f"tracing step {root.root} per op")
-    tracer = Tracer(root.trainee.model, root.trainee.optimizer, rows=root.rows, batch=root.rec.batch)
+    tracer = Tracer(root.runner.model, root.runner.optimizer, rows=root.rows, batch=root.rec.batch)
     traced = root.step(tracer=tracer)
     if root.replayer.compiled:  # the Tracer ran it with torch.compile off
         rep.trace_eager = True

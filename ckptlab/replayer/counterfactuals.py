@@ -66,9 +66,9 @@ def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
         return []
     typical = lr[1] / lr[0]
     root.fresh()
-    for g in root.trainee.optimizer.param_groups:
+    for g in root.runner.optimizer.param_groups:
         g["lr"] = typical
-    h = root.replayer.run_step(root.trainee, root.rec)
+    h = root.replayer.run_step(root.runner, root.rec)
     found = root.fault(h)
     return [
         Counterfactual(
@@ -136,10 +136,10 @@ def _second_moment_in_tune(root: RootStep) -> list[Counterfactual]:
     if root.report.origin.state != "exp_avg_sq":
         return []
     name = root.report.origin.parameter
-    param = dict(named_parameters(root.trainee.model)).get(name)
+    param = dict(named_parameters(root.runner.model)).get(name)
     if param is None:
         return []
-    h, found = _update_and_after(root, in_tune(root.trainee.optimizer, param))
+    h, found = _update_and_after(root, in_tune(root.runner.optimizer, param))
     last = root.inv.step
     return [
         Counterfactual(
@@ -164,11 +164,11 @@ def _update_and_after(root: RootStep, around) -> tuple[StepHealth, list[str]]:
     root.fresh()
     dets = copy.deepcopy(root.dets)
     with around:
-        h = root.replayer.run_step(root.trainee, root.rec)
+        h = root.replayer.run_step(root.runner, root.rec)
     found = [k for k in (e["kind"] for e in step_anomalies(h, dets)) if k in AFTER_AN_UPDATE]
     inv = root.inv
     for s in range(root.root + 1, inv.step + 1):
-        later = inv.anomalies(root.replayer.run_step(root.trainee, root.replayer.batch(s)), dets)
+        later = inv.anomalies(root.replayer.run_step(root.runner, root.replayer.batch(s)), dets)
         found += [f"{k} at step {s}" for k in later]
     return h, found
 

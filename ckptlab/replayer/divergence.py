@@ -70,7 +70,7 @@ def check_divergence(inv, step: int) -> DivergenceCheck:
     try:
         for _ in range(2):
             hasher = OpHasher()
-            model, optimizer = blame.trainee.model, blame.trainee.optimizer
+            model, optimizer = blame.runner.model, blame.runner.optimizer
             hasher.tracer = tracer = Tracer(model, optimizer, rows=blame.rows, batch=blame.rec.batch, watch=hasher)
             health = blame.step(tracer=tracer)
             runs.append((tracer, hasher.digests, health))

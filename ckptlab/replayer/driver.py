@@ -1,7 +1,7 @@
 """The replay driver: rebuild the recorded training, restore a checkpoint, re-run recorded steps.
 
     r = Replayer(run)                        # imports the recorded build_fn / step_fn
-    t = r.build()                            # a Trainee: model, optimizer, scheduler, scaler
+    t = r.build()                            # a StepRunner: model, optimizer, scheduler, scaler
     r.load_checkpoint(t, 500)                # every state that changes bits, env included
     health = r.run_step(t, r.batch(500))     # the recorded step, measured as the Recorder did
     r.close(t)
@@ -33,7 +33,7 @@ from ckptlab.training.state import (
     restore_rng,
     snapshot,
 )
-from ckptlab.training.step import Trainee
+from ckptlab.training.step import StepRunner
 from ckptlab.training.world import World
 
 
@@ -95,7 +95,7 @@ class Replayer:
 
     # --- building and restoring ----------------------------------------------------------------
 
-    def build(self) -> Trainee:
+    def build(self) -> StepRunner:
         if self.device.type == "cuda":
             apply_env({}, force_deterministic=True)  # before any CUDA work: cuBLAS reads it once
         with user_output():
@@ -124,7 +124,7 @@ class Replayer:
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)  # (`--rank R` of an FSDP2 run: a group of one, sharded)
         self.compiled = is_compiled(model) or is_compiled(self.step_fn)
-        return Trainee(
+        return StepRunner(
             model,
             optimizer,
             scheduler,
@@ -134,7 +134,7 @@ class Replayer:
             update_ratio=self.update_ratio,
         )
 
-    def load_checkpoint(self, t: Trainee, step: int) -> None:
+    def load_checkpoint(self, t: StepRunner, step: int) -> None:
         ckpt = self.run.checkpoint(step)
         try:
             ckpt.verify()
@@ -188,7 +188,7 @@ class Replayer:
             )
         return batch
 
-    def run_step(self, t: Trainee, rec, batch=None, *, tracer=None, measure_update: bool = True) -> StepHealth:
+    def run_step(self, t: StepRunner, rec, batch=None, *, tracer=None, measure_update: bool = True) -> StepHealth:
         """One recorded step (or `batch` in its place), exactly as the Recorder ran it: its
         RNG states restored, then the same measured step (training/step.py).
         `measure_update` measures update ratios and weight norms, as the run recorded them."""
@@ -205,7 +205,7 @@ class Replayer:
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
         return cast(StepHealth, health)  # not deferred: measured now, never a PendingHealth
 
-    def snapshot(self, t: Trainee, step: int):
+    def snapshot(self, t: StepRunner, step: int):
         """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a
         process group of one too: DTensors, which only DCP's state-dict API takes whole)."""
         if self.world is not None and self.world.sharded:
@@ -213,7 +213,7 @@ class Replayer:
             return full_snapshot(self.world, step, t.model, t.optimizer, state)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
-    def close(self, t: Trainee) -> None:
+    def close(self, t: StepRunner) -> None:
         t.close()
 
 

@@ -195,8 +195,8 @@ def capture_root_step(
 ) -> tuple[list[DumpEntry], list[str], list[str]]:
     """Replay the root step once more (rootstep.py's `RootStep`), copying what the dump holds.
     Returns (entries in order of priority, the origin's came-from lines, notes)."""
-    capture = Capture(blame.trainee.model, origin, request)
-    tracer = Tracer(blame.trainee.model, blame.trainee.optimizer, rows=blame.rows, batch=blame.rec.batch, watch=capture)
+    capture = Capture(blame.runner.model, origin, request)
+    tracer = Tracer(blame.runner.model, blame.runner.optimizer, rows=blame.rows, batch=blame.rec.batch, watch=capture)
     # The batch first: copied before the step runs (step_fn may change it in place).
     batch = batch_entries(capture, blame.rec.batch, blame.ids, [s.row for s in blame.report.samples])
     with capture.hooks(tracer):

@@ -107,7 +107,7 @@ def _first_nonfinite_op(
     outsized = None
     if ev.phase == "forward" and ev.module is not None and kind == "numeric":
         root.fresh()  # the weights the root step started with (the replays left theirs)
-        outsized = outsized_weight(unwrap(root.trainee.model), ev.module)
+        outsized = outsized_weight(unwrap(root.runner.model), ev.module)
     produced = "NaN" if ev.new_nan else "Inf"
     return Origin(
         kind,
@@ -187,7 +187,7 @@ def _finite_explosion(
 def _second_moment_gaps(root: RootStep, h: StepHealth) -> list[SecondMomentGap]:
     """optstate.py's check, on the optimizer state the root step started in."""
     root.fresh()
-    return second_moment_gaps(root.trainee.optimizer, named_parameters(root.trainee.model), h)
+    return second_moment_gaps(root.runner.optimizer, named_parameters(root.runner.model), h)
 
 
 def _ranked(

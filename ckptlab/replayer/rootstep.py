@@ -23,7 +23,7 @@ from ckptlab.training.state import restore_snapshot
 
 
 class RootStep:
-    """The traced root step: its batch, rows and sample ids, the trainee it replays on, the
+    """The traced root step: its batch, rows and sample ids, the runner it replays on, the
     state and spike detectors it started with, and the report its analysis writes."""
 
     def __init__(self, inv, window):
@@ -36,28 +36,28 @@ class RootStep:
         self.rec = self.replayer.batch(self.root)
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
-        self.trainee = self.replayer.build()
+        self.runner = self.replayer.build()
         self.report: ReplayReport | None = None  # the report the stages write into
         self.base: StepHealth | None = None  # the root step as replayed (parameter blame)
         self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
 
     def close(self) -> None:
-        self.replayer.close(self.trainee)
+        self.replayer.close(self.runner)
 
     def fresh(self) -> None:
-        """Put the trainee back in the state the root step started in."""
+        """Put the runner back in the state the root step started in."""
         restore_snapshot(
             self.snap,
-            self.trainee.model,
-            self.trainee.optimizer,
-            self.trainee.scheduler,
-            self.trainee.scaler,
+            self.runner.model,
+            self.runner.optimizer,
+            self.runner.scheduler,
+            self.runner.scaler,
             rank=self.replayer.rank,
         )
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()
-        return self.replayer.run_step(self.trainee, self.rec, batch, tracer=tracer)
+        return self.replayer.run_step(self.runner, self.rec, batch, tracer=tracer)
 
     def fault(self, h: StepHealth) -> list[str]:
         """The anomalies of a replay of the root step, judged by the detectors it started with."""

@@ -1,16 +1,16 @@
 """One training step, measured: the sequence the Recorder and replay both run, so that replayed
 numbers compare with recorded ones bit for bit.
 
-    trainee = Trainee(model, optimizer, scheduler, scaler, world=world)
-    loss, health = trainee.run_step(step_fn, batch, measure_update=True)
+    runner = StepRunner(model, optimizer, scheduler, scaler, world=world)
+    loss, health = runner.run_step(step_fn, batch, measure_update=True)
 
     # a framework that runs the step itself (Lightning, the HF Trainer):
-    trainee.begin(measure_update=True)
+    runner.begin(measure_update=True)
     ...                                   # the framework's forward, backward, optimizer step
-    health = trainee.end(loss)
+    health = runner.end(loss)
 
     # the Recorder on a GPU: nothing waits for the device; read the health a step later
-    loss, pending = trainee.run_step(step_fn, batch, measure_update=True, deferred=True)
+    loss, pending = runner.run_step(step_fn, batch, measure_update=True, deferred=True)
     ...
     health = pending.result()
 
@@ -40,7 +40,7 @@ from ckptlab.training.world import World
 
 
 @dataclass
-class Trainee:
+class StepRunner:
     """The live training objects (what `build_fn` returns) and the probe on them."""
 
     model: torch.nn.Module

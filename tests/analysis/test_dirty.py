@@ -12,7 +12,7 @@ from ckptlab.analysis.dirty import scan, skip_ids, write_skip_list
 from ckptlab.analysis.dirty.findings import DirtyRules
 from ckptlab.analysis.spikes import SpikeRule
 from ckptlab.run.skiplist import read as read_skip_list
-from ckptlab.training.sampler import skip_samples
+from ckptlab.training.sample_ids import skip_samples
 from tests import act_models as am
 from tests import models
 
