@@ -1,4 +1,4 @@
-"""record.py: what a Recorder writes, resumes and refuses (crash tests: tests/run/test_crash.py)."""
+"""The Recorder (ckptlab/record/): what it writes, resumes and refuses (crash tests: tests/run/test_crash.py)."""
 
 from __future__ import annotations
 
