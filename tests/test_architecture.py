@@ -225,3 +225,32 @@ def test_the_file_checker_sees_opens_reads_and_renames():
     ]
     assert _file_offences({"ckptlab/io/files.py": "os.rename('a', 'b')"}) == ["ckptlab/io/files.py:1 os.rename"]
     assert _file_offences({"ckptlab/run/lock.py": "os.open('a', 0)\nopen('a')"}) == ["ckptlab/run/lock.py:2 open"]
+
+
+# --- sizes a newcomer can read in one sitting ----------------------------------------------------
+MAX_LINES = {"module": 600, "class": 300, "function": 60}
+
+
+def _oversized(module: str, source: str) -> list[str]:
+    """`module: kind name lines` for each unit over MAX_LINES (ast spans, docstrings included)."""
+    out = []
+    if source.count("\n") > MAX_LINES["module"]:
+        out.append(f"{module}: module {source.count(chr(10))}")
+    for node in ast.walk(ast.parse(source)):
+        kind = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}.get(type(node))
+        if kind is None:
+            continue
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_LINES[kind]:
+            out.append(f"{module}: {kind} {node.name} {lines}")
+    return out
+
+
+def test_modules_classes_and_functions_stay_within_the_house_sizes():
+    assert [o for module, source in sorted(_sources().items()) for o in _oversized(module, source)] == []
+
+
+def test_the_size_checker_sees_a_long_function():
+    long_function = "def f():\n" + "    x = 1\n" * 60
+    assert _oversized("m.py", long_function) == ["m.py: function f 61"]
+    assert _oversized("m.py", "def f():\n" + "    x = 1\n" * 59) == []
