@@ -105,6 +105,7 @@ def command(
         else:
             from ckptlab.render.trackers import write_wandb
 
+            assert wandb_dir is not None, "exactly one of the three destinations was chosen"
             summary = write_wandb(
                 run, wandb_dir, project=experiment, run_name=run_name, html=html, gradients=gradients, progress=advance
             )

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from ckptlab.errors import RecordError
+from ckptlab.trackers.tracker import TrackerSpec
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,11 @@ class RecordConfig:
     keep_best: bool = True
     data_info: dict | None = None
     step_scheduler: bool = True
-    on_anomaly: Callable[[int, list[dict]], None] | str | None = "warn"
+    on_anomaly: Callable[[int, list[dict]], None] | Literal["warn"] | None = "warn"
     batch_ref_bytes: int = 1 << 20
     async_sharded: bool = True
     ckpt_snapshot: Literal["live", "copy"] = "live"
-    trackers: Any = ()
+    trackers: TrackerSpec = ()
     update_ratio: Literal["sampled", "exact"] = "sampled"
     health_read: Literal["auto", "deferred", "immediate"] = "auto"
 
@@ -95,6 +96,8 @@ class RecordConfig:
             if value not in allowed:
                 listed = " or ".join(filter(None, (", ".join(map(repr, allowed[:-1])), repr(allowed[-1]))))
                 raise RecordError(f"{name} must be {listed}, not {value!r}")
+        if not (self.on_anomaly is None or self.on_anomaly == "warn" or callable(self.on_anomaly)):
+            raise RecordError(f"on_anomaly must be a callback(step, events), 'warn' or None, not {self.on_anomaly!r}")
 
     @classmethod
     def of(cls, config: RecordConfig | None = None, **options) -> RecordConfig:

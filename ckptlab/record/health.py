@@ -43,9 +43,10 @@ class HealthLog:
         self.writer, self.world, self.config = writer, world, config
         self.deferred, self.live = deferred, live
         self.run_dir = writer.run_dir
-        warn = config.on_anomaly == "warn"
-        alert = _warn_anomaly(str(self.run_dir)) if world.is_main else None  # one warning a run, not a rank
-        self.on_anomaly: Alert | None = alert if warn else config.on_anomaly
+        if isinstance(config.on_anomaly, str):  # "warn": one warning a run, not a rank
+            self.on_anomaly: Alert | None = _warn_anomaly(str(self.run_dir)) if world.is_main else None
+        else:
+            self.on_anomaly = config.on_anomaly
         self._spikes = detectors()
         self.first_anomaly: int | None = None
         self._queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)

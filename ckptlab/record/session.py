@@ -19,6 +19,9 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from ckptlab.errors import CkptlabError, RecordError
 from ckptlab.record.config import RecordConfig
@@ -47,7 +50,7 @@ class Session:
         run_dir: Path,
         world: World,
         config: RecordConfig,
-        training: tuple,
+        training: tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any],
         fns: dict[str, Callable | None],
         *,
         deferred: bool,
@@ -75,7 +78,7 @@ class Session:
             raise
 
     def _lock_run(self) -> None:
-        refused = None
+        refused: tuple[str, Any] | None = None  # ("locked", the holder's dict) or ("error", the message)
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             try:

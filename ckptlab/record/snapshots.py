@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ckptlab.record.config import RecordConfig
 from ckptlab.record.health import HealthLog
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter
-from ckptlab.training.sharded import save_sharded, start_sharded_save
+from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
 from ckptlab.training.state import capture_train_state, snapshot
 from ckptlab.training.world import World
 
@@ -43,7 +44,7 @@ class Snapshots:
         self.best: tuple[int, float] | None = None
         self.wait = 0.0
         self._retake = False  # a live checkpoint was torn: take one at the next step
-        self._pending = None  # a sharded checkpoint being written in the background
+        self._pending: PendingSave | None = None  # a sharded checkpoint being written in the background
         self._live: CapturedState | None = None  # a checkpoint written from live tensors
         self._mode: AwaitLiveBytes | None = None  # on during an optimizer step that follows it
         # Live checkpoints need the optimizer's step to wait for them (it is what changes the
@@ -54,7 +55,7 @@ class Snapshots:
             and world.is_main
             and hasattr(self.optimizer, "register_step_pre_hook")
         )
-        self._hooks = ()
+        self._hooks: tuple[RemovableHandle, ...] = ()
         if self._live_ok:
             self._hooks = (
                 self.optimizer.register_step_pre_hook(lambda *_: self._before_update()),

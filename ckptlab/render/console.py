@@ -30,7 +30,7 @@ class StdoutClaim:
     `release()` (idempotent) puts fd 1 and `sys.stdout` back as they were. Where fd 1 cannot
     be moved (closed, or no fd 2), only `sys.stdout` is redirected."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stdout = sys.stdout  # where the document goes: the stdout the command started with
         self.saved_fd: int | None = None
         _flush(self.stdout, sys.__stdout__)
@@ -159,14 +159,9 @@ class Terminal:
             task = bar.add_task(_escape(description), total=total)
 
             def update(done: int | None = None, total: int | None = None, description: str | None = None) -> None:
-                changes = {}
-                if done is not None:
-                    changes["completed"] = done
-                if total is not None:
-                    changes["total"] = total
-                if description is not None:
-                    changes["description"] = _escape(description)
-                bar.update(task, **changes)
+                # rich's update() leaves a field as it is where its argument is None
+                shown = None if description is None else _escape(description)
+                bar.update(task, completed=done, total=total, description=shown)
 
             yield update
 

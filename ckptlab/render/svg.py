@@ -30,8 +30,8 @@ MAX_POINTS = 1500  # per series: more are bucketed (min and max per bucket, so s
 @dataclass
 class Series:
     name: str
-    x: Sequence[float]
-    y: Sequence[float]
+    x: Sequence[float] | np.ndarray
+    y: Sequence[float] | np.ndarray
     color: str | None = None
     width: float = 1.0
     dash: str | None = None
@@ -233,7 +233,8 @@ def _marker(f: Frame, mk: Marker) -> str:
 
 
 def _legend(series: list[Series], width: int) -> str:
-    out, x = [], width - 16
+    out: list[str] = []
+    x: float = width - 16
     for i, s in reversed(list(enumerate(series))):
         color = s.color or PALETTE[i % len(PALETTE)]
         label = escape(s.name)
@@ -251,7 +252,7 @@ def heatmap(
     matrix: np.ndarray,
     *,
     row_labels: Sequence[str],
-    col_values: Sequence[float],
+    col_values: Sequence[float] | np.ndarray,
     lo: float,
     hi: float,
     title: str = "",

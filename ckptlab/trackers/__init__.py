@@ -13,8 +13,10 @@ is made). docs/integrations.md lists every name and step.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
+from typing import Any
 
-from ckptlab.trackers.tracker import Tracker
+from ckptlab.trackers.tracker import Tracker, TrackerSpec
 
 
 def __getattr__(name: str):
@@ -29,7 +31,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ckptlab.trackers' has no attribute {name!r}")
 
 
-def resolve(spec, loggers=()) -> list[Tracker]:
+def resolve(spec: TrackerSpec, loggers: Iterable[Any] = ()) -> list[Tracker]:
     """The trackers to log into, from `RecordConfig.trackers`: a list of `MLflow`/`WandB`
     objects (or W&B runs, or framework loggers), or "auto": the W&B run and MLflow run
     already active in this process, and `loggers` (a Lightning trainer's W&B / MLflow
@@ -45,10 +47,12 @@ def resolve(spec, loggers=()) -> list[Tracker]:
         kinds = {t.kind for t in found}
         wandb = sys.modules.get("wandb")
         if "wandb" not in kinds and wandb is not None and getattr(wandb, "run", None) is not None:
-            found.append(_wrap(wandb.run))
+            run = _wrap(wandb.run)
+            if run is not None:  # None: not a wandb Run (a stand-in): nothing to log into
+                found.append(run)
         mlflow = sys.modules.get("mlflow")
         active = mlflow.active_run() if mlflow is not None and hasattr(mlflow, "active_run") else None
-        if "mlflow" not in kinds and active is not None:
+        if "mlflow" not in kinds and mlflow is not None and active is not None:
             from ckptlab.trackers.mlflow_tracker import MLflow
 
             found.append(MLflow(mlflow.get_tracking_uri(), run_id=active.info.run_id))
@@ -57,7 +61,7 @@ def resolve(spec, loggers=()) -> list[Tracker]:
 
             warnings.warn("ckptlab: trackers='auto' found no W&B or MLflow run to log into", stacklevel=3)
         return found
-    out = []
+    out: list[Tracker] = []
     for item in spec if isinstance(spec, (list, tuple)) else [spec]:
         t = _wrap(item)
         if t is None:
@@ -70,7 +74,7 @@ def resolve(spec, loggers=()) -> list[Tracker]:
     return out
 
 
-def _wrap(obj) -> Tracker | None:
+def _wrap(obj: Any) -> Tracker | None:
     """A Tracker for `obj`: one with `log_rows` and `kind` as is (ours, or the user's own);
     a wandb run; Lightning's WandbLogger / MLFlowLogger (by name: no Lightning import here)."""
     if hasattr(obj, "log_rows") and hasattr(obj, "kind"):

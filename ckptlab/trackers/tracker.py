@@ -14,7 +14,7 @@ in one). A Protocol, not a base class: a tracker declares nothing, it only has t
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from ckptlab.trackers.points import Row
 
@@ -38,3 +38,10 @@ class Tracker(Protocol):
     def close(self) -> None:
         """Send what is buffered and end the run if the tracker started it."""
         ...
+
+
+# What `RecordConfig.trackers` takes (and `resolve` turns into Trackers): a list or tuple whose
+# items are Trackers or what `resolve` wraps in one: a wandb run, Lightning's WandbLogger /
+# MLFlowLogger (known by class name, so neither library is imported to type them: the items
+# are Any); one Tracker alone; "auto" (the runs already active here); None (no trackers).
+TrackerSpec: TypeAlias = list[Any] | tuple[Any, ...] | Tracker | Literal["auto"] | None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from ckptlab.errors import CkptlabError
 from ckptlab.trackers.points import Alert, Row
 
@@ -105,7 +107,7 @@ class WandB:
         for r in rows:
             data: dict = {self.prefix + k: v for k, v in r.scalars.items()}
             for name, h in r.histograms.items():
-                data[self.prefix + name] = wandb.Histogram(np_histogram=(h.counts, h.edges))
+                data[self.prefix + name] = wandb.Histogram(np_histogram=(np.asarray(h.counts), np.asarray(h.edges)))
             if self.owned:
                 self.run.log(data, step=r.step)
             else:  # never move the step of a run that is not ours
@@ -114,14 +116,10 @@ class WandB:
                 self.alert(a)
 
     def alert(self, a: Alert) -> None:
-        import wandb
-
         self._alerts = [*self._alerts, a.text][-KEEP_ALERTS:]
         self.run.summary[f"{self.prefix or 'ckptlab/'}anomalies"] = self._alerts
-        if not self.offline:
-            self.run.alert(
-                title=f"ckptlab: {', '.join(a.kinds)} at step {a.step}", text=a.text, level=wandb.AlertLevel.WARN
-            )
+        if not self.offline:  # the level by name: wandb's type stub leaves out wandb.AlertLevel
+            self.run.alert(title=f"ckptlab: {', '.join(a.kinds)} at step {a.step}", text=a.text, level="WARN")
 
     def log_params(self, params: dict[str, str]) -> None:
         self.run.config.update({f"{self.prefix}{k}": v for k, v in params.items()}, allow_val_change=True)

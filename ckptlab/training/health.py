@@ -6,6 +6,7 @@ step late or replay reads it at once (training/probe.py says where each number i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,7 @@ def read_health(
     parts: dict,
     meta: dict,
     *,
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     world: World,
     optimizer,
     grads_live: bool,
@@ -194,7 +195,7 @@ def _scaler_skipped(optimizer, stepped: bool, scale: float | None, values: np.nd
     return not stepped or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def _local_grads(norms: np.ndarray, meta: dict, scale: float | None, params: list[torch.Tensor], grads_live: bool):
+def _local_grads(norms: np.ndarray, meta: dict, scale: float | None, params: Sequence[torch.Tensor], grads_live: bool):
     """This rank's squared gradient norm per parameter (NO_GRAD: none) and non-finite counts."""
     P = len(params)
     idx = meta["idx"]

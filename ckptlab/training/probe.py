@@ -87,13 +87,15 @@ class PendingHealth:
     into a StepHealth."""
 
     def __init__(self, probe: StepProbe, values: torch.Tensor, event, parts: dict, meta: dict):
-        self._probe, self._values, self._event, self._parts, self._meta = probe, values, event, parts, meta
+        self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
+        self._values: torch.Tensor | None = values  # None once read
         self._health: StepHealth | None = None
 
     def result(self, *, grads_live: bool = False) -> StepHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
         the step), so a GPU run can count the non-finite elements of a non-finite norm."""
         if self._health is None:
+            assert self._values is not None, "let go only once read into _health"
             if self._event is not None and not self._event.query():
                 self._event.synchronize()  # the device is behind by more than a step: wait
             probe = self._probe
@@ -181,8 +183,10 @@ class StepProbe:
         self._grad_norms: torch.Tensor | None = None
         self._nonfinite: dict[int, int] = {}  # counted where it costs no sync (CPU)
         self._lr: list[float] | None = None
-        self._before = None  # (norms of the weights, their sample or copy) before the update
-        self._before_norms = None  # only the norms before the update (a step with bad gradients)
+        # (norms of the weights, their sample or copy) before the update
+        self._before: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # only the norms before the update (a step with bad gradients)
+        self._before_norms: list[torch.Tensor] | None = None
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
@@ -202,8 +206,9 @@ class StepProbe:
         self._queued = False
         if not self._active:
             return
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = self._detached([self.params[i].grad for i in idx])
+        with_grad = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        idx = [i for i, _ in with_grad]
+        grads = self._detached([g for _, g in with_grad])
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self._nonfinite = {}
@@ -238,7 +243,7 @@ class StepProbe:
 
     # --- the update-ratio sample ------------------------------------------------------------
 
-    def _take(self, weights: list[torch.Tensor]):
+    def _take(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """What ||w_after - w_before|| needs of the weights before the update: a copy of every
         parameter ("exact"), or the same fixed strided sample of each ("sampled")."""
         if self.update_mode == "exact":
@@ -250,15 +255,20 @@ class StepProbe:
     def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
         (scaled up when read: `_update_scales`)."""
+        assert self._before is not None, "called on a step that measures its update, after _on_pre_step"
         _, before = self._before
         if self.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
             return [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(weights, before)]
-        return batched_norms(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, self._plans)], before))
+        assert self._plans is not None, "made by _take, for the sample in _before"
+        return batched_norms(
+            list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, self._plans)], before))
+        )
 
     def _update_scales(self) -> np.ndarray:
         """What turns the squared update norm of each sample into the whole tensor's."""
         if self.update_mode == "exact":
             return np.ones(len(self.params))
+        assert self._plans is not None, "made by _take, for the sample in _before"
         return np.array([plan.scale for plan in self._plans], dtype=np.float64)
 
     # --- one step -------------------------------------------------------------------------------
@@ -308,7 +318,9 @@ class StepProbe:
         add("grad", grad_norms)
         if self._scale is not None:
             add("scale", [self._scale])
-            add("scale_after", [self._scale_now()])  # after the step's scaler.update()
+            after = self._scale_now()  # after the step's scaler.update()
+            assert after is not None, "an enabled scaler (it gave _scale) stays enabled"
+            add("scale_after", [after])
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
@@ -336,11 +348,11 @@ class StepProbe:
         assigned by hand), read as it is now."""
         idx, norms = self._grad_idx, self._grad_norms
         measured = set(idx)
-        late = [i for i, p in enumerate(self.params) if p.grad is not None and i not in measured]
+        late = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None and i not in measured]
         if not late:
             return idx, norms if norms is not None else torch.zeros(0)
         by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
-        by_index.update(zip(late, batched_norms(self._detached([self.params[i].grad for i in late]))))
+        by_index.update(zip([i for i, _ in late], batched_norms(self._detached([g for _, g in late]))))
         idx = sorted(by_index)
         return idx, self._stack([by_index[i] for i in idx])
 

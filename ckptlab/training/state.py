@@ -189,7 +189,7 @@ def rng_fingerprint() -> tuple:
     are equal exactly when `capture_rng()` at those two moments would give states that
     `rng_equal` calls equal. What the Recorder takes twice a step to tell whether the loop
     drew random numbers between two steps; the states to record come from `capture_rng`."""
-    fp = (_PYTHON.fingerprint(), _NUMPY.fingerprint(), torch.get_rng_state().numpy().tobytes())
+    fp: tuple[Any, ...] = (_PYTHON.fingerprint(), _NUMPY.fingerprint(), torch.get_rng_state().numpy().tobytes())
     if torch.cuda.is_initialized():  # (implies is_available, which costs more)
         fp += tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all())
     return fp
@@ -204,7 +204,7 @@ class _PythonRandomState:
 
     _BYTES = 4 + 624 * 4
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._ok: bool | None = None
 
     def fingerprint(self):
@@ -217,10 +217,11 @@ class _PythonRandomState:
 
     def _check(self) -> bool:
         try:
-            if random.getstate.__self__ is not random._inst:  # the module's functions are its methods
+            if getattr(random.getstate, "__self__", None) is not random._inst:  # the module's functions are its methods
                 return False
             r = random.Random(12345)
-            for draw in (None, r.random, r.gauss, lambda: r.getrandbits(20000)):
+            # (gauss's mu and sigma are given: they have no defaults in Python 3.10)
+            for draw in (None, r.random, lambda: r.gauss(0.0, 1.0), lambda: r.getrandbits(20000)):
                 if draw is not None:
                     draw()
                 raw = ctypes.string_at(id(r) + object.__basicsize__, self._BYTES)
@@ -243,7 +244,7 @@ class _NumpyLegacyState:
 
     _KEY_BYTES = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._offset: int | None | bool = False  # False: not looked for yet; None: not found
 
     def fingerprint(self):
@@ -262,7 +263,7 @@ class _NumpyLegacyState:
         then `aug_bitgen_t {bitgen_t *bit_generator; int has_gauss; double gauss}`, whose
         first field points at that copy: both pointers are searched for, then checked."""
         try:
-            if np.random.get_state.__self__ is not np.random.mtrand._rand:  # the global RandomState
+            if getattr(np.random.get_state, "__self__", None) is not np.random.mtrand._rand:  # the global RandomState
                 return None
             cls = np.random.RandomState
             rs = cls(12345)
@@ -281,7 +282,9 @@ class _NumpyLegacyState:
             for draw in (None, rs.standard_normal, rs.standard_normal, rs.random_sample):  # cache: 0, 1, 0, 0
                 if draw is not None:
                     draw()
-                legacy = rs.get_state()
+                legacy = rs.get_state(legacy=True)
+                if not isinstance(legacy, tuple):  # a dict: not MT19937's legacy state
+                    return None
                 raw = ctypes.string_at(id(rs) + offset, 16)
                 key = ctypes.string_at(rs._bit_generator.ctypes.state_address, self._KEY_BYTES)
                 got = (key[:-4], struct.unpack_from("<i", key, 2496)[0], *struct.unpack_from("<i4xd", raw))

@@ -175,6 +175,8 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
     `trusted_file` allows it, saying which file's code it is (a WARNING: on stderr by default). ReplayError says what
     to do when it cannot."""
     module, qualname = desc.get("module"), desc.get("qualname")
+    if not isinstance(module, str) or not isinstance(qualname, str):  # `describe` always writes both
+        raise ReplayError(f"the run's manifest does not name the module and function of {role}", path=run_dir)
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
     _announce(role, path or module, unchanged)
     if module == "__main__":
@@ -253,6 +255,8 @@ def _load_script(path: Path):
         return _loaded_scripts[path]
     name = "ckptlab_replayed_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # a script whose name does not end in .py
+        raise ReplayError(f"cannot import {path.name}: not a Python source file (.py)", path=path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     try:
