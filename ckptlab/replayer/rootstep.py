@@ -37,9 +37,29 @@ class RootStep:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.runner = self.replayer.build()
-        self.report: ReplayReport | None = None  # the report the stages write into
-        self.base: StepHealth | None = None  # the root step as replayed (parameter blame)
+        self._report: ReplayReport | None = None  # the report the stages write into
+        self._base: StepHealth | None = None  # the root step as replayed (parameter blame)
         self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
+
+    @property
+    def report(self) -> ReplayReport:
+        """The report the stages write into (blame.py sets it before any stage runs)."""
+        assert self._report is not None, "blame.explain/explain_crash set the report before the stages read it"
+        return self._report
+
+    @report.setter
+    def report(self, rep: ReplayReport) -> None:
+        self._report = rep
+
+    @property
+    def base(self) -> StepHealth:
+        """The root step as replayed, for parameter blame (blame.explain sets it first)."""
+        assert self._base is not None, "blame.explain replays the root step before the stages read it"
+        return self._base
+
+    @base.setter
+    def base(self, h: StepHealth) -> None:
+        self._base = h
 
     def close(self) -> None:
         self.replayer.close(self.runner)
