@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.distributed import replay_distributed
@@ -76,6 +76,15 @@ __all__ = [
 ]
 
 
+class _Settings(TypedDict):
+    """Both replays' settings: a replay passes them on alike to one process and to a distributed replay."""
+
+    device: str | None
+    from_step: int | None
+    log: Callable[[str], None] | None
+    trust_code: bool
+
+
 def replay(
     run: Run | str | Path,
     step: int,
@@ -107,7 +116,7 @@ def replay(
     file"); `report.dump` says what it holds."""
     run = open_run(run) if not isinstance(run, Run) else run
     dump = _dump_request(dump) if dump is not None else None
-    how = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}  # both replays' settings
+    how: _Settings = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
     saved_env = capture_env()
     try:
         if run.world_size > 1 and rank is None:
@@ -167,5 +176,5 @@ def attribute_rows(
                 root.close()
     finally:
         apply_env(saved)
-    out = [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in rows.items()]
-    return sorted(out, key=lambda s: -(s.grad_norm if math.isfinite(s.grad_norm) else math.inf))
+    ranked = sorted(rows.items(), key=lambda rh: -(rh[1].grad_norm if math.isfinite(rh[1].grad_norm) else math.inf))
+    return [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in ranked]

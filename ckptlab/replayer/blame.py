@@ -104,7 +104,8 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict) -> None:
         where = micro_row(root.rec.batch, sb.row)
         if where is not None:
             sb.batch_row, (sb.micro_batch, sb.row) = sb.row, where
-    rep.samples = sorted(samples.values(), key=lambda sb: (not alone.get(sb.batch_row, False), sb.batch_row))
+    # (samples is keyed by each blamed row's batch row)
+    rep.samples = [samples[r] for r in sorted(samples, key=lambda r: (not alone.get(r, False), r))]
     rep.counterfactuals.extend(_runs_without_blamed(root, rep.samples, crash))
     root.close()
     root.inv.timing["blame_s"] = time.perf_counter() - t0

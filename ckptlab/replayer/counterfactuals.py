@@ -133,9 +133,9 @@ def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
 def _second_moment_in_tune(root: RootStep) -> list[Counterfactual]:
     """An optimizer-state origin: the root step (and the steps after it) with the parameter's
     second moment in tune with the gradient that arrives."""
-    if root.report.origin.state != "exp_avg_sq":
-        return []
     name = root.report.origin.parameter
+    if root.report.origin.state != "exp_avg_sq" or name is None:
+        return []
     param = dict(named_parameters(root.runner.model)).get(name)
     if param is None:
         return []

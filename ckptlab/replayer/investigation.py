@@ -190,7 +190,7 @@ class Investigation:
         root = episode_start(replayed, last) if last in replayed else None
         if crash is not None:  # a crash is its own root: what came before did not raise
             root = crash["step"]
-        snap, dets_before = kept.get(root, (None, None))
+        snap, dets_before = kept.get(root, (None, None)) if root is not None else (None, None)
         return Window(k, checks, root, snap, dets_before, crash)
 
     def write_dump(self, report: ReplayReport, captured) -> None:

@@ -26,6 +26,10 @@ class RootStep:
     """The traced root step: its batch, rows and sample ids, the runner it replays on, the
     state and spike detectors it started with, and the report its analysis writes."""
 
+    _report: ReplayReport | None  # the report the stages write into
+    _base: StepHealth | None  # the root step as replayed (parameter blame)
+    older_fault: bool | None  # the same batch from an older checkpoint: faults?
+
     def __init__(self, inv, window):
         """`inv`: the Investigation (its run, metrics, replayer, budget, log and timing);
         `window`: the replayed window whose root step is analysed, with the state that step
@@ -37,9 +41,29 @@ class RootStep:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.runner = self.replayer.build()
-        self.report: ReplayReport | None = None  # the report the stages write into
-        self.base: StepHealth | None = None  # the root step as replayed (parameter blame)
-        self.older_fault: bool | None = None  # the same batch from an older checkpoint: faults?
+        self._report = None
+        self._base = None
+        self.older_fault = None
+
+    @property
+    def report(self) -> ReplayReport:
+        """The report the stages write into (blame.py sets it before any stage runs)."""
+        assert self._report is not None, "blame.explain/explain_crash set the report before the stages read it"
+        return self._report
+
+    @report.setter
+    def report(self, rep: ReplayReport) -> None:
+        self._report = rep
+
+    @property
+    def base(self) -> StepHealth:
+        """The root step as replayed, for parameter blame (blame.explain sets it first)."""
+        assert self._base is not None, "blame.explain replays the root step before the stages read it"
+        return self._base
+
+    @base.setter
+    def base(self, h: StepHealth) -> None:
+        self._base = h
 
     def close(self) -> None:
         self.replayer.close(self.runner)

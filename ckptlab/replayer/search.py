@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 
@@ -308,7 +308,7 @@ def _window_faults(root: RootStep, budget: Budget, found: EarlierCause):
     inv, r = root.inv, root.replayer
     start, fault_step = root.start, root.root
 
-    def faults(skip: range | set = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
+    def faults(skip: Container[int] = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
         if not budget.take("rewind"):
             found.complete = False
             return None
@@ -323,6 +323,7 @@ def _window_faults(root: RootStep, budget: Budget, found: EarlierCause):
                 batch = None
                 if drop is not None and drop[0] == s:
                     rows = batch_rows(rec.batch, rec.sample_ids)
+                    assert rows is not None, "earlier_cause drops rows only of a step whose batch has rows"
                     batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
                 h = r.run_step(t, rec, batch, measure_update=s >= fault_step)
                 if inv.anomalies(h, dets) and s >= fault_step:

@@ -47,9 +47,11 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 import torch
+from torch.autograd.graph import Node
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -63,6 +65,11 @@ _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
 REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _metadata(node: Node) -> dict:
+    """An autograd node's metadata dict (torch's Node declares `metadata` a method; it is a dict)."""
+    return cast(dict, node.metadata)
 
 
 @dataclass
@@ -91,8 +98,8 @@ def summarize(t: torch.Tensor) -> TensorSummary:
     with torch.no_grad():
         # One pass, no temporary: min and max propagate NaN, and +-Inf shows up in them, so a
         # finite result proves the whole tensor finite. Only a non-finite one is counted.
-        lo, hi = torch.aminmax(t)
-        lo, hi = float(lo), float(hi)
+        lo_t, hi_t = torch.aminmax(t)
+        lo, hi = float(lo_t), float(hi_t)
         if math.isfinite(lo) and math.isfinite(hi):
             s.absmax = max(-lo, hi)
             return s
@@ -154,7 +161,7 @@ class OpEvent:
 
 def user_source() -> tuple[str | None, str | None]:
     """(short "file.py:line", full path:line) of the innermost frame outside torch and ckptlab."""
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
         mine = ours(fn)
@@ -187,7 +194,7 @@ def batch_slice(
             stride = leaf.stride(0)
             if stride <= 0 or t.dtype != leaf.dtype or t.dim() not in (leaf.dim(), leaf.dim() - 1):
                 continue
-            first, within = divmod(t.storage_offset() - leaf.storage_offset(), stride)
+            first, within = divmod(int(t.storage_offset() - leaf.storage_offset()), stride)
             row_extent = sum((n - 1) * st for n, st in zip(leaf.shape[1:], leaf.stride()[1:]))
             if within > row_extent:
                 continue  # another tensor sharing the storage (`seq[:, 1:]` beside `seq[:, :-1]`)
@@ -437,7 +444,7 @@ class Tracer:
                 if first + (n or 0) <= self._micro_next:
                     continue
                 lead = copied_rows(inputs, leaves, n, whole=recorded)
-                if lead is not None and self._micro_next + lead <= first + n:
+                if lead is not None and n is not None and self._micro_next + lead <= first + n:
                     micro = (self._micro_next, lead)
                 break
         if micro is not None:
@@ -477,12 +484,12 @@ class Tracer:
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.grad_fn is None:
                 continue
-            todo = [t.grad_fn]
+            todo: list[Node | None] = [t.grad_fn]
             while todo:
                 node = todo.pop()
-                if node is None or _STAMP in node.metadata or type(node).__name__ == "AccumulateGrad":
+                if node is None or _STAMP in _metadata(node) or type(node).__name__ == "AccumulateGrad":
                     continue
-                node.metadata[_STAMP] = stamp
+                _metadata(node)[_STAMP] = stamp
                 todo.extend(nf for nf, _ in node.next_functions)
 
     # --- per-op record ------------------------------------------------------------------------
@@ -504,7 +511,7 @@ class Tracer:
         call = module = source = None
         if phase == "backward":
             node = torch._C._current_autograd_node()
-            stamp = node.metadata.get(_STAMP) if node is not None else None
+            stamp = _metadata(node).get(_STAMP) if node is not None else None
             if stamp:
                 call, module, source = stamp
         else:

@@ -234,7 +234,7 @@ def update_ratio_band(d: RunData, rules: HealthRules) -> list[Finding]:
             Finding(
                 kind="update_ratio_high",
                 severity="error" if worst > 1.0 else "warning",
-                title=f"updates change {few(sorted(high, key=high.get, reverse=True))} by {worst:.2g} of their norm per step (above {hi:g})",
+                title=f"updates change {few(sorted(high, key=high.__getitem__, reverse=True))} by {worst:.2g} of their norm per step (above {hi:g})",
                 steps=steps,
                 evidence={"median_update_ratio": high, "band": [lo, hi]},
                 params=sorted(high),
@@ -251,7 +251,7 @@ def update_ratio_band(d: RunData, rules: HealthRules) -> list[Finding]:
             Finding(
                 kind="update_ratio_low",
                 severity="warning" if severe else "info",
-                title=f"{few(sorted(low, key=low.get))} learn slowly: updates are {worst:.2g} of their norm per step (below {lo:g})",
+                title=f"{few(sorted(low, key=low.__getitem__))} learn slowly: updates are {worst:.2g} of their norm per step (below {lo:g})",
                 steps=steps,
                 evidence={"median_update_ratio": low, "band": [lo, hi]},
                 params=sorted(low),

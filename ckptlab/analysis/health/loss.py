@@ -108,8 +108,9 @@ def _spike_episode(m: Metrics, episode: list[tuple[int, Spike]], rec: int | None
     """One episode's finding: its severity from how fast (and whether) the loss recovered."""
     peak_i, peak = max(episode, key=lambda e: e[1].value)
     remaining = len(m.loss) - 1 - episode[-1][0]
-    took = int(m.step[rec] - m.step[episode[0][0]]) if rec is not None else None
+    took: int | None = None
     if rec is not None:
+        took = int(m.step[rec] - m.step[episode[0][0]])
         speed = "fast" if took <= rules.fast_recovery else "slow"
     else:
         speed = "unknown" if remaining < rules.fast_recovery else "none"

@@ -49,7 +49,7 @@ def _snapshot(run: Run, step: int) -> WeightSnapshot | None:
                 t = weights[name]
                 stats[name] = tensor_stats(t)
                 raw = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-                digests[name] = hashlib.blake2b(raw, digest_size=16).hexdigest()
+                digests[name] = hashlib.blake2b(raw, digest_size=16).hexdigest()  # type: ignore[arg-type]  # ndarray is a buffer; numpy stubs declare __buffer__ only for Python >= 3.12
     except Exception as e:  # noqa: BLE001 - a corrupt checkpoint is skipped here, reported by info/rollback
         path = run.checkpoint(step).model_path
         run.problems.append(f"{path}: unreadable for weight statistics ({type(e).__name__}: {e})")

@@ -71,6 +71,7 @@ def _validation_plateau(stop: EarlyStop, end: float, noise: float) -> Finding:
     """Validation stopped improving without rising. It may have stalled for `patience`
     evaluations and then beaten that best: then training on did help, and early stopping with
     this patience would have stopped too soon."""
+    assert stop.stop_step is not None, "overfitting() returns early when patience never ran out"
     sign = 1.0 if stop.mode == "min" else -1.0
     later = sign * (stop.global_best_value - stop.best_value) < 0 and stop.global_best_step > stop.stop_step
     title = f"{stop.metric} stopped improving after step {stop.best_step} ({stop.best_value:.4g})"

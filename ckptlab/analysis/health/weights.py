@@ -22,17 +22,18 @@ def update_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
     above the band -- is found by those detectors, with their severity."""
     m = d.m
     ratios = [sc.get("update_ratio_global") for sc in m.scalars]
-    bad = [i for i, r in enumerate(ratios) if update_exploded(r)]
-    if not bad:
+    exploded = [(i, r) for i, r in enumerate(ratios) if r is not None and update_exploded(r)]
+    if not exploded:
         return []
-    worst = max(bad, key=lambda i: ratios[i])
+    bad = [i for i, _ in exploded]
+    worst, worst_ratio = max(exploded, key=lambda ir: ir[1])
     return [
         Finding(
             kind="update_explosion",
             severity="info",
             title=f"an update moved the weights by more than {UPDATE_EXPLOSION:g} of their norm at {len(bad)} step(s), first {int(m.step[bad[0]])}",
             steps=[int(m.step[i]) for i in bad[:50]],
-            evidence={"max": float(ratios[worst]), "max_step": int(m.step[worst]), "threshold": UPDATE_EXPLOSION},
+            evidence={"max": float(worst_ratio), "max_step": int(m.step[worst]), "threshold": UPDATE_EXPLOSION},
             remedies=[
                 f"find the cause: ckptlab replay --step {int(m.step[bad[0]])}",
                 "lower the learning rate or lengthen warm-up; clip gradients (clip_grad_norm_ 1.0)",
@@ -95,7 +96,7 @@ def exploding_weights(d: RunData, rules: HealthRules) -> list[Finding]:
         Finding(
             kind="exploding_weights",
             severity="warning",
-            title=f"weight norms grew up to {max(grown.values()):.3g}x: {few(sorted(grown, key=grown.get, reverse=True))}",
+            title=f"weight norms grew up to {max(grown.values()):.3g}x: {few(sorted(grown, key=grown.__getitem__, reverse=True))}",
             steps=[int(m.step[measured[0]]), int(m.step[measured[-1]])],
             evidence={"growth": grown},
             params=sorted(grown),
