@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 NOT_IN_JSON = {"json": False}
 
@@ -69,7 +69,7 @@ def json_restore(d: Any) -> Any:
     return d
 
 
-def is_int(x: Any) -> bool:
+def is_int(x: Any) -> TypeGuard[int]:
     """A JSON integer (Python's bool is an int too, and is not one)."""
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -61,7 +61,7 @@ class MappedFile:
         if not self.sequential:
             return np.frombuffer(self.mapping(), dtype=dtype, count=count, offset=offset)
         buf = scratch[:nbytes] if scratch is not None and scratch.size >= nbytes else np.empty(nbytes, dtype=np.uint8)
-        view = memoryview(buf)
+        view = memoryview(buf)  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs lack __buffer__
         done = 0
         while done < nbytes:  # pread releases the GIL; a short read means the file shrank
             n = os.preadv(self._fd, [view[done:]], offset + done)

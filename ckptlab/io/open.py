@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from ckptlab.errors import CkptlabError, CorruptFileError, UnknownFormatError
 from ckptlab.io.base import LazyStateDict
@@ -16,6 +17,9 @@ from ckptlab.io.files import open_regular
 from ckptlab.io.hf_sharded import find_index, open_sharded
 from ckptlab.io.safetensors_file import ALIASES_KEY, looks_like_safetensors, open_safetensors, read_aliases
 from ckptlab.run.layout import MODEL_FILE, is_run
+
+if TYPE_CHECKING:
+    import torch
 
 # torch is imported only for what needs it (.pt files, DCP folders, in-memory state dicts):
 # the readers of those are imported where they are used, so that a diff of safetensors
@@ -44,7 +48,8 @@ def open_checkpoint(ref, *, sequential: bool = False, verify: bool = True) -> La
         from ckptlab.io.nested import describe, find_state_dict
 
         flat, where = find_state_dict(ref)
-        return from_tensors(flat, notes=[n for n in [describe(ref, where)] if n])
+        # (an in-memory state dict: its leaves are the caller's torch tensors)
+        return from_tensors(cast("dict[str, torch.Tensor]", flat), notes=[n for n in [describe(ref, where)] if n])
     text = os.fspath(ref)
     path = Path(text)
     if not path.exists():

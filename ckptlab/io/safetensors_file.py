@@ -68,7 +68,8 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
     if not isinstance(metadata, dict):
         raise CorruptFileError("corrupt safetensors header: __metadata__ is not an object", path=path)
     data_size = size - data_start
-    entries, skipped = [], {}
+    entries = []
+    skipped: dict[str, str] = {}  # (none: every dtype is read or refused)
     for name, e in header.items():
         begin, end, shape, dtype_name = _check_entry(path, name, e)
         if end > data_size:

@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -165,8 +165,9 @@ def _run_in_threads(
         for f in pending:
             f.cancel()
         for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()
+            error = f.exception() if f.done() and not f.cancelled() else None
+            if error is not None:
+                raise error
 
 
 # --- worker processes ------------------------------------------------------------------------
@@ -240,6 +241,7 @@ def _before_fork(jobs: Sequence[Job]) -> None:
     for ref in {r.dtype: r for job in jobs for r in (job.a, job.b) if r is not None}.values():
         codec_for(ref.dtype)  # (cached: built once here, not once per worker)
     for ref in (r for job in jobs for r in (job.a, job.b) if r is not None):
+        assert isinstance(ref, FileTensor), "workers are forked only for tensors in files (_use_processes)"
         if not ref.file.sequential:
             ref.file.mapping()  # mapped here: every worker inherits the mapping, none takes its lock
 
@@ -275,7 +277,7 @@ def _collect(units: list[_Unit], children: dict[int, Connection], reaped: set[in
     while done < len(units):
         if not open_pipes:
             raise CkptlabError("a diff worker process exited before its work was done")
-        for conn in wait_any(list(open_pipes.values())):
+        for conn in cast("list[Connection]", wait_any(list(open_pipes.values()))):  # (those given it)
             try:
                 kind, index, payload = conn.recv()
             except (EOFError, OSError):  # it exited, or died in the middle of a message

@@ -20,6 +20,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -103,14 +104,17 @@ def open_torch(path: str | Path, *, sequential: bool = False):
     locate = _locator(path, _all_tensors(obj)) if file else None
     if file and locate is None:
         notes.append(f"{path.name}: tensor data not where the zip index says; read through torch's mapping")
-    first, aliases = split_tied(flat)  # tied weights: one storage, several names
+    # (a loaded pickle's leaves are torch tensors: its persistent ids load as nothing else)
+    first, aliases = split_tied(cast("dict[str, torch.Tensor]", flat))  # tied weights: one storage, several names
     refs: dict[str, TensorRef] = {}
     for name, t in first.items():
         raw = dtypes.name_of(t.dtype) in dtypes.STORAGE  # (complex, quantized...: torch's mapping)
         offset = locate(t) if locate and raw and t.is_contiguous() and t.numel() else None
-        refs[name] = (
-            FileTensor(file, offset, t.shape, dtypes.name_of(t.dtype)) if offset is not None else MemoryTensor(t)
-        )
+        if offset is None:
+            refs[name] = MemoryTensor(t)
+            continue
+        assert file is not None, "an offset comes only from the zip file's locator"
+        refs[name] = FileTensor(file, offset, t.shape, dtypes.name_of(t.dtype))
     return refs, aliases, notes, ([file.close] if file else [])
 
 
@@ -180,7 +184,7 @@ def _locator(path: Path, tensors: list[torch.Tensor]):
             return None
 
     def locate(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr() - base + t.storage_offset() * t.element_size()
+        return t.untyped_storage().data_ptr() - base + int(t.storage_offset()) * t.element_size()
 
     return locate
 

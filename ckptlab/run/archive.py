@@ -316,6 +316,7 @@ def _read_intent(dest: Path) -> dict:
 
 def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manifest: dict) -> None:
     k = plan.step
+    assert plan.target is not None, "plan_rewind always names the checkpoint it goes back to"
     _link_tree(sources_dir(run_dir), dest / "sources")
     _link_checkpoint(plan.target, dest / "checkpoints" / plan.target.name)
     for src in plan.moved:  # each folder as listed, under its own name

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,7 +276,8 @@ class _Hasher:
     behind the writes (`enabled` False: nothing, and hexdigest() is None)."""
 
     def __init__(self, pool: ThreadPoolExecutor, enabled: bool = True):
-        self.sha, self._pool, self._last = hashlib.sha256() if enabled else None, pool, None
+        self.sha, self._pool = hashlib.sha256() if enabled else None, pool
+        self._last: Future[None] | None = None
 
     def add(self, piece) -> None:
         if self.sha is None:
@@ -366,7 +367,7 @@ class _DirectWrite:
         self.fd, self.bufs, self.writes, self.hasher, self.on_copied = fd, bufs, writes, hasher, on_copied
         self.staged = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
         self.cur = self.fill = self.written = 0
-        self.in_flight = None  # the write of the other buffer
+        self.in_flight: Future[int] | None = None  # the write of the other buffer
         # Tensors whose bytes are in a buffer, reported once a direct write has gone through:
         # until then the filesystem may refuse them (EINVAL), and the buffered path writes
         # every tensor again from its memory, which training may have changed by then if it

@@ -127,12 +127,13 @@ class _Encoder:
             return {"t": "size", "v": list(obj)}
         if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
             cls = type(obj)
+            fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]  # a namedtuple class (hasattr above)
             return {
                 "t": "namedtuple",
                 "name": cls.__qualname__,
                 "module": cls.__module__,
-                "fields": list(cls._fields),
-                "v": [self.node(v, f"{path}/{f}") for f, v in zip(cls._fields, obj)],
+                "fields": list(fields),
+                "v": [self.node(v, f"{path}/{f}") for f, v in zip(fields, obj)],
             }
         if isinstance(obj, (list, tuple)):
             tag = "tuple" if isinstance(obj, tuple) else "list"
@@ -212,7 +213,8 @@ def _dense_permutation(t: torch.Tensor) -> list[int] | None:
     """The dim order in which `t` is contiguous, or None if it is not dense and non-overlapping."""
     if t.is_contiguous():
         return list(range(t.dim()))
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    strides, sizes = t.stride(), t.shape
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d]))
     expected = 1
     for d in reversed(order):
         if t.size(d) != 1 and t.stride(d) != expected:

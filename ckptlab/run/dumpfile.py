@@ -147,6 +147,7 @@ def check_target(path: Path, force: bool) -> None:
 
 def _write_dataset(f: h5py.File, e: DumpEntry) -> None:
     data = e.data
+    assert data is not None, "write_dump takes only entries with data"
     opts: dict[str, Any] = {}
     if data.ndim and data.size and data.dtype != np.bool_:
         # Chunks along the first dimension (rows), each about CHUNK_BYTES.
@@ -280,7 +281,7 @@ def _read(path: Path, f: h5py.File) -> DumpFile:
             path=path,
             hint="write one with ckptlab replay --step N --dump FILE.h5",
         )
-    attrs = {"format": FORMAT}  # (checked above; `show --json` lists every root attribute)
+    attrs: dict[str, Any] = {"format": FORMAT}  # (checked above; `show --json` lists every root attribute)
     for k, kind in _ATTR_TYPES.items():
         if k not in f.attrs:
             continue

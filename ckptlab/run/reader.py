@@ -221,7 +221,7 @@ class Run:
         why); never in `checkpoints`."""
         root = checkpoints_dir(self.path)
         named = {parse_checkpoint(p.name) for p in root.iterdir()} if root.is_dir() else set()
-        return sorted(s for s in named - {None} if s not in self._checkpoints)
+        return sorted(s for s in named if s is not None and s not in self._checkpoints)
 
     def checkpoint(self, step: int) -> Checkpoint:
         try:
@@ -234,7 +234,7 @@ class Run:
     # --- journal: health, validation, events --------------------------------------------------
 
     @cached_property
-    def _journal(self) -> dict[int, list[tuple[int, int, Any]]]:
+    def _journal(self) -> dict[int, list[tuple[int, Any]]]:  # kind -> [(step, record)]
         by_kind: dict[int, list] = {framelog.STEP: [], framelog.VALIDATION: [], framelog.EVENT: []}
         for path, tail in _segments(journal_dir(self.path), self._closed_sessions(0)):
             try:

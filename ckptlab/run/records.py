@@ -39,7 +39,7 @@ def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
     if laid is None:
         return safetensors.torch.save(_as_torch(tensors), metadata=metadata)
     head, chunks = laid
-    return b"".join([head, *chunks])
+    return b"".join([head, *chunks])  # type: ignore[list-item]  # ndarray has the buffer protocol; numpy's stubs lack __buffer__
 
 
 def layout(tensors: dict, metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]] | None:
@@ -204,7 +204,7 @@ def batch_digest(batch: Any) -> str:
     for name in sorted(tensors):
         t = tensors[name]
         h.update(name.encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs lack __buffer__
     return h.hexdigest()
 
 
