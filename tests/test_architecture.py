@@ -153,7 +153,6 @@ FILE_EXCEPTIONS = {
     ("ckptlab/training/userfns.py", ".read_bytes"): "the user's own step_fn/build_fn source, copied into the run",
     ("ckptlab/replayer/distributed.py", ".read_text"): "replay ranks' results, in a private temp folder",
     ("ckptlab/replayer/distributed.py", ".write_text"): "replay ranks' results, in a private temp folder",
-    ("ckptlab/render/export.py", ".write_text"): "the HTML page `ckptlab export --html` writes where it is told",
 }
 
 

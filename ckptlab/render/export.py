@@ -25,6 +25,7 @@ import torch
 
 from ckptlab.errors import CkptlabError
 from ckptlab.io.base import expand_aliases
+from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import (
     ALERT_GAP,
@@ -202,7 +203,7 @@ def report_html(run: Run, folder: Path) -> Path:
     from ckptlab.render.html import report_page
 
     path = Path(folder) / "ckptlab-report.html"
-    path.write_text(report_page(diagnose(run, plots=True)))
+    write_bytes_atomic(path, report_page(diagnose(run, plots=True)).encode())
     return path
 
 
