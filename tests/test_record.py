@@ -280,4 +280,9 @@ def test_options_as_a_config_or_as_keywords_and_unknown_ones_refused(run_dir):
         ckptlab.Recorder(run_dir / "new", model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_evry=5)
     with pytest.raises(RecordError, match="ckpt_every and health_every must be >= 1"):
         ckptlab.RecordConfig(ckpt_every=0)
+    with pytest.raises(RecordError, match="ckpt_snapshot must be 'live' or 'copy', not 'lve'"):
+        ckptlab.RecordConfig(ckpt_snapshot="lve")
+    # A misspelled 'warn' used to pass and fail at the first anomaly ("str is not callable").
+    with pytest.raises(RecordError, match="on_anomaly must be a callback.*'warm'"):
+        ckptlab.RecordConfig(on_anomaly="warm")
     assert not (run_dir / "new").exists()

@@ -167,6 +167,14 @@ def test_export_checks_its_optional_dependency_before_running_any_code(cli, rece
     _nothing_ran(marker, elsewhere)
 
 
+def test_a_manifest_that_names_no_function_is_a_clear_replay_error(tmp_path):
+    from ckptlab.errors import ReplayError
+    from ckptlab.training.userfns import load
+
+    with pytest.raises(ReplayError, match="does not name the module and function of step_fn"):
+        load({"file": "train.py", "sha256": "0" * 64}, "step_fn", tmp_path)
+
+
 def test_ckptlabs_own_step_functions_survive_an_upgrade(tmp_path):
     """An integration's training_step lives in ckptlab: a newer ckptlab is still ckptlab's code."""
     from ckptlab.training.userfns import trusted_file
