@@ -229,3 +229,51 @@ def test_the_same_code_imported_from_another_copy_is_still_your_own(tmp_path, mo
         "sha256": "0" * 64,
     }
     assert callable(userfns.load(example, "build_fn", tmp_path / "run")[0])
+
+
+NON_UTF8_SCRIPT = """
+import torch, ckptlab
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+def step(model, optimizer, batch):
+    loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+if __name__ == "__main__":
+    model, optimizer = build()
+    torch.manual_seed(1)
+    with ckptlab.Recorder("run", model, optimizer, step_fn=step, build_fn=build, ckpt_every=4) as rec:
+        for i in range(4):
+            x, y = torch.randn(3, 4), torch.randn(3, 1)
+            if i == 3:
+                x[1, 0] = float("nan")
+            try:
+                rec.step((x, y), sample_ids=[3 * i, 3 * i + 1, 3 * i + 2])
+            except ckptlab.NonFiniteLoss:
+                pass
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a file name that is not UTF-8 is a Linux (bytes) path")
+def test_a_script_in_a_folder_whose_name_is_not_utf8_records_and_replays(cli, tmp_path):
+    """The folder's name holds the byte 0xff (undecodable: Python carries it as a surrogate);
+    replay imports the recorded __main__ script from there (it used to end in an internal
+    UnicodeEncodeError)."""
+    import subprocess
+
+    folder = tmp_path / os.fsdecode(b"r\xffun")
+    folder.mkdir()
+    (folder / "train.py").write_text(NON_UTF8_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "train.py"], cwd=folder, env=env, check=True, capture_output=True)
+    r = cli("replay", "--run", folder / "run", "--step", 3, "--json")
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert report["reproduced"] and report["root_step"] == 3 and report["samples"][0]["sample_id"] == 10

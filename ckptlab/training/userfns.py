@@ -253,7 +253,7 @@ def _import_root(module: str, path: Path) -> Path | None:
 def _load_script(path: Path):
     if path in _loaded_scripts:
         return _loaded_scripts[path]
-    name = "ckptlab_replayed_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    name = "ckptlab_replayed_" + hashlib.sha256(os.fsencode(path)).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:  # a script whose name does not end in .py
         raise ReplayError(f"cannot import {path.name}: not a Python source file (.py)", path=path)
