@@ -116,7 +116,11 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
         if crashed:
             raise _crash_error(run, min(crashed, key=lambda c: (c["time"], c["rank"]))) from None
         last = str(e).strip().splitlines()[-1]
-        raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
+        if len(list(out.glob("done-rank*"))) < world:
+            raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
+        # Every rank had finished its work and passed the last barrier: a rank that died while
+        # tearing the process group down (gloo can abort there on a busy machine) lost nothing.
+        log(f"a replay process ended abnormally after its work was done ({last}); its results are complete")
     finally:
         del store
     result = json.loads((out / "result.json").read_text())
@@ -139,7 +143,6 @@ def _rank_worker(
     trust_code: bool,
 ) -> None:
     """One rank of a distributed replay (a spawned process)."""
-    import dataclasses
     import json
     import os
 
@@ -175,16 +178,19 @@ def _rank_worker(
             # The state the root step started in, with the faulty rank's RNG streams.
             commit_checkpoint(Path(out) / "snapshot", window.root_state)
         if rank == 0:
-            doc = {
-                "checks": [dataclasses.asdict(c) for c in checks],
-                "root": root,
-                "rank": faulty,
-                "notes": inv.replayer.notes,
-            }
-            (Path(out) / "result.json").write_text(json.dumps(doc))
+            _write_result(Path(out), checks, root, faulty, inv.replayer.notes)
         dist.barrier()
+        (Path(out) / f"done-rank{rank}").write_text("")  # every rank's work is in `out` by now
     finally:
         dist.destroy_process_group()
+
+
+def _write_result(out: Path, checks, root, faulty, notes) -> None:
+    import dataclasses
+    import json
+
+    doc = {"checks": [dataclasses.asdict(c) for c in checks], "root": root, "rank": faulty, "notes": notes}
+    (out / "result.json").write_text(json.dumps(doc))
 
 
 def _crash_error(run: Run, crash: dict) -> ReplayError:
