@@ -72,6 +72,19 @@ class ReplayError(CkptlabError):
     """A replay cannot start or continue (missing step, pruned batches, changed model...)."""
 
 
+class RetiredError(ReplayError):
+    """Part of a live run was retired while it was read: retention deleted an old checkpoint
+    or batch log (or a rollback moved it) after the reader listed it. The run is healthy;
+    the reader's answer would have been from a moment that has passed."""
+
+    def __init__(self, what: str, *, path: str | os.PathLike | None = None):
+        super().__init__(
+            f"{what} was retired by retention while this command read it (the run is still recording)",
+            path=path,
+            hint="run the command again: it reads what the run holds then",
+        )
+
+
 class UntrustedCodeError(ReplayError):
     """A run names code that is not the user's own, unchanged: it is not run without opt-in."""
 

@@ -347,3 +347,28 @@ def test_rewind_moves_each_checkpoint_folder_as_listed(run_dir, monkeypatch):
     assert plan.checkpoints == [40] and plan.moved == [elsewhere]
     assert (plan.archive_path / "checkpoints" / "listed-40" / "model.safetensors").is_file()
     assert not elsewhere.exists()
+
+
+@pytest.mark.parametrize("n", [0, 3, 9, -1])
+def test_commands_say_a_rollback_was_interrupted_and_a_rerun_finishes_it(recorded, tmp_path, cli, n):
+    """A rewind killed at its n-th file operation (-1: its last): info, report and replay say
+    the run is half rewound and name the command that finishes it; `ckptlab rollback` then
+    finishes into the archive name an uninterrupted rollback gets; the warning goes."""
+    with KillAt(None) as counter:
+        archive.rewind(shutil.copytree(recorded[0], tmp_path / "clean"), 30)
+    run_dir = shutil.copytree(recorded[0], tmp_path / "run")
+    with KillAt(n % counter.count):
+        archive.rewind(run_dir, 30, archive=archive.plan_rewind(run_dir, 30).archive)
+    half = archive.unfinished_rollback(run_dir) is not None
+    assert half == (n != 0)  # a kill at the first operation comes before the intent is written
+    for args in (["info"], ["report"], ["replay", "--step", "10", "--no-counterfactuals"]):
+        r = cli(*args, "--run", run_dir)
+        said = "rollback was interrupted" in r.err and f"ckptlab rollback --run {run_dir}" in r.err
+        assert said == half, (args, r.err)
+        assert r.code == 0, (args, r.err)
+    r = cli("rollback", "--run", run_dir, "--json")
+    assert r.code == 0, r.err
+    assert r.json()["action"]["archive"] == "archive/rollback-001-to-000000030"
+    assert r.json().get("finished_interrupted", False) == half
+    assert sorted(p.name for p in (run_dir / "archive").iterdir()) == ["rollback-001-to-000000030"]
+    assert "interrupted" not in cli("info", "--run", run_dir).err

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ckptlab.analysis.health import EarlyStop, early_stopping, validation_series
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, RetiredError
 from ckptlab.run.reader import Run
 
 
@@ -78,6 +78,8 @@ def candidates(run: Run, *, verify: bool = True) -> list[Candidate]:
             try:
                 c.verify()
                 integrity = "ok"
+            except RetiredError:  # retired by retention since the run was listed: not a candidate
+                continue
             except CkptlabError as e:
                 integrity = str(e)
         val = dict(c.commit.get("validation") or {})

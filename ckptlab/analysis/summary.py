@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, RetiredError
 from ckptlab.run.layout import dir_size, parts
+from ckptlab.run.lock import holder
 from ckptlab.run.manifest import resolve_file, source_changed
 from ckptlab.run.reader import Run
 
@@ -40,28 +41,35 @@ class RunSummary:
     validation: dict
     disk: dict
     functions: dict
+    recording: dict | None = None  # the live Recorder's lock record ({"pid", "host", "started"}), if one records now
     problems: list[str] = field(default_factory=list)  # torn tails (a crash's), and all of `damaged`
     damaged: list[str] = field(default_factory=list)  # corrupt, truncated or tampered files
 
 
 def summarize(run: Run, *, verify: bool = True) -> RunSummary:
     """`verify` hashes every checkpoint file and checks every log frame's CRC."""
+    live = holder(run.path)
+    recording = live if live is not None and live.get("holder") == "recorder" else None
     if verify:
         run.verify_logs()
     m = run.metrics()
     batch_steps = run.steps
     done = set(m.step.tolist())
+    # While a Recorder records, the steps after the last health record read are under way, not lost.
+    last_done = int(m.step[-1]) if recording is not None and len(m) else None
     steps: dict[str, Any] = {
         "recorded": len(m),
         "first": int(m.step[0]) if len(m) else None,
         "last": int(m.step[-1]) if len(m) else None,
         "batches_retained": [batch_steps[0], batch_steps[-1]] if batch_steps else None,
         "batch_ranges": _ranges(batch_steps),  # retention leaves gaps (e.g. around an anomaly)
-        "incomplete": [s for s in batch_steps if s not in done],  # batch recorded, step never returned
+        # batch recorded, step never returned
+        "incomplete": [s for s in batch_steps if s not in done and (last_done is None or s < last_done)],
     }
     if run.world_size > 1:  # each rank's own batch log
         steps["ranks"] = {r: _ranges(run.steps_of(r)) for r in run.ranks}
-    checkpoints = [_checkpoint_status(run, s, verify) for s in run.checkpoints]
+    # A checkpoint retention retires while this reads it is left out: the summary of a moment later.
+    checkpoints = [c for c in (_checkpoint_status(run, s, verify) for s in run.checkpoints) if c is not None]
     anomalies = run.events()  # reads the journal, noting its problems
     failed = [c.problem for c in checkpoints if c.verified is False and c.problem is not None]
     return RunSummary(
@@ -79,6 +87,7 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         validation=_validation(run),
         disk=_disk(run),
         functions=_functions(run),
+        recording=recording,
         problems=[*run.problems, *failed],
         damaged=[*run.damaged, *failed],
     )
@@ -95,13 +104,16 @@ def _ranges(steps: list[int]) -> list[list[int]]:
     return out
 
 
-def _checkpoint_status(run: Run, step: int, verify: bool) -> CheckpointStatus:
+def _checkpoint_status(run: Run, step: int, verify: bool) -> CheckpointStatus | None:
+    """None: retired (by retention, a rollback) since the run was listed."""
     c = run.checkpoint(step)
     problem, ok = None, None
     if verify:
         try:
             c.verify()
             ok = True
+        except RetiredError:
+            return None
         except CkptlabError as e:
             ok, problem = False, str(e)
     return CheckpointStatus(

@@ -112,6 +112,8 @@ def command(
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
+    for problem in run.problems:  # known on opening: a rollback that was interrupted
+        term.warn(problem)
     report = _replay(
         run,
         step,

@@ -17,6 +17,17 @@ def render(s, term) -> None:
         f"[bold]{safe(s.run)}[/bold]  (run format {s.format_version}, created {time.strftime('%Y-%m-%d %H:%M', time.localtime(s.created))}, "
         f"torch {safe(s.versions.get('torch'))}, {safe(s.device)})"
     )
+    if s.recording is not None:
+        r = s.recording
+        started = (
+            f", since {time.strftime('%Y-%m-%d %H:%M', time.localtime(r['started']))}"
+            if isinstance(r.get("started"), (int, float))
+            else ""
+        )
+        term.print(
+            f"recording  now, by pid {safe(r.get('pid'))} on host {safe(r.get('host'))}{started}: "
+            "what follows is the run as read a moment ago"
+        )
     _steps(s, term)
     term.print(_checkpoints(s.checkpoints))
     _anomalies(s.anomalies, term)

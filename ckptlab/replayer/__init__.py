@@ -143,6 +143,7 @@ def replay(
                 )
             return inv.investigate(trace=trace, counterfactuals=counterfactuals)
     finally:
+        run.release()  # what the replay held against a live run's retention
         apply_env(saved_env)
 
 
@@ -175,6 +176,7 @@ def attribute_rows(
             finally:
                 root.close()
     finally:
+        run.release()
         apply_env(saved)
     ranked = sorted(rows.items(), key=lambda rh: -(rh[1].grad_norm if math.isfinite(rh[1].grad_norm) else math.inf))
     return [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in ranked]

@@ -24,8 +24,8 @@ import numpy as np
 
 from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
-from ckptlab.errors import ReplayError
-from ckptlab.numbers import absdiff, same
+from ckptlab.errors import ReplayError, RetiredError
+from ckptlab.numbers import absdiff, ranges, same
 from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
@@ -91,6 +91,22 @@ class Investigation:
         return out
 
     def choose_start(self, before: int) -> int:
+        """The checkpoint to replay from (`_start`), held with its batches against the
+        retention of a run that is still recording (Run.hold) until the replay ends."""
+        for _ in range(3):
+            k = self._start(before)
+            run = self.run
+            older = [c for c in run.checkpoints if c < k]  # the older state a counterfactual starts from
+            first = older[-1] if older and set(range(older[-1], k)) <= set(run.steps) else k
+            if run.hold([k, *older[-1:]], (first, self.step)):
+                return k
+            run.refresh()  # retention retired part of it since the run was listed: list again
+        raise RetiredError(f"checkpoint {k} (or a batch log after it)", path=self.run.path)
+
+    def _start(self, before: int) -> int:
+        """The latest checkpoint at or before `before` (the first anomaly of the episode) in
+        the step's session, with every batch from it to the step; else, when retention pruned
+        some, the latest checkpoint before the step that has them (with a note)."""
         run = self.run
         if self.from_step is not None:
             if self.from_step not in run.checkpoints:
@@ -119,16 +135,33 @@ class Investigation:
                 f"checkpoint {bad} is damaged (`ckptlab info` says how); replaying from checkpoint {k}, "
                 "the latest intact one before the fault"
             )
-        missing = sorted(set(range(k, self.step + 1)) - set(run.steps))
-        if missing:
-            logs = [d for d in run.damaged if d.startswith(str(batches_root(run.path)))]  # damage, not retention
-            why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention?"
-            raise ReplayError(
-                f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
-                f"so step {self.step} cannot be replayed from checkpoint {k}",
-                path=run.path,
+        kept = set(run.steps)
+        missing = sorted(set(range(k, self.step + 1)) - kept)
+        if not missing:
+            return k
+        logs = [d for d in run.damaged if d.startswith(str(batches_root(run.path)))]  # damage, not retention
+        whole = [c for c in run.checkpoints if k < c <= self.step and set(range(c, self.step + 1)) <= kept]
+        if whole and not logs:
+            self.replayer.notes.append(
+                f"the anomaly episode that ends at step {self.step} began at step {before}, but retention pruned "
+                f"the batches of steps {missing[0]}..{missing[-1]}: replaying from checkpoint {whole[-1]}, the "
+                f"latest before step {self.step} (`ckptlab replay --run {run.path} --step {before}` explains "
+                "the episode's start)"
             )
-        return k
+            return whole[-1]
+        if self.step in missing and not logs:
+            raise ReplayError(
+                f"the batch of step {self.step} was pruned by retention, so it cannot be replayed "
+                f"(batches kept: {ranges(sorted(kept))})",
+                path=run.path,
+                hint="replay a step whose batch is kept, from a checkpoint before it",
+            )
+        why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention"
+        raise ReplayError(
+            f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
+            f"so step {self.step} cannot be replayed from checkpoint {k}",
+            path=run.path,
+        )
 
     def plan(self) -> Plan:
         anomalies = self.recorded_anomalies()

@@ -204,21 +204,28 @@ def _clear_abandoned(run_dir: Path) -> None:
     if not root.is_dir() or root.is_symlink():
         return
     for p in sorted(root.iterdir()):
-        if not p.name.startswith("rollback-") or p.is_symlink() or not p.is_dir() or (p / INTENT).exists():
-            continue
-        leftovers = list(p.iterdir())
-        if all(f.name.startswith(f".{INTENT}.tmp-") and not f.is_symlink() and f.is_file() for f in leftovers):
-            for f in leftovers:
+        if _abandoned(p):
+            for f in p.iterdir():
                 f.unlink()
             p.rmdir()
 
 
+def _abandoned(p: Path) -> bool:
+    """An archive folder a rewind killed before its intent was written left (see above)."""
+    if not p.name.startswith("rollback-") or p.is_symlink() or not p.is_dir() or (p / INTENT).exists():
+        return False
+    return all(f.name.startswith(f".{INTENT}.tmp-") and not f.is_symlink() and f.is_file() for f in p.iterdir())
+
+
 def _new_archive_name(run_dir: Path, step: int) -> str:
+    """rollback-NNN-to-SSSSSSSSS, NNN counting the rewinds so far (an abandoned folder, which
+    the rewind clears before it writes, does not count: its name is reused)."""
     root = archive_dir(run_dir)
-    n = 1 + sum(1 for p in root.iterdir() if p.name.startswith("rollback-")) if root.is_dir() else 1
+    taken = [p for p in root.iterdir() if p.name.startswith("rollback-") and not _abandoned(p)] if root.is_dir() else []
+    n = 1 + len(taken)
     while True:
         name = f"rollback-{n:03d}-to-{step:09d}"
-        if not (root / name).exists():
+        if not (root / name).exists() or _abandoned(root / name):
             return name
         n += 1
 

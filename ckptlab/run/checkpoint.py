@@ -461,11 +461,13 @@ def clean_stale(run_dir: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Rename first, then delete: a half-deleted folder never looks like a checkpoint."""
+def retire_checkpoint(path: Path) -> Path:
+    """Rename a checkpoint folder out of the run's listing (to a name no reader lists);
+    returns where it went, for deleting. Rename first, then delete: a half-deleted folder
+    never looks like a checkpoint."""
     doomed = path.with_name(f".deleting-{path.name}-{time.monotonic_ns()}")
     rename_durably(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
 
 
 @dataclass

@@ -8,7 +8,7 @@ import json
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ckptlab.errors import CorruptFileError, IntegrityError
+from ckptlab.errors import CorruptFileError, IntegrityError, RetiredError
 from ckptlab.io.files import open_regular
 from ckptlab.jsonable import is_int, is_number
 from ckptlab.run.hashing import sha256_file
@@ -38,6 +38,8 @@ def committed(run_dir: Path) -> tuple[list[tuple[int, Path, dict]], list[str]]:
                 if (p / name).stat().st_size != meta["bytes"]:
                     raise ValueError(f"{name} has the wrong size")
         except FileNotFoundError as e:
+            if not p.is_dir():  # retired (retention, a rollback) after it was listed: not here
+                continue
             problems.append(f"{p}: incomplete checkpoint ({Path(e.filename or '').name or COMMIT} missing)")
             continue
         except (ValueError, OSError) as e:
@@ -54,17 +56,24 @@ def verify_files(folder: Path, commit: dict) -> None:
         check_commit(commit)
     except ValueError as e:
         raise CorruptFileError(f"corrupt checkpoint ({e})", path=folder / COMMIT) from None
-    for name, expected in commit["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise IntegrityError(f"{name} is missing from checkpoint {commit['step']}", path=folder)
-        if path.stat().st_size != expected["bytes"]:
-            raise IntegrityError(
-                f"size {path.stat().st_size} != {expected['bytes']} recorded at commit (truncated or replaced)",
-                path=path,
-            )
-        if sha256_file(path) != expected["sha256"]:
-            raise IntegrityError("sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path)
+    try:
+        for name, expected in commit["files"].items():
+            path = folder / name
+            if not path.is_file():
+                raise IntegrityError(f"{name} is missing from checkpoint {commit['step']}", path=folder)
+            if path.stat().st_size != expected["bytes"]:
+                raise IntegrityError(
+                    f"size {path.stat().st_size} != {expected['bytes']} recorded at commit (truncated or replaced)",
+                    path=path,
+                )
+            if sha256_file(path) != expected["sha256"]:
+                raise IntegrityError(
+                    "sha256 does not match the hash recorded at commit (tampered or corrupt)", path=path
+                )
+    except (IntegrityError, FileNotFoundError):
+        if not folder.is_dir():  # the folder went away as it was read: retired, not damaged
+            raise RetiredError(f"checkpoint {commit['step']}", path=folder) from None
+        raise
 
 
 def read_commit(folder: Path) -> dict:

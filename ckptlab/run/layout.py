@@ -7,6 +7,7 @@
       checkpoints/step-SSSSSSSSS/         model.safetensors (or dcp/: sharded), state.safetensors, COMMIT.json
       sources/<sha256>.py                 the recorded build_fn/step_fn files, as recorded
       archive/<name>/...                  steps set aside by a rollback (same layout)
+      .lock, .leases/                     the writer's lock; live readers' leases (run/lock.py)
 
 Segments are named by session (NNN) and first step (S...); a new segment starts at every
 checkpoint and at every session start, so whole segments can be retired with their checkpoint
@@ -29,6 +30,7 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 LOCK = ".lock"  # held (flock) by the process writing the run: see run/lock.py
+LEASES = ".leases"  # what readers of a live run hold against retention: see run/lock.py
 
 # Names are matched whole (fullmatch: `$` would accept a trailing newline) with ASCII digits
 # only (`\d` accepts any Unicode digit), and must be the canonical spelling of their numbers
@@ -104,6 +106,10 @@ def is_run(path: Path) -> bool:
 
 def lock_file(run: Path) -> Path:
     return run / LOCK
+
+
+def leases_dir(run: Path) -> Path:
+    return run / LEASES
 
 
 def is_first_leftover(name: str) -> bool:

@@ -18,6 +18,23 @@ world size); the other ranks learn from rank 0 whether it was taken (record.py).
 
 Readers (`info`, `replay`, `diff`, `dirty`, `report`, `rollback --dry-run`, `--to` exports)
 never take the lock: they read only, and recording only appends and commits atomically.
+
+Leases: what a reader of a live run holds against retention.
+
+    lease = take_lease(run_dir, checkpoints=[35], steps=(35, 40))   # None: nobody records
+    ...                                                              # read them
+    lease.release()
+
+While a Recorder holds the run, retention deletes old checkpoints and batch logs as the run
+goes on. A reader that needs some of them for a while (a replay: its start checkpoint and
+the batches up to its step) leases them: `RUN/.leases/<host>-<pid>-<n>.json` names them and
+its holder keeps an exclusive flock on it; retention keeps whatever a live lease names, and
+removes a lease whose flock is free (its reader died). A lease is taken, and retention
+decides, under a flock on the `checkpoints/` folder (`guard`), so retention never deletes
+what a lease taken before it names; what retention deleted before the lease, the reader
+finds gone when it checks (after taking the lease) and reads the run again. Readers that
+read everything (`info`, `report`, `dirty`) take no lease: a part retired while they read
+it is left out of their answer, as if they had read a moment later.
 """
 
 from __future__ import annotations
@@ -29,10 +46,13 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import count
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
-from ckptlab.run.layout import lock_file
+from ckptlab.run.layout import checkpoints_dir, leases_dir, lock_file
 
 # What each kind of holder is called in a refusal: "<who> ... is <doing> this run".
 HOLDERS = {
@@ -172,3 +192,98 @@ def _same_file(path: Path, fd: int) -> bool:
 
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# --- leases ----------------------------------------------------------------------------------
+
+_LEASE_NUMBERS = count()
+
+
+class Lease:
+    """A live reader's hold on some checkpoints and a range of batches (see the module doc)."""
+
+    def __init__(self, path: Path, fd: int, holds: dict):
+        self.path, self.holds = path, holds
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink()
+            self.path.parent.rmdir()  # the last lease out leaves no folder behind
+        except OSError:
+            pass
+        finally:
+            self._finalizer.detach()
+            os.close(fd)
+
+
+@contextmanager
+def guard(run_dir: Path) -> Iterator[bool]:
+    """Leases are taken, and retention decides what to delete, one at a time: under an
+    exclusive flock on the run's `checkpoints/` folder. Yields False (and holds nothing)
+    when that folder cannot be opened (none yet: nothing to retire, nothing to lease)."""
+    try:
+        fd = os.open(checkpoints_dir(run_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # (also drops the flock)
+
+
+def take_lease(run_dir: Path, *, checkpoints: list[int], steps: tuple[int, int]) -> Lease | None:
+    """Hold `checkpoints` and the batches of `steps` (first, last) against retention while a
+    Recorder records the run; None when none does (nothing retires them then) or the run
+    cannot be written here (a read-only copy: no Recorder writes it either)."""
+    info = holder(run_dir)
+    if info is None or info.get("holder") != "recorder":
+        return None
+    holds = {"checkpoints": sorted(set(checkpoints)), "steps": list(steps), "pid": os.getpid()}
+    folder = leases_dir(run_dir)
+    path = folder / f"{socket.gethostname()}-{os.getpid()}-{next(_LEASE_NUMBERS)}.json"
+    with guard(run_dir) as guarded:
+        if not guarded:
+            return None
+        try:
+            folder.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, json.dumps(holds).encode())
+        except OSError:
+            os.close(fd)
+            return None
+    return Lease(path, fd, holds)
+
+
+def live_leases(run_dir: Path) -> list[dict]:
+    """What the live leases hold (call under `guard`); removes the leases of readers that died."""
+    folder = leases_dir(run_dir)
+    found = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # its reader holds it
+            holds = _read(fd)
+            if isinstance(holds.get("checkpoints"), list) and isinstance(holds.get("steps"), list):
+                found.append(holds)
+            continue
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        p.unlink(missing_ok=True)  # nobody holds it: its reader died
+    return found

@@ -16,19 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.errors import CorruptFileError, ReplayError
+from ckptlab.errors import CorruptFileError, ReplayError, RetiredError
 from ckptlab.run import framelog, records
+from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
 from ckptlab.run.layout import (
     archive_dir,
     batches_dir,
     batches_root,
+    checkpoint_dir,
     checkpoints_dir,
     journal_dir,
     parse_checkpoint,
     parse_rank,
     segments,
 )
+from ckptlab.run.lock import Lease, take_lease
 from ckptlab.run.manifest import read_manifest
 
 
@@ -72,6 +75,14 @@ class Run:
         self.manifest = read_manifest(self.path)
         self.problems: list[str] = []  # one line each: torn tails, and all of `damaged`
         self.damaged: list[str] = []  # what a crash cannot explain: corrupt or incomplete files
+        self._leases: list[Lease] = []
+        pending = unfinished_rollback(self.path)
+        self.interrupted_rollback: Path | None = pending  # the archive of a rollback killed midway
+        if pending is not None:  # the timeline is half moved: every command says so
+            self._note(
+                f"{pending}: a rollback was interrupted, so the run is half rewound "
+                f"(its later steps are partly in the archive); `ckptlab rollback --run {self.path}` finishes it"
+            )
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, steps={len(self.steps)}, checkpoints={self.checkpoints})"
@@ -137,6 +148,10 @@ class Run:
         except CorruptFileError as e:
             self._damage(str(e))
             return framelog.ScanResult([], 0)
+        except FileNotFoundError:
+            if path.exists():
+                raise
+            return framelog.ScanResult([], 0)  # retired by retention after it was listed: not here
         if scan.corrupt:
             self._damage(f"{path}: {scan.corrupt}")
         elif scan.no_header and tail != "open":  # only a kill at its creation leaves a segment empty
@@ -185,6 +200,10 @@ class Run:
         except CorruptFileError as e:  # the run is damaged, whoever asked (`damaged` says so)
             self._damage(str(e))
             raise
+        except FileNotFoundError:
+            if ref.path.exists():
+                raise
+            raise RetiredError(f"the batch of step {step}", path=ref.path) from None
 
     def batch(self, step: int, rank: int = 0) -> tuple[Any, list | None]:
         """(batch, sample_ids) of `step`, exactly as recorded (on `rank`, if distributed)."""
@@ -315,7 +334,37 @@ class Run:
                     out.append({"step": ref.step, **record})
                 except CorruptFileError as e:  # reported as damage; the other events stay readable
                     self._damage(str(e))
+                except FileNotFoundError:  # retired by retention after it was listed
+                    if ref.path.exists():
+                        raise
         return out
+
+    # --- a live run --------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Forget the listing of checkpoints and batch logs: read them as they are now."""
+        for name in ("_checkpoints", "_batch_logs"):
+            self.__dict__.pop(name, None)
+
+    def hold(self, checkpoints: list[int], steps: tuple[int, int]) -> bool:
+        """Keep `checkpoints` and the batches of `steps` (first, last) from retention until
+        `release()`, while a Recorder records this run (run/lock.py, "Leases"). False: some of
+        them were retired since the run was listed (`refresh()` and choose again)."""
+        lease = take_lease(self.path, checkpoints=checkpoints, steps=steps)
+        if lease is None:  # nobody records the run: nothing retires them
+            return True
+        logs = {ref.path for r in self.ranks for s, ref in self.batch_index(r).items() if steps[0] <= s <= steps[1]}
+        if all(checkpoint_dir(self.path, c).is_dir() for c in checkpoints) and all(p.exists() for p in logs):
+            self._leases.append(lease)
+            return True
+        lease.release()
+        return False
+
+    def release(self) -> None:
+        """Let retention have what `hold` kept."""
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
 
     # --- misc ------------------------------------------------------------------------------------
 

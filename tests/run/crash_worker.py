@@ -152,16 +152,16 @@ def _arm(site: str, rng: random.Random) -> None:
         os.rename = dying_rename
     elif site == "retention":  # half-way through deleting a checkpoint folder
 
-        def dying_remove(path):
+        def dying_retire(path):
             if due():
                 doomed = path.with_name(f".deleting-{path.name}-0")
                 os.rename(path, doomed)
                 next(p for p in doomed.iterdir()).unlink()
                 _die()
-            remove(path)
+            return retire(path)
 
-        remove = retention.remove_checkpoint
-        retention.remove_checkpoint = dying_remove
+        retire = retention.retire_checkpoint
+        retention.retire_checkpoint = dying_retire
     else:
         raise ValueError(site)
 

@@ -18,6 +18,7 @@ from ckptlab.analysis.dirty.findings import (
     DirtyRules,
 )
 from ckptlab.analysis.spikes import find_spikes
+from ckptlab.errors import RetiredError
 from ckptlab.run.reader import Run
 
 
@@ -68,7 +69,10 @@ def dynamic_flags(run: Run, rules: DirtyRules = DEFAULT_RULES, *, ids_by_step: d
         elif ids_by_step is not None and f["step"] in ids_by_step:
             f["sample_ids"] = ids_by_step[f["step"]]
         else:
-            f["sample_ids"] = run.batch(f["step"])[1]
+            try:
+                f["sample_ids"] = run.batch(f["step"])[1]
+            except RetiredError:  # a live run's retention retired it as we read
+                f["batch"], f["sample_ids"] = "pruned by retention", None
     return sorted(out, key=lambda f: (f["step"], f["kind"]))
 
 
