@@ -106,12 +106,12 @@ class Terminal:
         if not self.json_mode:
             self.out.print(*renderables, **kwargs)
 
-    def field(self, label: str, text: str) -> None:
+    def field(self, label: str, text: str, *, width: int = FIELD) -> None:
         """One `label      value` line of a report (both in rich markup; the label fits in
-        FIELD - 1 columns, "" for a value's further line). Where output wraps, the value wraps at
-        word boundaries and its continuation lines start under its first character."""
+        `width` - 1 columns, "" for a value's further line). Where output wraps, the value wraps
+        at word boundaries and its continuation lines start under its first character."""
         head = self.out.render_str(label)
-        head.pad_right(max(1, FIELD - head.cell_len))
+        head.pad_right(max(1, width - head.cell_len))
         self._hanging(head, text)
 
     def paragraph(self, text: str) -> None:

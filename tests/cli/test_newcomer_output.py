@@ -177,3 +177,15 @@ def test_info_wraps_its_fields_the_same_way(replayed, cli, monkeypatch):
         i for i, line in enumerate(lines) if line.startswith("build_fn   tests.fault_models.build_transformer")
     )
     assert lines[build + 1].startswith(" " * FIELD + "(")  # the file, under the function's name
+
+
+def test_report_wraps_its_findings_under_their_text(replayed, cli, monkeypatch):
+    run_dir, *_ = replayed
+    monkeypatch.setenv("COLUMNS", "70")
+    r = cli("report", "--run", run_dir)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert max(cell_len(line) for line in lines) <= 70
+    evidence = next(i for i, line in enumerate(lines) if line.startswith("        evidence: first_step=12"))
+    assert re.match(r" {18}\S", lines[evidence + 1]), lines[evidence + 1]  # under the evidence, not the label
+    assert lines[-1].startswith("verdict: loss became nan at step 12")
