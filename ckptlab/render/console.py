@@ -19,8 +19,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from ckptlab.render.jsonout import dumps
+
+FIELD = 11  # where a field's value starts: "root step  5431 ..."
 
 
 class StdoutClaim:
@@ -79,8 +82,8 @@ class Terminal:
         self.json_mode = json_mode
         self.quiet = quiet
         self._claim: StdoutClaim | None = None
-        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        self.out = _console(sys.stdout)
+        self.err = _console(sys.stderr)
 
     def claim_stdout(self) -> None:
         """From now until `close()`, stdout is for `json()` alone (`StdoutClaim`)."""
@@ -102,6 +105,36 @@ class Terminal:
         """A result for stdout (suppressed in --json mode, where only the JSON goes there)."""
         if not self.json_mode:
             self.out.print(*renderables, **kwargs)
+
+    def field(self, label: str, text: str, *, width: int = FIELD) -> None:
+        """One `label      value` line of a report (both in rich markup; the label fits in
+        `width` - 1 columns, "" for a value's further line). Where output wraps, the value wraps
+        at word boundaries and its continuation lines start under its first character."""
+        head = self.out.render_str(label)
+        head.pad_right(max(1, width - head.cell_len))
+        self._hanging(head, text)
+
+    def paragraph(self, text: str) -> None:
+        """Text in rich markup, wrapped at word boundaries where output wraps (no line ends in
+        spaces)."""
+        self._hanging(Text(), text)
+
+    def _hanging(self, head: Text, text: str) -> None:
+        if self.json_mode:
+            return
+        value = self.out.render_str(text)
+        if self.out.soft_wrap:  # piped: one line, as it is
+            self.out.print(head + value)
+            return
+        lines = value.wrap(self.out, max(20, self.out.width - head.cell_len))
+        shown = Text()
+        for i, line in enumerate(lines):
+            line.rstrip()
+            shown.append_text(head if i == 0 else Text(" " * head.cell_len))
+            shown.append_text(line)
+            if i < len(lines) - 1:
+                shown.append("\n")
+        self.out.print(shown, soft_wrap=True)  # wrapped already
 
     def json(self, obj: Any) -> None:
         text = dumps(obj) + "\n"
@@ -137,33 +170,66 @@ class Terminal:
     def progress(self, description: str, total: int | None = None, *, in_bytes: bool = False):
         """A progress bar on stderr while something long runs; yields
         `update(done=None, total=None, description=None)`. Done/total when the total is known
-        (as bytes and a transfer rate with `in_bytes`), a spinner until then; silent (and
-        free) when not a terminal, --json or quiet."""
+        (as bytes and a transfer rate with `in_bytes`), a spinner until then. A description
+        given without a count names a new phase: the bar pulses and the count stays hidden until
+        counting starts again, so a finished count does not sit beside work it does not measure.
+        Silent (and free) when not a terminal, --json or quiet."""
         if self.quiet or self.json_mode or not self.err.is_terminal:
             yield lambda done=None, total=None, description=None: None
             return
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            MofNCompleteColumn,
-            Progress,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TransferSpeedColumn,
-        )
+        from rich.progress import Progress
 
-        counts = (DownloadColumn(), TransferSpeedColumn()) if in_bytes else (MofNCompleteColumn(),)
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *counts, TimeElapsedColumn())
-        with Progress(*columns, console=self.err, transient=True) as bar:
-            task = bar.add_task(_escape(description), total=total)
+        with Progress(*_progress_columns(in_bytes), console=self.err, transient=True) as bar:
+            task = bar.add_task(_escape(description), total=total, phase=False)
 
             def update(done: int | None = None, total: int | None = None, description: str | None = None) -> None:
                 # rich's update() leaves a field as it is where its argument is None
+                counting = done is not None or total is not None
                 shown = None if description is None else _escape(description)
-                bar.update(task, completed=done, total=total, description=shown)
+                phase = {"phase": not counting} if counting or shown is not None else {}
+                bar.update(task, completed=done, total=total, description=shown, refresh=shown is not None, **phase)
 
             yield update
+
+
+def _progress_columns(in_bytes: bool) -> tuple:
+    """Spinner, description, bar, counts, elapsed time; during a phase (a task's `phase`
+    field) the bar pulses and the counts are blank."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        ProgressBar,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    class PhaseBar(BarColumn):
+        def render(self, task):
+            if not task.fields.get("phase"):
+                return super().render(task)
+            width = None if self.bar_width is None else max(1, self.bar_width)
+            return ProgressBar(total=None, width=width, pulse=True, animation_time=task.get_time())
+
+    def counts(column):
+        class Counts(column):
+            def render(self, task):
+                return Text("") if task.fields.get("phase") else super().render(task)
+
+        return Counts()
+
+    shown = (counts(DownloadColumn), counts(TransferSpeedColumn)) if in_bytes else (counts(MofNCompleteColumn),)
+    return (SpinnerColumn(), TextColumn("{task.description}"), PhaseBar(), *shown, TimeElapsedColumn())
+
+
+def _console(stream) -> Console:
+    """rich wraps words at the width on a terminal, or where COLUMNS says the width; piped
+    (COLUMNS unset) each line goes out whole, however long."""
+    console = Console(file=stream, highlight=False)
+    console.soft_wrap = not (console.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit())
+    return console
 
 
 def _fileno(stream) -> int | None:

@@ -34,17 +34,18 @@ def render(s, term) -> None:
     v = s.validation
     if v["count"]:
         best = v["best"]
-        term.print(
-            f"validation {v['count']} points"
-            + (f"; best {safe(v['metric'])}={precise(best['value'])} at step {best['step']}" if best else "")
+        term.field(
+            "validation",
+            f"{v['count']} points"
+            + (f"; best {safe(v['metric'])}={precise(best['value'])} at step {best['step']}" if best else ""),
         )
     d = s.disk
-    term.print(
-        "disk       "
-        + ", ".join(
+    term.field(
+        "disk",
+        ", ".join(
             f"{k} {human_bytes(d[k])}" for k in ("checkpoints", "batches", "journal", "sources", "archive") if d[k]
         )
-        + f"; total {human_bytes(d['total'])}"
+        + f"; total {human_bytes(d['total'])}",
     )
     _functions(s.functions, term)
 
@@ -53,28 +54,32 @@ def _steps(s, term) -> None:
     """The steps, ranks and sessions recorded, and any step that never returned."""
     st = s.steps
     if st["recorded"]:
-        term.print(
-            f"steps      {st['recorded']} recorded: {st['first']}..{st['last']}; "
-            + (f"batches kept for {_spans(st['batch_ranges'])}" if st["batch_ranges"] else "no batches kept")
+        term.field(
+            "steps",
+            f"{st['recorded']} recorded: {st['first']}..{st['last']}; "
+            + (f"batches kept for {_spans(st['batch_ranges'])}" if st["batch_ranges"] else "no batches kept"),
         )
     else:
-        term.print("steps      none recorded yet")
+        term.field("steps", "none recorded yet")
     if s.world_size > 1:
-        term.print(
-            f"ranks      {s.world_size} ({s.layout}): "
-            + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items())
+        term.field(
+            "ranks",
+            f"{s.world_size} ({s.layout}): "
+            + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items()),
         )
     if st["incomplete"]:
-        term.print(
-            f"[yellow]incomplete[/yellow] step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)"
+        term.field(
+            "[yellow]incomplete[/yellow]",
+            f"step(s) {st['incomplete']}: batch recorded, but the step never returned (crash?)",
         )
-    term.print(
-        f"sessions   {len(s.sessions)}: "
+    term.field(
+        "sessions",
+        f"{len(s.sessions)}: "
         + ", ".join(
             f"#{x['session']} from step {x['start_step']}"
             + (f" (restored {x['restored_from']})" if x.get("restored_from") is not None else "")
             for x in s.sessions
-        )
+        ),
     )
 
 
@@ -102,10 +107,10 @@ def _checkpoints(checkpoints) -> Table:
 
 def _anomalies(anomalies, term) -> None:
     if not anomalies:
-        term.print("anomalies  none seen while recording")
+        term.field("anomalies", "none seen while recording")
         return
     first = anomalies[0]
-    term.print(f"[red]anomalies[/red]  {len(anomalies)}, first at step {first['step']} ({safe(first['kind'])})")
+    term.field("[red]anomalies[/red]", f"{len(anomalies)}, first at step {first['step']} ({safe(first['kind'])})")
     for e in anomalies[:10]:
         term.print(f"  step {e['step']:>8}  {safe(e['kind']):<18} {safe(value(e.get('value'), missing=''))}")
     if len(anomalies) > 10:
@@ -120,7 +125,7 @@ def _functions(functions, term) -> None:
             if f["changed"]
             else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
         )
-        term.print(f"{safe(role):<10} {safe(f['name'])}  ({safe(f['file'])}: {state})")
+        term.field(safe(role), f"{safe(f['name'])}  ({safe(f['file'])}: {state})")
 
 
 def _spans(ranges) -> str:

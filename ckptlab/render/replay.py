@@ -15,25 +15,25 @@ def render(r, term) -> None:
     reader checks them: how replay went, where the fault began, its origin, the blamed rows and
     parameters, the counterfactuals and the deeper searches."""
     colour = "red" if r.reproduced else ("yellow" if r.fault_recorded else "green")
-    term.print(f"[bold {colour}]{safe(r.verdict)}[/]")
+    term.paragraph(f"[bold {colour}]{safe(r.verdict)}[/]")
     term.print()
     _replayed(r, term)
     _root_step(r, term)
     if r.divergence is not None:
         d = r.divergence
         verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
-        term.print(f"twice      step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
+        term.field("twice", f"step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
     if r.origin.kind != "none":
         _origin(r.origin, term)
     if r.chain:
-        term.print("op chain   " + " -> ".join(safe(_chain_link(c)) for c in r.chain))
+        term.field("op chain", safe(_chain(r.chain)))
     if r.samples:
         _samples(r.samples, term)
     if r.parameters:
         _parameters(r, term)
     for c in r.counterfactuals:
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
-        term.print(f"evidence   {safe(c.question)} {mark}: {safe(c.detail)}")
+        term.field("evidence", f"{safe(c.question)} {mark}: {safe(c.detail)}")
     _searches(r, term)
     if r.dump is not None:
         render_dump_line(r.dump, term)
@@ -48,8 +48,8 @@ def _replayed(r, term) -> None:
         else _diverged(r.first_divergence)
     )
     how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
-    term.print(
-        f"replayed   steps {r.start_checkpoint}..{r.requested_step}{how} from checkpoint {r.start_checkpoint}; {det}"
+    term.field(
+        "replayed", f"steps {r.start_checkpoint}..{r.requested_step}{how} from checkpoint {r.start_checkpoint}; {det}"
     )
 
 
@@ -67,16 +67,17 @@ def _diverged(d: dict) -> str:
 
 def _root_step(r, term) -> None:
     if r.root_step is not None and r.reproduced:
-        term.print(
-            f"root step  {r.root_step}"
+        term.field(
+            "root step",
+            f"{r.root_step}"
             + (f" (symptom at {r.requested_step})" if r.root_step != r.requested_step else "")
-            + f": {', '.join(next((c.anomalies for c in r.steps if c.step == r.root_step), []))}"
+            + f": {', '.join(next((c.anomalies for c in r.steps if c.step == r.root_step), []))}",
         )
     elif r.root_step is not None:
         left = (
             f"; replay first leaves the record at step {r.left_record_step}" if r.left_record_step is not None else ""
         )
-        term.print(f"root step  {r.root_step} as recorded (it did not reproduce{left})")
+        term.field("root step", f"{r.root_step} as recorded (it did not reproduce{left})")
 
 
 def _origin(o, term) -> None:
@@ -94,15 +95,25 @@ def _origin(o, term) -> None:
     )
     dtype = f" in {o.dtype}" if o.dtype and o.dtype != "float32" else ""
     phase = f" ({o.phase}{dtype})" if o.phase or dtype else ""
-    term.print(f"origin     [bold]{o.kind}[/bold]{phase} {where}")
+    term.field("origin", f"[bold]{o.kind}[/bold]{phase} {where}")
     if o.detail:
-        term.print(f"           {safe(o.detail)}")
+        term.field("", safe(o.detail))
+
+
+CHAIN_SHOWN = 6  # links of the op chain on the terminal; --json lists them all
+
+
+def _chain(chain: list[dict]) -> str:
+    """The op chain in a few lines: its first links, then how many more (`--json` has them)."""
+    shown = chain if len(chain) <= CHAIN_SHOWN + 1 else chain[:CHAIN_SHOWN]
+    more = f" -> ... {len(chain) - len(shown)} more (--json lists them)" if len(shown) < len(chain) else ""
+    return " -> ".join(_chain_link(c) for c in shown) + more
 
 
 def _chain_link(c: dict) -> str:
     """One op of the chain: `module:op` (`<root>` the model itself, `<step_fn>` outside it)."""
     module = (c["module"] or "<root>") if c["module"] is not None else "<step_fn>"
-    return f"{module}:{c['op'].removeprefix('aten.')}"
+    return f"{module}:{c['op'].removeprefix('aten.').removesuffix('.default')}"
 
 
 def _samples(samples, term) -> None:
@@ -120,9 +131,10 @@ def _parameters(r, term) -> None:
     nonfinite = [p for p in r.parameters if p.grad_norm is not None and not math.isfinite(p.grad_norm)]
     if len(nonfinite) > 5 and r.origin.kind in ("data", "numeric") and r.origin.phase == "forward":
         # A NaN from the forward pass poisons every gradient: the list says nothing more.
-        term.print(
-            f"parameters {len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
-            f"e.g. {safe(', '.join(p.name for p in nonfinite[:3]))}"
+        term.field(
+            "parameters",
+            f"{len(nonfinite)} got non-finite gradients (the forward NaN reaches them all), "
+            f"e.g. {safe(', '.join(p.name for p in nonfinite[:3]))}",
         )
         return
     t = Table(title="parameters", title_justify="left", show_edge=False)
@@ -140,21 +152,23 @@ def _searches(r, term) -> None:
     """The deeper searches (replayer/search.py): culprit, rewind, and the budget they used."""
     c = r.culprit
     if c is not None:
-        term.print(
-            f"culprit    {safe(c.detail)}"
+        term.field(
+            "culprit",
+            f"{safe(c.detail)}"
             + ("" if c.minimal else " [yellow](not minimal: the budget ran out)[/yellow]")
-            + (f"; cause: [bold]{c.cause}[/bold]" if c.cause else "")
+            + (f"; cause: [bold]{c.cause}[/bold]" if c.cause else ""),
         )
     w = r.rewind
     if w is not None:
         first, last = w.searched
-        term.print(
-            f"rewind     steps {first}..{last} searched: {safe(w.detail) or 'no answer'}"
-            + ("" if w.complete else " [yellow](the budget ran out)[/yellow]")
+        term.field(
+            "rewind",
+            f"steps {first}..{last} searched: {safe(w.detail) or 'no answer'}"
+            + ("" if w.complete else " [yellow](the budget ran out)[/yellow]"),
         )
     if r.budget:
         ran_out = f"; ran out: {', '.join(r.budget['ran_out'])}" if r.budget["ran_out"] else ""
-        term.print(f"budget     {r.budget['used']}/{r.budget['replays']} extra replays{ran_out}")
+        term.field("budget", f"{r.budget['used']}/{r.budget['replays']} extra replays{ran_out}")
 
 
 def render_dump_line(d, term) -> None:
@@ -165,9 +179,10 @@ def render_dump_line(d, term) -> None:
         if d.omitted
         else ""
     )
-    term.print(
-        f"dump       [bold]{safe(d.path)}[/bold]: {d.datasets} tensors, {human_bytes(d.data_bytes)} "
-        f"({human_bytes(d.file_bytes)} on disk){left}"
+    term.field(
+        "dump",
+        f"[bold]{safe(d.path)}[/bold]: {d.datasets} tensors, {human_bytes(d.data_bytes)} "
+        f"({human_bytes(d.file_bytes)} on disk){left}",
     )
     for line in d.origin_came_from[:2]:
-        term.print(f"           origin {safe(line)}")
+        term.field("", f"origin {safe(line)}")

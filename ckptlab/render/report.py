@@ -9,6 +9,7 @@ from ckptlab.numbers import value
 from ckptlab.render.text import safe, sparkline
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+LABEL = 12  # where a curve's sparkline starts: "grad norm   ▁▂▃"
 
 
 def render(r, run, term) -> None:
@@ -18,45 +19,51 @@ def render(r, run, term) -> None:
         term.print(f"[bold]{r.run}[/bold]: no steps recorded yet")
         return
     term.print(f"[bold]{r.run}[/bold]  steps {st['first']}..{st['last']} ({st['recorded']} recorded)")
-    term.print(
-        f"loss        {sparkline(m.loss)}  {value(c.first)} -> {value(c.last)} (best {value(c.best)} at step {c.best_step})  "
+    term.field(
+        "loss",
+        f"{sparkline(m.loss)}  {value(c.first)} -> {value(c.last)} (best {value(c.best)} at step {c.best_step})  "
         f"[bold]{c.kind.replace('_', ' ')}[/bold]"
-        + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else "")
+        + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else ""),
+        width=LABEL,
     )
     if r.perplexity:
         p = r.perplexity
         with np.errstate(over="ignore"):
             ppl = np.exp(np.minimum(m.loss, 700))
-        term.print(
-            f"perplexity  {sparkline(ppl)}  {value(p.first)} -> {value(p.last)} (best {value(p.best)} at step {p.best_step})"
-            + (f"; validation best {value(p.val_best)}" if p.val_best is not None else "")
+        term.field(
+            "perplexity",
+            f"{sparkline(ppl)}  {value(p.first)} -> {value(p.last)} (best {value(p.best)} at step {p.best_step})"
+            + (f"; validation best {value(p.val_best)}" if p.val_best is not None else ""),
+            width=LABEL,
         )
     val = [(pt["step"], pt["metrics"]) for pt in run.validation()]
     metric = run.manifest.get("config", {}).get("val_metric", "val_loss")
     values = [mm[metric] for _, mm in val if metric in mm]
     if values:
         best = min(values) if run.manifest.get("config", {}).get("val_mode", "min") == "min" else max(values)
-        term.print(f"{safe(metric):<11} {sparkline(values)}  {len(values)} points, best {value(best)}")
+        term.field(safe(metric), f"{sparkline(values)}  {len(values)} points, best {value(best)}", width=LABEL)
     g = m.grad_norm
     if np.isfinite(g).any():
-        term.print(
-            f"grad norm   {sparkline(np.log10(np.maximum(g, 1e-30)))}  median {value(float(np.nanmedian(g)))}, "
-            f"max {value(float(np.nanmax(g)))} (log scale, before clipping)"
+        term.field(
+            "grad norm",
+            f"{sparkline(np.log10(np.maximum(g, 1e-30)))}  median {value(float(np.nanmedian(g)))}, "
+            f"max {value(float(np.nanmax(g)))} (log scale, before clipping)",
+            width=LABEL,
         )
     term.print("")
     if not r.findings:
         term.print("[green]no findings[/green]")
     for f in r.findings:
         style = SEVERITY_STYLE[f.severity]
-        term.print(f"[{style}]{f.severity.upper():<7}[/{style}] [bold]{f.kind}[/bold]: {safe(f.title)}")
+        term.field(f"[{style}]{f.severity.upper()}[/{style}]", f"[bold]{f.kind}[/bold]: {safe(f.title)}", width=8)
         if f.severity == "info":
             continue
         if f.evidence:
-            term.print(f"        evidence: {safe(_evidence(f.evidence))}")
+            term.field("        evidence:", safe(_evidence(f.evidence)), width=18)
         for remedy in f.remedies:
-            term.print(f"        -> {safe(remedy)}")
+            term.field("        ->", safe(remedy), width=11)
     term.print("")
-    term.print(f"[bold]verdict:[/bold] {safe(r.verdict)}")
+    term.field("[bold]verdict:[/bold]", safe(r.verdict), width=9)
 
 
 def _evidence(ev: dict, limit: int = 6) -> str:

@@ -22,21 +22,23 @@ def render(d, term) -> None:
         + (f" of run {safe(a['run'])}" if a.get("run") else "")
     )
     if a.get("verdict"):
-        term.print(f"verdict    {safe(a['verdict'])}")
+        term.field("verdict", safe(a["verdict"]))
     if a.get("origin_op"):
         where = f" in {safe(a.get('origin_module') or '<outside the model>')}" + (
             f" ({safe(a['origin_source'])})" if a.get("origin_source") else ""
         )
-        term.print(
-            f"origin     {safe(a.get('origin_kind', ''))}: {safe(a['origin_op'])} ({safe(a.get('origin_phase', ''))}){where}"
+        term.field(
+            "origin",
+            f"{safe(a.get('origin_kind', ''))}: {safe(a['origin_op'])} ({safe(a.get('origin_phase', ''))}){where}",
         )
     for line in d.came_from:
-        term.print(f"           {safe(line)}")
+        term.field("", safe(line))
     written, omitted = d.written, d.omitted
-    term.print(
-        f"tensors    {len(written)} written, {human_bytes(a.get('data_bytes', 0))} uncompressed, "
+    term.field(
+        "tensors",
+        f"{len(written)} written, {human_bytes(a.get('data_bytes', 0))} uncompressed, "
         f"{human_bytes(d.file_bytes)} on disk"
-        + (f"; selected modules: /{safe(a['select'])}/" if a.get("select") else "; every module")
+        + (f"; selected modules: /{safe(a['select'])}/" if a.get("select") else "; every module"),
     )
     for row in written[:MAX_ROWS]:
         term.print("  " + safe(_line(row)))

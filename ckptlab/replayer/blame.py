@@ -38,10 +38,13 @@ def explain(root: RootStep, rep: ReplayReport, do_trace: bool, do_counterfactual
     tracer = _trace(root, rep) if do_trace else None
     base = root.base = root.step()  # the root step as replayed, for parameter blame
     content = data_rows(root)
+    if root.rows and root.rows > 1:
+        root.inv.log(f"replaying each of the {root.rows} rows of step {root.root} alone")
     rows = per_row(root) if root.rows and root.rows > 1 else {}
     rep.parameters = parameters(root, base)
     rep.origin, rep.samples = origin(root, tracer, base, content, rows)
     if do_counterfactuals:
+        root.inv.log(f"counterfactual replays of step {root.root}")
         rep.counterfactuals = counterfactuals(root, rep.samples)
         search(root, rep)
     captured = None

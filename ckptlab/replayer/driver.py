@@ -61,11 +61,7 @@ class Replayer:
         recorded_device = str(manifest.get("device", "cpu"))
         self.device = torch.device(device) if device else torch.device(recorded_device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ReplayError(
-                f"replay on {self.device} asked for, but this machine has no GPU",
-                path=run.path,
-                hint="pass --device cpu (a CPU replay of a GPU run is not bit-exact)",
-            )
+            raise no_cuda(run, self.device, torch.device(recorded_device))
         if self.device.type != torch.device(recorded_device).type:
             self.notes.append(
                 f"recorded on {recorded_device}, replaying on {self.device}: losses will not match bit for bit"
@@ -247,3 +243,20 @@ def _to_device(obj, device: torch.device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v, device) for v in obj)
     return obj
+
+
+def no_cuda(run: Run, device: torch.device, recorded: torch.device) -> ReplayError:
+    """Replay on CUDA asked for where CUDA is not available: why not, and what to do, which
+    depends on where the run was recorded: a CPU run replays on the CPU as it is."""
+    why = (
+        f"this PyTorch ({torch.__version__}) is built without CUDA"
+        if torch.version.cuda is None
+        else "no CUDA GPU is visible"
+    )
+    hint = (
+        "the run was recorded on the CPU: replay it there, without --device or with --device cpu"
+        if recorded.type == "cpu"
+        else f"the run was recorded on {recorded}: replay it on a machine with a GPU, or pass --device cpu, "
+        "which is not bit-exact for a GPU run"
+    )
+    return ReplayError(f"replay on {device} asked for, but CUDA is not available here: {why}", path=run.path, hint=hint)
