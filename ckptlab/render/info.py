@@ -24,9 +24,10 @@ def render(s, term) -> None:
             if isinstance(r.get("started"), (int, float))
             else ""
         )
-        term.print(
-            f"recording  now, by pid {safe(r.get('pid'))} on host {safe(r.get('host'))}{started}: "
-            "what follows is the run as read a moment ago"
+        term.field(
+            "recording",
+            f"now, by pid {safe(r.get('pid'))} on host {safe(r.get('host'))}{started}: "
+            "what follows is the run as read a moment ago",
         )
     _steps(s, term)
     term.print(_checkpoints(s.checkpoints))
