@@ -1,0 +1,129 @@
+"""A newcomer's first hour (#31 items 5-7): mistakes that point the way (a healthy step, the
+wrong run, a diff whose shape changed, a .pt holding a list), a comment that no longer blocks
+replay, and `info` and `replay` agreeing on which file a recorded function runs from."""
+
+import importlib
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests import models
+
+USER_CODE = """import torch
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(model, optimizer, batch):
+    loss = model(batch[0]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+"""
+NAN_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory):
+    """(run, the user's own train file): 7 steps of a user module outside the run, a NaN
+    input at step 5 (recorded, the run goes on), checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("newcomer")
+    src = root / "src"
+    src.mkdir()
+    (src / "newcomer_train.py").write_text(USER_CODE)
+    sys.path.insert(0, str(src))
+    try:
+        user = importlib.import_module("newcomer_train")
+        batches = list(models.mlp_batches(7))
+        (x, y), ids = batches[NAN_STEP]
+        batches[NAN_STEP] = ((torch.full_like(x, math.nan), y), ids)
+        models.record_run(root / "runs" / "nan", user.build, user.step, batches, ckpt_every=2, on_nonfinite="record")
+    finally:
+        sys.modules.pop("newcomer_train", None)
+    yield root / "runs" / "nan", src / "newcomer_train.py"
+    sys.path.remove(str(src))
+    sys.modules.pop("newcomer_train", None)
+
+
+@pytest.fixture
+def fresh_announcements(monkeypatch):
+    from ckptlab.training import userfns
+
+    monkeypatch.setattr(userfns, "_announced", set())  # said once per process: this test's turn
+
+
+QUICK = ("--no-trace", "--no-counterfactuals", "--budget", "0")
+
+
+# --- item 6: a comment is not a change of code -----------------------------------------------------
+
+
+def test_a_comment_in_your_own_file_does_not_block_replay(cli, user_run, fresh_announcements):
+    run, train = user_run
+    try:
+        edited = USER_CODE.replace("def step(", "# the NaN hunt starts here\n\n\ndef step(").replace(
+            "loss = model(batch[0]).pow(2).mean()", "loss  =  model( batch[0] ).pow(2).mean()  # squared"
+        )
+        train.write_text(edited)
+        r = cli("replay", "--run", run, "--step", NAN_STEP, "--json", *QUICK)
+        assert r.code == 0, r.err
+        assert "changed since recording only in comments, blank lines or formatting" in r.err
+        assert r.json()["reproduced"] and r.json()["root_step"] == NAN_STEP
+        info = cli("info", "--run", run, "--no-verify")
+        assert "comments/formatting only" in info.out and "replay runs it" in info.out
+
+        train.write_text(edited.replace("pow(2)", "pow(4)"))  # a real change of code: today's rule
+        r = cli("replay", "--run", run, "--step", NAN_STEP, *QUICK)
+        assert r.code == 1 and "Traceback" not in r.err
+        assert "changed since recording (its code, not only comments or formatting)" in r.err
+        assert "--trust-run-code" in r.err
+    finally:
+        train.write_text(USER_CODE)
+
+
+def test_same_code_tokens_is_strict_about_code():
+    from ckptlab.run.manifest import same_code_tokens
+
+    base = b"def f(x):\n    return x + 1  # one\n"
+    assert same_code_tokens(base, b"# header\ndef f( x ):\n\n\n  return x+1\n")  # 2-space indent too
+    assert not same_code_tokens(base, b"def f(x):\n    return x + 2\n")
+    assert not same_code_tokens(base, b'def f(x):\n    "doc"\n    return x + 1\n')  # a docstring is code
+    assert not same_code_tokens(base, b"def f(x):\n    pass\nreturn x + 1\n")
+    assert not same_code_tokens(b"def f(:\n  (", b"def f(:\n  (")  # cannot be tokenized: never equal
+
+
+# --- item 7: info and replay agree on where the code is ----------------------------------------------
+
+
+def test_info_and_replay_agree_on_ckptlabs_own_module(cli, user_run, tmp_path):
+    """A run recorded with ckptlab's bundled example, elsewhere: its recorded path is gone, and
+    replay runs the installed module; info says the same (it said 'file not found')."""
+    run = tmp_path / "run"
+    shutil.copytree(user_run[0], run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    for role, qualname in (("build_fn", "build"), ("step_fn", "step")):
+        manifest["functions"][role] = {
+            "module": "ckptlab.examples.tiny_lm",
+            "qualname": qualname,
+            "file": "/gone/site-packages/ckptlab/examples/tiny_lm.py",
+            "file_rel": "../../gone/tiny_lm.py",
+            "sha256": "0" * 64,
+        }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    from ckptlab.training.userfns import trusted_file
+
+    replays, _ = trusted_file(manifest["functions"]["build_fn"], "build_fn", run)
+    r = cli("info", "--run", run, "--no-verify", "--json")
+    f = r.json()["functions"]["build_fn"]
+    assert f["found"] and f["installed"] and f["runs"] == str(replays)
+    text = cli("info", "--run", run, "--no-verify").out
+    assert "file not found" not in text and "ckptlab's installed module" in text
