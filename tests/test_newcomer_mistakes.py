@@ -127,3 +127,31 @@ def test_info_and_replay_agree_on_ckptlabs_own_module(cli, user_run, tmp_path):
     assert f["found"] and f["installed"] and f["runs"] == str(replays)
     text = cli("info", "--run", run, "--no-verify").out
     assert "file not found" not in text and "ckptlab's installed module" in text
+
+
+# --- item 5: mistakes that point the way -------------------------------------------------------------
+
+
+def test_a_healthy_step_points_to_the_anomalies_and_the_command(cli, user_run):
+    run, _ = user_run
+    r = cli("replay", "--run", run, "--step", NAN_STEP - 1, "--json", *QUICK)
+    assert r.code == 0, r.err  # the replay ran and found the step as recorded (docs/replay.md)
+    assert not r.json()["fault_recorded"] and "nothing to explain" in r.json()["verdict"]
+    assert f"anomalies were recorded at steps {NAN_STEP} (nonfinite_loss" in r.err  # 5 and 6
+    assert f"ckptlab replay --run {run} --step {NAN_STEP}" in r.err
+
+
+def test_the_run_that_has_the_step_is_named_or_picked(cli, user_run, tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    shutil.copytree(user_run[0], runs / "nan")
+    models.record_run(runs / "short", models.build_mlp, models.step_mlp, models.mlp_batches(3))  # the newest
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTLAB_RUN", raising=False)
+    r = cli("replay", "--step", NAN_STEP, "--json", *QUICK)  # ckptlab picks the run: the one that has it
+    assert r.code == 0, r.err
+    assert f"using run runs/nan instead, the run beside it that has step {NAN_STEP}" in r.err
+    assert r.json()["root_step"] == NAN_STEP
+    r = cli("replay", "--run", "runs/short", "--step", NAN_STEP, *QUICK)  # you chose it: named, not swapped
+    assert r.code == 1 and "Traceback" not in r.err
+    assert f"step {NAN_STEP} was not recorded (recorded: 0..2); runs/nan has step {NAN_STEP}" in r.err
+    assert f"ckptlab replay --run runs/nan --step {NAN_STEP}" in r.err
