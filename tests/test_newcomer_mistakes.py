@@ -155,3 +155,41 @@ def test_the_run_that_has_the_step_is_named_or_picked(cli, user_run, tmp_path, m
     assert r.code == 1 and "Traceback" not in r.err
     assert f"step {NAN_STEP} was not recorded (recorded: 0..2); runs/nan has step {NAN_STEP}" in r.err
     assert f"ckptlab replay --run runs/nan --step {NAN_STEP}" in r.err
+
+
+def test_a_changed_shape_is_the_headline_of_a_diff(cli, tmp_path):
+    from tests.io.checkpoints import toy_state, write
+
+    a = toy_state()
+    b = {k: v + 0.01 for k, v in a.items() if k != "lm_head.weight"}  # every tensor trained a little ...
+    b["blocks.3.ln.bias"] = a["blocks.3.ln.bias"].clone()  # ... but one bias: frozen
+    b["blocks.1.mlp.fc.weight"] = torch.randn(128, 16) * 0.1  # and a layer that grew: 64x16 -> 128x16
+    pa, pb = write(tmp_path / "a", a, "pt"), write(tmp_path / "b", b, "safetensors")
+    r = cli("diff", pa, pb)
+    assert r.code == 0, r.err
+    head = r.out.splitlines()[2]
+    assert head.startswith("shape changed: blocks.1.mlp.fc.weight (module blocks.1.mlp.fc): from 64x16 in A to")
+    assert "128x16 in B (float32): not compared" in head
+    assert r.out.splitlines()[3].startswith("top flagged tensor: blocks.3.ln.bias: unchanged")
+    doc = cli("diff", pa, pb, "--json").json()
+    assert doc["verdict"]["kind"] == "shape_changed" and doc["verdict"]["parameter"] == "blocks.1.mlp.fc.weight"
+    assert list(doc).index("verdict") < list(doc).index("ranked")  # the headline before the ranking
+    assert doc["mismatched"][0]["shape_b"] == [128, 16] and doc["ranked"][0]["name"] == "blocks.3.ln.bias"
+
+
+def test_a_pt_holding_a_list_says_so_in_one_line(cli, tmp_path):
+    linear = torch.nn.Linear(3, 2)
+    torch.save(linear.state_dict(), tmp_path / "sd.pt")
+    torch.save(list(linear.parameters()), tmp_path / "params.pt")
+    torch.save([0.5, 0.25], tmp_path / "losses.pt")
+    r = cli("diff", tmp_path / "params.pt", tmp_path / "sd.pt")
+    assert r.code == 1 and r.err.count("\n") == 1 and "Traceback" not in r.err
+    assert (
+        "params.pt holds a list of 2 tensors, not a state dict of named tensors: they are named by position (0..1)"
+        in r.err
+    )
+    assert "sd.pt has 2 like 'weight'" in r.err and "nothing" not in r.err
+    r = cli("diff", tmp_path / "sd.pt", tmp_path / "losses.pt")
+    assert r.code == 1 and "losses.pt holds a list of 2 items (float) and no tensors, not a state dict" in r.err
+    r = cli("diff", tmp_path / "params.pt", tmp_path / "params.pt")  # two lists: compared by position
+    assert r.code == 0 and "identical" in r.out and "named by position" in r.err
