@@ -76,8 +76,10 @@ def test_a_comment_in_your_own_file_does_not_block_replay(cli, user_run, fresh_a
         train.write_text(edited)
         r = cli("replay", "--run", run, "--step", NAN_STEP, "--json", *QUICK)
         assert r.code == 0, r.err
-        assert "changed since recording only in comments, blank lines or formatting" in r.err
-        assert r.json()["reproduced"] and r.json()["root_step"] == NAN_STEP
+        assert f"running step_fn from {train} (the recorded code: changed since recording only in comments" in r.err
+        doc = r.json()
+        assert doc["reproduced"] and doc["root_step"] == NAN_STEP
+        assert f"{train} changed since recording only in comments, blank lines or formatting" in "".join(doc["notes"])
         info = cli("info", "--run", run, "--no-verify")
         assert "comments/formatting only" in info.out and "replay runs it" in info.out
 

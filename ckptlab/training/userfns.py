@@ -127,9 +127,7 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     path, sha, recorded = code.path, desc.get("sha256"), desc.get("file")
     at_recorded = path is not None and isinstance(recorded, str) and path == Path(recorded).resolve()
     if path is not None and at_recorded and (code.changed is False or code.same_tokens):
-        if code.same_tokens:
-            _say_same_tokens(role, path)
-        return path, True
+        return path, True  # (`load` says which, `layout_only`)
     same = code.changed is False
     if trust or trust_from_env():
         return path or _copy_in_run(desc, run_dir), same
@@ -152,15 +150,12 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     )
 
 
-def _say_same_tokens(role: str, path: Path) -> None:
-    if (role, path, "tokens") in _announced:
-        return
-    _announced.add((role, path, "tokens"))
-    log.warning(
-        "ckptlab: %s changed since recording only in comments, blank lines or formatting (the same "
-        "Python tokens as the recorded copy): replaying it; line numbers are today's",
-        path,
-    )
+def layout_only(desc: dict, run_dir: Path) -> bool:
+    """The user's file differs from the recorded one only in comments, blank lines and
+    formatting (`trusted_file` runs it as the recorded code; replay notes it: line numbers in
+    the report are today's)."""
+    code = recorded_code(desc, run_dir)
+    return code.same_tokens and not code.installed
 
 
 def _copy_in_run(desc: dict, run_dir: Path) -> Path | None:
@@ -179,7 +174,7 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
     if not isinstance(module, str) or not isinstance(qualname, str):  # `describe` always writes both
         raise ReplayError(f"the run's manifest does not name the module and function of {role}", path=run_dir)
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
-    _announce(role, path or module, unchanged)
+    _announce(role, path or module, unchanged, layout=unchanged and layout_only(desc, run_dir))
     if module == "__main__":
         if path is None:
             raise ReplayError(
@@ -198,11 +193,17 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
     return fn, unchanged
 
 
-def _announce(role: str, path, unchanged: bool) -> None:
-    if (role, path) in _announced:
+def _announce(role: str, path, unchanged: bool, *, layout: bool = False) -> None:
+    if (role, path, layout) in _announced:
         return
-    _announced.add((role, path))
-    how = "unchanged since recording" if unchanged else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
+    _announced.add((role, path, layout))
+    how = (
+        "the recorded code: changed since recording only in comments, blank lines or formatting"
+        if layout
+        else "unchanged since recording"
+        if unchanged
+        else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
+    )
     log.warning("ckptlab: running %s from %s (%s)", role, path, how)
 
 
