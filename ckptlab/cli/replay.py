@@ -156,7 +156,8 @@ def _run_with_step(run, step: int, *, picked: bool, term):
     if _has_step(run, step):
         return run
     others = []
-    beside = sorted(d for d in run.path.parent.iterdir() if d.is_dir() and d.resolve() != run.path.resolve())
+    parent = run.path.parent if run.path.name else run.path.resolve().parent  # (--run . : the folder above)
+    beside = sorted(d for d in parent.iterdir() if d.is_dir() and d.resolve() != run.path.resolve())
     for d in beside[:SIBLINGS_SCANNED]:
         try:
             if is_run(d) and _has_step(other := open_run(d), step):
