@@ -195,3 +195,19 @@ def test_a_pt_holding_a_list_says_so_in_one_line(cli, tmp_path):
     assert r.code == 1 and "losses.pt holds a list of 2 items (float) and no tensors, not a state dict" in r.err
     r = cli("diff", tmp_path / "params.pt", tmp_path / "params.pt")  # two lists: compared by position
     assert r.code == 0 and "identical" in r.out and "named by position" in r.err
+
+
+def test_without_the_recorded_copy_a_changed_file_keeps_todays_rule(user_run, tmp_path):
+    """An older run (or one whose sources/ copy is gone): nothing to compare the code with."""
+    from ckptlab.errors import UntrustedCodeError
+    from ckptlab.training.userfns import trusted_file
+
+    run, train = user_run
+    desc = dict(json.loads((run / "manifest.json").read_text())["functions"]["step_fn"])
+    desc.pop("source_copy")
+    try:
+        train.write_text(USER_CODE + "# a comment\n")
+        with pytest.raises(UntrustedCodeError, match="sha256 differs; the run holds no copy of the recorded file"):
+            trusted_file(desc, "step_fn", run)
+    finally:
+        train.write_text(USER_CODE)

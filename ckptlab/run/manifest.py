@@ -191,6 +191,7 @@ class RecordedCode:
     installed: bool  # ckptlab's own module (an integration, an example): the installed version
     changed: bool | None  # its bytes differ from the recorded sha256 (None: cannot tell)
     same_tokens: bool = False  # changed, but only in comments, blank lines and formatting
+    compared: bool = False  # changed, and its code was compared with the run's copy of the recorded file
 
 
 def recorded_code(desc: dict, run_dir: Path) -> RecordedCode:
@@ -205,7 +206,8 @@ def recorded_code(desc: dict, run_dir: Path) -> RecordedCode:
         return RecordedCode(path, own is not None, None)
     if sha256_file(path) == sha:
         return RecordedCode(path, own is not None, False)
-    return RecordedCode(path, own is not None, True, _same_tokens_as_recorded(path, desc, run_dir))
+    same = _same_tokens_as_recorded(path, desc, run_dir)
+    return RecordedCode(path, own is not None, True, bool(same), compared=same is not None)
 
 
 def ckptlab_module_file(module) -> Path | None:
@@ -225,20 +227,22 @@ def ckptlab_module_file(module) -> Path | None:
 MAX_TOKENIZED_BYTES = 8 << 20
 
 
-def _same_tokens_as_recorded(path: Path, desc: dict, run_dir: Path) -> bool:
+def _same_tokens_as_recorded(path: Path, desc: dict, run_dir: Path) -> bool | None:
     """`path` holds the recorded code, changed only in comments, blank lines and formatting:
     compared with the run's copy of the recorded file (`source_copy`), read as data and only
-    when it has the recorded sha256 (never imported)."""
+    when it has the recorded sha256 (never imported). None: no such copy to compare with."""
     rel = desc.get("source_copy")
     copy = run_dir / rel if isinstance(rel, str) and rel else None
     try:
         if copy is None or not copy.is_file() or copy.stat().st_size > MAX_TOKENIZED_BYTES:
-            return False
-        if path.stat().st_size > MAX_TOKENIZED_BYTES or sha256_file(copy) != desc.get("sha256"):
+            return None
+        if sha256_file(copy) != desc.get("sha256"):
+            return None
+        if path.stat().st_size > MAX_TOKENIZED_BYTES:
             return False
         return same_code_tokens(read_bytes(copy), read_bytes(path))
     except OSError:
-        return False
+        return None
 
 
 def same_code_tokens(recorded: bytes, today: bytes) -> bool:

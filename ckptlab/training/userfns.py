@@ -142,7 +142,12 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     elif not sha:
         why = f"{name} was recorded without a file hash, so {path} cannot be checked"
     else:
-        why = f"{path}, which defines {name}, changed since recording (its code, not only comments or formatting)"
+        how = (
+            "its code, not only comments or formatting"
+            if code.compared
+            else "its sha256 differs; the run holds no copy of the recorded file to compare its code with"
+        )
+        why = f"{path}, which defines {name}, changed since recording ({how})"
     raise UntrustedCodeError(
         f"{why}; ckptlab runs only your own code, unchanged since recording",
         path=run_dir,
