@@ -97,7 +97,7 @@ def test_changed_source_is_reported(tmp_path, run_dir):
     mod = _user_module(tmp_path, "ckl_user_edited")
     models.record_run(run_dir, mod.build, mod.step, models.mlp_batches(6), ckpt_every=5)
     path = tmp_path / "ckl_user_edited.py"
-    path.write_text(path.read_text() + "\n# an edit\n")
+    path.write_text(path.read_text() + "\nEDITED = True  # an edit of code (a comment alone is not one)\n")
     with pytest.raises(ckptlab.UntrustedCodeError, match="changed since recording"):
         ckptlab.replay(run_dir, 5)  # edited code is not the code that was recorded: opt in to run it
     report = ckptlab.replay(run_dir, 5, trust_code=True)

@@ -9,7 +9,7 @@ from typing import Any
 from ckptlab.errors import CkptlabError, RetiredError
 from ckptlab.run.layout import dir_size, parts
 from ckptlab.run.lock import holder
-from ckptlab.run.manifest import resolve_file, source_changed
+from ckptlab.run.manifest import recorded_code
 from ckptlab.run.reader import Run
 
 
@@ -150,10 +150,14 @@ def _disk(run: Run) -> dict:
 def _functions(run: Run) -> dict:
     out = {}
     for role, desc in run.manifest.get("functions", {}).items():
+        code = recorded_code(desc, run.path)  # replay's answer too (training/userfns.py)
         out[role] = {
             "name": f"{desc.get('module')}.{desc.get('qualname')}",
             "file": desc.get("file"),
-            "found": resolve_file(desc, run.path) is not None,
-            "changed": source_changed(desc, run.path),
+            "found": code.path is not None,
+            "changed": code.changed,
+            "runs": str(code.path) if code.path is not None else None,
+            "installed": code.installed,
+            "same_tokens": code.same_tokens,
         }
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -112,6 +113,7 @@ def command(
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
+    run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
     for problem in run.problems:  # known on opening: a rollback that was interrupted
         term.warn(problem)
     report = _replay(
@@ -129,6 +131,82 @@ def command(
         dump=dump,
     )
     _say(report, term, as_json)
+    if not report.fault_recorded and report.root_step is None:  # "nothing to explain"
+        _point_to_anomalies(run, step, term)
+
+
+# --- a step that is not the fault: say where the faults are (#31) ----------------------------------
+
+SHOWN_ANOMALIES = 5  # anomalous steps named in the pointer after a healthy step
+SIBLINGS_SCANNED = 100  # runs beside the chosen one that are searched for a step it lacks
+
+
+def _has_step(run, step: int) -> bool:
+    """The step is in the run's record (a batch kept, or its health measured): what replay needs."""
+    return run.metrics().index(step) is not None or step in run.steps
+
+
+def _run_with_step(run, step: int, *, picked: bool, term):
+    """`run` if it recorded `step`. Else the runs beside it (the same parent folder) that did:
+    when ckptlab picked `run` itself (no --run, no $CKPTLAB_RUN) and exactly one other run has
+    the step, that run, said on stderr; otherwise a ReplayError naming the runs that have it
+    and the command to replay it there."""
+    from ckptlab.errors import CkptlabError, ReplayError
+    from ckptlab.run.layout import is_run
+    from ckptlab.run.reader import open_run
+
+    if _has_step(run, step):
+        return run
+    others = []
+    parent = run.path.parent if run.path.name else run.path.resolve().parent  # (--run . : the folder above)
+    beside = sorted(d for d in parent.iterdir() if d.is_dir() and d.resolve() != run.path.resolve())
+    for d in beside[:SIBLINGS_SCANNED]:
+        try:
+            if is_run(d) and _has_step(other := open_run(d), step):
+                others.append(other)
+        except (CkptlabError, OSError):  # a damaged or unreadable neighbour is not our answer
+            continue
+    missing = run.missing_step(step)
+    if picked and len(others) == 1:
+        term.note(f"{run.path}: {missing}; using run {others[0].path} instead, the run beside it that has step {step}")
+        return others[0]
+    if not others:
+        raise ReplayError(missing, path=run.path)
+    names = ", ".join(str(o.path) for o in others[:SHOWN_ANOMALIES]) + (
+        ", ..." if len(others) > SHOWN_ANOMALIES else ""
+    )
+    has = "has" if len(others) == 1 else "have"
+    raise ReplayError(
+        f"{missing}; {names} {has} step {step}",
+        path=run.path,
+        hint=f"replay it there: ckptlab replay --run {_arg(others[0].path)} --step {step}",
+    )
+
+
+def _point_to_anomalies(run, step: int, term) -> None:
+    """After a step that was healthy when recorded and replayed: where the run's anomalies are,
+    and the command that explains the nearest (the first after `step`, else the last before)."""
+    kinds: dict[int, list[str]] = {}
+    for e in run.events():
+        kinds.setdefault(int(e["step"]), []).append(str(e.get("kind")))
+    say = term.line  # on stderr, as the notes (--json keeps stdout for the document)
+    if not kinds:
+        say(f"The run recorded no anomaly: step {step} replayed as recorded, and there is nothing else to explain.")
+        return
+    steps = sorted(kinds)
+    shown = ", ".join(f"{s} ({', '.join(dict.fromkeys(kinds[s]))})" for s in steps[:SHOWN_ANOMALIES])
+    more = f", ... ({len(steps)} steps in all; ckptlab info lists them)" if len(steps) > SHOWN_ANOMALIES else ""
+    nearest = next((s for s in steps if s > step), steps[-1])
+    at = "step" if len(steps) == 1 else "steps"
+    say(f"Step {step} is not where the run went wrong: anomalies were recorded at {at} {shown}{more}.")
+    say(f"To explain step {nearest}: ckptlab replay --run {_arg(run.path)} --step {nearest}")
+
+
+def _arg(path) -> str:
+    """A path as a shell word (quoted when it needs to be)."""
+    import shlex
+
+    return shlex.quote(str(path))
 
 
 def _replay(run, step: int, term, **options):

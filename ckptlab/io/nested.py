@@ -123,3 +123,34 @@ def describe(top, path: list) -> str | None:
     others = [str(k) for k in top if k != path[0]] if isinstance(top, Mapping) else []
     rest = f" (also in it, not compared: {', '.join(others[:6])}{', ...' if len(others) > 6 else ''})" if others else ""
     return f"model weights taken from checkpoint{where}{rest}"
+
+
+# The phrase a container note ends with (analysis/diff/names.py finds it to explain a diff
+# that matched nothing; that module does not import this one: it must stay torch-free).
+NOT_A_STATE_DICT = "not a state dict of named tensors"
+
+
+def container_note(label: str, obj, flat: dict[str, object], path: list) -> str | None:
+    """What a file holds when it is not a state dict (None when it is one, or a wrapper around
+    one, `path` leading to it): a list or tuple of tensors (named by position: "0", "1", ...),
+    or a container with no tensors at all."""
+    if path and flat:
+        return None
+    if isinstance(obj, (list, tuple)) and flat:
+        names = list(flat)
+        span = f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+        kind = type(obj).__name__
+        return f"{label} holds a {kind} of {len(flat)} tensors, {NOT_A_STATE_DICT}: they are named by position ({span})"
+    if flat or (isinstance(obj, Mapping) and not obj):
+        return None
+    return f"{label} holds {_what(obj)} and no tensors, {NOT_A_STATE_DICT}"
+
+
+def _what(obj) -> str:
+    if isinstance(obj, Mapping):
+        keys = [str(k) for k in list(obj)[:4]]
+        return f"a dict of {len(obj)} entr{'y' if len(obj) == 1 else 'ies'} ({', '.join(keys)}{', ...' if len(obj) > 4 else ''})"
+    if isinstance(obj, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in obj})
+        return f"a {type(obj).__name__} of {len(obj)} items" + (f" ({', '.join(kinds[:3])})" if kinds else "")
+    return f"a {type(obj).__name__}"

@@ -29,7 +29,7 @@ from ckptlab.errors import CorruptFileError, UnsafeFileError
 from ckptlab.io.base import MemoryTensor, TensorRef, check_extent, require_safe_torch, split_tied
 from ckptlab.io.files import open_regular
 from ckptlab.io.mapped import FileTensor, MappedFile
-from ckptlab.io.nested import describe, find_state_dict
+from ckptlab.io.nested import container_note, describe, find_state_dict
 
 
 def load_pickled(path: Path):
@@ -97,9 +97,9 @@ def open_torch(path: str | Path, *, sequential: bool = False):
     for name, t in _named_tensors(obj, ""):
         check_extent(t, name=name, path=path)
     flat, where = find_state_dict(obj)
-    note = describe(obj, where)
-    if note:
-        notes.append(note)
+    for note in (describe(obj, where), container_note(path.name, obj, flat, where)):
+        if note:
+            notes.append(note)
     file = MappedFile(path, sequential=sequential) if zipfile.is_zipfile(path) else None
     locate = _locator(path, _all_tensors(obj)) if file else None
     if file and locate is None:

@@ -27,7 +27,7 @@ def render(f: DiffFindings, term, *, hist: str | None = None, show_all: bool = F
     _header(f, term)
     _verdict(f, term)
     term.print(_table(f, show_all, term.out.width))
-    target = f.finding(hist) if hist else (f.ranked[0] if f.verdict else None)
+    target = f.finding(hist) if hist else _top_flagged(f)
     if target is not None:
         _histogram(target, term, pair=f.b is not None)
     _unmatched(f, term)
@@ -50,13 +50,24 @@ def _header(f: DiffFindings, term) -> None:
         term.warn(f"{sk['side'].upper()}: {sk['name']} not compared: {sk['reason']}")
 
 
+def _top_flagged(f: DiffFindings) -> TensorFinding | None:
+    return f.ranked[0] if f.ranked and f.ranked[0].tier < UNFLAGGED else None
+
+
 def _verdict(f: DiffFindings, term) -> None:
     if f.verdict:
         v = f.verdict
-        term.print(
-            f"[bold red]offending parameter:[/bold red] [bold]{_esc(v.parameter)}[/bold] "
-            f"(module {_esc(v.module) or '<root>'}): {_esc(v.reason)}"
+        shape = v.kind == "shape_changed"
+        head, reason = (
+            ("shape changed", v.reason.removeprefix("shape changed ")) if shape else ("offending parameter", v.reason)
         )
+        term.print(
+            f"[bold red]{head}:[/bold red] [bold]{_esc(v.parameter)}[/bold] "
+            f"(module {_esc(v.module) or '<root>'}): {_esc(reason)}"
+        )
+        flagged = _top_flagged(f)
+        if v.kind == "shape_changed" and flagged is not None:  # the ranking's own headline comes next
+            term.print(f"[bold]top flagged tensor:[/bold] {_esc(flagged.name)}: {_esc(flagged.reason or '')}")
         return
     if f.b is None:
         term.print(f"[bold green]healthy:[/bold green] {len(f.ranked)} tensors, none non-finite, extreme or dead")

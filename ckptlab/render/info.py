@@ -119,14 +119,23 @@ def _anomalies(anomalies, term) -> None:
 
 
 def _functions(functions, term) -> None:
-    """Each recorded function (build_fn, step_fn): is its source file still as recorded?"""
+    """Each recorded function (build_fn, step_fn): the file replay runs and whether it is as
+    recorded (the same answer replay acts on: run/manifest.py `recorded_code`)."""
     for role, f in functions.items():
-        state = (
-            "[yellow]source changed since recording[/yellow]"
-            if f["changed"]
-            else ("unchanged" if f["changed"] is False else "[yellow]file not found[/yellow]")
-        )
-        term.field(safe(role), f"{safe(f['name'])}  ({safe(f['file'])}: {state})")
+        file = f.get("runs") or f["file"]
+        if f.get("installed"):
+            state = "ckptlab's installed module" + (
+                ", changed since recording (a ckptlab upgrade): replay runs it" if f["changed"] else ", unchanged"
+            )
+        elif f["changed"] and f.get("same_tokens"):
+            state = "[yellow]changed since recording in comments/formatting only[/yellow]: replay runs it"
+        elif f["changed"]:
+            state = "[yellow]source changed since recording[/yellow]"
+        elif f["changed"] is False:
+            state = "unchanged"
+        else:
+            state = "[yellow]file not found[/yellow]" if not f["found"] else "[yellow]recorded without a hash[/yellow]"
+        term.field(safe(role), f"{safe(f['name'])}  ({safe(file)}: {state})")
 
 
 def _spans(ranges) -> str:

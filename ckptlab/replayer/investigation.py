@@ -135,33 +135,7 @@ class Investigation:
                 f"checkpoint {bad} is damaged (`ckptlab info` says how); replaying from checkpoint {k}, "
                 "the latest intact one before the fault"
             )
-        kept = set(run.steps)
-        missing = sorted(set(range(k, self.step + 1)) - kept)
-        if not missing:
-            return k
-        logs = [d for d in run.damaged if d.startswith(str(batches_root(run.path)))]  # damage, not retention
-        whole = [c for c in run.checkpoints if k < c <= self.step and set(range(c, self.step + 1)) <= kept]
-        if whole and not logs:
-            self.replayer.notes.append(
-                f"the anomaly episode that ends at step {self.step} began at step {before}, but retention pruned "
-                f"the batches of steps {missing[0]}..{missing[-1]}: replaying from checkpoint {whole[-1]}, the "
-                f"latest before step {self.step} (`ckptlab replay --run {run.path} --step {before}` explains "
-                "the episode's start)"
-            )
-            return whole[-1]
-        if self.step in missing and not logs:
-            raise ReplayError(
-                f"the batch of step {self.step} was pruned by retention, so it cannot be replayed "
-                f"(batches kept: {ranges(sorted(kept))})",
-                path=run.path,
-                hint="replay a step whose batch is kept, from a checkpoint before it",
-            )
-        why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention"
-        raise ReplayError(
-            f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
-            f"so step {self.step} cannot be replayed from checkpoint {k}",
-            path=run.path,
-        )
+        return _whole_window(run, k, self.step, before, self.replayer.notes)
 
     def plan(self) -> Plan:
         anomalies = self.recorded_anomalies()
@@ -373,6 +347,39 @@ class Investigation:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
         explain_crash(root, report, window.crash)
         return None
+
+
+def _whole_window(run: Run, k: int, step: int, before: int, notes: list[str]) -> int:
+    """`k`, when every batch from it to `step` is in the run; else, when retention pruned some,
+    the latest checkpoint before `step` that has them all (noted); else a ReplayError that says
+    what is missing and why (retention, or a damaged log)."""
+    kept = set(run.steps)
+    missing = sorted(set(range(k, step + 1)) - kept)
+    if not missing:
+        return k
+    logs = [d for d in run.damaged if d.startswith(str(batches_root(run.path)))]  # damage, not retention
+    whole = [c for c in run.checkpoints if k < c <= step and set(range(c, step + 1)) <= kept]
+    if whole and not logs:
+        notes.append(
+            f"the anomaly episode that ends at step {step} began at step {before}, but retention pruned "
+            f"the batches of steps {missing[0]}..{missing[-1]}: replaying from checkpoint {whole[-1]}, the "
+            f"latest before step {step} (`ckptlab replay --run {run.path} --step {before}` explains "
+            "the episode's start)"
+        )
+        return whole[-1]
+    if step in missing and not logs:
+        raise ReplayError(
+            f"the batch of step {step} was pruned by retention, so it cannot be replayed "
+            f"(batches kept: {ranges(sorted(kept))})",
+            path=run.path,
+            hint="replay a step whose batch is kept, from a checkpoint before it",
+        )
+    why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention"
+    raise ReplayError(
+        f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
+        f"so step {step} cannot be replayed from checkpoint {k}",
+        path=run.path,
+    )
 
 
 def first_divergence(divergence: StepCheck | None) -> dict | None:

@@ -10,6 +10,8 @@ rollback (null, or the step a rollback rewound the run to).
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import math
 import os
@@ -17,10 +19,12 @@ import platform
 import socket
 import sys
 import time
+import tokenize
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
-from ckptlab.io.files import open_regular
+from ckptlab.io.files import open_regular, read_bytes
 from ckptlab.jsonable import is_int, is_number
 from ckptlab.run.atomic import write_json_atomic
 from ckptlab.run.hashing import sha256_file
@@ -178,9 +182,86 @@ def resolve_file(desc: dict, run_dir: Path) -> Path | None:
     return None
 
 
-def source_changed(desc: dict, run_dir: Path) -> bool | None:
-    """True/False when the defining file can be compared with its recorded hash, else None."""
-    path = resolve_file(desc, run_dir)
-    if path is None or not desc.get("sha256"):
+@dataclass(frozen=True)
+class RecordedCode:
+    """A recorded function's code as replay finds it today: the one answer `ckptlab info` shows
+    and replay's trust rule (training/userfns.py: `trusted_file`) acts on."""
+
+    path: Path | None  # the file whose code replay runs (None: not on this machine)
+    installed: bool  # ckptlab's own module (an integration, an example): the installed version
+    changed: bool | None  # its bytes differ from the recorded sha256 (None: cannot tell)
+    same_tokens: bool = False  # changed, but only in comments, blank lines and formatting
+    compared: bool = False  # changed, and its code was compared with the run's copy of the recorded file
+
+
+def recorded_code(desc: dict, run_dir: Path) -> RecordedCode:
+    """Where `desc`'s function is now: ckptlab's installed module for a `ckptlab.*` module
+    (an upgrade changes it without making it anyone else's code), else `resolve_file`; and
+    whether it changed since recording, and how (`same_tokens`: `same_code_tokens` against
+    the run's copy of the recorded file, when that copy has the recorded hash)."""
+    sha = desc.get("sha256")
+    own = ckptlab_module_file(desc.get("module"))
+    path = own if own is not None else resolve_file(desc, run_dir)
+    if path is None or not sha:
+        return RecordedCode(path, own is not None, None)
+    if sha256_file(path) == sha:
+        return RecordedCode(path, own is not None, False)
+    same = _same_tokens_as_recorded(path, desc, run_dir)
+    return RecordedCode(path, own is not None, True, bool(same), compared=same is not None)
+
+
+def ckptlab_module_file(module) -> Path | None:
+    """The installed file of a ckptlab module (`ckptlab.examples.tiny_lm`), else None."""
+    if not isinstance(module, str) or not module.startswith("ckptlab."):
         return None
-    return sha256_file(path) != desc["sha256"]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    package = Path(__file__).resolve().parents[1]
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    return origin if origin is not None and origin.is_relative_to(package) else None
+
+
+# A recorded copy larger than this is not tokenized (a source file is kilobytes; a run is data).
+MAX_TOKENIZED_BYTES = 8 << 20
+
+
+def _same_tokens_as_recorded(path: Path, desc: dict, run_dir: Path) -> bool | None:
+    """`path` holds the recorded code, changed only in comments, blank lines and formatting:
+    compared with the run's copy of the recorded file (`source_copy`), read as data and only
+    when it has the recorded sha256 (never imported). None: no such copy to compare with."""
+    rel = desc.get("source_copy")
+    copy = run_dir / rel if isinstance(rel, str) and rel else None
+    try:
+        if copy is None or not copy.is_file() or copy.stat().st_size > MAX_TOKENIZED_BYTES:
+            return None
+        if sha256_file(copy) != desc.get("sha256"):
+            return None
+        if path.stat().st_size > MAX_TOKENIZED_BYTES:
+            return False
+        return same_code_tokens(read_bytes(copy), read_bytes(path))
+    except OSError:
+        return None
+
+
+def same_code_tokens(recorded: bytes, today: bytes) -> bool:
+    """The two sources are the same Python code: the same tokens in the same order, whatever
+    their comments, blank lines, spacing within a line, line continuations and indentation
+    width (INDENT/DEDENT say the block structure; their whitespace does not count). A string,
+    a name, a number or a docstring that changed is a change; so is a file Python cannot
+    tokenize."""
+    a, b = _code_tokens(recorded), _code_tokens(today)
+    return a is not None and a == b
+
+
+_LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING}
+_WHITESPACE = {tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.ENDMARKER}
+
+
+def _code_tokens(source: bytes) -> list[tuple[int, str]] | None:
+    try:
+        tokens = list(tokenize.tokenize(io.BytesIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    return [(t.type, "" if t.type in _WHITESPACE else t.string) for t in tokens if t.type not in _LAYOUT]

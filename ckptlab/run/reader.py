@@ -277,38 +277,7 @@ class Run:
     @cached_property
     def _metrics(self) -> Metrics:
         names = [p["name"] for p in self.manifest.get("parameters", [])]
-        rows = sorted({s: r for s, r in self._journal[framelog.STEP]}.items())
-        n, p = len(rows), len(names)
-        groups = max([len(r[0].get("lr", [])) for _, r in rows], default=0)
-
-        def per_param(dtype, fill):
-            return np.full((n, p), fill, dtype=dtype)
-
-        m = Metrics(
-            param_names=names,
-            step=np.array([s for s, _ in rows], dtype=np.int64),
-            loss=np.array([_f(r[0].get("loss")) for _, r in rows], dtype=np.float64),
-            grad_norm=np.array([_f(r[0].get("grad_norm")) for _, r in rows], dtype=np.float64),
-            lr=np.full((n, groups), np.nan),
-            step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),
-            nonfinite_grads=np.array([int(r[0].get("nonfinite_grads", 0)) for _, r in rows], dtype=np.int64),
-            stepped=np.array([bool(r[0].get("stepped", True)) for _, r in rows], dtype=bool),
-            scaler_skipped=np.array([bool(r[0].get("scaler_skipped", False)) for _, r in rows], dtype=bool),
-            param_grad_norm=per_param(np.float32, np.nan),
-            update_ratio=per_param(np.float32, np.nan),
-            weight_norm=per_param(np.float32, np.nan),
-            weight_norm_before=per_param(np.float32, np.nan),
-            param_nonfinite=per_param(np.int64, 0),
-            scalars=[r[0] for _, r in rows],
-        )
-        for i, (_, (scalars, arrays)) in enumerate(rows):
-            lr = scalars.get("lr", [])
-            m.lr[i, : len(lr)] = lr
-            for key in ("param_grad_norm", "update_ratio", "weight_norm", "weight_norm_before", "param_nonfinite"):
-                a = arrays.get(key)
-                if a is not None and len(a) == p:
-                    getattr(m, key)[i] = a
-        return m
+        return _metrics(names, sorted({s: r for s, r in self._journal[framelog.STEP]}.items()))
 
     def validation(self) -> list[dict]:
         """[{"step": k, "metrics": {...}}], in order: metrics measured on the state at step k."""
@@ -376,6 +345,41 @@ class Run:
     def archives(self) -> list[Path]:
         root = archive_dir(self.path)
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def _metrics(names: list[str], rows: list) -> Metrics:
+    """Metrics from the journal's step records [(step, (scalars, arrays))], in step order."""
+    n, p = len(rows), len(names)
+    groups = max([len(r[0].get("lr", [])) for _, r in rows], default=0)
+
+    def per_param(dtype, fill):
+        return np.full((n, p), fill, dtype=dtype)
+
+    m = Metrics(
+        param_names=names,
+        step=np.array([s for s, _ in rows], dtype=np.int64),
+        loss=np.array([_f(r[0].get("loss")) for _, r in rows], dtype=np.float64),
+        grad_norm=np.array([_f(r[0].get("grad_norm")) for _, r in rows], dtype=np.float64),
+        lr=np.full((n, groups), np.nan),
+        step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),
+        nonfinite_grads=np.array([int(r[0].get("nonfinite_grads", 0)) for _, r in rows], dtype=np.int64),
+        stepped=np.array([bool(r[0].get("stepped", True)) for _, r in rows], dtype=bool),
+        scaler_skipped=np.array([bool(r[0].get("scaler_skipped", False)) for _, r in rows], dtype=bool),
+        param_grad_norm=per_param(np.float32, np.nan),
+        update_ratio=per_param(np.float32, np.nan),
+        weight_norm=per_param(np.float32, np.nan),
+        weight_norm_before=per_param(np.float32, np.nan),
+        param_nonfinite=per_param(np.int64, 0),
+        scalars=[r[0] for _, r in rows],
+    )
+    for i, (_, (scalars, arrays)) in enumerate(rows):
+        lr = scalars.get("lr", [])
+        m.lr[i, : len(lr)] = lr
+        for key in ("param_grad_norm", "update_ratio", "weight_norm", "weight_norm_before", "param_nonfinite"):
+            a = arrays.get(key)
+            if a is not None and len(a) == p:
+                getattr(m, key)[i] = a
+    return m
 
 
 def _segments(folder: Path, closed: set[int]) -> list[tuple[Path, str]]:

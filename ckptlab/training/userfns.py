@@ -27,7 +27,7 @@ from ckptlab.errors import RecordError, ReplayError, UntrustedCodeError
 from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import sources_dir
-from ckptlab.run.manifest import resolve_file
+from ckptlab.run.manifest import recorded_code
 
 # Which recorded code replay runs is said at WARNING: a user with no logging set up sees it.
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def _warn_unguarded(path: Path, source: bytes) -> None:
 
 
 _loaded_scripts: dict[Path, object] = {}
-_announced: set[tuple[str, Path]] = set()
+_announced: set[tuple] = set()
 
 # The opt-in for running code that is not the user's own, unchanged (see `trusted_file`).
 TRUST_FLAG = "--trust-run-code"
@@ -109,24 +109,26 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     """(the file whose code `load` runs for `role`, whether it is unchanged since recording).
 
     The trust rule: code runs when it is the user's own and unchanged -- the recorded file,
-    at its recorded absolute path, outside the run directory, with the recorded sha256.
-    Anything else runs only with the opt-in: `trust=True` (the CLI's --trust-run-code) or
+    at its recorded absolute path, outside the run directory, with the recorded sha256, or
+    with the recorded code: a file that changed only in comments, blank lines or formatting
+    (the same Python tokens as the run's copy of the recorded file) runs too, and the log says
+    so. Anything else runs only with the opt-in: `trust=True` (the CLI's --trust-run-code) or
     CKPTLAB_TRUST_RUN_CODE=1; then the file is the one found (also at the same place in the
     current project, or relative to the run directory: a moved project), else the run's copy
     of it (None for a module importable by name). A file found only by those relative paths
     is not trusted on its own: the manifest that names it, and its hash, may come with a run
     someone sent, and so may the file next to it. A run directory is data; this keeps it, and
-    what came with it, from being code.
+    what came with it, from being code. Which file that is, `ckptlab info` says too: both ask
+    run/manifest.py's `recorded_code`.
     """
-    own = _ckptlab_module_file(desc.get("module"))
-    if own is not None:  # ckptlab's own code (integrations, examples): the installed version
-        return own, True
-    path, sha = resolve_file(desc, run_dir), desc.get("sha256")
-    recorded = desc.get("file")
+    code = recorded_code(desc, run_dir)
+    if code.installed:  # ckptlab's own code (integrations, examples): the installed version
+        return code.path, True
+    path, sha, recorded = code.path, desc.get("sha256"), desc.get("file")
     at_recorded = path is not None and isinstance(recorded, str) and path == Path(recorded).resolve()
-    same = path is not None and bool(sha) and sha256_file(path) == sha
-    if same and at_recorded:
-        return path, True
+    if path is not None and at_recorded and (code.changed is False or code.same_tokens):
+        return path, True  # (`load` says which, `layout_only`)
+    same = code.changed is False
     if trust or trust_from_env():
         return path or _copy_in_run(desc, run_dir), same
     name = f"{role} ({desc.get('module')}.{desc.get('qualname')})"
@@ -140,7 +142,12 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     elif not sha:
         why = f"{name} was recorded without a file hash, so {path} cannot be checked"
     else:
-        why = f"{path}, which defines {name}, changed since recording (its sha256 differs)"
+        how = (
+            "its code, not only comments or formatting"
+            if code.compared
+            else "its sha256 differs; the run holds no copy of the recorded file to compare its code with"
+        )
+        why = f"{path}, which defines {name}, changed since recording ({how})"
     raise UntrustedCodeError(
         f"{why}; ckptlab runs only your own code, unchanged since recording",
         path=run_dir,
@@ -148,18 +155,12 @@ def trusted_file(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -
     )
 
 
-def _ckptlab_module_file(module) -> Path | None:
-    """The installed file of a ckptlab module (e.g. an integration's `training_step`), which
-    a ckptlab upgrade changes without making it anyone else's code."""
-    if not isinstance(module, str) or not module.startswith("ckptlab."):
-        return None
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    package = Path(__file__).resolve().parents[1]
-    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    return origin if origin is not None and origin.is_relative_to(package) else None
+def layout_only(desc: dict, run_dir: Path) -> bool:
+    """The user's file differs from the recorded one only in comments, blank lines and
+    formatting (`trusted_file` runs it as the recorded code; replay notes it: line numbers in
+    the report are today's)."""
+    code = recorded_code(desc, run_dir)
+    return code.same_tokens and not code.installed
 
 
 def _copy_in_run(desc: dict, run_dir: Path) -> Path | None:
@@ -178,7 +179,7 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
     if not isinstance(module, str) or not isinstance(qualname, str):  # `describe` always writes both
         raise ReplayError(f"the run's manifest does not name the module and function of {role}", path=run_dir)
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
-    _announce(role, path or module, unchanged)
+    _announce(role, path or module, unchanged, layout=unchanged and layout_only(desc, run_dir))
     if module == "__main__":
         if path is None:
             raise ReplayError(
@@ -197,11 +198,17 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
     return fn, unchanged
 
 
-def _announce(role: str, path, unchanged: bool) -> None:
-    if (role, path) in _announced:
+def _announce(role: str, path, unchanged: bool, *, layout: bool = False) -> None:
+    if (role, path, layout) in _announced:
         return
-    _announced.add((role, path))
-    how = "unchanged since recording" if unchanged else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
+    _announced.add((role, path, layout))
+    how = (
+        "the recorded code: changed since recording only in comments, blank lines or formatting"
+        if layout
+        else "unchanged since recording"
+        if unchanged
+        else f"NOT verified: trusted by {TRUST_FLAG}/{TRUST_ENV}"
+    )
     log.warning("ckptlab: running %s from %s (%s)", role, path, how)
 
 

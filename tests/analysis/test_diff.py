@@ -170,7 +170,7 @@ def test_json_has_the_public_keys_and_is_strict_json():
     a = untied(toy_state())
     doc = json.loads(dumps(ckptlab.diff(a, planted_faults(a))))
     assert list(doc)[:7] == ["a", "b", "verdict", "ranked", "missing", "unexpected", "mismatched"]
-    assert set(doc["verdict"]) == {"parameter", "module", "reason"}
+    assert set(doc["verdict"]) == {"parameter", "module", "reason", "kind"}
     top = doc["ranked"][0]
     assert top["name"] == "blocks.2.attn.weight" and top["flags"] == ["nonfinite"]
     assert {"a", "b", "delta", "shape", "dtype_a", "dtype_b", "tied", "reason", "module"} <= set(top)

@@ -73,6 +73,7 @@ def test_json_is_alone_on_stdout(capsys, pair):
         "parameter": "blocks.2.attn.weight",
         "module": "blocks.2.attn",
         "reason": "1 NaN of 256 elements (A had none)",
+        "kind": "flagged",
     }
     assert [r["name"] for r in doc["ranked"][:4]] == [
         "blocks.2.attn.weight",

@@ -248,6 +248,9 @@ def test_changed_source_is_detected(tmp_path, monkeypatch, info):
         "file": str(src / "usercode_info.py"),
         "found": True,
         "changed": False,
+        "runs": str((src / "usercode_info.py").resolve()),
+        "installed": False,
+        "same_tokens": False,
     }
 
     (src / "usercode_info.py").write_text(SOURCE.replace("lr=0.1", "lr=0.2"))

@@ -89,6 +89,7 @@ def test_manifest_naming_a_huge_source_file(sample_run, tmp_path):
         f.truncate(MEMORY_LIMIT + (64 << 20))  # sparse, and more than the child's address space limit
     manifest = json.loads((sample_run / "manifest.json").read_text())
     manifest["functions"]["build_fn"]["file"] = str(huge)
+    manifest["functions"]["build_fn"]["module"] = "user_train"  # not ckptlab's own (the installed one runs)
     (sample_run / "manifest.json").write_text(json.dumps(manifest))
     before = tree_hash(sample_run)
     r = run_cli("info", "--run", sample_run, timeout=60)

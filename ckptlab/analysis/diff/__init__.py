@@ -1,7 +1,7 @@
 """`diff`: what changed between two checkpoints, and which parameter explains a fault.
 
     findings = ckptlab.diff("runs/exp1@5000", "runs/exp1@5400")   # files, folders, RUN@STEP, dicts
-    findings.verdict        # Verdict(parameter, module, reason), or None when nothing is wrong
+    findings.verdict        # Verdict(parameter, module, reason, kind), or None when nothing is wrong
     findings.ranked[0]      # the most suspicious tensor: flags, reason, stats of A, B and B - A
     ckptlab.diff("model.safetensors")                            # one checkpoint alone: its health
 
@@ -19,6 +19,7 @@ pair at a time as they stream from disk, then ranked:
                             z-score >= 3.5 and >= 3x off their median
   3     dead                a matrix that became all zeros
   4     frozen              B == A bit for bit while most of the model changed
+A tensor whose shape changed (in `mismatched`, not compared) is the verdict before any flag.
 A checkpoint alone is ranked by: nonfinite, extreme (max |w| >= 100x the model's typical and
 >= 10, or near its dtype's overflow), dead (an all-zero or constant matrix).
 Within a tier the bigger effect ranks higher; unflagged tensors follow, most changed first.
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from ckptlab import dtypes
-from ckptlab.analysis.diff.findings import UNFLAGGED, DiffFindings, Verdict, finding_of
+from ckptlab.analysis.diff.findings import UNFLAGGED, DiffFindings, Mismatch, Verdict, finding_of
 from ckptlab.analysis.diff.names import Pair, Plan, align, nothing_to_compare, single_plan
 from ckptlab.analysis.diff.ranking import rank_pairs, rank_single
 from ckptlab.errors import CkptlabError
@@ -102,7 +103,8 @@ def _diff(
     return DiffFindings(
         a=sd_a.label,
         b=sd_b.label if sd_b else None,
-        verdict=Verdict(top.name, top.module, top.reason or "") if top else None,  # (a flag always writes one)
+        verdict=shape_verdict(plan.mismatched)
+        or (Verdict(top.name, top.module, top.reason or "") if top else None),  # (a flag always writes one)
         ranked=findings,
         missing=plan.missing,
         unexpected=plan.unexpected,
@@ -121,6 +123,26 @@ def _diff(
             "workers": workers,
             "read": "sequential" if sequential else "mmap",
         },
+    )
+
+
+def shape_verdict(mismatched: list[Mismatch]) -> Verdict | None:
+    """A tensor whose shape changed is the headline, whatever the compared tensors show: A and
+    B are not the same model there (a changed config, the wrong checkpoint), and it was not
+    compared, so no flag of the ranking can say it."""
+    if not mismatched:
+        return None
+    m = mismatched[0]
+    shape_a, shape_b = ("x".join(map(str, s)) or "scalar" for s in (m.shape_a, m.shape_b))
+    dtype = m.dtype_a if m.dtype_a == m.dtype_b else f"{m.dtype_a} -> {m.dtype_b}"
+    n = len(mismatched) - 1
+    more = f"; {n} more tensor{'s' if n > 1 else ''} changed shape" if n else ""
+    return Verdict(
+        m.name,
+        m.name.rpartition(".")[0],
+        f"shape changed from {shape_a} in A to {shape_b} in B ({dtype}): not compared, "
+        f"A and B are not the same model here{more}",
+        kind="shape_changed",
     )
 
 

@@ -21,9 +21,13 @@ QUANTILE_KEYS = tuple(f"p{q * 100:g}" for q in QUANTILES)  # p0.1, p1, ..., p99.
 
 @dataclass
 class Verdict:
+    """The headline: a tensor whose shape changed between A and B (`kind` "shape_changed": it
+    is in `mismatched`, not compared), else the top flagged tensor (`kind` "flagged")."""
+
     parameter: str
     module: str
     reason: str
+    kind: str = "flagged"
 
 
 @dataclass
@@ -107,6 +111,8 @@ class TensorFinding:
 
 @dataclass
 class Mismatch:
+    """A tensor in both checkpoints whose shape differs: B is not the same model there."""
+
     name: str
     shape_a: list[int]
     shape_b: list[int]
@@ -118,7 +124,7 @@ class Mismatch:
 class DiffFindings:
     a: str
     b: str | None
-    verdict: Verdict | None
+    verdict: Verdict | None  # before the ranking: a shape change (in `mismatched`) comes first
     ranked: list[TensorFinding]
     missing: list[str]  # in A, not in B
     unexpected: list[str]  # in B, not in A

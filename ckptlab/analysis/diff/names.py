@@ -135,9 +135,25 @@ def single_plan(sd: LazyStateDict, pattern) -> Plan:
     return Plan(list(pairs.values()), [], [], [], [])
 
 
+# The end of io/nested.py's note on a file that is not a state dict (a list, no tensors at all);
+# not imported from there: that module imports torch, and a safetensors diff never does.
+NOT_A_STATE_DICT = "not a state dict of named tensors"
+
+
 def nothing_to_compare(sd_a, sd_b, plan: Plan, pattern) -> str:
     if pattern is not None:
         return f"--select {pattern.pattern!r} matches no tensor" + (" present in both checkpoints" if sd_b else "")
+    sides = [sd for sd in (sd_a, sd_b) if sd is not None]
+    held = [(sd, n) for sd in sides for n in sd.notes if NOT_A_STATE_DICT in n]
+    if held:  # a .pt holding a list, or no tensors: say that, not "unrelated checkpoints?"
+        odd, note = held[0]
+        other = next((sd for sd in sides if sd is not odd), None)
+        like = (
+            f" ({other.label} has {len(other)} like {next(iter(other), 'nothing')!r})"
+            if other and len(held) == 1
+            else ""
+        )
+        return f"{note}{like}; save model.state_dict() to compare tensors by name"
     if sd_b is None:
         return f"{sd_a.label}: holds no tensors to check"
     if plan.mismatched:
