@@ -107,7 +107,28 @@ def test_report_knows_the_script_clips_and_says_so(nan_run, tmp_path):
     unknown = clipping(ckptlab.open_run(other))
     assert unknown.on is None
     assert "if the gradients are not clipped yet" in clip_remedy(unknown)
-    assert "clip gradients (clip_grad_norm_ 1.0): the Trainer" in clip_remedy(Clipping(False, "the Trainer"))
+    off = Clipping(False, "the Trainer's max_grad_norm is 0.0, so nothing clips (set it, e.g. to 1.0)")
+    assert "; clip gradients: the Trainer's max_grad_norm is 0.0" in clip_remedy(off)
+
+
+class _TrainerRun:
+    """What clipping() reads of a run recorded by a Trainer integration: its batches carry
+    the Trainer's clipping setting beside the inputs."""
+
+    def __init__(self, how: dict):
+        self.steps, self.manifest, self.how = [0], {}, how
+
+    def batch(self, step):
+        return {"inputs": {"x": [1.0]}, **self.how}, None
+
+
+def test_the_trainer_integrations_recorded_clipping_setting_is_read():
+    from ckptlab.analysis.health.clipping import clip_remedy, clipping
+
+    on = clipping(_TrainerRun({"transformers": {"max_grad_norm": 1.0}}))
+    assert on.on is True and "already clipped: the Trainer's max_grad_norm is 1.0" in clip_remedy(on)
+    off = clipping(_TrainerRun({"lightning": {"gradient_clip_val": None}}))
+    assert off.on is False and "clip gradients: the Trainer's gradient_clip_val is None" in clip_remedy(off)
 
 
 def test_an_explosion_without_bad_data_advises_clipping_only_conditionally(run_dir):

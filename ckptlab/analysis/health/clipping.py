@@ -19,6 +19,7 @@ import ast
 import os
 from dataclasses import dataclass
 
+from ckptlab.errors import CkptlabError
 from ckptlab.io.files import read_text
 from ckptlab.run.manifest import inside, resolve_file
 from ckptlab.run.reader import Run
@@ -57,7 +58,7 @@ def clip_remedy(c: Clipping, rest: str = "lower the learning rate or lengthen wa
     if c.on:
         return f"{rest} (gradients are already clipped: {c.how})"
     if c.on is False:
-        return f"{rest}; clip gradients (clip_grad_norm_ 1.0): {c.how}"
+        return f"{rest}; clip gradients: {c.how}"
     return f"{rest}; if the gradients are not clipped yet, clip them (clip_grad_norm_ 1.0)"
 
 
@@ -68,15 +69,13 @@ def _from_batch(run: Run, step: int) -> Clipping | None:
         return None
     if not isinstance(batch, dict):
         return None
-    hf, pl = batch.get("transformers"), batch.get("lightning")
-    if isinstance(hf, dict) and "max_grad_norm" in hf:
-        v = hf["max_grad_norm"]
-        on = isinstance(v, (int, float)) and 0 < v < float("inf")
-        return Clipping(on, f"the Trainer's max_grad_norm is {v}")
-    if isinstance(pl, dict) and "gradient_clip_val" in pl:
-        v = pl["gradient_clip_val"]
-        on = isinstance(v, (int, float)) and v > 0
-        return Clipping(on, f"the Trainer's gradient_clip_val is {v}")
+    for integration, key in (("transformers", "max_grad_norm"), ("lightning", "gradient_clip_val")):
+        how = batch.get(integration)
+        if isinstance(how, dict) and key in how:
+            v = how[key]
+            on = isinstance(v, (int, float)) and 0 < v < float("inf")
+            said = f"the Trainer's {key} is {v}"
+            return Clipping(on, said if on else f"{said}, so nothing clips (set it, e.g. to 1.0)")
     return None
 
 
@@ -99,19 +98,23 @@ def _from_source(run: Run) -> Clipping:
 def _parse(run: Run, desc: dict) -> ast.Module | None:
     """step_fn's file: the run's own copy of it, else where it was recorded (parsed only)."""
     candidates = []
-    if isinstance(desc.get("source_copy"), str):
-        copy = run.path / desc["source_copy"]
-        if inside(copy, run.path):
-            candidates.append(copy)
-    found = resolve_file(desc, run.path)
-    if found is not None:
-        candidates.append(found)
+    try:
+        if isinstance(desc.get("source_copy"), str):
+            copy = run.path / desc["source_copy"]
+            if inside(copy, run.path):
+                candidates.append(copy)
+        found = resolve_file(desc, run.path)
+        if found is not None:
+            candidates.append(found)
+    except (OSError, TypeError, ValueError):  # a manifest whose paths are not paths
+        pass
     for path in candidates:
         try:
             if os.path.getsize(path) > MAX_SOURCE_BYTES:
                 continue
             return ast.parse(read_text(path))
-        except (OSError, ValueError, SyntaxError):  # missing, not UTF-8, not Python: try the next
+        # missing, not a regular file, not UTF-8, not Python, nested too deep: try the next
+        except (OSError, CkptlabError, ValueError, SyntaxError, RecursionError, MemoryError):
             continue
     return None
 
