@@ -8,10 +8,11 @@
 `root` is rootstep.py's RootStep. A culprit test replays the root step from the state it started
 in (one replay each) and counts as "still faults" only the root step's own kind of fault
 (`same_fault`: a non-finite root needs a non-finite value, so a one-row batch that merely
-spikes against the run's history does not count); an earlier-cause test replays the window from its checkpoint with some
-steps (or rows) left out (one replay each, of every step from the checkpoint to the requested
-one). A search that runs out of budget keeps the best answer so far and says so. The report
-holds the earlier cause under `rewind` (and a budget spent on it as "rewind").
+spikes against the run's history does not count); an earlier-cause test replays the window
+from its checkpoint with some steps (or rows) left out (one replay each, of every step from the
+checkpoint to the requested one). A search that runs out of budget keeps the best answer so far
+and says so. The report holds the earlier cause under `rewind` (and a budget spent on it as
+"rewind").
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ Three stages, each usable alone:
 Ranking: each reason has a base score (non-finite 100 ... length outlier 20); a row flagged by
 content in a step that also spiked gains 15, since two independent signals agree.
 
-Here: `scan`, `batch_flags` (one batch's own content flags, for `report`), the skip list and the verdict (`verdict(report, written=path)` says it anew
-once the skip list is written or changed). Modules: `findings` (DirtyRules, scores, DirtyRow,
-DirtyReport), `static` (the pass over the batches), `fields` (what the pass keeps per field),
-`checks` (the run-wide checks after it), `dynamic` (step health), `attribution` (per-row replay).
+Here: `scan`, `batch_flags` (one batch's own content flags, for `report`), the skip list and
+the verdict (`verdict(report, written=path)` says it anew once the skip list is written or
+changed). Modules: `findings` (DirtyRules, scores, DirtyRow, DirtyReport), `static` (the pass
+over the batches), `fields` (what the pass keeps per field), `checks` (the run-wide checks after
+it), `dynamic` (step health), `attribution` (per-row replay).
 """
 
 from __future__ import annotations
