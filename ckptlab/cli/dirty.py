@@ -73,23 +73,22 @@ def command(
     another sample id. Dynamic: loss and gradient-norm spikes (thresholds settable; see
     docs/dirty.md), non-finite losses and gradients, mapped to their batches. With --attribute, flagged
     steps are replayed for per-row loss and gradient norm. Prints a ranked list of
-    (step, row, sample_id, reason, evidence); --out writes the skip list.
+    (step, row, sample_id, reason, evidence); the skip list is written only with --out.
     """
     from dataclasses import replace
 
-    from ckptlab.analysis.dirty import scan, skip_ids, write_skip_list
+    from ckptlab.analysis.dirty import scan, skip_ids, verdict, write_skip_list
     from ckptlab.analysis.dirty.findings import DirtyRules
     from ckptlab.render.dirty import render
     from ckptlab.run.reader import open_run
 
     term = open_terminal(as_json)
     run = open_run(find_run(run_dir, term))
-    rules = DirtyRules()
     rules = replace(
-        rules,
-        loss_spike=_rule(rules.loss_spike, loss_z, window, loss_ratio),
-        grad_spike=_rule(rules.grad_spike, grad_z, window, grad_ratio),
-        extreme_z=extreme_z if extreme_z is not None else rules.extreme_z,
+        DirtyRules(),
+        loss_spike=_rule(DirtyRules().loss_spike, loss_z, window, loss_ratio),
+        grad_spike=_rule(DirtyRules().grad_spike, grad_z, window, grad_ratio),
+        extreme_z=extreme_z if extreme_z is not None else DirtyRules().extreme_z,
     )
     info = {k: v for k, v in (("pad_id", pad_id), ("vocab_size", vocab_size)) if v is not None}
     attribute_rows, unavailable = _attribution(run, trust_code) if attribute else (None, None)
@@ -103,6 +102,7 @@ def command(
     if out_path is not None:
         write_skip_list(report, out_path)
         term.note(f"wrote {out_path} ({len(report.skip_ids)} sample ids)")
+    report.verdict = verdict(report, written=out_path)  # the skip list as it now is, written or not
     if as_json:
         term.json(report)
     else:

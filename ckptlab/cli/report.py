@@ -41,7 +41,8 @@ def command(run_dir, as_json: bool, html_path: Path | None, no_weights: bool, pa
 
     \b
     The loss curve is classified (fast drop, slow drop, flat, NaN/Inf explosion, overfitting,
-    oscillation, plateau, spikes and how they recovered), gradients checked (explosion,
+    oscillation, plateau, spikes and how they recovered); a NaN/Inf that a recorded batch
+    carried in names its row and sample id instead. Gradients are checked (explosion,
     vanishing, dead, per-layer imbalance) and parameters (frozen, update ratio outside
     [1e-3, 1e-1], non-finite or exploding weights, drift across checkpoints). Language
     models also get perplexity. Each finding comes with its steps, evidence and remedies.

@@ -19,6 +19,7 @@ from ckptlab.replayer.optstate import in_tune
 from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.precision import in_float32
 from ckptlab.replayer.rootstep import RootStep
+from ckptlab.replayer.search import faults_again
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import restore_snapshot
@@ -49,14 +50,20 @@ def _without_rows(root: RootStep, samples: list[SampleBlame]) -> list[Counterfac
         return [Counterfactual(question, None, "every row is blamed; nothing left to run")]
     h = root.step(select_rows(root.rec.batch, keep, root.rows))
     found = root.fault(h)
+    still = faults_again(root)(found)
     return [
         Counterfactual(
             f"does step {root.root} still fail without the blamed rows ({ids})?",
-            bool(found),
+            still,
             f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
-            + (f" -> still {', '.join(found)}" if found else " -> the fault vanishes"),
+            + (f" -> still {', '.join(found)}" if still else " -> the fault vanishes" + _others(found)),
         )
     ]
+
+
+def _others(found: list[str]) -> str:
+    """The anomalies of a replay that are not the root step's kind of fault (search.same_fault)."""
+    return f" ({', '.join(found)} remain: another kind of fault)" if found else ""
 
 
 def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
@@ -187,16 +194,16 @@ def _older_state(root: RootStep, samples: list[SampleBlame]) -> list[Counterfact
     h = root.replayer.run_step(t, root.rec)
     root.replayer.close(t)
     found = root.fault(h)
-    root.older_fault = bool(found)
+    root.older_fault = faults_again(root)(found)
     return [
         Counterfactual(
             f"does the same batch fail from the older model state at step {c}?",
-            bool(found),
+            root.older_fault,
             f"from checkpoint {c}: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
             + (
                 " -> fails too: the data alone triggers it"
-                if found
-                else " -> no fault: it needs this model state as well as this data"
+                if root.older_fault
+                else " -> no fault: it needs this model state as well as this data" + _others(found)
             ),
         )
     ]

@@ -6,10 +6,13 @@
     earlier = earlier_cause(root, budget)       # the earliest step whose removal prevents it
 
 `root` is rootstep.py's RootStep. A culprit test replays the root step from the state it started
-in (one replay each); an earlier-cause test replays the window from its checkpoint with some
-steps (or rows) left out (one replay each, of every step from the checkpoint to the requested
-one). A search that runs out of budget keeps the best answer so far and says so. The report
-holds the earlier cause under `rewind` (and a budget spent on it as "rewind").
+in (one replay each) and counts as "still faults" only the root step's own kind of fault
+(`same_fault`: a non-finite root needs a non-finite value, so a one-row batch that merely
+spikes against the run's history does not count); an earlier-cause test replays the window
+from its checkpoint with some steps (or rows) left out (one replay each, of every step from the
+checkpoint to the requested one). A search that runs out of budget keeps the best answer so far
+and says so. The report holds the earlier cause under `rewind` (and a budget spent on it as
+"rewind").
 """
 
 from __future__ import annotations
@@ -36,6 +39,27 @@ from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rootstep import RootStep
 
 DEFAULT_BUDGET = 32
+
+
+def same_fault(original: list[str]) -> Callable[[list[str]], bool]:
+    """Whether a replay's anomalies are the original fault again: for a non-finite original,
+    a non-finite loss, gradient or weight (a spike alone is another fault: one row's loss
+    against the run's batch-mean history spikes easily); else one of the original's kinds
+    (any anomaly where the original showed none)."""
+    nonfinite = any(k.startswith("nonfinite") for k in original)
+    kinds = set(original)
+
+    def again(found: list[str]) -> bool:
+        if nonfinite:
+            return any(k.startswith("nonfinite") for k in found)
+        return bool(kinds & set(found)) if kinds else bool(found)
+
+    return again
+
+
+def faults_again(root: RootStep) -> Callable[[list[str]], bool]:
+    """`same_fault` of the root step as replayed (root.base)."""
+    return same_fault(root.fault(root.base))
 
 
 class Budget:
@@ -94,6 +118,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     blamed = sorted({r for r in map(_batch_row, rep.samples) if 0 <= r < n})
     if not blamed:
         return None
+    again = faults_again(root)
 
     def faults(rows: list[int], batch=None) -> bool | None:
         if not budget.take("culprit"):
@@ -102,7 +127,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
             h = root.step(batch if batch is not None else select_rows(root.rec.batch, rows, n))
         except Exception:  # noqa: BLE001 - a model that cannot take this many rows (BatchNorm...)
             return False
-        return bool(root.fault(h))
+        return again(root.fault(h))
 
     start = blamed
     alone = faults(blamed) if len(blamed) < n else True
@@ -160,7 +185,8 @@ def _sequence_length(batch, rows: int) -> int | None:
 
 def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
     """Which positions of the culprit rows the fault needs: the others come from a healthy row
-    (a row of the same batch that is not blamed), field by field along dimension 1."""
+    (a row of the same batch that is not blamed), field by field along dimension 1; then,
+    of several such fields, the fewest whose values at those positions it needs."""
     healthy = [r for r in range(n) if r not in set(map(_batch_row, root.report.samples))]
     T = _sequence_length(root.rec.batch, n)
     if not healthy or T is None:
@@ -174,14 +200,17 @@ def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == k and leaf.shape[1] == T
     ]
 
-    def keeping(positions: list[int]):
+    def keeping(positions: list[int], only: list[str] = fields):
+        kept = {id(leaf) for path, leaf in python_leaves(bad) if path in only}
+
         def mix(b, d):
             if not isinstance(b, torch.Tensor) or b.dim() < 2 or b.shape[0] != k or b.shape[1] != T:
                 return b
             if b.dtype == torch.bool:
                 return b
             out = d.clone()
-            out[:, positions] = b[:, positions]
+            if id(b) in kept:
+                out[:, positions] = b[:, positions]
             return out
 
         return zip_leaves(mix, bad, donor)
@@ -194,6 +223,8 @@ def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
         culprit.fields, culprit.positions = fields, []
         return
     positions, complete = ddmin(list(range(T)), lambda p: faults(culprit.rows, keeping(p)))
+    if complete and len(fields) > 1:
+        fields, complete = ddmin(fields, lambda fs: faults(culprit.rows, keeping(positions, fs)))
     culprit.fields, culprit.positions = fields, sorted(positions)
     culprit.minimal = complete
 
@@ -225,7 +256,7 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
         if not budget.take("transplant"):
             return
         try:
-            culprit.transplant_fault = bool(root.fault(root.step(batch)))
+            culprit.transplant_fault = faults_again(root)(root.fault(root.step(batch)))
         except Exception:  # noqa: BLE001
             return
         culprit.transplant_step = s

@@ -206,10 +206,11 @@ def test_nan_explosion(tmp_path):
 
     models.record_run(tmp_path / "r", am.build_healthy, models.step_mlp, batches(), ckpt_every=10, health_every=5)
     r = diagnose(ckptlab.open_run(tmp_path / "r"))
-    f = r.findings[0]
-    assert (f.kind, f.severity, f.evidence["first_step"]) == ("explosion", "error", 30)
-    assert r.curve.kind == "explosion"
-    assert "ckptlab replay --step 30" in f.remedies[0]
+    f = r.findings[0]  # the NaN came in with row 0 of the batch: data, not an explosion
+    assert (f.kind, f.severity, f.evidence["first_step"]) == ("nonfinite_data", "error", 30)
+    assert r.curve.kind == "nonfinite_data"
+    assert [(x["row"], x["sample_id"]) for x in f.evidence["rows"]] == [(0, 30000)]
+    assert any("ckptlab replay --step 30" in x for x in f.remedies)
 
 
 def test_all_nan_run_is_broken_not_frozen(tmp_path):
@@ -219,7 +220,7 @@ def test_all_nan_run_is_broken_not_frozen(tmp_path):
         tmp_path / "r", am.build_healthy, models.step_mlp, am.nan_batches(30), stop_on_nonfinite=False, ckpt_every=10
     )
     r = diagnose(ckptlab.open_run(tmp_path / "r"))
-    assert {"explosion", "nonfinite_gradient", "nonfinite_weights"} <= kinds(r)
+    assert {"nonfinite_data", "nonfinite_gradient", "nonfinite_weights"} <= kinds(r)
     assert "frozen" not in kinds(r), r.verdict
 
 

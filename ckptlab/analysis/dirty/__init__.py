@@ -22,9 +22,11 @@ Three stages, each usable alone:
 Ranking: each reason has a base score (non-finite 100 ... length outlier 20); a row flagged by
 content in a step that also spiked gains 15, since two independent signals agree.
 
-Here: `scan`, the skip list and the verdict. Modules: `findings` (DirtyRules, scores, DirtyRow,
-DirtyReport), `static` (the pass over the batches), `fields` (what the pass keeps per field),
-`checks` (the run-wide checks after it), `dynamic` (step health), `attribution` (per-row replay).
+Here: `scan`, `batch_flags` (one batch's own content flags, for `report`), the skip list and
+the verdict (`verdict(report, written=path)` says it anew once the skip list is written or
+changed). Modules: `findings` (DirtyRules, scores, DirtyRow, DirtyReport), `static` (the pass
+over the batches), `fields` (what the pass keeps per field), `checks` (the run-wide checks after
+it), `dynamic` (step health), `attribution` (per-row replay).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections.abc import Callable
 
 from ckptlab.analysis.dirty.attribution import attribution_rows
 from ckptlab.analysis.dirty.dynamic import corroborate, dynamic_flags, step_rows
-from ckptlab.analysis.dirty.findings import DEFAULT_RULES, SKIP_REASONS, Attribute, DirtyReport, DirtyRules
+from ckptlab.analysis.dirty.findings import DEFAULT_RULES, SKIP_REASONS, Attribute, DirtyReport, DirtyRow, DirtyRules
 from ckptlab.analysis.dirty.static import StaticScan
 from ckptlab.errors import CkptlabError
 from ckptlab.run import skiplist
@@ -95,8 +97,27 @@ def scan(
         notes=static.notes,
     )
     report.skip_ids = skip_ids(report)
-    report.verdict = _verdict(report)
+    report.verdict = verdict(report)
     return report
+
+
+# The reasons the static stage finds in one batch alone, without the run's statistics.
+BATCH_REASONS = ("nonfinite", "out_of_range", "empty")
+
+
+def batch_flags(
+    run: Run, step: int, rank: int | None = None, rules: DirtyRules = DEFAULT_RULES, data_info: dict | None = None
+) -> list[DirtyRow]:
+    """The rows of one step's batch that `scan`'s static stage flags from that batch alone
+    (BATCH_REASONS: non-finite values, token ids out of range, empty rows), most suspicious
+    first; none when the batch is not retained or not readable. `ckptlab report` names with it
+    the rows behind a non-finite step without scanning the whole run."""
+    if step not in (run.steps if rank is None else run.steps_of(rank)):
+        return []
+    static = StaticScan(run, rules, {**(run.manifest.get("data_info") or {}), **(data_info or {})})
+    static.add(step, rank)
+    rows = [r for r in static.pass_flags() if r.reason in BATCH_REASONS]
+    return sorted(rows, key=lambda r: (-r.score, -1 if r.row is None else r.row, r.reason))
 
 
 def skip_ids(report: DirtyReport, *, whole_batches: bool = True) -> list:
@@ -139,17 +160,31 @@ def write_skip_list(report: DirtyReport, path: str | os.PathLike) -> dict:
     return skiplist.write(path, report.skip_ids, list(entries.values()), run=report.run)
 
 
-def _verdict(report: DirtyReport) -> str:
+def verdict(report: DirtyReport, written: str | os.PathLike | None = None) -> str:
+    """One sentence: how many rows (each counted once, whatever its reasons) and steps look
+    wrong, the worst, and the skip list: written to `written`, or not written yet."""
     rows = [r for r in report.flagged if r.row is not None]
     steps = [r for r in report.flagged if r.row is None]
     if not rows and not steps:
         return f"No dirty data found in {report.scanned['steps']} retained batches ({report.scanned['rows']} rows)."
     parts = []
     if rows:
-        kinds = Counter(r.reason for r in rows)
-        parts.append(f"{len(rows)} suspicious row(s) (" + ", ".join(f"{n} {k}" for k, n in kinds.most_common()) + ")")
+        distinct = {(r.step, r.rank, r.row) for r in rows}
+        kinds = Counter(r.reason for r in rows)  # one entry per (row, reason): rows per reason
+        parts.append(
+            f"{len(distinct)} suspicious row{'' if len(distinct) == 1 else 's'} ("
+            + ", ".join(f"{k}: {n}" for k, n in kinds.most_common())
+            + ")"
+        )
     if steps:
         parts.append(f"{len({r.step for r in steps})} step(s) with loss/gradient trouble")
     top = report.flagged[0]
     where = f"step {top.step}" + (f" row {top.row} (sample {top.sample_id!r})" if top.row is not None else "")
-    return f"{'; '.join(parts)}; worst: {where}, {top.reason}. Skip list: {len(report.skip_ids)} sample id(s)."
+    n = len(report.skip_ids)
+    if written is not None:
+        skip = f"Skip list: {n} sample id(s), written to {written}."
+    elif n:
+        skip = f"Skip list: {n} sample id(s), not written (ckptlab dirty --out skip.json writes it)."
+    else:
+        skip = "Skip list: empty."
+    return f"{'; '.join(parts)}; worst: {where}, {top.reason}. {skip}"

@@ -110,18 +110,22 @@ def _blame(step: int, rows: list[tuple[int, Any, float, float]], rules: DirtyRul
 
 def _stand_out(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row: its share of the batch's excess over the median, and its ratio to the median
-    of the other rows (0 where not measured)."""
+    of the other rows. A row whose own value is not finite has a non-finite ratio and share (an
+    infinite ratio to a positive median, else NaN: not a number to rank by, and not zero); so
+    does every row when fewer than two are finite (nothing to compare with)."""
     finite = np.isfinite(x)
-    share, ratio = np.zeros(len(x)), np.zeros(len(x))
+    share, ratio = np.full(len(x), math.nan), np.full(len(x), math.nan)
     if finite.sum() < 2:
         return share, ratio
     med = float(np.median(x[finite]))
     excess = np.where(finite, np.maximum(x - med, 0.0), 0.0)
-    if excess.sum() > 0:
-        share = excess / excess.sum()
-    for i in np.flatnonzero(finite):
+    share[finite] = excess[finite] / excess.sum() if excess.sum() > 0 else 0.0
+    for i in range(len(x)):
         others = np.delete(x, i)
         others = others[np.isfinite(others)]
         m = float(np.median(others)) if len(others) else math.nan
-        ratio[i] = x[i] / m if m > 0 else (math.inf if x[i] > 0 else 0.0)
+        if finite[i]:
+            ratio[i] = x[i] / m if m > 0 else (math.inf if x[i] > 0 else 0.0)
+        elif x[i] == math.inf and m > 0:
+            ratio[i] = math.inf
     return share, ratio

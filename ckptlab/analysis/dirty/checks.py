@@ -4,6 +4,7 @@ statistics, and duplicates. Each returns its flags as (global row, reason, evide
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -124,9 +125,11 @@ def _robust(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mostly-constant or sparse binary feature) the spread of the central 99.8% stands in, so
     the occasional 1 in a column of 0s is not "infinitely" extreme; then the magnitude."""
     Xf = np.where(np.isfinite(X), X, np.nan)
-    med = np.nanmedian(Xf, 0)
-    mad = np.nan_to_num(1.4826 * np.nanmedian(np.abs(Xf - med), 0))
-    lo, hi = np.nanpercentile(Xf, [0.1, 99.9], axis=0)
+    with warnings.catch_warnings():  # a column with no finite value: NaN, then 0 below, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        med = np.nanmedian(Xf, 0)
+        mad = np.nan_to_num(1.4826 * np.nanmedian(np.abs(Xf - med), 0))
+        lo, hi = np.nanpercentile(Xf, [0.1, 99.9], axis=0)
     spread = np.nan_to_num((hi - lo) / 6.18)
     magnitude = np.maximum(np.abs(np.nan_to_num(med)), 1e-12) * 1e-3
     scale = np.where(mad > 0, mad, np.where(spread > 0, spread, magnitude))

@@ -200,6 +200,14 @@ class StaticScan:
             *extreme_flags(self.floats.values(), self.rules),
             *duplicates,
         ]
+        return self._scored(flags)
+
+    def pass_flags(self) -> list[DirtyRow]:
+        """The flags of the pass alone (what each batch shows by itself: non-finite values,
+        empty rows, token ids out of range), as scored rows, without the run-wide checks."""
+        return self._scored(self.flags)
+
+    def _scored(self, flags: list[Flag]) -> list[DirtyRow]:
         out = []
         for g, reason, ev in flags:
             row = self.rows[g]

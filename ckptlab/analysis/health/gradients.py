@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ckptlab.analysis.anomalies import grad_explosions, nonfinite_grad
+from ckptlab.analysis.health.clipping import clip_remedy
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import SCALER_SKIP_SHARE, Finding, HealthRules
 
@@ -42,8 +43,7 @@ def gradient_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
                 "over_threshold": len(big),
             },
             remedies=[
-                "clip gradients (torch.nn.utils.clip_grad_norm_(params, 1.0))",
-                "lower the learning rate or lengthen warm-up",
+                clip_remedy(d.clipping),
                 "look for bad samples at those steps: ckptlab dirty",
             ],
         )

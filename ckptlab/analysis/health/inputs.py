@@ -1,5 +1,5 @@
-"""What the detectors read: a run's metrics, validation series, parameter shapes and weight
-snapshots, loaded once per report (`RunData`)."""
+"""What the detectors read: a run's metrics, validation series, parameter shapes, weight
+snapshots and whether it clips its gradients, loaded once per report (`RunData`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ckptlab.analysis.health.clipping import Clipping, clipping
 from ckptlab.analysis.health.earlystop import EarlyStop, early_stopping, validation_series
 from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.analysis.health.snapshots import WeightSnapshot, weight_snapshots
@@ -23,6 +24,11 @@ class RunData:
     val: list[tuple[int, float]]  # its finite points
     stop: EarlyStop | None  # early stopping over them, with the report's patience
     snapshots: list[WeightSnapshot]
+
+    @cached_property
+    def clipping(self) -> Clipping:
+        """Whether the run clips its gradients, as far as it records (clipping.py)."""
+        return clipping(self.run)
 
     @cached_property
     def shapes(self) -> dict[str, tuple]:

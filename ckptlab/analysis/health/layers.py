@@ -245,21 +245,40 @@ def update_ratio_band(d: RunData, rules: HealthRules) -> list[Finding]:
             )
         )
     if low:
-        worst = min(low.values())
-        severe = any(v < lo / 10 and not is_embedding(n) for n, v in low.items())
-        out.append(
-            Finding(
-                kind="update_ratio_low",
-                severity="warning" if severe else "info",
-                title=f"{few(sorted(low, key=low.__getitem__))} learn slowly: updates are {worst:.2g} of their norm per step (below {lo:g})",
-                steps=steps,
-                evidence={"median_update_ratio": low, "band": [lo, hi]},
-                params=sorted(low),
-                remedies=[
-                    "raise the learning rate (for these layers: a separate param group)",
-                    "check the layer's gradient (vanishing? imbalanced?) and its weight scale",
-                    "embeddings update only the rows in the batch, so their ratio is naturally lower",
-                ],
-            )
-        )
+        out.append(_low_ratio(d, low, steps, rules))
     return out
+
+
+def _low_ratio(d: RunData, low: dict[str, float], steps: list[int], rules: HealthRules) -> Finding:
+    lo, hi = rules.update_ratio_band
+    worst = min(low.values())
+    severe = any(v < lo / 10 and not is_embedding(n) for n, v in low.items())
+    names = sorted(low, key=low.__getitem__)
+    one = len(names) == 1
+    # The layer with the fewest inputs starts with the largest weights (init ~ 1/sqrt(fan_in)):
+    # an optimizer step of the same size is a smaller share of it (Adam's is ~lr per element).
+    fan_in = {n: math.prod(sh[1:]) for n, sh in d.shapes.items() if len(sh) >= 2}
+    widest = [n for n in names if fan_in.get(n) is not None and fan_in[n] == min(fan_in.values())]
+    return Finding(
+        kind="update_ratio_low",
+        severity="warning" if severe else "info",
+        title=f"{few(names)} {'learns' if one else 'learn'} slowly: {'its' if one else 'their'} updates are "
+        f"{worst:.2g} of {'its' if one else 'their'} norm per step (below {lo:g})",
+        steps=steps,
+        evidence={"median_update_ratio": low, "band": [lo, hi]},
+        params=sorted(low),
+        remedies=[
+            "raise the learning rate (for these layers: a separate param group)",
+            "check the layer's gradient (vanishing? imbalanced?) and its weight scale",
+            "embeddings update only the rows in the batch, so their ratio is naturally lower",
+        ]
+        + (
+            [
+                f"{few(widest)}: the layer with the fewest inputs ({fan_in[widest[0]]}) starts with the largest "
+                "weights, so the same step moves it least; below the band by less than 10x, as here, that is "
+                "information on a run whose loss falls, not a fault"
+            ]
+            if widest and not severe
+            else []
+        ),
+    )

@@ -9,8 +9,10 @@ import math
 import numpy as np
 
 from ckptlab.analysis.anomalies import nonfinite_loss
+from ckptlab.analysis.health.clipping import clip_remedy
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules
+from ckptlab.analysis.health.samples import nonfinite_data, nonfinite_rows
 from ckptlab.analysis.health.series import block_medians, rolling_median
 from ckptlab.analysis.spikes import Spike, find_spikes
 from ckptlab.run.reader import Metrics
@@ -51,7 +53,10 @@ def curve_shape(loss: np.ndarray) -> str:
 
 
 def loss_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
-    """The loss became NaN/Inf (anomalies.nonfinite_loss): an error, finding kind "explosion"."""
+    """The loss became NaN/Inf (anomalies.nonfinite_loss): an error. When the recorded batch
+    that carried it in holds non-finite values (samples.py), the finding is "nonfinite_data"
+    and names the rows and sample ids; else "explosion", whose remedy about clipping follows
+    what the run records about it (clipping.py)."""
     m = d.m
     bad = np.flatnonzero(nonfinite_loss(m.loss))
     if len(bad) == 0:
@@ -60,22 +65,26 @@ def loss_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
     before = m.loss[max(0, i - 20) : i]
     before = before[np.isfinite(before)]
     rising = len(before) >= 5 and before[-1] > 2 * np.median(before)
+    evidence = {
+        "first_step": int(m.step[i]),
+        "nonfinite_steps": int(len(bad)),
+        "loss_before": [float(x) for x in before[-5:]],
+        "grad_norm_before": [float(x) for x in m.grad_norm[max(0, i - 5) : i]],
+    }
+    carried = nonfinite_rows(d, i)
+    if carried is not None:
+        return [nonfinite_data(d, i, [int(s) for s in m.step[bad]], evidence, *carried)]
     return [
         Finding(
             kind="explosion",
             severity="error",
             title=f"loss became {m.loss[i]} at step {m.step[i]}" + (" after rising sharply" if rising else ""),
             steps=[int(s) for s in m.step[bad[:20]]],
-            evidence={
-                "first_step": int(m.step[i]),
-                "nonfinite_steps": int(len(bad)),
-                "loss_before": [float(x) for x in before[-5:]],
-                "grad_norm_before": [float(x) for x in m.grad_norm[max(0, i - 5) : i]],
-            },
+            evidence=evidence,
             remedies=[
                 f"find the cause: ckptlab replay --step {int(m.step[i])}",
                 "check that batch for bad values: ckptlab dirty",
-                "lower the learning rate or lengthen warm-up; clip gradients (clip_grad_norm_ 1.0)",
+                clip_remedy(d.clipping),
                 "compute softmax/log/loss in float32; add eps to divisions and norms",
             ],
         )

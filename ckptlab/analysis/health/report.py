@@ -72,6 +72,7 @@ DETECTORS: list[Detector] = [*LOSS_DETECTORS, *RUN_DETECTORS]
 # Findings marked on the HTML page's loss and gradient charts, at their steps.
 MARKED = (
     "explosion",
+    "nonfinite_data",
     "loss_spike",
     "gradient_explosion",
     "nonfinite_gradient",

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, nonfinite_weight, update_exploded
+from ckptlab.analysis.health.clipping import clip_remedy
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules, few
 from ckptlab.analysis.health.snapshots import WeightSnapshot
@@ -36,7 +37,7 @@ def update_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
             evidence={"max": float(worst_ratio), "max_step": int(m.step[worst]), "threshold": UPDATE_EXPLOSION},
             remedies=[
                 f"find the cause: ckptlab replay --step {int(m.step[bad[0]])}",
-                "lower the learning rate or lengthen warm-up; clip gradients (clip_grad_norm_ 1.0)",
+                clip_remedy(d.clipping),
             ],
         )
     ]
