@@ -224,7 +224,10 @@ class MLflow:
         history = self.client.get_metric_history
         held = {(name, m.step) for name in names for m in history(self.run_id, name) if m.step in steps}
         self.log_rows(
-            [replace(r, scalars={k: v for k, v in r.scalars.items() if (self.prefix + k, r.step) not in held}) for r in rows]
+            [
+                replace(r, scalars={k: v for k, v in r.scalars.items() if (self.prefix + k, r.step) not in held})
+                for r in rows
+            ]
         )
         return len(held)
 

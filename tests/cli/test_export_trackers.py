@@ -218,6 +218,23 @@ def test_a_store_that_cannot_be_opened_is_one_line(cli, run, tmp_path, monkeypat
         assert "pip install 'ckptlab[mlflow]'" in lines[0]
 
 
+def test_a_store_that_fails_midway_is_one_line_and_the_mlflow_run_says_failed(cli, run, tmp_path, monkeypatch):
+    from ckptlab.trackers.mlflow_tracker import MLflow
+
+    def disk_full(self, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MLflow, "log_rows", disk_full)
+    store = tmp_path / "mlruns"
+    r = cli("export", "--run", run.path, "--mlflow", store, "--no-grads", "--no-html")
+    assert r.code == 1 and r.out == ""
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and "the MLflow store failed while exporting" in lines[0], r.err
+    assert "No space left on device" in lines[0] and str(store) in lines[0]
+    _, found = mlflow_run(store.resolve().as_uri())
+    assert found.info.status == "FAILED"  # not FINISHED: the next export goes on from its cursor
+
+
 @pytest.mark.parametrize(("flag", "package"), [("--mlflow", "mlflow"), ("--wandb", "wandb")])
 def test_a_missing_extra_is_one_line(cli, run, tmp_path, monkeypatch, flag, package):
     monkeypatch.setitem(sys.modules, package, None)  # what `import` sees when it is not installed
