@@ -218,18 +218,33 @@ class MLflow:
 
     def log_rows_once(self, rows: list[Row]) -> int:
         """`log_rows` for rows that an interrupted export may have sent in part: a point
-        whose (name, step) the run already holds is not sent again. Returns how many were not."""
-        names = {self.prefix + k for r in rows for k in r.scalars}
-        steps = {r.step for r in rows}
-        history = self.client.get_metric_history
-        held = {(name, m.step) for name in names for m in history(self.run_id, name) if m.step in steps}
-        self.log_rows(
-            [
-                replace(r, scalars={k: v for k, v in r.scalars.items() if (self.prefix + k, r.step) not in held})
-                for r in rows
-            ]
-        )
-        return len(held)
+        whose (name, step) the run already holds is not sent again. Returns how many were not.
+
+        An export sends a batch's points in step order (`log_rows`: row by row, in calls of
+        METRICS_PER_CALL that each land whole in a SQL store, or as a prefix in a folder), so
+        what a killed export left of a name is its points up to the highest step the run holds
+        of it: one `get_run`, not every name's history, tells what is there."""
+        last = self._last_steps({self.prefix + k for r in rows for k in r.scalars})
+        held = 0
+        again = []
+        for r in rows:
+            keep = {k: v for k, v in r.scalars.items() if r.step > last.get(self.prefix + k, -1)}
+            held += len(r.scalars) - len(keep)
+            again.append(replace(r, scalars=keep))
+        self.log_rows(again)
+        return held
+
+    def _last_steps(self, names: set[str]) -> dict[str, int]:
+        """name -> the highest step of it the run holds (MLflow's latest metric is the one of
+        the highest step); from each name's history where the run's data does not say."""
+        latest = getattr(self.client.get_run(self.run_id).data, "_metric_objs", None)
+        if latest is None:
+            history = self.client.get_metric_history
+            return {n: max((m.step for m in history(self.run_id, n)), default=-1) for n in names}
+        last: dict[str, int] = {}
+        for m in latest:
+            last[m.key] = max(last.get(m.key, -1), m.step)
+        return last
 
     def alert(self, a: Alert) -> None:
         self.client.set_tag(self.run_id, f"ckptlab.anomaly.{a.step:08d}", a.text)

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -283,6 +284,20 @@ def forked_export(args: list[str], kill: str) -> int:
     return pid
 
 
+def wait_child(pid: int, timeout: float) -> int:
+    """The forked child's wait status; one that hangs (a lock some thread held at the fork)
+    is killed after `timeout` s and fails its test, rather than the whole run hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGTERM)
+            return os.waitpid(pid, 0)[1]
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def killed(run, tmp_path_factory):
     """Every export below, started at once and killed at its instant: name -> its store. The
@@ -319,7 +334,7 @@ def killed(run, tmp_path_factory):
             os.chdir(cwd)
     killed = {}  # name -> whether it died at its instant (each test checks its own)
     for name, pid in pids.items():
-        _, status = os.waitpid(pid, 0)
+        status = wait_child(pid, timeout=120)
         killed[name] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     for name, p in procs.items():
         p.communicate(timeout=120)
