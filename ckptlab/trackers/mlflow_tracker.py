@@ -152,8 +152,9 @@ class MLflow:
             someone else owns (`run_id`), so ckptlab's `train/loss` never mixes with yours.
         tags: tags of a new run.
 
-    The store is checked (and the run created) here: a missing package or an unreachable
-    tracking server is one CkptlabError before training starts. A Tracker (trackers/tracker.py)
+    The store is checked (and the run created) here: a missing package, a store that cannot be
+    opened (`open_client`) or an unreachable tracking server is one CkptlabError before
+    training starts. A Tracker (trackers/tracker.py)
     for the Recorder, and an ExportSink (render/export.py) for `ckptlab export --mlflow`.
     """
 
