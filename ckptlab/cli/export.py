@@ -23,8 +23,9 @@ from ckptlab.cli.common import end_with_problems, find_run, json_option, open_te
     "mlflow_uri",
     default=None,
     metavar="URI",
-    help="Log into an MLflow tracking store: a local folder or file: URI, or a server (http://host:5000). "
-    "The run is found again by its tag ckptlab.run on the next export.",
+    help="Log into an MLflow tracking store: sqlite:///mlflow.db (MLflow 3's local default), a server "
+    "(http://host:5000), or a folder / file: URI (MLflow's file store). The run is found again by its tag "
+    "ckptlab.run on the next export.",
 )
 @click.option(
     "--wandb",
@@ -75,9 +76,10 @@ def command(
     and one alert line per anomaly episode (with the replay command). Per checkpoint: a
     histogram of every weight tensor and, with --grads (default), of the gradients of the
     step that starts there. MLflow and W&B also get the run's versions and config as params
-    and the report page (--html). Exporting to MLflow or W&B again sends only what is new.
-    Needs the viewer's package: pip install 'ckptlab[tensorboard]' / 'ckptlab[mlflow]' / 'ckptlab[wandb]'.
-    MLflow's file store is used with MLFLOW_ALLOW_FILE_STORE=true (set for a file: URI).
+    and the report page (--html). Exporting to MLflow or W&B again sends only what is new, and
+    an export that was stopped (even killed) is finished by running it again: every point once.
+    Needs the viewer's extra: pip install -e ".[tensorboard]" / ".[mlflow]" / ".[wandb]". A folder
+    is MLflow's file store: reading it back needs MLFLOW_ALLOW_FILE_STORE=true (sqlite: does not).
     """
     chosen = [t for t in (tb_dir, mlflow_uri, wandb_dir) if t is not None]
     if len(chosen) != 1:

@@ -180,20 +180,41 @@ def _histograms(row: Row, group: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def export_run(run: Run, sink: ExportSink, out: ExportSummary, *, cursor=None, save_cursor=None, **kw) -> ExportSummary:
     """Write every row of `run` (after `cursor`) through `sink.log_rows`, ROWS_PER_CALL at a
-    time; `save_cursor(cursor)` after each batch, so an interrupted export resumes."""
+    time. With `save_cursor` (a sink that keeps a cursor: MLflow), each batch is announced
+    before it is sent (the cursor's `sending`: how far the cursor will be once it is sent) and
+    the cursor moves past it after: an export killed in between leaves `sending`, and the next
+    export sends the rows up to there through `sink.log_rows_once` (the points the store does
+    not hold yet), so every point arrives once whatever instant the kill came at."""
+    cursor = dict(cursor or {})
+    unsure = cursor.pop("sending", None)
+    unsure_through = max(unsure.values(), default=-1) if isinstance(unsure, dict) else -1
+    if unsure_through >= 0:
+        out.notes.append(
+            f"the previous export stopped while sending steps up to {unsure_through}: "
+            "what the store already holds of them is not sent again"
+        )
+    done = {k: cursor.get(k, -1) for k in STREAMS}
+
+    def send(batch: list[Row], reached: dict) -> None:
+        if save_cursor is not None:
+            save_cursor({**done, "sending": reached})
+        again = [r for r in batch if r.step <= unsure_through]
+        if again:
+            out.scalars -= sink.log_rows_once(again)  # type: ignore[attr-defined]  # only a sink with a cursor
+        if len(again) < len(batch):
+            sink.log_rows(batch[len(again) :])
+        done.update(reached)
+        if save_cursor is not None:
+            save_cursor(dict(done))
+
     batch: list[Row] = []
-    reached = None
-    for row, reached in rows(run, out, cursor=cursor, **kw):
+    for row, reached in rows(run, out, cursor=done, **kw):
         batch.append(row)
         if len(batch) == ROWS_PER_CALL:
-            sink.log_rows(batch)
+            send(batch, reached)
             batch = []
-            if save_cursor is not None:
-                save_cursor(reached)
     if batch:
-        sink.log_rows(batch)
-    if reached is not None and save_cursor is not None:
-        save_cursor(reached)
+        send(batch, reached)
     return out
 
 

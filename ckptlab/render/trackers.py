@@ -1,19 +1,25 @@
 """`ckptlab export --mlflow URI` and `--wandb DIR`: a finished (or running) run, after the fact.
 
-    summary = write_mlflow(run, "file:./mlruns", experiment="exp1")
+    summary = write_mlflow(run, open_mlflow("sqlite:///mlflow.db", run=run, experiment="exp1", run_name=None))
     summary = write_wandb(run, "wandb-export")     # then: wandb sync --id <summary.run_id> <summary.target>
 
 The rows are render/export.py's, as for TensorBoard; the params are the run's versions and
 recording config; the artifact is `ckptlab report --html`'s page. Exporting again sends only
 what the previous export did not (a cursor per ckptlab run: the MLflow run's tag
-`ckptlab.export_cursor`; for W&B the file `DIR/ckptlab-export.json`), so no point is sent twice.
+`ckptlab.export_cursor`; for W&B the file `DIR/ckptlab-export.json`), so no point is sent twice,
+even after an export that was killed: MLflow's cursor names the batch being sent (see
+render/export.py's `export_run`), and a W&B fragment counts only once the state file lists it
+as finished (one that is not, an export killed midway left: it is removed and redone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,19 +44,30 @@ def open_mlflow(uri, *, run: Run, experiment: str, run_name: str | None) -> MLfl
 
 
 def write_mlflow(run: Run, sink: MLflow, *, html: bool = True, **kw) -> ExportSummary:
-    """Export `run` into the MLflow run `sink` (from `open_mlflow`)."""
+    """Export `run` into the MLflow run `sink` (from `open_mlflow`). The MLflow run ends
+    FINISHED, or FAILED (KILLED on Ctrl-C) when the export stopped: its cursor says how far it
+    got, and the next export goes on from there. One killed outright stays RUNNING."""
     out = ExportSummary(sink.where, 0, 0, 0, [], [], run_id=sink.run_id)
     try:
         cursor = sink.cursor()
-        if not pending(run, cursor):
+        if pending(run, cursor):
+            sink.log_params(run_params(run.manifest))
+            export_run(run, sink, out, cursor=cursor, save_cursor=sink.save_cursor, **kw)
+            if html:
+                with_report(run, sink, out)
+        else:
             out.already_exported = True
-            return out
-        sink.log_params(run_params(run.manifest))
-        export_run(run, sink, out, cursor=cursor, save_cursor=sink.save_cursor, **kw)
-        if html:
-            with_report(run, sink, out)
-    finally:
-        sink.close()
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            sink.close(status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        if isinstance(e, (OSError, sqlite3.Error)) or type(e).__module__.startswith(("mlflow", "sqlalchemy")):
+            # the store's disk or server failed mid-export: one line (the next export resumes)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise CkptlabError(
+                f"the MLflow store failed while exporting: {type(e).__name__}: {first}", path=sink.where
+            ) from None
+        raise
+    sink.close()
     return out
 
 
@@ -80,7 +97,9 @@ def write_wandb(
     key = run_key(run)
     state = _read_state(folder)
     cursor = state.get(key, {}).get("cursor", {})
-    out = ExportSummary(str(folder), 0, 0, 0, [], [], run_id=f"ckptlab-{key}")
+    wandb_id = f"ckptlab-{key}"
+    out = ExportSummary(str(folder), 0, 0, 0, [], [], run_id=wandb_id)
+    finished = _drop_unfinished(folder, wandb_id, state.get(key, {}), out)
     if not pending(run, cursor):
         out.already_exported = True
         return out
@@ -95,7 +114,8 @@ def write_wandb(
     out.target = sink.where
 
     def save(reached: dict) -> None:
-        state[key] = {"wandb_id": sink.run.id, "run": str(run.path), "cursor": reached}
+        done = [*finished, Path(sink.where).name]
+        state[key] = {"wandb_id": sink.run.id, "run": str(run.path), "cursor": reached, "fragments": done}
         folder.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(folder / CURSOR_FILE, (json.dumps(state, indent=2, sort_keys=True) + "\n").encode())
 
@@ -108,10 +128,29 @@ def write_wandb(
         shutil.rmtree(Path(sink.where), ignore_errors=True)  # half a fragment: the next export redoes it whole
         raise
     sink.close()
-    # The cursor moves once the fragment is finished: an export that died midway is redone whole.
+    # The cursor moves, and the fragment is listed, once it is finished: a fragment of an
+    # export that died midway (killed: no except clause ran) is removed by the next export.
     if out.steps or out.checkpoints or out.alerts or out.scalars:
         save(_last(run))
     return out
+
+
+def _drop_unfinished(folder: Path, run_id: str, entry: dict, out: ExportSummary) -> list[str]:
+    """The finished fragments of `run_id` (the state file lists them); remove the others: an
+    export killed midway left them, and their points are sent again. A state file from before
+    the list: every fragment there was finished (ckptlab removed a failed one itself)."""
+    name = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    fragments = sorted(p.name for p in (folder / "wandb").glob("offline-run-*") if name.fullmatch(p.name))
+    finished = entry.get("fragments", fragments if entry else [])
+    stale = [f for f in fragments if f not in finished]
+    for f in stale:
+        shutil.rmtree(folder / "wandb" / f, ignore_errors=True)
+    if stale:
+        out.notes.append(
+            f"removed {len(stale)} unfinished fragment(s) of W&B run {run_id} that a stopped export left "
+            f"({', '.join(stale)}): their points are sent again"
+        )
+    return [f for f in finished if f in fragments]
 
 
 def _last(run: Run) -> dict:

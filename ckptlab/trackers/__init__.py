@@ -1,7 +1,7 @@
 """Trackers: ckptlab's health where people already watch training (MLflow, Weights & Biases).
 
     from ckptlab.trackers import MLflow, WandB
-    rec = ckptlab.Recorder(..., trackers=[MLflow("file:./mlruns", experiment="exp1"), WandB(project="exp1")])
+    rec = ckptlab.Recorder(..., trackers=[MLflow("sqlite:///mlflow.db", experiment="exp1"), WandB(project="exp1")])
     rec = ckptlab.Recorder(..., trackers="auto")   # the W&B / MLflow run already active here
 
 `points.py` names what is sent (shared with `ckptlab export`), `tracker.py` declares what a

@@ -1,19 +1,28 @@
 """MLflow: ckptlab's points as metrics, anomalies as tagged events, through `MlflowClient`.
 
-    tracker = MLflow("file:./mlruns", experiment="exp1")      # or http://host:5000, databricks, ...
+    tracker = MLflow("sqlite:///mlflow.db", experiment="exp1")   # or ./mlruns, http://host:5000, ...
     rec = ckptlab.Recorder(..., trackers=[tracker])
 
 Steps are the ckptlab step (MLflow keeps each metric's history by step). An anomaly becomes the
 point `anomaly/<kind>` and a run tag `ckptlab.anomaly.<step>` whose value is the one-line
 verdict with the replay command (MLflow has no alerts; tags are what its UI searches).
+
+The store is opened and checked here (`open_client`): MLflow 3's local default, an SQLite
+file (`sqlite:///mlflow.db`, which needs sqlalchemy and alembic: the `[mlflow]` extra), a
+folder (`file:` store, kept by MLflow 3 on an opt-in only), or a server. A store that cannot be
+opened is one CkptlabError naming it, before any work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import logging
 import os
+import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ckptlab.errors import CkptlabError
@@ -24,6 +33,9 @@ METRICS_PER_CALL, PARAMS_PER_CALL = 1000, 100
 # The reachability check must answer in seconds: MLflow's own client retries a failing
 # server for minutes (7 retries with exponential back-off) before it gives up.
 CHECK_TIMEOUT_S = 10
+# MLflow's SQL stores (sqlalchemy's dialects); they need sqlalchemy and alembic.
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+HINT = "pip install 'ckptlab[mlflow]'"
 
 
 def require_mlflow():
@@ -31,10 +43,70 @@ def require_mlflow():
         import mlflow  # noqa: F401 - mlflow-skinny provides it
         from mlflow.tracking import MlflowClient
     except ImportError:
-        raise CkptlabError(
-            "logging to MLflow needs the mlflow (or mlflow-skinny) package", hint="pip install 'ckptlab[mlflow]'"
-        ) from None
+        raise CkptlabError("logging to MLflow needs the mlflow (or mlflow-skinny) package", hint=HINT) from None
     return MlflowClient
+
+
+def open_client(uri: str):
+    """An `MlflowClient` on the tracking store `uri` (from `tracking_uri`), checked that it
+    opens: a missing package, an unknown scheme, an SQLite file that cannot be opened or
+    written, a folder that cannot be made are each one CkptlabError naming the store (MLflow
+    itself would retry an unopenable SQLite file for minutes, then raise from deep inside)."""
+    client_cls = require_mlflow()
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in SQL_SCHEMES:
+        missing = [m for m in ("sqlalchemy", "alembic") if not _importable(m)]
+        if missing:
+            raise CkptlabError(
+                f"MLflow's {scheme} store needs the {' and '.join(missing)} package", path=uri, hint=HINT
+            )
+    if scheme == "sqlite":
+        check_sqlite(uri)
+    # "Creating initial MLflow database tables...": MLflow's INFO lines, not ckptlab's output.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    try:
+        return client_cls(uri)
+    except Exception as e:  # noqa: BLE001 - whatever the store raised: one line, before any work
+        if "Unsupported" in type(e).__name__ and "URI" in type(e).__name__:
+            raise CkptlabError(
+                f"MLflow cannot open a store with the scheme '{scheme}:' "
+                "(use sqlite:///mlflow.db, a folder or file: URI, or http(s)://host:port)",
+                path=uri,
+            ) from None
+        raise CkptlabError(f"cannot open the MLflow tracking store: {_first_line(e)}", path=uri) from None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None for it
+        return False
+
+
+def check_sqlite(uri: str) -> None:
+    """The SQLite file of `uri` opens as a database and takes a write lock (MLflow makes its
+    folder, and the file when missing; its tables it adds itself)."""
+    text = uri.split("?", 1)[0]
+    path = text[len("sqlite:///") :] if text.startswith("sqlite:///") else ""
+    if path in ("", ":memory:"):
+        return
+    db = Path(path)
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CkptlabError(f"cannot make the MLflow store's folder {db.parent}: {e.strerror}", path=uri) from None
+    if db.exists() and not db.is_file():
+        raise CkptlabError("cannot open the MLflow store: not a regular file", path=uri)
+    try:
+        con = sqlite3.connect(db, timeout=CHECK_TIMEOUT_S)
+        try:
+            con.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+            con.execute("BEGIN IMMEDIATE")  # the write lock: a read-only file fails here
+            con.rollback()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise CkptlabError(f"cannot open the MLflow store: {e}", path=uri) from None
 
 
 def tracking_uri(uri: str | os.PathLike) -> str:
@@ -69,8 +141,9 @@ class MLflow:
     """One MLflow run that ckptlab logs into.
 
     Args:
-        uri: the tracking URI (`file:./mlruns` or a plain folder, `http(s)://host:port`, ...);
-            None: MLflow's own default (MLFLOW_TRACKING_URI).
+        uri: the tracking URI: `sqlite:///mlflow.db` (MLflow 3's local default), `http(s)://host:port`,
+            a folder or `file:` URI (MLflow 3's file store), ...; None: MLflow's own default
+            (MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db`).
         experiment: the experiment (created when missing).
         run_name: the new run's name.
         run_id: log into this existing run instead of creating one (it is not ended on close).
@@ -79,8 +152,9 @@ class MLflow:
             someone else owns (`run_id`), so ckptlab's `train/loss` never mixes with yours.
         tags: tags of a new run.
 
-    The store is checked (and the run created) here: a missing package or an unreachable
-    tracking server is one CkptlabError before training starts. A Tracker (trackers/tracker.py)
+    The store is checked (and the run created) here: a missing package, a store that cannot be
+    opened (`open_client`) or an unreachable tracking server is one CkptlabError before
+    training starts. A Tracker (trackers/tracker.py)
     for the Recorder, and an ExportSink (render/export.py) for `ckptlab export --mlflow`.
     """
 
@@ -97,9 +171,13 @@ class MLflow:
         prefix: str | None = None,
         tags: dict[str, str] | None = None,
     ):
-        client_cls = require_mlflow()
         self.uri = tracking_uri(uri) if uri is not None else None
-        self.client = client or client_cls(self.uri)
+        if client is None:
+            require_mlflow()
+            import mlflow
+
+            client = open_client(self.uri or mlflow.get_tracking_uri())
+        self.client = client
         self.owned = run_id is None
         self.prefix = ("" if self.owned else "ckptlab/") if prefix is None else prefix
         where = self.uri or getattr(self.client, "tracking_uri", None) or "the MLflow tracking store"
@@ -139,6 +217,36 @@ class MLflow:
             if r.histograms:
                 self.client.log_dict(self.run_id, _histograms_doc(r), f"histograms/step_{r.step:08d}.json")
 
+    def log_rows_once(self, rows: list[Row]) -> int:
+        """`log_rows` for rows that an interrupted export may have sent in part: a point
+        whose (name, step) the run already holds is not sent again. Returns how many were not.
+
+        An export sends a batch's points in step order (`log_rows`: row by row, in calls of
+        METRICS_PER_CALL that each land whole in a SQL store, or as a prefix in a folder), so
+        what a killed export left of a name is its points up to the highest step the run holds
+        of it: one `get_run`, not every name's history, tells what is there."""
+        last = self._last_steps({self.prefix + k for r in rows for k in r.scalars})
+        held = 0
+        again = []
+        for r in rows:
+            keep = {k: v for k, v in r.scalars.items() if r.step > last.get(self.prefix + k, -1)}
+            held += len(r.scalars) - len(keep)
+            again.append(replace(r, scalars=keep))
+        self.log_rows(again)
+        return held
+
+    def _last_steps(self, names: set[str]) -> dict[str, int]:
+        """name -> the highest step of it the run holds (MLflow's latest metric is the one of
+        the highest step); from each name's history where the run's data does not say."""
+        latest = getattr(self.client.get_run(self.run_id).data, "_metric_objs", None)
+        if latest is None:
+            history = self.client.get_metric_history
+            return {n: max((m.step for m in history(self.run_id, n)), default=-1) for n in names}
+        last: dict[str, int] = {}
+        for m in latest:
+            last[m.key] = max(last.get(m.key, -1), m.step)
+        return last
+
     def alert(self, a: Alert) -> None:
         self.client.set_tag(self.run_id, f"ckptlab.anomaly.{a.step:08d}", a.text)
 
@@ -154,9 +262,9 @@ class MLflow:
     def log_file(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         if self.owned:
-            self.client.set_terminated(self.run_id)
+            self.client.set_terminated(self.run_id, status=status)
 
     # --- exports: where the previous export stopped --------------------------------------
 
@@ -173,9 +281,8 @@ class MLflow:
     def for_export(cls, uri, *, experiment: str, run_name: str, run_key: str) -> MLflow:
         """The run that holds this ckptlab run's export (tag `ckptlab.run` = `run_key`):
         the one a previous export created, else a new one."""
-        client_cls = require_mlflow()
         uri = tracking_uri(uri)
-        client = client_cls(uri)
+        client = open_client(uri)
         try:
             with _quick_requests():
                 found = client.get_experiment_by_name(experiment)
