@@ -9,6 +9,18 @@ from ckptlab.cli import main
 # Tests run on the CPU with a fixed thread count: replay must match bits recorded here.
 torch.set_num_threads(1)
 os.environ.setdefault("CKPTLAB_DEBUG", "0")
+# Output is piped here, and piped output is not wrapped, unless COLUMNS says a width: which
+# pytest-xdist's workers set (80). Tests that look at wrapping set it themselves.
+os.environ.pop("COLUMNS", None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Captured output as UTF-8 that can travel: a test on a path that is not UTF-8 captures
+    log lines holding surrogates, which pytest-xdist cannot send from its worker."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(k, v.encode("utf-8", "backslashreplace").decode("utf-8")) for k, v in report.sections]
 
 
 @pytest.fixture

@@ -121,18 +121,27 @@ def read() -> None:
     with open(out, "a") as f:  # noqa: PTH123 - a test's own log
         while time.monotonic() < deadline:
             args = COMMANDS[kind][i % len(COMMANDS[kind])]
-            if args[-1] == "--latest":  # a recent step: the latest checkpoint's next one
-                args = ["replay", "--step", str(_recent_step(run_dir)), "--json", "--no-counterfactuals"]
             i += 1
-            result = runner.invoke(cli, [*args[:1], "--run", run_dir, *args[1:]])
-            line = {"args": args, "code": result.exit_code, "out": result.stdout, "err": result.stderr[-2000:]}
-            e = result.exception
-            if isinstance(e, CkptlabError):  # what `ckptlab` prints as "ckptlab: error: ..."
-                line["error"] = str(e)
-            elif e is not None and not isinstance(e, SystemExit):  # "internal error"
-                line["internal"] = f"{type(e).__name__}: {e}"
+            for _ in range(5):  # a recent step: retention may prune it before the replay holds it
+                called = args
+                if args[-1] == "--latest":  # the step after the latest checkpoint
+                    called = ["replay", "--step", str(_recent_step(run_dir)), "--json", "--no-counterfactuals"]
+                line = _call(runner, cli, CkptlabError, run_dir, called)
+                if args[-1] != "--latest" or "was pruned by retention" not in line.get("error", ""):
+                    break
             f.write(json.dumps(line) + "\n")
             f.flush()
+
+
+def _call(runner, cli, error_type, run_dir: str, args: list[str]) -> dict:
+    result = runner.invoke(cli, [*args[:1], "--run", run_dir, *args[1:]])
+    line = {"args": args, "code": result.exit_code, "out": result.stdout, "err": result.stderr[-2000:]}
+    e = result.exception
+    if isinstance(e, error_type):  # what `ckptlab` prints as "ckptlab: error: ..."
+        line["error"] = str(e)
+    elif e is not None and not isinstance(e, SystemExit):  # "internal error"
+        line["internal"] = f"{type(e).__name__}: {e}"
+    return line
 
 
 def _recent_step(run_dir: str) -> int:
