@@ -35,6 +35,8 @@ _LAZY = {
     "diff": ("ckptlab.analysis.diff", "diff"),
     "skip_samples": ("ckptlab.training.sample_ids", "skip_samples"),
     "with_sample_ids": ("ckptlab.training.sample_ids", "with_sample_ids"),
+    "collate_with_ids": ("ckptlab.training.sample_ids", "collate_with_ids"),
+    "track_sample_ids": ("ckptlab.training.sample_ids", "track_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
 }

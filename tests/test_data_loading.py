@@ -76,3 +76,53 @@ def test_with_sample_ids_gives_the_index_under_skip_samples_of_a_dataset():
     assert torch.equal(data[4][1]["x"], dm.Points("dict").x[6])
     with pytest.raises(TypeError, match="map-style dataset"):
         ckptlab.with_sample_ids(iter(range(3)))
+
+
+def _shaped_loader(shape: str, ds):
+    """A loader whose batches keep the shape a collator or a trainer needs, and how to get a
+    batch's ids out: (loader, take(batch) -> (batch, ids))."""
+    from transformers import default_data_collator  # wants dict items: vars() of a tuple fails
+
+    sampler = sampler_of("random")
+    if shape == "dict_key":
+        data = ckptlab.with_sample_ids(ds, key="sample_id")
+        loader = DataLoader(data, sampler=sampler, batch_size=BS, collate_fn=default_data_collator)
+        return loader, lambda b: (b, b.pop("sample_id"))
+    if shape == "collator":
+        collate = ckptlab.collate_with_ids(default_data_collator)
+        loader = DataLoader(ckptlab.with_sample_ids(ds), sampler=sampler, batch_size=BS, collate_fn=collate)
+        return loader, lambda b: (b[1], b[0])
+    tracked = ckptlab.track_sample_ids(BatchSampler(sampler, BS, drop_last=False))
+    loader = DataLoader(ds, batch_sampler=tracked, num_workers=2)  # batches exactly as without ckptlab
+    return loader, lambda b: (b, tracked.next_batch())
+
+
+@pytest.mark.parametrize(("shape", "structure"), [("dict_key", "dict"), ("collator", "dict"), ("tracked", "tuple")])
+def test_sample_ids_ride_where_the_batch_shape_needs_them(shape, structure, run_dir, cli):
+    order = list(sampler_of("random"))
+    root, row = 4, 2
+    bad = int(order[root * BS + row])
+    model, opt = dm.build()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=dm.step, build_fn=dm.build, ckpt_every=3) as rec:
+        loader, take = _shaped_loader(shape, dm.Points(structure, bad=bad))
+        with pytest.raises(ckptlab.NonFiniteLoss):
+            for got in loader:
+                batch, ids = take(got)
+                assert "sample_id" not in batch  # the model sees the batch it always saw
+                rec.step(batch, sample_ids=ids)
+    assert ckptlab.open_run(run_dir).batch(root)[1] == [int(i) for i in order[root * BS : root * BS + BS]]
+    r = cli("replay", "--run", run_dir, "--step", root, "--json", "--no-counterfactuals")
+    assert r.code == 0, r.err
+    assert [(s["row"], s["sample_id"]) for s in r.json()["samples"]] == [(row, bad)]
+
+
+def test_sample_id_shapes_refuse_what_they_cannot_carry():
+    with pytest.raises(TypeError, match=r"key='sample_id'\) needs dict items, but item 0 is a tuple"):
+        ckptlab.with_sample_ids(dm.Points("tuple"), key="sample_id")[0]
+    with pytest.raises(ValueError, match="already has a 'x' key"):
+        ckptlab.with_sample_ids(dm.Points("dict"), key="x")[0]
+    tracked = ckptlab.track_sample_ids(BatchSampler(range(6), 4, drop_last=False))
+    assert [len(b) for b in DataLoader(range(6), batch_sampler=tracked)] == [4, 2]
+    assert tracked.next_batch() == [0, 1, 2, 3] and tracked.next_batch() == [4, 5]
+    with pytest.raises(RuntimeError, match="more often than the loader gave batches"):
+        tracked.next_batch()

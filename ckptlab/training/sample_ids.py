@@ -7,13 +7,27 @@ for ids, batch in loader:
 
 sampler = ckptlab.skip_samples(RandomSampler(ds), "skip.json")   # from `ckptlab dirty --out`
 loader = DataLoader(ckptlab.with_sample_ids(ds), sampler=sampler, batch_size=32)
+
+Where the batch must keep its own shape (a collator that wants dict items, a trainer that
+moves `(x, y)` to the device itself), the ids ride elsewhere:
+
+ds = ckptlab.with_sample_ids(tokenized, key="sample_id")   # dict items: the id is one more key
+loader = DataLoader(ds, batch_size=32, collate_fn=default_data_collator)
+batch = next(iter(loader)); ids = batch.pop("sample_id")
+
+loader = DataLoader(ckptlab.with_sample_ids(ds), collate_fn=ckptlab.collate_with_ids(my_collate))
+
+ids = ckptlab.track_sample_ids(BatchSampler(RandomSampler(ds), 32, drop_last=True))
+loader = DataLoader(ds, batch_sampler=ids)      # batches exactly as before
+... ids.next_batch() ...                         # the ids of the batch the loop just got
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch.utils.data as tud
@@ -21,7 +35,7 @@ import torch.utils.data as tud
 from ckptlab.run import skiplist
 
 
-def with_sample_ids(dataset) -> WithSampleIds:
+def with_sample_ids(dataset, *, key: str | None = None) -> WithSampleIds:
     """A map-style dataset whose item `i` is `(i, dataset[i])`: a DataLoader over it yields
     `(ids, batch)`, the ids collated into a tensor, whatever the batch's structure (tensors,
     tuples, dicts, nested), sampler (shuffling, DistributedSampler, `skip_samples`) or workers.
@@ -30,6 +44,12 @@ def with_sample_ids(dataset) -> WithSampleIds:
         for ids, batch in loader:
             rec.step(batch, sample_ids=ids)
 
+    `key="sample_id"`: for a dataset of dict items (tokenized text), item `i` is the item with
+    one more key, `key: i`, so a collator that wants dict items (transformers'
+    `default_data_collator`, `DataCollatorWithPadding`) collates the ids with the rest;
+    `ids = batch.pop("sample_id")` takes them out before the model sees the batch. Another
+    collator over `(id, item)` pairs: `collate_with_ids(collate_fn)`.
+
     The id is the item's index in the dataset underneath any `torch.utils.data.Subset`s (so
     also under `skip_samples(dataset, ...)`): the id `ckptlab dirty` and `skip_samples` use.
     """
@@ -37,20 +57,96 @@ def with_sample_ids(dataset) -> WithSampleIds:
         raise TypeError(
             f"with_sample_ids needs a map-style dataset (__getitem__ and __len__), not {type(dataset).__name__}"
         )
-    return WithSampleIds(dataset)
+    return WithSampleIds(dataset, key)
 
 
 class WithSampleIds(tud.Dataset):
-    """`dataset` with each item's id: item i is (id, dataset[i]). See `with_sample_ids`."""
+    """`dataset` with each item's id: item i is (id, dataset[i]), or with `key` the dict item
+    with the id under `key`. See `with_sample_ids`."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, key: str | None = None):
+        self.dataset, self.key = dataset, key
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i):
-        return sample_id(self.dataset, i), self.dataset[i]
+        item = self.dataset[i]
+        if self.key is None:
+            return sample_id(self.dataset, i), item
+        if not isinstance(item, Mapping):
+            raise TypeError(
+                f"with_sample_ids(..., key={self.key!r}) needs dict items, but item {i} is a {type(item).__name__} "
+                "(without key=, items are (id, item) pairs)"
+            )
+        if self.key in item:
+            raise ValueError(f"item {i} already has a {self.key!r} key: pass another key= to with_sample_ids")
+        return {**item, self.key: sample_id(self.dataset, i)}
+
+
+def collate_with_ids(collate_fn: Callable[[list], Any] | None = None) -> Callable[[list], tuple]:
+    """A DataLoader `collate_fn` for `with_sample_ids` items, `(id, item)`: returns
+    `(ids, collate_fn(items))`, the ids as a tensor and the items collated by your collator
+    (default: torch's `default_collate`), which never sees the ids.
+
+        loader = DataLoader(ckptlab.with_sample_ids(ds), batch_size=8,
+                            collate_fn=ckptlab.collate_with_ids(default_data_collator))
+        for ids, batch in loader: ...
+    """
+    inner = collate_fn if collate_fn is not None else tud.default_collate
+
+    def collate(pairs: list) -> tuple:
+        return tud.default_collate([i for i, _ in pairs]), inner([item for _, item in pairs])
+
+    return collate
+
+
+def track_sample_ids(batch_sampler) -> SampleIdTracker:
+    """A batch sampler that remembers the ids of the batches it hands out, for a loop that
+    cannot take ids in the batch (a trainer that moves `(x, y)` to the device itself): pass it
+    as the DataLoader's `batch_sampler`; the batches are exactly as before, and after the loop
+    takes a batch, `next_batch()` is that batch's ids (dataset indices, as `with_sample_ids`'s).
+
+        ids = ckptlab.track_sample_ids(BatchSampler(RandomSampler(ds), 32, drop_last=False))
+        loader = DataLoader(ds, batch_sampler=ids, num_workers=4)
+        for x, y in loader:
+            rec.step((x, y), sample_ids=ids.next_batch())
+
+    Batches come out of a DataLoader in the order the batch sampler made them (workers and
+    prefetching included), so the ids line up; a new epoch (a new iterator) starts afresh.
+    A `skip_samples` batch sampler can be tracked too."""
+    return SampleIdTracker(batch_sampler)
+
+
+class SampleIdTracker(tud.Sampler):
+    """See `track_sample_ids`."""
+
+    def __init__(self, batch_sampler) -> None:
+        self.batch_sampler = batch_sampler
+        self._pending: deque[list] = deque()
+
+    def __iter__(self):
+        self._pending.clear()  # a new epoch: what an abandoned iterator made is gone
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            self._pending.append(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def next_batch(self) -> list:
+        """The ids of the next batch the loop received (call once per batch, in order)."""
+        if not self._pending:
+            raise RuntimeError("track_sample_ids: next_batch() called more often than the loader gave batches")
+        return self._pending.popleft()
+
+    def set_epoch(self, epoch: int) -> None:
+        for inner in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_epoch = getattr(inner, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
+                return
 
 
 def sample_id(dataset, i):
