@@ -126,3 +126,23 @@ def test_sample_id_shapes_refuse_what_they_cannot_carry():
     assert tracked.next_batch() == [0, 1, 2, 3] and tracked.next_batch() == [4, 5]
     with pytest.raises(RuntimeError, match="more often than the loader gave batches"):
         tracked.next_batch()
+
+
+def test_state_carried_between_steps_is_recorded_as_model_state_and_replays_exactly(run_dir, cli):
+    """An LSTM's hidden state carried from step to step, kept in the model as buffers: every
+    checkpoint holds it, replay carries it bit for bit and names the sample (a column of the
+    sequence-first batch) whose NaN weight started the fault."""
+    from tests import carried_models as cm
+
+    bad_step, bad_col = 13, 2
+    model, opt = cm.build()
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=cm.step, build_fn=cm.build, ckpt_every=5) as rec:
+        with pytest.raises(ckptlab.NonFiniteLoss):
+            for s in range(20):
+                rec.step(cm.chunk(s, bad_step, bad_col), sample_ids=[100 * s + b for b in range(cm.B)])
+    assert "h" in ckptlab.open_run(run_dir).checkpoint(10).load_model()[0]  # the carried state is checkpointed
+    r = cli("replay", "--run", run_dir, "--step", bad_step, "--json", "--no-counterfactuals")
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert doc["deterministic"] and doc["root_step"] == bad_step and doc["start_checkpoint"] == 10
+    assert [s["sample_id"] for s in doc["samples"]][:1] == [100 * bad_step + bad_col]
