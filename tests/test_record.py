@@ -245,6 +245,31 @@ def test_a_first_session_killed_before_its_manifest_does_not_block_the_directory
     assert ckptlab.open_run(run_dir).steps == [0, 1]
 
 
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_failed_start_leaves_the_directory_as_it_found_it(run_dir, monkeypatch, exists):
+    """A Recorder that fails to start (here: the journal writer cannot start) takes back what
+    it wrote, so the next attempt is not told the directory "already holds a run"."""
+    import ckptlab.record.recorder as recorder
+
+    if exists:
+        run_dir.mkdir()
+    model, opt = models.build_mlp()
+    with pytest.raises(ckptlab.RecordError, match="optimizer is NoneType, not a torch.optim.Optimizer"):
+        ckptlab.Recorder(run_dir, model, None, step_fn=models.step_mlp, build_fn=models.build_mlp)
+    assert not run_dir.exists() if not exists else list(run_dir.iterdir()) == []
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(recorder, "RunWriter", broken)
+    with pytest.raises(OSError, match="No space left"):
+        ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp)
+    assert run_dir.exists() == exists and (not exists or list(run_dir.iterdir()) == [])
+    monkeypatch.undo()
+    models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(2))  # then it records
+    assert ckptlab.open_run(run_dir).steps == [0, 1]
+
+
 def test_a_different_model_cannot_resume(run_dir):
     models.record_run(run_dir, models.build_mlp, models.step_mlp, models.mlp_batches(2))
     with pytest.raises(RecordError, match="the model differs from the recorded one"):

@@ -6,6 +6,7 @@ when each happens within a step, and runs the step itself (training/step.py)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import sys
@@ -68,6 +69,13 @@ class Recorder:
         **options,
     ):
         self.config = config = RecordConfig.of(config, **options)
+        if not hasattr(optimizer, "param_groups"):  # before anything is written
+            raise RecordError(
+                f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer: a loop that updates the "
+                "weights by hand is not recorded yet",
+                path=run_dir,
+                hint="an update p -= lr * p.grad is torch.optim.SGD(model.parameters(), lr=lr): step that instead",
+            )
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
         self.run_dir, self.batch_fn = Path(run_dir), batch_fn
@@ -99,7 +107,11 @@ class Recorder:
             for step, value in session.validation(config.val_metric):
                 self._snaps.new_best(step, value)
         except BaseException:
-            session.release()
+            writer = getattr(self, "writer", None)
+            if writer is not None:
+                with contextlib.suppress(Exception):
+                    writer.close()
+            session.undo()
             raise
         if self.deferred and not world.distributed:  # (a collective at exit could hang)
             self._exit_hook = _settle_at_exit(self)

@@ -28,7 +28,7 @@ from ckptlab.record.config import RecordConfig
 from ckptlab.run import codec
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import clean_stale, list_checkpoints
-from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, is_first_leftover
+from ckptlab.run.layout import FORMAT_VERSION, MANIFEST, is_first_leftover, remove_new_entries
 from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import Progress, read_progress
@@ -68,13 +68,16 @@ class Session:
         if not exists and run_dir.exists() and any(not is_first_leftover(p.name) for p in run_dir.iterdir()):
             raise RecordError("exists and is not a ckptlab run; refusing to write into it", path=run_dir)
         world.barrier()  # nobody writes before every rank has checked
+        # A first session that fails to start takes back what it wrote (`undo`).
+        self._fresh, self._made_dir = not exists, not run_dir.exists()
+        self._before = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
         # One process records a run at a time, the lock taken before anything is written.
         self._lock: RunLock | None = None
         self._lock_run()
         try:
             self._start(exists)
         except BaseException:
-            self.release()
+            self.undo()
             raise
 
     def _lock_run(self) -> None:
@@ -99,6 +102,18 @@ class Session:
         """Let go of the run's lock (a second call does nothing)."""
         if self._lock is not None:
             self._lock.release()
+
+    def undo(self) -> None:
+        """The Recorder failed to start: release the run, and if this was its first session,
+        leave the directory as it was found (a resumed run keeps everything)."""
+        if self._fresh and self.world.is_main and self._lock is not None and self._lock.held:
+            remove_new_entries(self.run_dir, self._before)
+        self.release()
+        if self._fresh and self._made_dir and self.world.is_main:
+            try:
+                self.run_dir.rmdir()  # (only if empty: another process may have written since)
+            except OSError:
+                pass
 
     def _start(self, exists: bool) -> None:
         if self.world.is_main:

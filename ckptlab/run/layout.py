@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 # 2: log segments whose frame headers carry their own CRC (framelog.LOG_V2); a run of format 1
@@ -148,6 +149,17 @@ def segments(folder: Path) -> list[tuple[int, int, Path]]:
         if parsed:
             found.append((*parsed, p))
     return sorted(found)
+
+
+def remove_new_entries(run: Path, before: set[str]) -> None:
+    """Delete what a first session that failed to start wrote into `run` (every entry not in
+    `before`, the names that were there when it began; the lock file is its holder's to go)."""
+    for name in sorted(set(os.listdir(run)) - before - {LOCK}) if run.is_dir() else []:
+        path = run / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def dir_size(path: Path) -> int:
