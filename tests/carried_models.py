@@ -58,3 +58,40 @@ def chunk(step_no: int, bad_step: int | None = None, bad_col: int = 0):
     if step_no == bad_step:
         scale[bad_col] = float("nan")
     return stream[:-1], stream[1:], scale
+
+
+# --- sequence-first without carried state: rows are columns of every (T, B, ...) tensor ------
+
+
+class SeqFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(H, H)  # (T, B, H) in and out
+        self.out = nn.Linear(H, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0])
+
+
+def build_seq_first():
+    torch.manual_seed(0)
+    model = SeqFirst()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step_seq_first(model, optimizer, batch):
+    x, targets = batch  # (T, B, H) floats, (T, B) ints: the sample is dimension 1
+    loss = F.cross_entropy(model(x).reshape(-1, VOCAB), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def seq_first_chunk(step_no: int, bad_step: int, bad_col: int):
+    g = torch.Generator().manual_seed(step_no)
+    x = torch.randn(BPTT, B, H, generator=g)
+    targets = torch.randint(0, VOCAB, (BPTT, B), generator=g)
+    if step_no == bad_step:
+        x[3, bad_col, 5] = float("nan")
+    return x, targets

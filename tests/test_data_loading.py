@@ -146,3 +146,25 @@ def test_state_carried_between_steps_is_recorded_as_model_state_and_replays_exac
     doc = r.json()
     assert doc["deterministic"] and doc["root_step"] == bad_step and doc["start_checkpoint"] == 10
     assert [s["sample_id"] for s in doc["samples"]][:1] == [100 * bad_step + bad_col]
+
+
+def test_sequence_first_batches_are_split_by_sample_for_the_row_replays(run_dir, cli):
+    """(T, B) batches: the rows replayed alone, without the blamed rows and in the minimal
+    culprit are columns (dimension 1), not time steps."""
+    from tests import carried_models as cm
+
+    bad_step, bad_col = 7, 1
+    model, opt = cm.build_seq_first()
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=cm.step_seq_first, build_fn=cm.build_seq_first, ckpt_every=5
+    ) as rec:
+        with pytest.raises(ckptlab.NonFiniteLoss):
+            for s in range(10):
+                rec.step(cm.seq_first_chunk(s, bad_step, bad_col), sample_ids=[100 * s + b for b in range(cm.B)])
+    r = cli("replay", "--run", run_dir, "--step", bad_step, "--json", "--budget", 8)
+    assert r.code == 0, r.err
+    doc = r.json()
+    assert [(s["row"], s["sample_id"]) for s in doc["samples"]] == [(bad_col, 100 * bad_step + bad_col)]
+    without = next(c for c in doc["counterfactuals"] if "without the blamed rows" in c["question"])
+    assert without["fault"] is False, without
+    assert doc["culprit"]["rows"] == [bad_col], doc["culprit"]

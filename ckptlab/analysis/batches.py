@@ -147,10 +147,11 @@ def select_rows(obj, rows: list[int], n: int):
                 parts.append(select_rows(part, mine, k))
                 kept.append(len(mine))
         return {**obj, MICRO_BATCHES: parts, MICRO_ROWS: kept}
-    if isinstance(obj, torch.Tensor):
-        return obj[rows] if obj.dim() and obj.shape[0] == n else obj
-    if isinstance(obj, np.ndarray):
-        return obj[rows] if obj.ndim and obj.shape[0] == n else obj
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        dim = row_dim(obj.shape, n)
+        if dim is None:
+            return obj
+        return obj[rows] if dim == 0 else obj[:, rows]
     if isinstance(obj, dict):
         return {k: select_rows(v, rows, n) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
@@ -160,6 +161,17 @@ def select_rows(obj, rows: list[int], n: int):
             return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
         return type(obj)(select_rows(v, rows, n) for v in obj)
     return obj
+
+
+def row_dim(shape, n: int) -> int | None:
+    """The dimension of a batch leaf of this shape that holds the batch's `n` rows: 0, or 1
+    for a sequence-first leaf (T, n, ...) (as the trace maps elements to rows); None when the
+    leaf has no rows (a shared tensor, a scalar)."""
+    if len(shape) and shape[0] == n:
+        return 0
+    if len(shape) > 1 and shape[1] == n:
+        return 1
+    return None
 
 
 def _is_row_list(obj) -> bool:
@@ -192,8 +204,11 @@ def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
 
     def put(d, s):
         if isinstance(d, (torch.Tensor, np.ndarray)):
-            if not d.ndim or d.shape[0] != n_dst:
+            dim = row_dim(d.shape, n_dst)
+            if dim is None:
                 return d
+            if dim == 1:  # sequence-first: rows are columns; the same code, transposed
+                return put(d.swapaxes(0, 1), s.swapaxes(0, 1)).swapaxes(0, 1)
             if type(s) is not type(d) or s.ndim != d.ndim or s.shape[0] != n_src or s.shape[1:] != d.shape[1:]:
                 raise ValueError(f"a field has rows of shape {tuple(s.shape[1:])} here and {tuple(d.shape[1:])} there")
             out = d.clone() if isinstance(d, torch.Tensor) else d.copy()
