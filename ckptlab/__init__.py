@@ -37,6 +37,7 @@ _LAZY = {
     "with_sample_ids": ("ckptlab.training.sample_ids", "with_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
+    "portable_cpu": ("ckptlab.run.environment", "portable_cpu"),
 }
 
 __all__ = [

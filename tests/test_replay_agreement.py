@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptlab
-from ckptlab.run.environment import NOT_RECORDED, compare
+from ckptlab.run.environment import NOT_RECORDED, compare, pinned
 from tests import fault_models as fm
 from tests import noise_models as nm
 
@@ -150,3 +150,15 @@ def test_info_shows_where_the_run_was_recorded(other_cpu, cli):
     assert "recorded on" in out.out and f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}" in out.out
     env = cli("info", "--run", doc["run"], "--json", "--no-verify").json()["environment"]
     assert env["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability() and "torch" in env
+
+
+def test_portable_cpu_must_come_before_torch_and_replay_pins_what_it_recorded():
+    with pytest.raises(ckptlab.RecordError, match="before torch is imported") as e:
+        ckptlab.portable_cpu()  # torch is loaded here: too late, and it says how to launch instead
+    assert "ATEN_CPU_CAPABILITY=avx2" in (e.value.hint or "")
+    env = {
+        "cpu": {"capability_forced": "avx2"},
+        "deterministic": {"mkl_cbwr": "AVX2,STRICT", "onednn_max_cpu_isa": None},
+    }
+    assert pinned(env) == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT"}
+    assert pinned({"cpu": {"capability_forced": "avx2; rm -rf /"}}) == {}  # a crafted manifest pins nothing

@@ -163,7 +163,7 @@ reports = st.builds(
     max_rel_deviation=st.one_of(maybe(), st.floats(0, 1)),
     diverged_at=st.one_of(maybe(), beyond),
     bits_differ=st.lists(
-        st.sampled_from(["nondeterministic kernels: a\nb", "recorded on another machine"]), max_size=2
+        st.sampled_from(["nondeterministic kernels: a\nb", "recorded in another environment"]), max_size=2
     ),
     noise_check=st.one_of(maybe(), noise_checks),
 )

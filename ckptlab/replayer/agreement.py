@@ -155,7 +155,7 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
     if isinstance(report.environment_diff, str):
         reasons.append("the run does not hold the environment it was recorded in (recorded before ckptlab kept it)")
     elif report.environment_diff:
-        reasons.append(f"recorded on another machine: {describe(report.environment_diff)}")
+        reasons.append(f"recorded in another environment: {describe(report.environment_diff)}")
     step = next((c.step for c in report.steps if not c.match), None)
     if step is not None and twice is not None:
         same_step = report.divergence if report.divergence is not None and report.divergence.step == step else None
@@ -172,8 +172,8 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
         )
     elif rr is not None:
         reasons.append(
-            f"two replays of step {rr.step} on this machine agree bit for bit, so the recording machine computed "
-            "differently"
+            f"two replays of step {rr.step} on this machine agree bit for bit, so the difference is with the "
+            "recording, not this machine's own noise"
         )
     env = manifest.get("environment")
     det = env.get("deterministic") if isinstance(env, dict) else None

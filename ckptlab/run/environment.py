@@ -21,6 +21,10 @@ from ckptlab.io.files import read_text
 
 NOT_RECORDED = "not recorded"  # environment_diff of a run recorded before ckptlab kept it
 
+# `portable_cpu()`: the kernels every x86-64 CPU since 2013 runs alike: ATen's AVX2 kernels,
+# MKL's conditional numerical reproducibility on its AVX2 code path, oneDNN up to AVX2.
+PORTABLE = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 # Vector extensions that change which kernels run (the rest of /proc/cpuinfo's flags do not).
 VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 VECTOR_PREFIXES = ("avx512", "amx")
@@ -41,6 +45,7 @@ FIELDS = (
     (("deterministic", "algorithms"), "deterministic algorithms"),
     (("deterministic", "cudnn"), "cuDNN deterministic"),
     (("deterministic", "mkl_cbwr"), "MKL_CBWR"),
+    (("deterministic", "onednn_max_cpu_isa"), "ONEDNN_MAX_CPU_ISA"),
     (("deterministic", "cublas_workspace_config"), "CUBLAS_WORKSPACE_CONFIG"),
 )
 GPU_ONLY = {"GPU", "GPU compute capability", "GPU driver", "cuDNN", "CUDA", "cuDNN deterministic"}
@@ -59,9 +64,43 @@ def capture() -> dict[str, Any]:
             "algorithms": torch.are_deterministic_algorithms_enabled(),
             "cudnn": bool(torch.backends.cudnn.deterministic),
             "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         },
     }
+
+
+def portable_cpu() -> None:
+    """Opt in to CPU recordings that replay bit-exactly on other x86-64 CPUs (AVX2 and up):
+    pin ATen's CPU capability, MKL's code path and oneDNN's instruction set to AVX2 (PORTABLE).
+    They are read once, when torch first runs a kernel, so call it before `import torch`
+    (or set the variables when launching training); `ckptlab replay` sets the same before it
+    loads torch. Costs some speed on a CPU with AVX-512 (docs/performance.md)."""
+    import sys
+
+    if "torch" in sys.modules:
+        from ckptlab.errors import RecordError
+
+        raise RecordError(
+            "ckptlab.portable_cpu() must run before torch is imported (torch reads the kernel choice once)",
+            hint=" ".join(f"{k}={v}" for k, v in PORTABLE.items()) + " python train.py",
+        )
+    os.environ.update(PORTABLE)
+
+
+def pinned(env: Any) -> dict[str, str]:
+    """The kernel choices a recording pinned through the environment (its ATEN_CPU_CAPABILITY,
+    MKL_CBWR, ONEDNN_MAX_CPU_ISA), for a replay to pin alike before it loads torch."""
+    out = {}
+    for name, path in (
+        ("ATEN_CPU_CAPABILITY", ("cpu", "capability_forced")),
+        ("MKL_CBWR", ("deterministic", "mkl_cbwr")),
+        ("ONEDNN_MAX_CPU_ISA", ("deterministic", "onednn_max_cpu_isa")),
+    ):
+        value = _get(env, path)
+        if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_,]{1,32}", value):  # (a crafted run sets nothing else)
+            out[name] = value
+    return out
 
 
 def _cpu(torch) -> dict[str, Any]:
@@ -88,7 +127,7 @@ def _cpu(torch) -> dict[str, Any]:
 
 def _build(torch) -> dict[str, Any]:
     config = torch.__config__.show()
-    mkl = re.search(r"Math Kernel Library Version ([\w.\-]+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", config)
     onednn = re.search(r"MKL-DNN v([\w.]+)", config)
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
@@ -111,6 +150,11 @@ def _gpu(torch) -> dict[str, Any] | None:
         "driver": driver,
         "count": torch.cuda.device_count(),
     }
+
+
+def _part(env: dict, key: str) -> dict:
+    part = env.get(key)
+    return part if isinstance(part, dict) else {}
 
 
 def _get(env: dict | None, path: tuple[str, str]) -> Any:
@@ -153,7 +197,7 @@ def summary(env: Any) -> str | None:
     2024.2, oneDNN 3.12.0); GPU ..."; None for a run recorded without it."""
     if not isinstance(env, dict):
         return None
-    cpu, build, gpu = env.get("cpu") or {}, env.get("torch") or {}, env.get("gpu")
+    cpu, build, gpu, det = (_part(env, k) for k in ("cpu", "torch", "gpu", "deterministic"))
     libs = ", ".join(f"{k} {build[key]}" for key, k in (("mkl", "MKL"), ("onednn", "oneDNN")) if build.get(key))
     cuda = ", ".join(f"{k} {build[key]}" for key, k in (("cuda", "CUDA"), ("cudnn", "cuDNN")) if build.get(key))
     line = (
@@ -162,8 +206,10 @@ def summary(env: Any) -> str | None:
         + f"; torch {build.get('version')}"
         + (f" ({', '.join(x for x in (libs, cuda) if x)})" if libs or cuda else "")
     )
-    if isinstance(gpu, dict):
+    if gpu:
         line += f"; GPU {gpu.get('name')} (compute {gpu.get('capability')}, driver {gpu.get('driver')})"
-    det = env.get("deterministic") or {}
     line += "; deterministic algorithms " + ("on" if det.get("algorithms") else "off")
+    pins = pinned(env)
+    if pins:
+        line += "; kernels pinned: " + " ".join(f"{k}={v}" for k, v in pins.items())
     return line
