@@ -2,11 +2,11 @@
 portable AVX2 ones (ATen, MKL and oneDNN pinned), each in a fresh process (torch reads the
 kernel choice once), interleaved, medians.
 
-    python scripts/bench_portable.py [--repeats 3] [--steps 20]
+    python scripts/bench_portable.py [--repeats 3] [--steps 20] [--threads 1]
 
 Two models: the sample's tiny LM (ckptlab/examples/tiny_lm.py, batches of 8 x 32) and
 bench_replay.py's 4.2M-parameter LM (batches of 16 x 128), each step a whole training step
-(forward, backward, clipping, AdamW), 2 torch threads.
+(forward, backward, clipping, AdamW), on `--threads` torch threads (1, as the sample records).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, time
 import torch
-torch.set_num_threads(2)
+torch.set_num_threads(int(sys.argv[3]))
 which, steps = sys.argv[1], int(sys.argv[2])
 if which == "tiny":
     from ckptlab.examples import tiny_lm as m
@@ -47,7 +47,7 @@ print(json.dumps({"ms": sorted(times)[len(times) // 2] * 1e3, "cap": torch.backe
 """
 
 
-def once(which: str, portable: bool, steps: int) -> dict:
+def once(which: str, portable: bool, steps: int, threads: int) -> dict:
     from ckptlab.run.environment import PORTABLE
 
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE}
@@ -55,7 +55,12 @@ def once(which: str, portable: bool, steps: int) -> dict:
         env.update(PORTABLE)
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, which, str(steps)], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, which, str(steps), str(threads)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -64,12 +69,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     for which in ("tiny", "lm"):
         native, portable, caps = [], [], set()
         for _ in range(args.repeats):
             for pin, out in ((False, native), (True, portable)):
-                r = once(which, pin, args.steps)
+                r = once(which, pin, args.steps, args.threads)
                 out.append(r["ms"])
                 caps.add(r["cap"])
         a, b = statistics.median(native), statistics.median(portable)
