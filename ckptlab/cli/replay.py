@@ -93,9 +93,8 @@ def command(
     """Replay a recorded step and explain what went wrong.
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
-    re-runs the recorded steps with the recorded batches (checking every loss and gradient
-    norm against the record: bit-exact, equivalent within round-off -- and why the bits
-    differ: another CPU, GPU or build, or nondeterministic kernels -- or diverged), finds the
+    re-runs the recorded steps with the recorded batches (each loss and gradient norm checked:
+    bit-exact, equivalent within round-off and why the bits differ, or diverged), finds the
     root step, traces it per op, and names the layer, op, parameter and data
     sample behind the fault -- or says that the fault did not reproduce, and why: the first
     step that left the record is replayed twice with a hash of every op's output, which names
@@ -112,12 +111,7 @@ def command(
     """
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
-    found = find_run(run_dir, term)
-    _pin_recorded_kernels(found)  # before torch loads (run.reader imports it)
-
-    from ckptlab.run.reader import open_run
-
-    run = open_run(found)
+    run = _open(run_dir, term)
     run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
     for problem in run.problems:  # known on opening: a rollback that was interrupted
         term.warn(problem)
@@ -138,6 +132,16 @@ def command(
     _say(report, term, as_json)
     if not report.fault_recorded and report.root_step is None:  # "nothing to explain"
         _point_to_anomalies(run, step, term)
+
+
+def _open(run_dir, term):
+    """The run, opened once the CPU kernels it was recorded with are pinned (before torch
+    loads: run.reader imports it)."""
+    found = find_run(run_dir, term)
+    _pin_recorded_kernels(found)
+    from ckptlab.run.reader import open_run
+
+    return open_run(found)
 
 
 def _pin_recorded_kernels(run_dir) -> None:
