@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptlab
+from ckptlab.replayer import agreement
 from ckptlab.run.environment import NOT_RECORDED, compare, pinned
 from tests import fault_models as fm
 from tests import noise_models as nm
@@ -110,9 +111,13 @@ def test_a_transient_replayed_on_another_cpu_capability_is_still_transient(other
     assert "outside the recorded computation" in doc["verdict"]
 
 
-def test_ulp_noise_in_step_fn_is_measured_and_the_fault_reproduced(run_dir, cli):
+def test_ulp_noise_in_step_fn_is_measured_and_the_fault_reproduced(run_dir, cli, monkeypatch):
     exp = nm.record_noisy_nan_row(run_dir)
+    # As on `--device cuda`: the step is replayed twice more without deterministic algorithms.
+    monkeypatch.setattr(agreement, "_replays_on_gpu", lambda inv: True)
     doc = cli("replay", "--run", run_dir, "--step", exp.symptom, "--json").json()
+    assert doc["run_to_run_without_deterministic"]["replays_agree"] is False
+    assert torch.are_deterministic_algorithms_enabled() is False  # replay's own settings came back
     assert doc["reproduced"] and doc["root_step"] == exp.step and doc["origin"]["kind"] == "data"
     assert [s["sample_id"] for s in doc["samples"]] == exp.sample_ids
     assert doc["agreement"] == "equivalent" and doc["environment_diff"] == []  # the same machine

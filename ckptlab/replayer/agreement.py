@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -175,6 +176,15 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
             f"two replays of step {rr.step} on this machine agree bit for bit, so the difference is with the "
             "recording, not this machine's own noise"
         )
+    if step is not None and twice is not None and _replays_on_gpu(inv):
+        with _without_deterministic_algorithms():
+            free = report.run_to_run_without_deterministic = twice(step)
+        if not free.replays_agree and (rr is None or rr.replays_agree):
+            op = free.first_nondeterministic_op or {}
+            reasons.append(
+                f"nondeterministic GPU kernels: two replays of step {step} agree with deterministic algorithms, "
+                f"not without them (the first op that differs: {op.get('op')})"
+            )
     env = manifest.get("environment")
     det = env.get("deterministic") if isinstance(env, dict) else None
     if gpu and isinstance(det, dict) and not det.get("algorithms"):
@@ -182,7 +192,28 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
     report.bits_differ = reasons
 
 
-def noise_check(root, manifest: dict, step_before: StepCheck | None = None) -> NoiseCheck:
+def _replays_on_gpu(inv) -> bool:
+    return str(inv.replayer.device or "").startswith("cuda")
+
+
+@contextmanager
+def _without_deterministic_algorithms():
+    """Replay's own deterministic settings (on a GPU it turns them on) off for a while."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+    )
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic = saved[2]
+
+
+def noise_check(root, manifest: dict) -> NoiseCheck:
     """The root step again, from the state it started in: once as is, and three times with every
     floating parameter moved by one unit of round-off (all up, all down, each at random). A fault
     present in every one is robust to the noise a replay that is not bit-exact carries; one that

@@ -213,6 +213,7 @@ class ReplayReport:
     environment_diff: list | str | None = None
     bits_differ: list[str] = field(default_factory=list)
     run_to_run: DivergenceCheck | None = None  # not bit-exact: the first step off the record replayed twice
+    run_to_run_without_deterministic: DivergenceCheck | None = None  # --device cuda: the same, without them
     noise_check: NoiseCheck | None = None  # reproduced, not bit-exact: does the fault survive ulp noise?
 
     def to_json(self) -> dict:
