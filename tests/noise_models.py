@@ -1,6 +1,6 @@
 """Runs whose replays cannot be bit-exact, for tests/test_replay_agreement.py: a step_fn whose
-gradients carry relative noise of 1e-7 from a generator no recording holds (what a GPU's
-atomics do), and a value at the edge of float32 overflow. Module level: replay imports them.
+outputs and gradients carry relative noise of 1e-7 from a generator no recording holds (what a
+GPU's atomics do), and a value at the edge of float32 overflow. Module level: replay imports them.
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ _UNRECORDED = np.random.default_rng()  # seeded by the OS: in no checkpoint and 
 FLT_MAX = torch.finfo(torch.float32).max
 
 
+def _noise(shape) -> torch.Tensor:
+    """1 + relative noise of 1e-7: a unit or so of float32 round-off, different every call."""
+    return 1 + 1e-7 * torch.from_numpy(_UNRECORDED.standard_normal(tuple(shape))).float()
+
+
 def _noisy_backward(model, loss) -> None:
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:  # ulp-level noise, as nondeterministic kernels add
-                p.grad.mul_(1 + 1e-7 * torch.from_numpy(_UNRECORDED.standard_normal(tuple(p.shape))).float())
+                p.grad.mul_(_noise(p.shape))
 
 
 def step_noisy(model, opt, batch):
     x, y = batch
-    loss = F.mse_loss(model(x), y)
+    out = model(x)
+    loss = F.mse_loss(out * _noise(out.shape), y)  # (a reduction in another order, every step)
     _noisy_backward(model, loss)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -81,7 +87,7 @@ def step_edge(model, opt, batch):
     x, y, edge = batch
     # edge * gain is finite (and adds 0) unless it overflows: then 0 * inf = NaN
     out = model.mlp(x) + 0.0 * (edge * model.gain)
-    loss = F.mse_loss(out, y)
+    loss = F.mse_loss(out * _noise(out.shape), y)
     _noisy_backward(model, loss)
     opt.step()
     opt.zero_grad(set_to_none=True)
