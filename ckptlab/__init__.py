@@ -39,6 +39,7 @@ _LAZY = {
     "track_sample_ids": ("ckptlab.training.sample_ids", "track_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
+    "portable_cpu": ("ckptlab.run.environment", "portable_cpu"),
 }
 
 __all__ = [

@@ -8,8 +8,11 @@ makes the weights NaN, and the loss goes NaN at step 5432: the Recorder records 
 raises NonFiniteLoss.
 
 Deterministic (fixed seeds, one thread); a few MB on disk; about a minute on a laptop CPU.
+Recorded with `ckptlab.portable_cpu()` (ATen, MKL and oneDNN pinned to their AVX2 kernels), so
+that it replays bit-exactly on any x86-64 CPU with AVX2; `--native` records with this CPU's own
+kernels instead (what docs/performance.md compares).
 
-    python scripts/make_sample_run.py [--out sample_ckpts/tinylm-nan]
+    python scripts/make_sample_run.py [--out sample_ckpts/tinylm-nan] [--native]
     ckptlab replay --run sample_ckpts/tinylm-nan --step 5432
 """
 
@@ -20,10 +23,14 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
+import ckptlab  # torch-free: the kernels can still be pinned
 
-import ckptlab
-from ckptlab.examples import tiny_lm
+if "--native" not in sys.argv:
+    ckptlab.portable_cpu()  # before torch loads: it reads the kernel choice once
+
+import torch  # noqa: E402
+
+from ckptlab.examples import tiny_lm  # noqa: E402
 
 CORPUS = 100_000
 BATCH = 8
@@ -33,6 +40,7 @@ FAULT_STEP, FAULT_ROW = 5431, 5  # the loss goes NaN one step later
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "sample_ckpts" / "tinylm-nan"))
+    ap.add_argument("--native", action="store_true", help="this CPU's own kernels, not the portable AVX2 ones")
     args = ap.parse_args()
     out = Path(args.out)
     if out.exists():

@@ -9,6 +9,7 @@ from ckptlab.replayer.findings import (
     Counterfactual,
     Culprit,
     EarlierCause,
+    NoiseCheck,
     Origin,
     ReplayReport,
     SampleBlame,
@@ -108,6 +109,24 @@ rewinds = st.builds(
     complete=st.booleans(),
     detail=st.text(max_size=30),
 )
+noise_checks = st.builds(
+    NoiseCheck,
+    step=st.integers(0, 10**6),
+    replays=st.just(4),
+    faulted=st.integers(0, 4),
+    robust=st.booleans(),
+    perturbations=st.lists(st.sampled_from(["as is: fault", "down: healthy"]), max_size=4),
+)
+beyond = st.fixed_dictionaries(
+    {
+        "step": st.integers(0, 10**6),
+        "value": st.sampled_from(["loss", "grad_norm"]),
+        "replayed": FLOATS,
+        "recorded": FLOATS,
+        "rel_deviation": FLOATS,
+        "tolerance": FLOATS,
+    }
+)
 budgets = st.one_of(
     maybe(),
     st.fixed_dictionaries(
@@ -140,6 +159,13 @@ reports = st.builds(
     rewind=st.one_of(maybe(), rewinds),
     budget=budgets,
     recorded_error=st.one_of(maybe(), st.sampled_from(["OSError: gone", "RuntimeError: expected 4 rows"])),
+    agreement=st.one_of(maybe(), st.sampled_from(["bit-exact", "equivalent", "diverged"])),
+    max_rel_deviation=st.one_of(maybe(), st.floats(0, 1)),
+    diverged_at=st.one_of(maybe(), beyond),
+    bits_differ=st.lists(
+        st.sampled_from(["nondeterministic kernels: a\nb", "recorded in another environment"]), max_size=2
+    ),
+    noise_check=st.one_of(maybe(), noise_checks),
 )
 
 
@@ -149,7 +175,7 @@ def test_verdict_is_one_nonempty_line_for_every_report(report):
     v = verdict(report)
     assert isinstance(v, str) and v.strip()
     assert len(v.splitlines()) == 1, v
-    assert v.startswith(("Step ", "The fault did not reproduce", "The crash did not reproduce")), v
+    assert v.startswith(("Step ", "The fault did not reproduce", "The crash did not reproduce", "The fault of step")), v
 
 
 def test_verdict_of_a_reproduced_fault_with_no_rows_and_no_op_says_so():

@@ -41,6 +41,9 @@ class RunSummary:
     validation: dict
     disk: dict
     functions: dict
+    # Where the run was recorded (run/environment.py): CPU, ATen CPU capability, torch build,
+    # GPU, deterministic flags; None for a run recorded before ckptlab kept it.
+    environment: dict | None = None
     recording: dict | None = None  # the live Recorder's lock record ({"pid", "host", "started"}), if one records now
     problems: list[str] = field(default_factory=list)  # torn tails (a crash's), and all of `damaged`
     damaged: list[str] = field(default_factory=list)  # corrupt, truncated or tampered files
@@ -87,6 +90,7 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         validation=_validation(run),
         disk=_disk(run),
         functions=_functions(run),
+        environment=env if isinstance(env := run.manifest.get("environment"), dict) else None,
         recording=recording,
         problems=[*run.problems, *failed],
         damaged=[*run.damaged, *failed],

@@ -93,8 +93,9 @@ def command(
     """Replay a recorded step and explain what went wrong.
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
-    re-runs the recorded steps with the recorded batches (checking every loss bit for bit),
-    finds the root step, traces it per op, and names the layer, op, parameter and data
+    re-runs the recorded steps with the recorded batches (each loss and gradient norm checked:
+    bit-exact, equivalent within round-off and why the bits differ, or diverged), finds the
+    root step, traces it per op, and names the layer, op, parameter and data
     sample behind the fault -- or says that the fault did not reproduce, and why: the first
     step that left the record is replayed twice with a hash of every op's output, which names
     the first nondeterministic op, or shows the state changed outside step_fn.
@@ -108,11 +109,9 @@ def command(
     they are your own files, unchanged since recording (it says which file runs); anything
     else needs --trust-run-code.
     """
-    from ckptlab.run.reader import open_run
-
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
-    run = open_run(find_run(run_dir, term))
+    run = _open(run_dir, term)
     run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
     for problem in run.problems:  # known on opening: a rollback that was interrupted
         term.warn(problem)
@@ -133,6 +132,35 @@ def command(
     _say(report, term, as_json)
     if not report.fault_recorded and report.root_step is None:  # "nothing to explain"
         _point_to_anomalies(run, step, term)
+
+
+def _open(run_dir, term):
+    """The run, opened once the CPU kernels it was recorded with are pinned (before torch
+    loads: run.reader imports it)."""
+    found = find_run(run_dir, term)
+    _pin_recorded_kernels(found)
+    from ckptlab.run.reader import open_run
+
+    return open_run(found)
+
+
+def _pin_recorded_kernels(run_dir) -> None:
+    """A run recorded with its CPU kernels pinned (`ckptlab.portable_cpu()`) replays with the
+    same pins, set before torch loads (it reads them once); a variable the user set wins."""
+    import sys
+
+    from ckptlab.errors import CkptlabError
+    from ckptlab.run.environment import pinned
+    from ckptlab.run.manifest import read_manifest
+
+    if "torch" in sys.modules:  # in-process (tests, ckptlab.replay): too late; environment_diff says so
+        return
+    try:
+        manifest = read_manifest(Path(run_dir))
+    except CkptlabError:
+        return  # open_run says what is wrong
+    for name, value in pinned(manifest.get("environment")).items():
+        os.environ.setdefault(name, value)
 
 
 # --- a step that is not the fault: say where the faults are (#31) ----------------------------------

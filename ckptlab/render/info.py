@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ckptlab.numbers import human_bytes, precise, value
 from ckptlab.render.text import safe
+from ckptlab.run.environment import summary
 
 
 def render(s, term) -> None:
@@ -30,6 +31,7 @@ def render(s, term) -> None:
             "what follows is the run as read a moment ago",
         )
     _steps(s, term)
+    term.field("recorded on", safe(summary(s.environment) or "not recorded (a run recorded before ckptlab kept it)"))
     term.print(_checkpoints(s.checkpoints))
     _anomalies(s.anomalies, term)
     v = s.validation

@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from ckptlab.numbers import human_bytes, value
+from ckptlab.numbers import human_bytes, short_number, value
 from ckptlab.render.text import safe
 
 
@@ -18,11 +18,20 @@ def render(r, term) -> None:
     term.paragraph(f"[bold {colour}]{safe(r.verdict)}[/]")
     term.print()
     _replayed(r, term)
+    _bits(r, term)
     _root_step(r, term)
-    if r.divergence is not None:
-        d = r.divergence
+    d = r.divergence or r.run_to_run
+    if d is not None:
         verdict = "[yellow]differ[/yellow]" if not d.replays_agree else "[green]agree[/green] with each other"
         term.field("twice", f"step {d.step} replayed twice, {d.ops_compared} ops hashed: {verdict}; {safe(d.detail)}")
+    n = r.noise_check
+    if n is not None:
+        how = "[green]robust[/green]" if n.robust else "[yellow]only through the noise[/yellow]"
+        term.field(
+            "noise",
+            f"step {n.step} from its state, as is and with parameters moved one ulp: faults in {n.faulted}/{n.replays} "
+            f"({', '.join(n.perturbations)}): {how}",
+        )
     if r.origin.kind != "none":
         _origin(r.origin, term)
     if r.chain:
@@ -45,6 +54,10 @@ def _replayed(r, term) -> None:
     det = (
         f"[green]bit-exact[/green]: {matched}/{len(r.steps)} replayed steps match the record"
         if r.deterministic
+        else _equivalent(r)
+        if r.agreement == "equivalent" and r.deviation
+        else _beyond(r.diverged_at)
+        if r.diverged_at
         else _diverged(r.first_divergence)
     )
     how = " compiled" if r.compiled else (" eagerly (recorded compiled)" if r.recorded_compiled else "")
@@ -53,16 +66,45 @@ def _replayed(r, term) -> None:
     )
 
 
+def _equivalent(r) -> str:
+    """Numerically equivalent: how far from bit-exact, and where the deviation grows."""
+    d = r.deviation
+    at = d.get("max_at") or {}
+    grows = f", beyond one rounding from step {d['grows_from']}" if d.get("grows_from") is not None else ""
+    return (
+        f"[green]equivalent[/green], not bit-exact: {d['bit_exact_steps']}/{d['steps']} steps before the fault match "
+        f"bit for bit; largest relative deviation {short_number(r.max_rel_deviation or 0.0)} "
+        f"({at.get('value')} at step {at.get('step')}){grows}, within {d['dtype']} round-off"
+    )
+
+
+def _beyond(d: dict) -> str:
+    """Diverged: the first value beyond round-off, to full precision."""
+    return (
+        f"[yellow]diverged[/yellow] at step {d['step']}: {d['value']} {d['replayed']!r} vs recorded "
+        f"{d['recorded']!r} (relative deviation {short_number(d['rel_deviation'])}, beyond round-off "
+        f"{short_number(d['tolerance'])})"
+    )
+
+
+def _bits(r, term) -> None:
+    """Why the bits differ (what differs from the recording machine among them)."""
+    for reason in r.bits_differ:
+        term.field("bits differ", safe(reason))
+
+
 def _diverged(d: dict) -> str:
     scale = (
         f", grad scale {value(d['grad_scale'])} vs {value(d['recorded_grad_scale'])}"
         if d.get("grad_scale") != d.get("recorded_grad_scale")
         else ""
     )
-    return (
-        f"[yellow]diverged[/yellow] at step {d['step']}: loss {value(d['loss'])} "
-        f"vs recorded {value(d['recorded_loss'])}{scale}"
+    what = (
+        f"loss {d['loss']!r} vs recorded {d['recorded_loss']!r}"
+        if d.get("loss") != d.get("recorded_loss")
+        else f"grad norm {d['grad_norm']!r} vs recorded {d['recorded_grad_norm']!r}"
     )
+    return f"[yellow]diverged[/yellow] at step {d['step']}: {what}{scale}"
 
 
 def _root_step(r, term) -> None:

@@ -149,6 +149,19 @@ class DivergenceCheck:
 
 
 @dataclass
+class NoiseCheck:
+    """A reproduced fault in a replay that is not bit-exact: the root step replayed from the
+    state it started in, as is and with every parameter moved by one unit of round-off
+    (agreement.py's `noise_check`)."""
+
+    step: int
+    replays: int
+    faulted: int  # how many of them faulted
+    robust: bool  # all of them: the fault does not depend on the last bits
+    perturbations: list[str]  # "as is: fault", "up: fault", "down: healthy", "random: fault"
+
+
+@dataclass
 class ReplayReport:
     run: str
     requested_step: int
@@ -187,6 +200,21 @@ class ReplayReport:
     dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
     divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record
     recorded_error: str | None = None  # the requested step raised when recorded ("Type: message")
+    # Agreement with the record (agreement.py; docs/replay.md): "bit-exact", "equivalent" (every
+    # value before the fault within round-off) or "diverged"; the largest relative deviation
+    # of a replayed loss or gradient norm from its record; where it is and where it starts to
+    # grow beyond one rounding; the first value beyond round-off (diverged only).
+    agreement: str | None = None
+    max_rel_deviation: float | None = None
+    deviation: dict | None = None  # {"dtype", "tolerance", "steps", "bit_exact_steps", "max_at", "grows_from"}
+    diverged_at: dict | None = None  # {"step", "value", "replayed", "recorded", "rel_deviation", "tolerance"}
+    # What differs from the recording machine ([{"what", "recorded", "here"}]; [] nothing;
+    # "not recorded" for a run recorded without it), and why the bits differ, in words.
+    environment_diff: list | str | None = None
+    bits_differ: list[str] = field(default_factory=list)
+    run_to_run: DivergenceCheck | None = None  # not bit-exact: the first step off the record replayed twice
+    run_to_run_without_deterministic: DivergenceCheck | None = None  # --device cuda: the same, without them
+    noise_check: NoiseCheck | None = None  # reproduced, not bit-exact: does the fault survive ulp noise?
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""

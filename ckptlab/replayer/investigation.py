@@ -26,6 +26,7 @@ from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, st
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError, RetiredError
 from ckptlab.numbers import absdiff, ranges, same
+from ckptlab.replayer.agreement import judge, survives_noise, why_bits_differ
 from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
@@ -314,8 +315,10 @@ class Investigation:
         )
         execution(report, self.run, self.replayer.compiled)
         report.recorded_error = self.recorded_error(report.root_step if report.root_step is not None else self.step)
+        judge(report, pre_fault or checks[:1], self.run.manifest)
         if root is None and plan.fault_recorded:
             self.not_reproduced(report, plan, trace)
+        why_bits_differ(self, report, trace)
         captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
         if self.dump is not None and window.crash is None:
@@ -339,9 +342,11 @@ class Investigation:
             self.timing["divergence_s"] = time.perf_counter() - t0
 
     def blame_root(self, report: ReplayReport, window: Window, trace: bool, counterfactuals: bool):
-        """blame.py's stages over the root step; what the dump will hold (None: no dump)."""
+        """blame.py's stages over the root step; what the dump will hold (None: no dump).
+        Not bit-exact: first, does the fault survive ulp-level noise (agreement.py)?"""
         root = RootStep(self, window)
         if window.crash is None:
+            survives_noise(root, report)
             return explain(root, report, trace, counterfactuals, dump=self.dump)
         if self.dump is not None:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")

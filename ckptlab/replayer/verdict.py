@@ -13,7 +13,7 @@ followed by the counterfactual proof, the deeper searches and a note when replay
 
 from __future__ import annotations
 
-from ckptlab.numbers import precise, ranges
+from ckptlab.numbers import precise, ranges, short_number
 from ckptlab.replayer.findings import DivergenceCheck, Origin, ReplayReport
 
 # A culprit's `cause` (search.py), as the sentence says it.
@@ -37,6 +37,8 @@ def _sentence(r: ReplayReport) -> str:
             f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint "
             f"{r.start_checkpoint}: nothing to explain."
         )
+    if r.noise_check is not None and not r.noise_check.robust:
+        return _only_through_noise(r)
     if not r.reproduced and r.recorded_error:
         return _crash_not_reproduced(r)
     if not r.reproduced:
@@ -54,6 +56,8 @@ def _crash_not_reproduced(r: ReplayReport) -> str:
     det = (
         "every replayed step before it matched the record bit for bit"
         if r.deterministic
+        else f"every replayed step before it is numerically equivalent to the record ({_why_bits(r)})"
+        if r.agreement == "equivalent"
         else f"replay left the record at step {div}"
         if div is not None
         else "replay did not match the record"
@@ -70,7 +74,9 @@ def _fault_not_reproduced(r: ReplayReport) -> str:
     rec = r.steps[-1].recorded_loss if r.steps else None
     got = r.steps[-1].loss if r.steps else None
     where = (
-        f"replay matched the record bit for bit until step {div - 1} and diverged at step {div}"
+        f"replay is numerically equivalent to the record before it, not bit-exact ({_why_bits(r)})"
+        if r.agreement == "equivalent"
+        else f"replay matched the record bit for bit until step {div - 1} and diverged at step {div}"
         if div is not None and div > r.start_checkpoint
         else f"replay diverged from the record at its first step, {div}"
         if div is not None
@@ -124,14 +130,52 @@ def _reproduced(r: ReplayReport) -> str:
         # (a crash's verdict says it its own way: "Without those rows the step runs")
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
     s += _searches(r)
-    if not r.deterministic:
-        div = _divergence_step(r)
-        s += (
-            f" Note: replay diverged from the record at step {div}."
-            if div is not None
-            else " Note: replay did not match the record bit for bit."
+    return s + _agreement(r)
+
+
+def _agreement(r: ReplayReport) -> str:
+    """How the replay agreed with the record, when not bit for bit: equivalent (and why the bits
+    differ), or diverged (the first value beyond round-off, to full precision)."""
+    if r.deterministic:
+        return ""
+    if r.agreement == "equivalent":
+        return (
+            f" The replay is numerically equivalent to the record, not bit-exact "
+            f"(largest relative deviation {short_number(r.max_rel_deviation or 0.0)}, within round-off): "
+            f"{_why_bits(r)}"
+            + ("; the fault survives ulp-level noise, so it is reproduced." if r.noise_check is not None else ".")
         )
-    return s
+    d = r.diverged_at
+    if r.agreement == "diverged" and d is not None:
+        return (
+            f" Note: replay diverged from the record at step {d['step']}: {d['value']} {d['replayed']!r} vs recorded "
+            f"{d['recorded']!r}, beyond round-off" + (f" ({_why_bits(r)})." if r.bits_differ else ".")
+        )
+    div = _divergence_step(r)
+    return (
+        f" Note: replay diverged from the record at step {div}."
+        if div is not None
+        else " Note: replay did not match the record bit for bit."
+    )
+
+
+def _why_bits(r: ReplayReport) -> str:
+    """Why the bits differ, from agreement.py's `bits_differ`."""
+    return "; ".join(r.bits_differ) if r.bits_differ else "the bits differ for a reason ckptlab cannot see"
+
+
+def _only_through_noise(r: ReplayReport) -> str:
+    n = r.noise_check
+    assert n is not None
+    o = r.origin
+    shows = f" It shows as {o.op}{_at(o)} producing {_produced(o)}." if o.op else ""
+    return (
+        f"The fault of step {n.step} reappeared on replay only through round-off noise, so it is not reproduced: "
+        f"the replay is not bit-exact ({_why_bits(r)}), and from the state step {n.step} started in it faults in "
+        f"{n.faulted} of {n.replays} replays with every parameter moved by one unit of round-off "
+        f"({', '.join(n.perturbations)}). The fault sits at an edge (a value at the edge of overflow): it exists "
+        f"only through the last bits, which the record alone has.{shows}"
+    )
 
 
 def _lead(r: ReplayReport) -> str:

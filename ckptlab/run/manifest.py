@@ -4,7 +4,8 @@ Keys (format_version 2, as in 1): format, format_version, created, versions{ckpt
 python, platform, cuda}, host, device, world_size, config{ckpt_every, health_every, keep_last,
 ...}, functions{build_fn, step_fn} (module, qualname, file, file_rel, sha256, source_file),
 parameters[{name, shape, dtype, requires_grad}], param_groups, data_info, env (the execution
-settings at the start), sessions[{session, start_step, started, pid, host, restored_from}],
+settings at the start), environment (where it was recorded: CPU, ATen's CPU capability, torch build,
+GPU, deterministic flags; run/environment.py), sessions[{session, start_step, started, pid, host, restored_from}],
 rollback (null, or the step a rollback rewound the run to).
 """
 
@@ -27,6 +28,7 @@ from ckptlab.errors import CorruptFileError, FormatVersionError, NotARunError
 from ckptlab.io.files import open_regular, read_bytes
 from ckptlab.jsonable import is_int, is_number
 from ckptlab.run.atomic import write_json_atomic
+from ckptlab.run.environment import capture as capture_environment
 from ckptlab.run.hashing import sha256_file
 from ckptlab.run.layout import FORMAT_VERSION, MANIFEST
 
@@ -55,6 +57,7 @@ def new_manifest(**fields) -> dict:
         "format_version": FORMAT_VERSION,
         "created": time.time(),
         "versions": versions(),
+        "environment": capture_environment(),
         "host": socket.gethostname(),
         "argv": list(sys.argv),
         "world_size": 1,

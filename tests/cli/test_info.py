@@ -33,6 +33,7 @@ KEYS = {
     "validation",
     "disk",
     "functions",
+    "environment",
     "recording",
     "problems",
     "damaged",
