@@ -13,14 +13,26 @@ step N's health when step N+1 ends while the host keeps running ahead of the GPU
 the "copy" is the tensor itself, and `result()` is the same code reading it.
 
 Where each number is computed, and why there:
-- per-parameter gradient norms at the end of each backward pass (one callback per backward,
-  queued by the first gradient hook that fires; one batched `torch._foreach_norm` over all
-  gradients): that is the gradient *before* the user's `clip_grad_norm_` (after clipping the
-  global norm is always <= max_norm, which hides every explosion). With gradient accumulation
-  the last backward before the optimizer step holds the accumulated gradient, which is kept;
-  each micro-batch costs one batched call, not a kernel per parameter. A loop that knows
-  which backward is its last says so (`accumulating(optimizer, True)` before the others,
-  `False` before the last): then only the last backward is measured, one call per step.
+- per-parameter gradient norms once per optimizer step, with no call from the user's loop: at
+  the first of (a) the start of torch's gradient clipping (`clip_grad_norm_`,
+  `clip_grad_value_`, `get_total_norm`, `clip_grads_with_norm_`, however they were imported),
+  (b) the start of a `GradScaler.unscale_`, (c) the optimizer's step pre-hook, (d) a
+  `zero_grad` (of the optimizer or the module) in place of the step, (e) the step's `end`, after the last backward pass: that is the accumulated gradient *before* the user's
+  clipping (after clipping the global norm is always <= max_norm, which hides every
+  explosion), in one batched `torch._foreach_norm` over all gradients, however many
+  micro-batches (one backward or k, `no_sync()`, clipped by torch, by hand, or not at all).
+  Each backward pass's end (one callback per backward, queued by the first gradient hook that
+  fires) notes which gradient tensors it left and their version counters. A loop that
+  changes the gradients in place between its last backward and those points (clipping by
+  hand, `p.grad /= k`) is caught by that note: the first step of each probe measures at the
+  end of every backward pass (as a loop that changes gradients needs) and checks the note at
+  the measuring point; only a loop that left the gradients as its backward did is measured
+  lazily from its second step on. A later step that changes them anyway is measured after
+  the change (once) and the probe measures every backward from then on. The values are the
+  same bits either way (the same tensors, unchanged, in the same call), so a replay that
+  starts at any step, with a fresh probe, compares bit for bit. `accumulating(optimizer, on)`
+  (the Lightning and Hugging Face integrations call it) still skips the backward passes that
+  a loop knows are not its last.
 - learning rates, the norms of the pre-update weights and (for ||dw||, every `health_every`
   steps) a fixed sample of them in the optimizer's step pre-hook: the lr this update used
   and the weights it started from. By default the update norm is estimated from a strided
@@ -44,6 +56,7 @@ training/health.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -116,10 +129,56 @@ class PendingHealth:
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Probes inside a step: the clipping and unscaling entry points measure them before they start.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _before_grads_change() -> None:
+    """Torch is about to clip or unscale gradients: every live probe measures them first."""
+    for probe in list(_LIVE):
+        probe._measure_point()
+
+
+def _measuring_first(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _LIVE:
+            _before_grads_change()
+        return fn(*args, **kwargs)
+
+    wrapper.__ckptlab_measures__ = True
+    return wrapper
+
+
+def _install_measuring_points() -> None:
+    """Once per process: torch's clipping functions (through the helper all of them call
+    first, looked up in their module at call time: this catches `from torch.nn.utils import
+    clip_grad_norm_` made before ckptlab was imported) and `GradScaler.unscale_` measure the
+    live probes before they change a gradient. Where torch's internals differ, nothing is
+    patched and the probe's note of the gradients (see the module docstring) keeps the
+    numbers right at the cost of measuring every backward."""
+    from torch.nn.utils import clip_grad
+
+    helper = getattr(clip_grad, "_group_tensors_by_device_and_dtype", None)
+    if callable(helper) and not getattr(helper, "__ckptlab_measures__", False):
+        clip_grad._group_tensors_by_device_and_dtype = _measuring_first(helper)
+    # GradScaler.unscale_, and zero_grad in place of a step (a loop that skips a bad step)
+    for cls, name in (
+        (getattr(torch.amp, "GradScaler", None), "unscale_"),
+        (torch.optim.Optimizer, "zero_grad"),
+        (torch.nn.Module, "zero_grad"),
+    ):
+        method = getattr(cls, name, None)
+        if callable(method) and not getattr(method, "__ckptlab_measures__", False):
+            setattr(cls, name, _measuring_first(method))
+
+
 def accumulating(optimizer, on: bool) -> None:
     """Gradient accumulation: whether the backward about to run leaves the step's gradients
     unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
-    (False: measured). Each step starts with every backward measured."""
+    (False: measured). Each step starts with every backward measured. Not needed since the
+    probe measures once per optimizer step by itself; a loop that says so skips the notes of
+    the backward passes it marks (the Lightning and Hugging Face integrations call it)."""
     probe = _PROBES.get(optimizer)
     if probe is not None:
         probe._accumulating = on
@@ -155,6 +214,12 @@ class StepProbe:
         self._queued = False
         self._plans: list | None = None
         self._handles: list = []
+        # When the gradient norms are taken (module docstring): "learn" (this probe's first step
+        # with a backward: at the end of every backward, checking that nothing changed them
+        # after it), "lazy" (once per step, at the first measuring point), "eager" (at the end of
+        # every backward: the loop changes gradients after its backward).
+        self.grad_mode = "learn"
+        _install_measuring_points()
         self.attach()
         self._reset(False)
 
@@ -191,6 +256,10 @@ class StepProbe:
         self._stepped = False
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
+        # The gradients the last noted backward left (tensor, version), and whether they are
+        # measured: None before any backward or once measured in the lazy mode.
+        self._note: tuple[list, list[int]] | None = None
+        self._checked = False  # "learn": the note was checked at a measuring point this step
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -201,11 +270,37 @@ class StepProbe:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
-        """All gradients of this backward are in: their norms, in one batched call. The last
-        backward before the optimizer step (and any clipping) wins."""
+        """A backward pass ended: note the gradients it left (and in the "learn" and "eager"
+        modes, measure them now)."""
         self._queued = False
         if not self._active:
             return
+        grads = [p.grad for p in self.params]
+        self._note = (grads, [-1 if g is None else g._version for g in grads])
+        if self.grad_mode != "lazy":
+            self._measure_grads()
+
+    def _measure_point(self) -> None:
+        """Gradient clipping, unscaling or the optimizer's step is about to start: the
+        gradients of the last backward are final (lazy mode: measured now); were they changed
+        since that backward by something else (by hand)?"""
+        if not self._active or self._note is None:
+            return
+        grads, versions = self._note
+        unchanged = all(p.grad is g and (g is None or g._version == v) for p, g, v in zip(self.params, grads, versions))
+        if self.grad_mode == "lazy":
+            self._note = None
+            self._measure_grads()  # after a change: what is there now, and every backward from now on
+            if not unchanged:
+                self.grad_mode = "eager"
+        elif self.grad_mode == "learn":
+            self._note = None
+            self._checked = True
+            if not unchanged:
+                self.grad_mode = "eager"
+
+    def _measure_grads(self) -> None:
+        """The norms of the gradients there now, in one batched call."""
         with_grad = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         idx = [i for i, _ in with_grad]
         grads = self._detached([g for _, g in with_grad])
@@ -224,6 +319,7 @@ class StepProbe:
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if not self._active:
             return
+        self._measure_point()
         self._lr = [float(g["lr"]) for g in optimizer.param_groups]
         if self._measure_update:
             with torch.no_grad():
@@ -278,6 +374,7 @@ class StepProbe:
         self._scale = self._scale_now()
         self._t0 = time.perf_counter()
         self._active = True
+        _LIVE.add(self)
 
     def _scale_now(self) -> torch.Tensor | None:
         """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
@@ -293,13 +390,18 @@ class StepProbe:
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
+        _LIVE.discard(self)
         self._before = self._before_norms = None
 
     def end(self, loss) -> PendingHealth:
         """Finish the step: queue its measurements' copy to the host and return at once.
         Combining with the other ranks happens in `result()` (all ranks read in step order)."""
         value = loss_tensor(loss)
+        self._measure_point()  # no optimizer step (or clipping) after the last backward
+        if self.grad_mode == "learn" and self._checked:
+            self.grad_mode = "lazy"  # nothing changed the gradients after their backward
         self._active = False
+        _LIVE.discard(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
         idx, grad_norms = self._gradient_norms()
         meta: dict = {}
