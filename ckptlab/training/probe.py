@@ -56,7 +56,6 @@ training/health.py.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 import weakref
@@ -65,6 +64,7 @@ import numpy as np
 import torch
 
 from ckptlab.errors import RecordError
+from ckptlab.training import grad_points
 from ckptlab.training.health import StepHealth, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, to_host
 from ckptlab.training.state import unwrap
@@ -129,50 +129,6 @@ class PendingHealth:
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Probes inside a step: the clipping and unscaling entry points measure them before they start.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _before_grads_change() -> None:
-    """Torch is about to clip or unscale gradients: every live probe measures them first."""
-    for probe in list(_LIVE):
-        probe._measure_point()
-
-
-def _measuring_first(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if _LIVE:
-            _before_grads_change()
-        return fn(*args, **kwargs)
-
-    wrapper.__ckptlab_measures__ = True
-    return wrapper
-
-
-def _install_measuring_points() -> None:
-    """Once per process: torch's clipping functions (through the helper all of them call
-    first, looked up in their module at call time: this catches `from torch.nn.utils import
-    clip_grad_norm_` made before ckptlab was imported) and `GradScaler.unscale_` measure the
-    live probes before they change a gradient. Where torch's internals differ, nothing is
-    patched and the probe's note of the gradients (see the module docstring) keeps the
-    numbers right at the cost of measuring every backward."""
-    from torch.nn.utils import clip_grad
-
-    helper = getattr(clip_grad, "_group_tensors_by_device_and_dtype", None)
-    if callable(helper) and not getattr(helper, "__ckptlab_measures__", False):
-        clip_grad._group_tensors_by_device_and_dtype = _measuring_first(helper)
-    # GradScaler.unscale_, and zero_grad in place of a step (a loop that skips a bad step)
-    for cls, name in (
-        (getattr(torch.amp, "GradScaler", None), "unscale_"),
-        (torch.optim.Optimizer, "zero_grad"),
-        (torch.nn.Module, "zero_grad"),
-    ):
-        method = getattr(cls, name, None)
-        if callable(method) and not getattr(method, "__ckptlab_measures__", False):
-            setattr(cls, name, _measuring_first(method))
-
-
 def accumulating(optimizer, on: bool) -> None:
     """Gradient accumulation: whether the backward about to run leaves the step's gradients
     unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
@@ -219,7 +175,7 @@ class StepProbe:
         # after it), "lazy" (once per step, at the first measuring point), "eager" (at the end of
         # every backward: the loop changes gradients after its backward).
         self.grad_mode = "learn"
-        _install_measuring_points()
+        grad_points.install()
         self.attach()
         self._reset(False)
 
@@ -260,6 +216,7 @@ class StepProbe:
         # measured: None before any backward or once measured in the lazy mode.
         self._note: tuple[list, list[int]] | None = None
         self._checked = False  # "learn": the note was checked at a measuring point this step
+        self.measured: tuple[list, list[int], list[torch.Tensor]] | None = None  # (grads, versions, norms)
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -306,6 +263,7 @@ class StepProbe:
         grads = self._detached([g for _, g in with_grad])
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
+        self.measured = (grads, [g._version for g in grads], norms)
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
@@ -374,7 +332,7 @@ class StepProbe:
         self._scale = self._scale_now()
         self._t0 = time.perf_counter()
         self._active = True
-        _LIVE.add(self)
+        grad_points.LIVE.add(self)
 
     def _scale_now(self) -> torch.Tensor | None:
         """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
@@ -390,7 +348,7 @@ class StepProbe:
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
-        _LIVE.discard(self)
+        grad_points.LIVE.discard(self)
         self._before = self._before_norms = None
 
     def end(self, loss) -> PendingHealth:
@@ -401,7 +359,7 @@ class StepProbe:
         if self.grad_mode == "learn" and self._checked:
             self.grad_mode = "lazy"  # nothing changed the gradients after their backward
         self._active = False
-        _LIVE.discard(self)
+        grad_points.LIVE.discard(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
         idx, grad_norms = self._gradient_norms()
         meta: dict = {}

@@ -128,3 +128,35 @@ def test_a_fresh_probe_at_any_step_gives_the_recorded_bits():
         fresh.close()
         assert replayed.param_grad_norm.tobytes() == recorded[n].param_grad_norm.tobytes()
         assert replayed.grad_norm == recorded[n].grad_norm
+
+
+def test_clip_grad_norm_reuses_the_probes_norms_and_trains_the_same_bits(monkeypatch):
+    """Recording changes nothing in training: clip_grad_norm_ returns the same bits with a
+    probe as without one (it stacks the probe's norms instead of taking them again: one norm
+    pass a step, not two), and the weights after a few steps are the same."""
+    runs = []
+    for probed in (False, True):
+        model, opt = mlp()
+        probe = StepProbe(model, opt) if probed else None
+        calls: list[int] = []
+        real = torch._foreach_norm
+        monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+        totals = []
+        for n in range(3):
+            calls.clear()
+            if probe is not None:
+                probe.begin()
+            opt.zero_grad(set_to_none=True)
+            for x, y in micro_batches(n):
+                (nn.functional.mse_loss(model(x), y) * 100).backward()
+            totals.append(clip_grad_norm_(model.parameters(), 1e-3))
+            opt.step()
+            if probe is not None:
+                health = probe.end(totals[-1]).result()
+                assert health.grad_norm == pytest.approx(float(totals[-1]), rel=1e-6)
+                assert calls == ([4] * MICRO if n == 0 else [4])  # the clip took no norm of its own
+        monkeypatch.undo()
+        runs.append((torch.stack(totals), [p.detach().clone() for p in model.parameters()]))
+    (bare_totals, bare_weights), (rec_totals, rec_weights) = runs
+    assert bare_totals.numpy().tobytes() == rec_totals.numpy().tobytes()
+    assert all(torch.equal(a, b) for a, b in zip(bare_weights, rec_weights))
