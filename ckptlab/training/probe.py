@@ -232,8 +232,9 @@ class StepProbe:
         self._queued = False
         if not self._active:
             return
-        grads = [p.grad for p in self.params]
-        self._note = (grads, [-1 if g is None else g._version for g in grads])
+        if self.grad_mode != "eager":  # (nothing checks the note in the eager mode)
+            grads = [p.grad for p in self.params]
+            self._note = (grads, [-1 if g is None else g._version for g in grads])
         if self.grad_mode != "lazy":
             self._measure_grads()
 
