@@ -254,8 +254,19 @@ class StepProbe:
         elif self.grad_mode == "learn":
             self._note = None
             self._checked = True
-            if not unchanged:
+            if not unchanged or not self._same_norms_now():
                 self.grad_mode = "eager"
+
+    def _same_norms_now(self) -> bool:
+        """Once per probe (its first step): do the gradients still have the norms their
+        backward left? Version counters miss a write that bypasses them (DDP's all-reduce into
+        its buckets, with `gradient_as_bucket_view=True`, at the end of the backward): then the
+        lazy measurement would see other numbers than this one, so the probe stays eager."""
+        measured = self.measured
+        if measured is None or not measured[0]:
+            return True
+        grads, _, norms = measured
+        return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
     def _measure_grads(self) -> None:
         """The norms of the gradients there now, in one batched call."""

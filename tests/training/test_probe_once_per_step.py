@@ -82,8 +82,9 @@ def test_a_micro_batch_loop_is_measured_once_per_step_before_its_clipping(monkey
         loss, want = step(model, opt, micro_batches(n), "norm" if clip == "amp" else clip, scaler)
         health = probe.end(loss).result(grads_live=True)
         # the first step of a probe measures each backward (and learns the loop leaves its
-        # gradients alone until the clip); then one batched call per optimizer step
-        assert calls == ([4] * MICRO if n == 0 else [4])
+        # gradients alone until the clip: same versions, same norms); then one batched call
+        # per optimizer step
+        assert calls == ([4] * (MICRO + 1) if n == 0 else [4])
         got = torch.from_numpy(health.param_grad_norm).float()
         assert torch.allclose(got, want, rtol=1e-6, atol=0), (n, got, want)  # before the clip
     assert probe.grad_mode == "lazy"
@@ -154,9 +155,30 @@ def test_clip_grad_norm_reuses_the_probes_norms_and_trains_the_same_bits(monkeyp
             if probe is not None:
                 health = probe.end(totals[-1]).result()
                 assert health.grad_norm == pytest.approx(float(totals[-1]), rel=1e-6)
-                assert calls == ([4] * MICRO if n == 0 else [4])  # the clip took no norm of its own
+                assert calls == ([4] * (MICRO + 1) if n == 0 else [4])  # the clip took no norm of its own
         monkeypatch.undo()
         runs.append((torch.stack(totals), [p.detach().clone() for p in model.parameters()]))
     (bare_totals, bare_weights), (rec_totals, rec_weights) = runs
     assert bare_totals.numpy().tobytes() == rec_totals.numpy().tobytes()
     assert all(torch.equal(a, b) for a, b in zip(bare_weights, rec_weights))
+
+
+def test_a_change_behind_the_version_counters_on_the_first_step_keeps_every_backward_measured():
+    """`p.grad.data.mul_` (old hand-written clipping) and DDP's all-reduce into bucket views
+    write gradients without bumping their version counters: a probe's first step compares the
+    norms themselves, and such a loop stays measured at each backward's end (pre-change)."""
+    model, opt = mlp()
+    probe = StepProbe(model, opt)
+    for n in range(3):
+        probe.begin()
+        opt.zero_grad(set_to_none=True)
+        for x, y in micro_batches(n):
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward()
+        want = pre_clip(model)
+        for p in model.parameters():
+            p.grad.data.mul_(0.5)
+        opt.step()
+        health = probe.end(torch.tensor(0.0)).result()
+        assert torch.allclose(torch.from_numpy(health.param_grad_norm).float(), want, rtol=1e-6, atol=0)
+    assert probe.grad_mode == "eager"
+    probe.close()
