@@ -131,6 +131,10 @@ def test_a_fresh_probe_at_any_step_gives_the_recorded_bits():
         assert replayed.grad_norm == recorded[n].grad_norm
 
 
+def counting(calls: list[int], real):
+    return lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k)
+
+
 def test_clip_grad_norm_reuses_the_probes_norms_and_trains_the_same_bits(monkeypatch):
     """Recording changes nothing in training: clip_grad_norm_ returns the same bits with a
     probe as without one (it stacks the probe's norms instead of taking them again: one norm
@@ -141,7 +145,7 @@ def test_clip_grad_norm_reuses_the_probes_norms_and_trains_the_same_bits(monkeyp
         probe = StepProbe(model, opt) if probed else None
         calls: list[int] = []
         real = torch._foreach_norm
-        monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+        monkeypatch.setattr(torch, "_foreach_norm", counting(calls, real))
         totals = []
         for n in range(3):
             calls.clear()
