@@ -66,7 +66,7 @@ import torch
 from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
 from ckptlab.training.health import StepHealth, read_health
-from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, to_host
+from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample
 from ckptlab.training.world import World, is_sharded, local
@@ -92,6 +92,18 @@ def loss_value(loss) -> float:
 def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters in a stable order, tied ones once (the order the run's arrays use)."""
     return list(unwrap(model).named_parameters())
+
+
+def same_norms_now(measured) -> bool:
+    """Once per probe (its first step): do the gradients still have the norms their backward
+    left (`measured`: the gradients, their versions, their norms)? Version counters miss a
+    write that bypasses them (`p.grad.data`, DDP's all-reduce into its buckets with
+    `gradient_as_bucket_view=True`): then a lazy measurement would see other numbers than
+    this one, so the probe stays eager."""
+    if measured is None or not measured[0]:
+        return True
+    grads, _, norms = measured
+    return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
 
 class PendingHealth:
@@ -226,6 +238,7 @@ class StepProbe:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
+    @out_of_sight
     def _on_backward_end(self) -> None:
         """A backward pass ended: note the gradients it left (and in the "learn" and "eager"
         modes, measure them now)."""
@@ -238,6 +251,7 @@ class StepProbe:
         if self.grad_mode != "lazy":
             self._measure_grads()
 
+    @out_of_sight
     def _measure_point(self) -> None:
         """Gradient clipping, unscaling or the optimizer's step is about to start: the
         gradients of the last backward are final (lazy mode: measured now); were they changed
@@ -254,19 +268,8 @@ class StepProbe:
         elif self.grad_mode == "learn":
             self._note = None
             self._checked = True
-            if not unchanged or not self._same_norms_now():
+            if not unchanged or not same_norms_now(self.measured):
                 self.grad_mode = "eager"
-
-    def _same_norms_now(self) -> bool:
-        """Once per probe (its first step): do the gradients still have the norms their
-        backward left? Version counters miss a write that bypasses them (DDP's all-reduce into
-        its buckets, with `gradient_as_bucket_view=True`, at the end of the backward): then the
-        lazy measurement would see other numbers than this one, so the probe stays eager."""
-        measured = self.measured
-        if measured is None or not measured[0]:
-            return True
-        grads, _, norms = measured
-        return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
     def _measure_grads(self) -> None:
         """The norms of the gradients there now, in one batched call."""
@@ -286,6 +289,7 @@ class StepProbe:
                 if not torch.isfinite(n):
                     self._nonfinite[i] = count_nonfinite(g)
 
+    @out_of_sight
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if not self._active:
             return
@@ -363,6 +367,7 @@ class StepProbe:
         grad_points.LIVE.discard(self)
         self._before = self._before_norms = None
 
+    @out_of_sight
     def end(self, loss) -> PendingHealth:
         """Finish the step: queue its measurements' copy to the host and return at once.
         Combining with the other ranks happens in `result()` (all ranks read in step order)."""
