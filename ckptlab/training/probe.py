@@ -245,11 +245,11 @@ class StepProbe:
         self._queued = False
         if not self._active:
             return
+        grads = [p.grad for p in self.params]
         if self.grad_mode != "eager":  # (nothing checks the note in the eager mode)
-            grads = [p.grad for p in self.params]
             self._note = (grads, [-1 if g is None else g._version for g in grads])
         if self.grad_mode != "lazy":
-            self._measure_grads()
+            self._measure_grads(grads)
 
     @out_of_sight
     def _measure_point(self) -> None:
@@ -259,10 +259,11 @@ class StepProbe:
         if not self._active or self._note is None:
             return
         grads, versions = self._note
-        unchanged = all(p.grad is g and (g is None or g._version == v) for p, g, v in zip(self.params, grads, versions))
+        now = [p.grad for p in self.params]
+        unchanged = all(a is g and (g is None or g._version == v) for a, g, v in zip(now, grads, versions))
         if self.grad_mode == "lazy":
             self._note = None
-            self._measure_grads()  # after a change: what is there now, and every backward from now on
+            self._measure_grads(now)  # after a change: what is there now, and every backward from now on
             if not unchanged:
                 self.grad_mode = "eager"
         elif self.grad_mode == "learn":
@@ -271,11 +272,13 @@ class StepProbe:
             if not unchanged or not same_norms_now(self.measured):
                 self.grad_mode = "eager"
 
-    def _measure_grads(self) -> None:
-        """The norms of the gradients there now, in one batched call."""
-        with_grad = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        idx = [i for i, _ in with_grad]
-        grads = self._detached([g for _, g in with_grad])
+    def _measure_grads(self, present: list | None = None) -> None:
+        """The norms of the gradients there now (`present`: each parameter's, just read), in
+        one batched call."""
+        if present is None:
+            present = [p.grad for p in self.params]
+        idx = [i for i, g in enumerate(present) if g is not None]
+        grads = self._detached([present[i] for i in idx])
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self.measured = (grads, [g._version for g in grads], norms)
