@@ -20,8 +20,8 @@ each step is K micro-batches of `--batch` rows, recorded as one step holding the
 way the Lightning and Hugging Face integrations record it (begin_step, the micro-batches
 gathered, the batch written before the last one, end_step). Three copies take turns in one
 process: bare; recorded with the probe told which backward is the step's last (as the
-integrations do), so pre-clip gradient norms are measured once a step; and recorded without
-telling it, so they are measured after every micro-batch.
+integrations do); and recorded without telling it (no ckptlab call between the micro-batches:
+the probe measures the pre-clip gradient norms once a step by itself, at the clipping).
 
 With `--case` it measures the cases docs/performance.md sets targets for, each figure a ratio
 against a bare run in the same invocation (or a difference from it); the last line of output
@@ -40,8 +40,11 @@ The timing cases have glibc keep the memory a step frees (`steady_malloc`).
   e  peak RSS of a ~250M-parameter MLP (AdamW) recorded with health_every=1, over the steps
      after the first checkpoint, vs the same bare (one process each)
   f  in that run, the step that starts a checkpoint vs the median step
+  m  a plain step_fn of 8 micro-batches (nanoGPT's loop inside it, no ckptlab call: the probe
+     finds the step's last backward by itself), the LM at 2 layers x 128, 1 thread, as a
+  g  a small GPT-style model (the LM at 2 layers x 64 wide, batch 4 x 64), 1 thread, as a
 
-    PYTHONPATH=. python scripts/bench_record.py --case a,b,c,e,f [--steps N] [--params 250e6]
+    PYTHONPATH=. python scripts/bench_record.py --case a,b,c,e,f,m,g [--steps N] [--params 250e6]
         [--ef-threads 1,all]     # e/f with one torch thread (a core to spare) and with all
 
 Where the time of case c's recorded step goes, phase by phase: scripts/profile_record_step.py.
@@ -205,7 +208,7 @@ def accumulation(args) -> None:
     steps = [batches[i : i + args.accumulate] for i in range(0, len(batches), args.accumulate)]
     instrument()
     times: dict[str, list[float]] = defaultdict(list)
-    tell = {"recorded (last backward measured)": True, "recorded (every backward)": False}
+    tell = {"recorded (probe told the last backward)": True, "recorded (not told)": False}
     with tempfile.TemporaryDirectory() as tmp:
         trained = {mode: build() for mode in ["bare", *tell]}
         recorders = {
@@ -240,20 +243,20 @@ def accumulation(args) -> None:
         print_phases(mode, len(steps), bare)
 
 
-TARGETS = {"a": 1.02, "b": 1.04, "c": 0.25, "e": 1.10, "f": 1.5}  # docs/performance.md
+TARGETS = {"a": 1.02, "b": 1.04, "c": 0.35, "e": 1.10, "f": 1.5, "m": 1.03, "g": 1.08}  # docs/performance.md
 
 
 # --- cases a, b, c: bare and recorded runs of the LM, interleaved step by step ------------------
 
 
-def recorded_copy(mode: str, tmp: Path, ckpt_every: int, health_every: int):
+def recorded_copy(mode: str, tmp: Path, ckpt_every: int, health_every: int, step_fn=step):
     """(model, optimizer, Recorder) of a fresh model recorded into a folder named after `mode`."""
     model, opt = build()
     rec = ckptlab.Recorder(
         tmp / mode.replace(" ", "_").replace(",", "").replace("=", ""),
         model,
         opt,
-        step_fn=step,
+        step_fn=step_fn,
         build_fn=build,
         ckpt_every=ckpt_every,
         health_every=health_every,
@@ -337,7 +340,14 @@ def case_b(args, tmp: Path) -> dict:
 
 
 def alternating(
-    steps: int, batch: int, ckpt_every: int, health: dict[str, int], tmp: Path, without: dict[str, str] | None = None
+    steps: int,
+    batch: int,
+    ckpt_every: int,
+    health: dict[str, int],
+    tmp: Path,
+    without: dict[str, str] | None = None,
+    step_fn=step,
+    eager: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict:
     """Cases a and c: each recorded mode on its own model, whose steps alternate between bare
     (`step_fn` called directly, the probe's hooks taken off) and recorded (`Recorder.step`),
@@ -346,9 +356,11 @@ def alternating(
     cannot. Returns, per recorded mode, its bare steps' times, its rounds' differences (recorded
     minus bare, wall clock and the training thread's CPU time), and its run directory."""
     batches = make_batches(steps, batch)
-    runs = {mode: recorded_copy(mode, tmp, ckpt_every, health_every) for mode, health_every in health.items()}
+    runs = {mode: recorded_copy(mode, tmp, ckpt_every, health_every, step_fn) for mode, health_every in health.items()}
     for mode, parts in (without or {}).items():
         leave_out(runs[mode][2], parts)
+    for mode in eager:  # the probe as before #30: the norms of every backward pass
+        runs[mode][2].runner.probe.grad_mode = "eager"
     out = {mode: {"bare": [], "wall": [], "cpu": [], "run_dir": rec.run_dir} for mode, (_, _, rec) in runs.items()}
     for i, (b, ids) in enumerate(batches):
         for mode, (model, opt, rec) in runs.items():
@@ -360,7 +372,7 @@ def alternating(
                 current["mode"] = mode if kind == "recorded" else "bare"
                 c0, t0 = time.thread_time(), time.perf_counter()
                 if kind == "bare":
-                    step(model, opt, b)
+                    step_fn(model, opt, b)
                 else:
                     rec.step(b, sample_ids=ids)
                 spent[kind] = (time.perf_counter() - t0, time.thread_time() - c0)
@@ -408,6 +420,59 @@ def case_c(args, tmp: Path) -> dict:
         out[f"c_added_ms_{key}"] = statistics.median(res[mode]["wall"]) * 1e3
         out[f"c_added_cpu_ms_{key}"] = statistics.median(res[mode]["cpu"]) * 1e3
     return out
+
+
+MICRO = 8  # case m: micro-batches a step
+
+
+def step_micro(model, opt, batch):
+    """nanoGPT's micro-batch loop written inside one step_fn, with no ckptlab call in it:
+    MICRO forward/backward passes over slices of the batch, clipping, one optimizer step."""
+    ids = batch["ids"]
+    total = None
+    for part in ids.chunk(MICRO):
+        logits = model(part[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), part[:, 1:].reshape(-1)) / MICRO
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def case_m(args, tmp: Path) -> dict:
+    """A plain MICRO-micro-batch step_fn (no ckptlab call), 1 thread, measured as a and c; beside
+    it the probe as it was before it found the last backward itself (every backward measured)."""
+    torch.set_num_threads(1)
+    CFG.update(layers=2, width=64, seq=32)
+    steps = args.steps or 100
+    health = {"recorded, default": 10, "every backward measured (before)": 10}
+    res = alternating(
+        steps, 2 * MICRO, 10**9, health, tmp / "m", step_fn=step_micro, eager={"every backward measured (before)"}
+    )
+    print(
+        f"\n(m) {MICRO} micro-batches of 2 x 32 a step, plain step_fn; LM 2 layers x 64 wide, 1 thread; {steps - 1} rounds"
+    )
+    out = {}
+    for mode, key in (("recorded, default", "m_ratio"), ("every backward measured (before)", "m_ratio_every_backward")):
+        print(added(mode, res[mode]))
+        bare = statistics.median(res[mode]["bare"])
+        out[key] = 1 + statistics.median(res[mode]["wall"]) / bare
+    out["m_bare_ms"] = statistics.median(res["recorded, default"]["bare"]) * 1e3
+    return out
+
+
+def case_g(args, tmp: Path) -> dict:
+    """A small GPT-style model (the LM at 2 layers x 64 wide, batch 4 x 64), 1 thread, as a and c."""
+    torch.set_num_threads(1)
+    CFG.update(layers=2, width=64, seq=64)
+    steps = args.steps or 400
+    res = alternating(steps, 4, 10**9, {"recorded, default": 10}, tmp / "g")
+    print(f"\n(g) a small GPT: the LM at 2 layers x 64 wide, batch 4 x 64, 1 thread; {steps - 1} rounds")
+    print(added("recorded, default", res["recorded, default"]))
+    bare = statistics.median(res["recorded, default"]["bare"])
+    return {"g_bare_ms": bare * 1e3, "g_ratio": 1 + statistics.median(res["recorded, default"]["wall"]) / bare}
 
 
 WITHOUT = ("step-record", "batch")
@@ -611,13 +676,20 @@ def run_cases(args) -> None:
     figures: dict[str, float] = {}
     instrument()
     with tempfile.TemporaryDirectory(prefix="ckptlab-bench-record-") as tmp:
-        for name, fn in (("a", case_a), ("b", case_b), ("c", case_c)):
+        for name, fn in (("a", case_a), ("b", case_b), ("c", case_c), ("m", case_m), ("g", case_g)):
             if name in cases:
                 figures.update(fn(args, Path(tmp)))
         if cases & {"e", "f"}:
             figures.update(case_ef(args, Path(tmp)))
     print("\nfigure                          value    target")
-    checks = {"a_ratio_default": "a", "b_ratio_total": "b", "c_added_ms_default": "c", "e_peak_rss_ratio": "e"}
+    checks = {
+        "a_ratio_default": "a",
+        "b_ratio_total": "b",
+        "c_added_ms_default": "c",
+        "e_peak_rss_ratio": "e",
+        "m_ratio": "m",
+        "g_ratio": "g",
+    }
     for setting in args.ef_threads.split(","):
         prefix = "" if setting == "all" else setting
         checks[f"e{prefix}_peak_rss_ratio"] = "e"
@@ -649,7 +721,7 @@ def main() -> None:
         help="live trackers of the last case: mlflow, wandb (offline), both (default; those installed), or none",
     )
     ap.add_argument("--accumulate", type=int, default=0, help="measure steps of this many micro-batches instead")
-    ap.add_argument("--case", help="measure these cases instead (comma-separated: a,b,c,e,f)")
+    ap.add_argument("--case", help="measure these cases instead (comma-separated: a,b,c,e,f,m,g)")
     ap.add_argument("--params", type=float, default=250e6, help="parameters of the e/f model (default 250e6)")
     ap.add_argument(
         "--ef-threads",

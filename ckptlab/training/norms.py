@@ -4,6 +4,9 @@ training/health.py reads what they copied)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 
@@ -50,3 +53,41 @@ def to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(first))
     return host, event
+
+
+def unseen():
+    """A context in which the probe's own ops run out of sight of the user's dispatch modes
+    (replay's tracer, a FlopCounterMode): what the probe measures is not the step's work, and
+    where it measures (the end of a backward, or the clip) depends on what it learned of the
+    loop, which two runs of one step need not share. Torch's own modes (fake tensors,
+    proxies, functionalization) stay."""
+    if not torch._C._len_torch_dispatch_stack():
+        return contextlib.nullcontext()
+    return _without_user_modes()
+
+
+def out_of_sight(method):
+    """`method` run in `unseen()`."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with unseen():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _without_user_modes():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    if any(getattr(mode, "is_infra_mode", lambda: True)() for mode in stack):
+        yield
+        return
+    popped = [_pop_mode() for _ in stack]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)

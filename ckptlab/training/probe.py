@@ -13,14 +13,26 @@ step N's health when step N+1 ends while the host keeps running ahead of the GPU
 the "copy" is the tensor itself, and `result()` is the same code reading it.
 
 Where each number is computed, and why there:
-- per-parameter gradient norms at the end of each backward pass (one callback per backward,
-  queued by the first gradient hook that fires; one batched `torch._foreach_norm` over all
-  gradients): that is the gradient *before* the user's `clip_grad_norm_` (after clipping the
-  global norm is always <= max_norm, which hides every explosion). With gradient accumulation
-  the last backward before the optimizer step holds the accumulated gradient, which is kept;
-  each micro-batch costs one batched call, not a kernel per parameter. A loop that knows
-  which backward is its last says so (`accumulating(optimizer, True)` before the others,
-  `False` before the last): then only the last backward is measured, one call per step.
+- per-parameter gradient norms once per optimizer step, with no call from the user's loop: at
+  the first of (a) the start of torch's gradient clipping (`clip_grad_norm_`,
+  `clip_grad_value_`, `get_total_norm`, `clip_grads_with_norm_`, however they were imported),
+  (b) the start of a `GradScaler.unscale_`, (c) the optimizer's step pre-hook, (d) a
+  `zero_grad` (of the optimizer or the module) in place of the step, (e) the step's `end`, after the last backward pass: that is the accumulated gradient *before* the user's
+  clipping (after clipping the global norm is always <= max_norm, which hides every
+  explosion), in one batched `torch._foreach_norm` over all gradients, however many
+  micro-batches (one backward or k, `no_sync()`, clipped by torch, by hand, or not at all).
+  Each backward pass's end (one callback per backward, queued by the first gradient hook that
+  fires) notes which gradient tensors it left and their version counters. A loop that
+  changes the gradients in place between its last backward and those points (clipping by
+  hand, `p.grad /= k`) is caught by that note: the first step of each probe measures at the
+  end of every backward pass (as a loop that changes gradients needs) and checks the note at
+  the measuring point; only a loop that left the gradients as its backward did is measured
+  lazily from its second step on. A later step that changes them anyway is measured after
+  the change (once) and the probe measures every backward from then on. The values are the
+  same bits either way (the same tensors, unchanged, in the same call), so a replay that
+  starts at any step, with a fresh probe, compares bit for bit. `accumulating(optimizer, on)`
+  (the Lightning and Hugging Face integrations call it) still skips the backward passes that
+  a loop knows are not its last.
 - learning rates, the norms of the pre-update weights and (for ||dw||, every `health_every`
   steps) a fixed sample of them in the optimizer's step pre-hook: the lr this update used
   and the weights it started from. By default the update norm is estimated from a strided
@@ -52,8 +64,9 @@ import numpy as np
 import torch
 
 from ckptlab.errors import RecordError
+from ckptlab.training import grad_points
 from ckptlab.training.health import StepHealth, read_health
-from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, to_host
+from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample
 from ckptlab.training.world import World, is_sharded, local
@@ -79,6 +92,18 @@ def loss_value(loss) -> float:
 def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters in a stable order, tied ones once (the order the run's arrays use)."""
     return list(unwrap(model).named_parameters())
+
+
+def same_norms_now(measured) -> bool:
+    """Once per probe (its first step): do the gradients still have the norms their backward
+    left (`measured`: the gradients, their versions, their norms)? Version counters miss a
+    write that bypasses them (`p.grad.data`, DDP's all-reduce into its buckets with
+    `gradient_as_bucket_view=True`): then a lazy measurement would see other numbers than
+    this one, so the probe stays eager."""
+    if measured is None or not measured[0]:
+        return True
+    grads, _, norms = measured
+    return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
 
 class PendingHealth:
@@ -119,7 +144,9 @@ _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def accumulating(optimizer, on: bool) -> None:
     """Gradient accumulation: whether the backward about to run leaves the step's gradients
     unfinished (True: its norms would be overwritten, so the hooks skip them) or completes them
-    (False: measured). Each step starts with every backward measured."""
+    (False: measured). Each step starts with every backward measured. Not needed since the
+    probe measures once per optimizer step by itself; a loop that says so skips the notes of
+    the backward passes it marks (the Lightning and Hugging Face integrations call it)."""
     probe = _PROBES.get(optimizer)
     if probe is not None:
         probe._accumulating = on
@@ -155,6 +182,12 @@ class StepProbe:
         self._queued = False
         self._plans: list | None = None
         self._handles: list = []
+        # When the gradient norms are taken (module docstring): "learn" (this probe's first step
+        # with a backward: at the end of every backward, checking that nothing changed them
+        # after it), "lazy" (once per step, at the first measuring point), "eager" (at the end of
+        # every backward: the loop changes gradients after its backward).
+        self.grad_mode = "learn"
+        grad_points.install()
         self.attach()
         self._reset(False)
 
@@ -191,6 +224,11 @@ class StepProbe:
         self._stepped = False
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
+        # The gradients the last noted backward left (tensor, version), and whether they are
+        # measured: None before any backward or once measured in the lazy mode.
+        self._note: tuple[list, list[int]] | None = None
+        self._checked = False  # "learn": the note was checked at a measuring point this step
+        self.measured: tuple[list, list[int], list[torch.Tensor]] | None = None  # (grads, versions, norms)
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -200,17 +238,50 @@ class StepProbe:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
+    @out_of_sight
     def _on_backward_end(self) -> None:
-        """All gradients of this backward are in: their norms, in one batched call. The last
-        backward before the optimizer step (and any clipping) wins."""
+        """A backward pass ended: note the gradients it left (and in the "learn" and "eager"
+        modes, measure them now)."""
         self._queued = False
         if not self._active:
             return
-        with_grad = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        idx = [i for i, _ in with_grad]
-        grads = self._detached([g for _, g in with_grad])
+        grads = [p.grad for p in self.params]
+        if self.grad_mode != "eager":  # (nothing checks the note in the eager mode)
+            self._note = (grads, [-1 if g is None else g._version for g in grads])
+        if self.grad_mode != "lazy":
+            self._measure_grads(grads)
+
+    @out_of_sight
+    def _measure_point(self) -> None:
+        """Gradient clipping, unscaling or the optimizer's step is about to start: the
+        gradients of the last backward are final (lazy mode: measured now); were they changed
+        since that backward by something else (by hand)?"""
+        if not self._active or self._note is None:
+            return
+        grads, versions = self._note
+        now = [p.grad for p in self.params]
+        unchanged = all(a is g and (g is None or g._version == v) for a, g, v in zip(now, grads, versions))
+        if self.grad_mode == "lazy":
+            self._note = None
+            self._measure_grads(now)  # after a change: what is there now, and every backward from now on
+            if not unchanged:
+                self.grad_mode = "eager"
+        elif self.grad_mode == "learn":
+            self._note = None
+            self._checked = True
+            if not unchanged or not same_norms_now(self.measured):
+                self.grad_mode = "eager"
+
+    def _measure_grads(self, present: list | None = None) -> None:
+        """The norms of the gradients there now (`present`: each parameter's, just read), in
+        one batched call."""
+        if present is None:
+            present = [p.grad for p in self.params]
+        idx = [i for i, g in enumerate(present) if g is not None]
+        grads = self._detached([present[i] for i in idx])
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
+        self.measured = (grads, [g._version for g in grads], norms)
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
@@ -221,9 +292,11 @@ class StepProbe:
                 if not torch.isfinite(n):
                     self._nonfinite[i] = count_nonfinite(g)
 
+    @out_of_sight
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if not self._active:
             return
+        self._measure_point()
         self._lr = [float(g["lr"]) for g in optimizer.param_groups]
         if self._measure_update:
             with torch.no_grad():
@@ -278,6 +351,7 @@ class StepProbe:
         self._scale = self._scale_now()
         self._t0 = time.perf_counter()
         self._active = True
+        grad_points.LIVE.add(self)
 
     def _scale_now(self) -> torch.Tensor | None:
         """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
@@ -293,13 +367,19 @@ class StepProbe:
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
+        grad_points.LIVE.discard(self)
         self._before = self._before_norms = None
 
+    @out_of_sight
     def end(self, loss) -> PendingHealth:
         """Finish the step: queue its measurements' copy to the host and return at once.
         Combining with the other ranks happens in `result()` (all ranks read in step order)."""
         value = loss_tensor(loss)
+        self._measure_point()  # no optimizer step (or clipping) after the last backward
+        if self.grad_mode == "learn" and self._checked:
+            self.grad_mode = "lazy"  # nothing changed the gradients after their backward
         self._active = False
+        grad_points.LIVE.discard(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
         idx, grad_norms = self._gradient_norms()
         meta: dict = {}

@@ -1,0 +1,113 @@
+"""Where torch is about to change the gradients: the points at which the probe (probe.py)
+takes a step's pre-clip gradient norms, with no call from the user's loop.
+
+    grad_points.install()            # once per process (the probe's constructor calls it)
+    grad_points.LIVE.add(probe)      # a probe inside a step: measured before a change
+
+Torch's clipping functions (`clip_grad_norm_`, `clip_grad_value_`, `get_total_norm`,
+`clip_grads_with_norm_`) all start by grouping the tensors with a helper that they look up in
+their own module at call time; wrapping that name catches them however the user imported them
+(`from torch.nn.utils import clip_grad_norm_` before ckptlab included). `GradScaler.unscale_`
+and `zero_grad` (of an optimizer or a module: a loop that drops a bad step) are wrapped on
+their classes. Each wrapper costs one truthiness test of `LIVE` outside a step.
+
+`clip_grad_norm_` also reuses the probe's norms: its total is the norm of the per-tensor
+norms, which are the very numbers the probe has just taken (the same kernel on the same
+unchanged tensors: the same bits), so on the CPU with float32 gradients it stacks the probe's
+instead of computing them again. Anywhere else (another dtype or device, several groups, a
+gradient the probe did not measure or that changed since) torch's own code runs. Where torch's
+internals differ from what is wrapped here, nothing is wrapped: the probe's note of the
+gradients then keeps its numbers right, at the cost of measuring every backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+LIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside a step
+_MARK = "__ckptlab_measures__"
+
+
+def before_grads_change() -> None:
+    """Torch is about to clip, unscale or zero gradients: every live probe measures them first."""
+    for probe in list(LIVE):
+        probe._measure_point()
+
+
+def _measuring_first(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if LIVE:
+            before_grads_change()
+        return fn(*args, **kwargs)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _total_norm_reusing(fn):
+    """`clip_grad._get_total_norm`, reusing the live probe's norms where they are the same bits."""
+
+    @functools.wraps(fn)
+    def wrapper(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        if LIVE and foreach is not False and float(norm_type) == 2.0 and isinstance(tensors, (list, tuple)):
+            before_grads_change()
+            for probe in list(LIVE):
+                norms = reusable_norms(probe.measured, tensors)
+                if norms is not None:
+                    with torch.no_grad():
+                        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+                        return fn(tensors, norm_type, error_if_nonfinite, foreach)  # (torch's own error)
+                    return total
+        return fn(tensors, norm_type, error_if_nonfinite, foreach)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def reusable_norms(measured, tensors) -> list[torch.Tensor] | None:
+    """A probe's norms (`measured`: the gradients it just measured, their versions, their
+    norms) of exactly `tensors` (any order), unchanged since, on the CPU in float32: what
+    `clip_grad_norm_` would compute, the same bits. None when anything differs."""
+    if measured is None or len(tensors) != len(measured[0]) or not tensors:
+        return None
+    grads, versions, norms = measured
+    device = grads[0].device
+    if device.type != "cpu":
+        return None
+    at = {id(g): k for k, g in enumerate(grads)}
+    out = []
+    for t in tensors:
+        k = at.get(id(t))
+        if k is None or grads[k] is not t or t._version != versions[k]:
+            return None
+        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.device != device:
+            return None
+        out.append(norms[k])
+    return out
+
+
+@functools.cache
+def install() -> None:
+    """Wrap the points above, once per process."""
+    from torch.nn.utils import clip_grad
+
+    for name, wrap in (
+        ("_group_tensors_by_device_and_dtype", _measuring_first),
+        ("_get_total_norm", _total_norm_reusing),
+    ):
+        fn = getattr(clip_grad, name, None)
+        if callable(fn) and not getattr(fn, _MARK, False):
+            setattr(clip_grad, name, wrap(fn))
+    for cls, name in (
+        (getattr(torch.amp, "GradScaler", None), "unscale_"),
+        (torch.optim.Optimizer, "zero_grad"),
+        (torch.nn.Module, "zero_grad"),
+    ):
+        method = getattr(cls, name, None)
+        if callable(method) and not getattr(method, _MARK, False):
+            setattr(cls, name, _measuring_first(method))
