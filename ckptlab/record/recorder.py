@@ -69,13 +69,7 @@ class Recorder:
         **options,
     ):
         self.config = config = RecordConfig.of(config, **options)
-        if not hasattr(optimizer, "param_groups"):  # before anything is written
-            raise RecordError(
-                f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer: a loop that updates the "
-                "weights by hand is not recorded yet",
-                path=run_dir,
-                hint="an update p -= lr * p.grad is torch.optim.SGD(model.parameters(), lr=lr): step that instead",
-            )
+        _check_optimizer(optimizer, run_dir)  # before anything is written
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
         self.run_dir, self.batch_fn = Path(run_dir), batch_fn
@@ -299,6 +293,16 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_optimizer(optimizer, run_dir) -> None:
+    if not hasattr(optimizer, "param_groups"):
+        raise RecordError(
+            f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer: a loop that updates the "
+            "weights by hand is not recorded yet",
+            path=run_dir,
+            hint="an update p -= lr * p.grad is torch.optim.SGD(model.parameters(), lr=lr): step that instead",
+        )
 
 
 def _settle_at_exit(rec: Recorder) -> Callable[[], None]:
