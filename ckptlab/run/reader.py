@@ -29,9 +29,10 @@ from ckptlab.run.layout import (
     journal_dir,
     parse_checkpoint,
     parse_rank,
+    parse_segment,
     segments,
 )
-from ckptlab.run.lock import Lease, take_lease
+from ckptlab.run.lock import Lease, holder, take_lease
 from ckptlab.run.manifest import read_manifest
 
 
@@ -158,9 +159,24 @@ class Run:
             self._damage(f"{path}: empty or cut inside its file header, though its session {tail} (corrupt file)")
         elif scan.torn_bytes and tail != "open":
             self._damage(f"{path}: truncated or damaged in its last frame, though its session {tail} (corrupt file)")
-        elif scan.torn_bytes:
+        elif scan.torn_bytes and not self._being_written(path):
             self._note(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
         return scan
+
+    def _being_written(self, path: Path) -> bool:
+        """A segment of the session a live Recorder is recording now: its last frame may be
+        half written as we read (a write under way, not a crash's torn tail)."""
+        parsed = parse_segment(path.name)
+        return parsed is not None and parsed[0] == self._live_session
+
+    @cached_property
+    def _live_session(self) -> int | None:
+        """The session a Recorder is recording now (None: the run is idle)."""
+        live = holder(self.path)
+        sessions = self.manifest.get("sessions", [])
+        if live is None or live.get("holder") != "recorder" or not sessions:
+            return None
+        return int(sessions[-1].get("session", len(sessions) - 1))
 
     def _note(self, problem: str) -> None:
         if problem not in self.problems:

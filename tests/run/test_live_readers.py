@@ -82,7 +82,7 @@ def test_readers_of_a_live_run_never_race_retention(tmp_path):
     for c in calls["info"] + calls["report"]:
         assert c["code"] == 0, (c["args"], c.get("error"), c["out"][-500:])
     infos = [_json(c["out"]) for c in calls["info"]]
-    assert all(i["damaged"] == [] and i["problems"] == [] for i in infos)
+    assert [(i["damaged"], i["problems"]) for i in infos if i["damaged"] or i["problems"]] == []
     assert [(i["recording"], i["steps"]) for i in infos if i["recording"] is None or i["steps"]["incomplete"]] == []
     assert all(c["verified"] for i in infos for c in i["checkpoints"])
     assert all(lw.NAN_STEP - 5 in [c["step"] for c in i["checkpoints"]] for i in infos)  # the protected one
@@ -232,3 +232,17 @@ def test_a_step_late_in_a_long_episode_replays_from_the_latest_checkpoint_before
     assert r.json()["start_checkpoint"] == 50
     assert "the anomaly episode that ends at step 57 began at step 12" in r.err
     assert f"ckptlab replay --run {run_dir} --step 12" in r.err
+
+
+def test_the_frame_a_live_recorder_is_writing_is_not_a_torn_tail(copy):
+    from ckptlab.run.manifest import read_manifest, write_manifest
+
+    manifest = read_manifest(copy)
+    del manifest["sessions"][-1]["closed"]  # as while its Recorder records
+    write_manifest(copy, manifest)
+    last = sorted((copy / "journal").glob("s000-*.log"))[-1]
+    with last.open("ab") as f:
+        f.write(b"\x01\x02\x03")  # a frame's first bytes, the rest not yet written
+    with lock.acquire(copy, "recorder"):
+        assert summarize(open_run(copy)).problems == []
+    assert "3 bytes torn at the tail" in summarize(open_run(copy)).problems[0]  # idle: a crash's
