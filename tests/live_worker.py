@@ -127,7 +127,7 @@ def read() -> None:
                 if args[-1] == "--latest":  # the step after the latest checkpoint
                     called = ["replay", "--step", str(_recent_step(run_dir)), "--json", "--no-counterfactuals"]
                 line = _call(runner, cli, CkptlabError, run_dir, called)
-                if args[-1] != "--latest" or "was pruned by retention" not in line.get("error", ""):
+                if args[-1] != "--latest" or "pruned by retention" not in line.get("error", ""):
                     break
             f.write(json.dumps(line) + "\n")
             f.flush()

@@ -94,9 +94,15 @@ class Investigation:
     def choose_start(self, before: int) -> int:
         """The checkpoint to replay from (`_start`), held with its batches against the
         retention of a run that is still recording (Run.hold) until the replay ends."""
-        for _ in range(3):
-            k = self._start(before)
+        for attempt in range(3):
             run = self.run
+            try:
+                k = self._start(before)
+            except ReplayError:  # on a live run, maybe from a listing retention has since changed
+                if attempt == 2 or not run.recording:
+                    raise
+                run.refresh()
+                continue
             older = [c for c in run.checkpoints if c < k]  # the older state a counterfactual starts from
             first = older[-1] if older and set(range(older[-1], k)) <= set(run.steps) else k
             if run.hold([k, *older[-1:]], (first, self.step)):
@@ -379,7 +385,11 @@ def _whole_window(run: Run, k: int, step: int, before: int, notes: list[str]) ->
             path=run.path,
             hint="replay a step whose batch is kept, from a checkpoint before it",
         )
-    why = f"a batch log is damaged: {logs[0]}" if logs else "pruned by retention"
+    why = (
+        f"a batch log is damaged: {logs[0]}"
+        if logs
+        else f"pruned by retention; checkpoints kept: {run.checkpoints}, batches kept: {ranges(sorted(kept))}"
+    )
     raise ReplayError(
         f"the batches of steps {missing[0]}..{missing[-1]} are not in the run ({why}), "
         f"so step {step} cannot be replayed from checkpoint {k}",

@@ -163,6 +163,11 @@ class Run:
             self._note(f"{path}: {scan.torn_bytes} bytes torn at the tail (an interrupted write), ignored")
         return scan
 
+    @property
+    def recording(self) -> bool:
+        """A Recorder records this run now (as of the first time this was asked)."""
+        return self._live_session is not None
+
     def _being_written(self, path: Path) -> bool:
         """A segment of the session a live Recorder is recording now: its last frame may be
         half written as we read (a write under way, not a crash's torn tail)."""
