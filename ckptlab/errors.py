@@ -40,6 +40,12 @@ def _restore(cls, args, state):
     return error
 
 
+def install_hint(extra: str, packages: str) -> str:
+    """How to install what an optional feature needs: the packages themselves (works in any
+    environment), or ckptlab's extra from its clone (ckptlab is not on a package index)."""
+    return f"pip install {packages}; from ckptlab's clone: pip install -e '.[{extra}]'"
+
+
 class NotARunError(CkptlabError):
     """The directory is not a ckptlab run."""
 

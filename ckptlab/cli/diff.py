@@ -39,7 +39,7 @@ def _regex(ctx, param, value):
     "plot_path",
     metavar="FILE.png",
     type=click.Path(dir_okay=False),
-    help="Save A-vs-B histograms of the top tensors as an image (needs matplotlib: ckptlab[plot]).",
+    help="Save A-vs-B histograms of the top tensors as an image (needs matplotlib: pip install matplotlib).",
 )
 @click.option(
     "--all",

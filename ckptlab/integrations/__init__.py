@@ -1,7 +1,7 @@
 """Record runs that a framework drives: PyTorch Lightning and the Hugging Face Trainer.
 
-    from ckptlab.integrations.lightning import CkptlabCallback          # pip install ckptlab[lightning]
-    from ckptlab.integrations.transformers import CkptlabCallback       # pip install ckptlab[transformers]
+    from ckptlab.integrations.lightning import CkptlabCallback          # pip install -e ".[lightning]"
+    from ckptlab.integrations.transformers import CkptlabCallback       # pip install -e ".[transformers]"
 
 Each integration records from the framework's own hooks through `Recorder.begin_step` /
 `end_step`, and ships a module-level `training_step(model, optimizer, batch)` that performs

@@ -1,6 +1,6 @@
 """Record a PyTorch Lightning run with ckptlab, and replay it bit-exactly.
 
-    # train.py                                               pip install ckptlab[lightning]
+    # train.py                                               pip install -e ".[lightning]"
     import lightning.pytorch as pl
     from ckptlab.integrations import lightning as ckl
 
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ckptlab.analysis.batches import MICRO_BATCHES
-from ckptlab.errors import RecordError
+from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.probe import accumulating
@@ -59,7 +59,7 @@ except ImportError:  # the standalone package
         import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its old name
     except ImportError:
         raise ImportError(
-            "ckptlab.integrations.lightning needs PyTorch Lightning: pip install 'ckptlab[lightning]'"
+            "ckptlab.integrations.lightning needs PyTorch Lightning: " + install_hint("lightning", "lightning")
         ) from None
 
 # Precisions whose training step this module reproduces: full float32 (Lightning's default),

@@ -1,6 +1,6 @@
 """Record a Hugging Face Trainer run with ckptlab, and replay it bit-exactly.
 
-    # train.py                                           pip install ckptlab[transformers]
+    # train.py                                           pip install -e ".[transformers]"
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from ckptlab.integrations import transformers as ckt
 
@@ -51,7 +51,7 @@ from typing import Any, cast
 import torch
 
 from ckptlab.analysis.batches import MICRO_BATCHES
-from ckptlab.errors import RecordError
+from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.probe import accumulating
@@ -61,7 +61,8 @@ try:
     from transformers import Trainer, TrainerCallback
 except ImportError:
     raise ImportError(
-        "ckptlab.integrations.transformers needs transformers and accelerate: pip install 'ckptlab[transformers]'"
+        "ckptlab.integrations.transformers needs transformers and accelerate: "
+        + install_hint("transformers", "transformers accelerate")
     ) from None
 
 BUILD_HINT = "return ckptlab.integrations.transformers.build(model, args) from build_fn"

@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from ckptlab.analysis.diff.findings import UNFLAGGED, DiffFindings, TensorFinding
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, install_hint
 from ckptlab.numbers import human_bytes, short_number
 from ckptlab.render.text import safe
 from ckptlab.stats.histogram import DECADES, HIST_EDGES
@@ -243,7 +243,7 @@ def plot(f: DiffFindings, path, *, names: list[str]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CkptlabError("--plot needs matplotlib", hint="pip install 'ckptlab[plot]'") from None
+        raise CkptlabError("--plot needs matplotlib", hint=install_hint("plot", "matplotlib")) from None
     picked = [x for x in (f.finding(n) for n in names) if x is not None]
     if not picked:
         raise CkptlabError("--plot: nothing to plot")

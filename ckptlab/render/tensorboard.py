@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, install_hint
 from ckptlab.render.export import ExportSink, ExportSummary, export_run
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import Row
@@ -30,7 +30,7 @@ def require_tensorboard():
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise CkptlabError(
-            "exporting to TensorBoard needs the tensorboard package", hint="pip install 'ckptlab[tensorboard]'"
+            "exporting to TensorBoard needs the tensorboard package", hint=install_hint("tensorboard", "tensorboard")
         ) from None
     return SummaryWriter
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, install_hint
 from ckptlab.trackers.points import Alert, Row
 
 # MLflow's log_batch limits: 1000 metrics, 100 params and 100 tags per call.
@@ -35,7 +35,7 @@ METRICS_PER_CALL, PARAMS_PER_CALL = 1000, 100
 CHECK_TIMEOUT_S = 10
 # MLflow's SQL stores (sqlalchemy's dialects); they need sqlalchemy and alembic.
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
-HINT = "pip install 'ckptlab[mlflow]'"
+HINT = install_hint("mlflow", "mlflow-skinny sqlalchemy alembic")
 
 
 def require_mlflow():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptlab.errors import CkptlabError
+from ckptlab.errors import CkptlabError, install_hint
 from ckptlab.trackers.points import Alert, Row
 
 KEEP_ALERTS = 20  # alert lines kept in the run summary
@@ -29,7 +29,7 @@ def require_wandb():
         import wandb
     except ImportError:
         raise CkptlabError(
-            "logging to Weights & Biases needs the wandb package", hint="pip install 'ckptlab[wandb]'"
+            "logging to Weights & Biases needs the wandb package", hint=install_hint("wandb", "wandb")
         ) from None
     return wandb
 

@@ -183,4 +183,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, pair, tmp_path, monk
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     code, _, err = run(capsys, *pair, "--plot", tmp_path / "x.png")
-    assert code == 1 and "--plot needs matplotlib (pip install 'ckptlab[plot]')" in err
+    assert (
+        code == 1
+        and "--plot needs matplotlib (pip install matplotlib; from ckptlab's clone: pip install -e '.[plot]')" in err
+    )

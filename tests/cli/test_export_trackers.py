@@ -216,7 +216,9 @@ def test_a_store_that_cannot_be_opened_is_one_line(cli, run, tmp_path, monkeypat
     assert len(lines) == 1 and problem in lines[0] and "internal error" not in lines[0], r.err
     assert uri.split("///")[-1] in lines[0]  # names the store
     if "sqlalchemy" in problem:
-        assert "pip install 'ckptlab[mlflow]'" in lines[0]
+        assert (
+            "pip install mlflow-skinny sqlalchemy alembic; from ckptlab's clone: pip install -e '.[mlflow]'" in lines[0]
+        )
 
 
 def test_a_store_that_fails_midway_is_one_line_and_the_mlflow_run_says_failed(cli, run, tmp_path, monkeypatch):
@@ -242,7 +244,7 @@ def test_a_missing_extra_is_one_line(cli, run, tmp_path, monkeypatch, flag, pack
     r = cli("export", "--run", run.path, flag, tmp_path / "out", "--no-grads")
     assert r.code == 1 and r.out == ""
     assert r.err.strip() == next(line for line in r.err.splitlines() if line)
-    assert f"pip install 'ckptlab[{package}]'" in r.err
+    assert f"from ckptlab's clone: pip install -e '.[{package}]'" in r.err
     assert not (tmp_path / "out").exists()
 
 
