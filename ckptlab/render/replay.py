@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from ckptlab.numbers import human_bytes, short_number, value
+from ckptlab.numbers import human_bytes, ranges, short_number, value
 from ckptlab.render.text import safe
 
 
@@ -19,6 +19,20 @@ def render(r, term) -> None:
     term.print()
     _replayed(r, term)
     _bits(r, term)
+    if r.start_state:
+        st = r.start_state
+        bad = "; ".join(
+            f"{safe(b['parameter'])}: {b['count']} non-finite"
+            + (f" ({'row' if len(b['rows']) == 1 else 'rows'} {ranges(b['rows'])})" if b["rows"] else "")
+            for b in st["nonfinite"]
+        )
+        since = f"; in the record since step {st['first_recorded']}" if st.get("first_recorded") is not None else ""
+        users = ", ".join(f"row {u['row']} (sample {safe(u['sample_id'])})" for u in st["used_by"])
+        term.field(
+            "state",
+            f"[yellow]already bad[/yellow] in checkpoint {st['checkpoint']}: {bad}{since}"
+            + (f"; first used by {users}" if users else ""),
+        )
     _root_step(r, term)
     d = r.divergence or r.run_to_run
     if d is not None:

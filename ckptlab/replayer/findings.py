@@ -215,6 +215,9 @@ class ReplayReport:
     run_to_run: DivergenceCheck | None = None  # not bit-exact: the first step off the record replayed twice
     run_to_run_without_deterministic: DivergenceCheck | None = None  # --device cuda: the same, without them
     noise_check: NoiseCheck | None = None  # reproduced, not bit-exact: does the fault survive ulp noise?
+    # Weights already non-finite in the start checkpoint (startstate.py): {"checkpoint", "nonfinite":
+    # [{"parameter", "count", "rows"}], "first_recorded" (step), "used_by": [{"row", "sample_id"}]}
+    start_state: dict | None = None
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""

@@ -17,7 +17,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,8 @@ from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
+from ckptlab.replayer.startstate import describe as describe_start
+from ckptlab.replayer.startstate import nonfinite_params
 from ckptlab.replayer.verdict import verdict
 from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Metrics, Run
@@ -59,6 +61,7 @@ class Window:
     root_state: Any = None  # a snapshot of the state the root step started in
     root_detectors: dict[str, SpikeDetector] | None = None  # spike detectors primed up to the root
     crash: dict | None = None  # the step that raised on replay (the window ends there): training/crash.py
+    bad_start: list[dict] = field(default_factory=list)  # weights already non-finite at `start` (startstate.py)
 
 
 class Investigation:
@@ -172,6 +175,7 @@ class Investigation:
         r = self.replayer
         t = r.build()
         r.load_checkpoint(t, k)
+        bad = nonfinite_params(t.model)  # already bad: their non-finite norms are no new anomaly
         dets = self.detectors(k)
         checks: list[StepCheck] = []
         kept: dict[int, tuple] = {}
@@ -191,7 +195,7 @@ class Investigation:
                 checks.append(self.crashed(s, crash))
                 kept[s] = (snap, dets_before)
                 break
-            found = self.anomalies(h, dets)
+            found = [f for f in self.anomalies(h, dets) if not (bad and f == "nonfinite_weight")]
             error = self.recorded_error(s) if self.metrics.index(s) is None else None
             checks.append(compare(self.metrics, s, h, found, error))
             if found:
@@ -205,7 +209,7 @@ class Investigation:
         if crash is not None:  # a crash is its own root: what came before did not raise
             root = crash["step"]
         snap, dets_before = kept.get(root, (None, None)) if root is not None else (None, None)
-        return Window(k, checks, root, snap, dets_before, crash)
+        return Window(k, checks, root, snap, dets_before, crash, bad)
 
     def write_dump(self, report: ReplayReport, captured) -> None:
         if captured is None:
@@ -325,6 +329,7 @@ class Investigation:
         if root is None and plan.fault_recorded:
             self.not_reproduced(report, plan, trace)
         why_bits_differ(self, report, trace)
+        report.start_state = _start_state(self, report, window)
         captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
         if self.dump is not None and window.crash is None:
@@ -358,6 +363,15 @@ class Investigation:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
         explain_crash(root, report, window.crash)
         return None
+
+
+def _start_state(inv: Investigation, report: ReplayReport, window: Window) -> dict | None:
+    """The weights already non-finite in the start checkpoint, and the rows of the root step
+    (else the requested one) that read them (startstate.py); None when the state was sound."""
+    if not window.bad_start:
+        return None
+    batch, ids = inv.run.batch(report.root_step if report.root_step is not None else inv.step, inv.replayer.rank)
+    return describe_start(inv.run, window.start, window.bad_start, batch, ids)
 
 
 def _whole_window(run: Run, k: int, step: int, before: int, notes: list[str]) -> int:

@@ -28,7 +28,29 @@ def verdict(r: ReplayReport) -> str:
     """One line a person can act on, for any combination of the report's fields (a property
     test, tests/test_verdict.py, holds it to that): user text in it (sample ids, reasons) has
     its line breaks folded into spaces."""
-    return " ".join(_sentence(r).split())
+    return " ".join((_start_state(r) + _sentence(r)).split())
+
+
+def _start_state(r: ReplayReport) -> str:
+    """A state already bad when the replay began comes first: it is the cause to fix."""
+    st = r.start_state
+    if not st:
+        return ""
+    bad = st["nonfinite"]
+    what = ", ".join(
+        f"{b['count']} in `{b['parameter']}`"
+        + (f" ({'row' if len(b['rows']) == 1 else 'rows'} {ranges(b['rows'])})" if b["rows"] else "")
+        for b in bad[:3]
+    )
+    since = (
+        f", non-finite in the record since step {st['first_recorded']}" if st.get("first_recorded") is not None else ""
+    )
+    users = ", ".join(f"row {u['row']} (sample {u['sample_id']})" for u in st.get("used_by", [])[:4])
+    first = f" The first to use it: {users}." if users else ""
+    return (
+        f"The state was already bad when the replay began: checkpoint {st['checkpoint']} holds non-finite "
+        f"weights ({what}{since}); every step that reads them inherits the fault.{first} "
+    )
 
 
 def _sentence(r: ReplayReport) -> str:
