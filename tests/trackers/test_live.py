@@ -143,7 +143,9 @@ def test_an_unreachable_server_or_a_missing_extra_fails_before_any_work(tmp_path
         MLflow("http://127.0.0.1:9")
     assert "\n" not in str(e.value) and "127.0.0.1:9" in str(e.value)
     monkeypatch.setitem(sys.modules, "wandb", None)  # what `import` sees when it is not installed
-    with pytest.raises(ckptlab.CkptlabError, match=r"pip install wandb; from ckptlab's clone: pip install -e '\.\[wandb\]'"):
+    with pytest.raises(
+        ckptlab.CkptlabError, match=r"pip install wandb; from ckptlab's clone: pip install -e '\.\[wandb\]'"
+    ):
         WandB(project="x")
     with pytest.raises(ckptlab.RecordError, match="is not a tracker"):
         recorder(tmp_path / "run", [object()])
