@@ -328,3 +328,42 @@ def build_zero_out():
     nn.init.zeros_(model.fc2.weight)
     nn.init.zeros_(model.fc2.bias)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+# --- a precursor: a branch switched on at step 37 gets AdamW's first update with an empty -----
+# second moment (its gradients were exactly zero before): a sign-like step that moves its tiny
+# weights ~100x their norm. The loss at step 37 is normal (the update comes after it); it spikes
+# at step 38, on an ordinary batch.
+
+
+class GatedBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = MLP()
+        self.side = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.side.weight.mul_(1e-4)
+            self.side.bias.zero_()
+
+    def forward(self, x, gate):
+        return self.main(x) + gate * 100.0 * self.side(x)
+
+
+def build_gated():
+    torch.manual_seed(0)
+    model = GatedBranch()
+    return model, torch.optim.AdamW(model.parameters(), lr=5e-2)
+
+
+def step_gated(model, optimizer, batch):
+    x, y, gate = batch
+    loss = F.mse_loss(model(x, gate), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def gated_batches(n: int, switch_on: int = 37):
+    for step, ((x, y), ids) in enumerate(regression_batches(n)):
+        yield (x, y, torch.tensor(1.0 if step >= switch_on else 0.0)), ids

@@ -321,3 +321,28 @@ def test_report_names_the_steps_the_recorder_called_anomalous(reports, name):
     found = {(s, f.kind) for f in r.findings if f.kind in ANOMALY_FINDINGS.values() for s in f.steps}
     assert alarmed == found
     assert name == "healthy" or alarmed  # the planted faults were seen
+
+
+@pytest.mark.parametrize("health_every", [1, 5])
+def test_a_precursor_some_steps_before_the_loss_spike_is_named(tmp_path, health_every):
+    # A branch switched on at step 37: AdamW's first update of it (its second moment empty) moves
+    # its tiny weights ~100x; the loss is normal at 37 and spikes at 38 on an ordinary batch.
+    # Whether or not step 37 measured its update ratio, the report points back to step 37.
+    r = _record(
+        tmp_path, "gated", am.build_gated, am.step_gated, am.gated_batches(45), health_every=health_every, ckpt_every=20
+    )
+    f = next(f for f in r.findings if f.kind == "precursor")
+    assert (f.severity, f.evidence["loss_step"], f.params[0]) == ("warning", 38, "side.weight")
+    assert f.title.startswith("side.weight got its first non-zero gradient at step 37")
+    assert "1 step before the loss spiked at step 38" in f.title
+    spikes = {(s["param"], s["what"], s["step"]) for s in f.evidence["spikes"]}
+    if health_every == 1:  # the update itself was measured: it is listed too
+        assert ("side.weight", "update", 37) in spikes
+    assert all(s["step"] < 38 for s in f.evidence["spikes"])
+    assert any("ckptlab replay --step 38 --from-step 20" in x for x in f.remedies)  # checkpoints 0, 20, 40
+
+
+def test_a_spike_caused_by_its_own_batch_has_no_precursor(reports):
+    # The spiky batch raises the loss and the gradients at the same step: nothing came before.
+    assert "precursor" not in kinds(reports["spike"], ("info", "warning", "error"))
+    assert "precursor" not in kinds(reports["high_lr"], ("info", "warning", "error"))

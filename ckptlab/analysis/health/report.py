@@ -30,6 +30,7 @@ from ckptlab.analysis.health.loss import (
     oscillation_or_divergence,
     plateau,
 )
+from ckptlab.analysis.health.precursors import precursors
 from ckptlab.analysis.health.rules import SEVERITY_ORDER, Finding, HealthRules
 from ckptlab.analysis.health.series import smooth
 from ckptlab.analysis.health.snapshots import WeightSnapshot
@@ -65,6 +66,7 @@ RUN_DETECTORS: list[Detector] = [
     nonfinite_weights,
     exploding_weights,
     weight_drift,
+    precursors,
 ]
 # All of them, in the order the report runs them (findings of equal severity and first step keep
 # this order).
@@ -78,6 +80,7 @@ MARKED = (
     "nonfinite_gradient",
     "nonfinite_weights",
     "update_explosion",
+    "precursor",
 )
 
 

@@ -39,6 +39,8 @@ class HealthRules:
     plateau_fraction: float = 0.2  # ... for >= 20% of the run ...
     plateau_escape: float = 0.3  # ... and later falls >= 26% below it (so it was not convergence)
     max_checkpoints: int = 6  # checkpoints read for weight histograms and drift
+    precursor_window: int = 50  # steps before a loss spike searched for a gradient/update spike ...
+    precursor_ratio: float = 10.0  # ... of at least 10x that parameter's median (and the loss rule's z)
 
 
 @dataclass
