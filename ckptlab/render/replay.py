@@ -216,10 +216,10 @@ def _searches(r, term) -> None:
         )
     w = r.rewind
     if w is not None:
-        first, last = w.searched
+        where = f"steps {w.searched[0]}..{w.searched[1]} searched" if w.searched else "not searched"
         term.field(
             "rewind",
-            f"steps {first}..{last} searched: {safe(w.detail) or 'no answer'}"
+            f"{where}: {safe(w.detail) or 'no answer'}"
             + ("" if w.complete else " [yellow](the budget ran out)[/yellow]"),
         )
     if r.budget:

@@ -115,6 +115,12 @@ class EarlierCause:
     complete: bool = True  # False: the budget ran out before the search ended
     detail: str = ""
     micro_batches: list[int] | None = None  # recorded micro-batches: each row's (rows: within it)
+    start: int | None = None  # the checkpoint the window that found it (or was searched last) started from
+    windows: list[dict] = field(default_factory=list)  # each window tried: checkpoint, result, detail
+    tested: list[int] = field(default_factory=list)  # journal candidates tested alone, in order
+    how: str | None = None  # "journal" (a candidate from the record) | "bisection"
+    effect: dict | None = None  # what the step did: param, ratio, update_norm, norm_before[, row, row_norm_*]
+    untested: list[int] | None = None  # [first, last]: steps no window could test
 
 
 @dataclass

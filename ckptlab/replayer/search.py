@@ -3,7 +3,7 @@
     search(root, report)                        # both, as the root step's findings call for them
     culprit = minimal_culprit(root, budget)     # fewest rows, then positions, that still fault;
                                                 # moved into a healthy batch: do they still?
-    earlier = earlier_cause(root, budget)       # the earliest step whose removal prevents it
+    earlier = earlier_cause(root, budget)       # rewind.py: the step whose removal prevents it
 
 `root` is rootstep.py's RootStep. A culprit test replays the root step from the state it started
 in (one replay each) and counts as "still faults" only the root step's own kind of fault
@@ -20,12 +20,11 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
 import torch
 
 from ckptlab.analysis.batches import (
-    batch_rows,
     micro_row,
     micro_rows,
     python_leaves,
@@ -34,7 +33,7 @@ from ckptlab.analysis.batches import (
     zip_leaves,
 )
 from ckptlab.numbers import ranges
-from ckptlab.replayer.findings import Culprit, EarlierCause, ReplayReport
+from ckptlab.replayer.findings import Culprit, ReplayReport
 from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rootstep import RootStep
 
@@ -293,106 +292,6 @@ def _culprit_detail(c: Culprit, root: RootStep) -> str:
 # --- the earlier cause ------------------------------------------------------------------------
 
 
-def earlier_cause(root: RootStep, budget: Budget) -> EarlierCause | None:
-    """Replay the window with earlier steps left out (bisection over the steps since the
-    checkpoint, the earlier half first) and name the earliest step whose removal prevents the
-    fault, then the fewest of its rows whose removal does."""
-    start, fault_step = root.start, root.root
-    if fault_step <= start:
-        return None
-    found = EarlierCause([start, fault_step - 1], None)
-    faults = _window_faults(root, budget, found)
-    everything = faults(range(start, fault_step))
-    if everything is None:
-        return found
-    if everything:
-        found.detail = (
-            f"leaving out every step from {start} to {fault_step - 1} does not prevent it: "
-            f"step {fault_step}'s batch faults from checkpoint {start}'s state"
-        )
-        return found
-    step = _bisect(faults, start, fault_step, found)
-    if step is None:
-        return found
-    found.step = step
-    rec = root.replayer.batch(step)
-    n = batch_rows(rec.batch, rec.sample_ids)
-    if n and n > 1:
-        rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(step, d)) if len(d) < n else False))
-        found.complete = found.complete and complete
-        found.rows = rows
-        ids = rec.sample_ids
-        found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
-    partial = found.rows and len(found.rows) < (n or 0)
-    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
-    _localize(found, rec.batch)
-    found.detail = (
-        f"without {who} of step {step}" if partial else f"without step {step}"
-    ) + f", step {fault_step} does not fault"
-    return found
-
-
-def _window_faults(root: RootStep, budget: Budget, found: EarlierCause):
-    """faults(skip, drop): replay the window from its checkpoint to the requested step, with
-    the steps in `skip` left out and, with drop=(step, rows), those rows of that step: does it
-    still fault at or after the root step? None: the budget is spent (`found` says so)."""
-    inv, r = root.inv, root.replayer
-    start, fault_step = root.start, root.root
-
-    def faults(skip: Container[int] = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
-        if not budget.take("rewind"):
-            found.complete = False
-            return None
-        t = r.build()
-        try:
-            r.load_checkpoint(t, start)
-            dets = inv.detectors(start)
-            for s in range(start, inv.step + 1):
-                if s in skip:
-                    continue
-                rec = r.batch(s)
-                batch = None
-                if drop is not None and drop[0] == s:
-                    rows = batch_rows(rec.batch, rec.sample_ids)
-                    assert rows is not None, "earlier_cause drops rows only of a step whose batch has rows"
-                    batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
-                h = r.run_step(t, rec, batch, measure_update=s >= fault_step)
-                if inv.anomalies(h, dets) and s >= fault_step:
-                    return True
-            return False
-        finally:
-            r.close(t)
-
-    return faults
-
-
-def _bisect(faults, start: int, fault_step: int, found: EarlierCause) -> int | None:
-    """The one step in start..fault_step-1 whose removal prevents the fault (leaving them all
-    out does), bisecting the earlier half first; None when no single step does or the budget
-    ran out first (`found.detail` says which)."""
-    lo, hi = start, fault_step  # leaving out steps lo..hi-1 prevents the fault
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        first = faults(range(lo, mid))
-        if first is None:
-            break
-        if not first:
-            hi = mid
-            continue
-        second = faults(range(mid, hi))
-        if second is None:
-            break
-        if not second:
-            lo = mid
-            continue
-        found.detail = f"no single step: leaving out steps {lo}..{hi - 1} together prevents it, neither half does"
-        return None
-    if hi - lo > 1:
-        found.detail = f"leaving out steps {lo}..{hi - 1} prevents it (the budget ran out before one step was found)"
-        return None
-    return lo
-
-
 def _negate(x: bool | None) -> bool | None:
     return None if x is None else not x
 
@@ -418,6 +317,8 @@ def search(root: RootStep, rep: ReplayReport) -> None:
     doomed = root.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
     if doomed and inv.run.world_size == 1:  # (one process replays one rank: no window)
         inv.log(f"looking for an earlier step that doomed step {root.root}")
+        from ckptlab.replayer.rewind import earlier_cause  # (it uses ddmin and the naming here)
+
         rep.rewind = earlier_cause(root, budget)
     rep.budget = budget.to_json()
     inv.timing["search_s"] = time.perf_counter() - t0
