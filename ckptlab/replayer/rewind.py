@@ -36,7 +36,7 @@ from ckptlab.analysis.batches import batch_rows, is_embedding, select_rows
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import EarlierCause
 from ckptlab.replayer.rootstep import RootStep
-from ckptlab.replayer.search import _localize, _negate, _where, ddmin
+from ckptlab.replayer.shrink import ddmin, localize, negate, where
 from ckptlab.training.probe import named_parameters
 
 STANDS_OUT = 10.0  # a journal candidate: a gradient norm >= 10x its parameter's window median
@@ -195,14 +195,14 @@ def _name_step(root: RootStep, budget, found: EarlierCause, faults, step: int) -
     rec = root.replayer.batch(step)
     n = batch_rows(rec.batch, rec.sample_ids)
     if n and n > 1:
-        rows, complete = ddmin(list(range(n)), lambda d: _negate(faults(drop=(step, d)) if len(d) < n else False))
+        rows, complete = ddmin(list(range(n)), lambda d: negate(faults(drop=(step, d)) if len(d) < n else False))
         found.complete = found.complete and complete
         found.rows = rows
         ids = rec.sample_ids
         found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = found.rows and len(found.rows) < (n or 0)
-    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
-    _localize(found, rec.batch)
+    who = ", ".join(f"{where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
+    localize(found, rec.batch)
     if budget.take("rewind"):
         found.effect = step_effect(root, found.start if found.start is not None else root.start, step)
     found.detail = (

@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 from ckptlab.analysis.batches import (
-    micro_row,
     micro_rows,
     python_leaves,
     replace_rows,
@@ -35,7 +34,11 @@ from ckptlab.analysis.batches import (
 from ckptlab.numbers import ranges
 from ckptlab.replayer.findings import Culprit, ReplayReport
 from ckptlab.replayer.origin import lr_jump
+from ckptlab.replayer.rewind import earlier_cause
 from ckptlab.replayer.rootstep import RootStep
+from ckptlab.replayer.shrink import Budget, ddmin, localize, where
+
+__all__ = ["DEFAULT_BUDGET", "Budget", "ddmin", "faults_again", "minimal_culprit", "same_fault", "search"]
 
 DEFAULT_BUDGET = 32
 
@@ -59,48 +62,6 @@ def same_fault(original: list[str]) -> Callable[[list[str]], bool]:
 def faults_again(root: RootStep) -> Callable[[list[str]], bool]:
     """`same_fault` of the root step as replayed (root.base)."""
     return same_fault(root.fault(root.base))
-
-
-class Budget:
-    """How many more replays the deeper searches may spend, and which ones it cut short."""
-
-    def __init__(self, replays: int):
-        self.limit, self.used = max(0, int(replays)), 0
-        self.ran_out: list[str] = []
-
-    def take(self, search: str) -> bool:
-        if self.used >= self.limit:
-            if search not in self.ran_out:
-                self.ran_out.append(search)
-            return False
-        self.used += 1
-        return True
-
-    def to_json(self) -> dict:
-        return {"replays": self.limit, "used": self.used, "ran_out": list(self.ran_out)}
-
-
-def ddmin(items: list, test: Callable[[list], bool | None]) -> tuple[list, bool]:
-    """Zeller's delta debugging: a 1-minimal sublist of `items` for which `test` is true
-    (`test(items)` is taken to be true). `test` returns None when it may not run any more
-    (budget): the smallest list found so far comes back, with complete=False."""
-    c, n = list(items), 2
-    while len(c) >= 2:
-        size = -(-len(c) // n)
-        chunks = [c[i : i + size] for i in range(0, len(c), size)]
-        for candidate in chunks + ([[x for x in c if x not in ch] for ch in chunks] if len(chunks) > 2 else []):
-            found = test(candidate)
-            if found is None:
-                return c, False
-            if found:
-                n = 2 if candidate in chunks else max(n - 1, 2)
-                c = candidate
-                break
-        else:
-            if n >= len(c):
-                break
-            n = min(2 * n, len(c))
-    return c, True
 
 
 # --- the minimal culprit ------------------------------------------------------------------------
@@ -134,7 +95,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
         return None
     if not alone:
         if len(blamed) < n:
-            return _localize(
+            return localize(
                 Culprit(
                     blamed,
                     [root.sample_id(r) for r in blamed],
@@ -151,16 +112,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     _transplant(root, culprit, budget)
     culprit.cause = _cause(culprit, root.older_fault)
     culprit.detail = _culprit_detail(culprit, root)
-    return _localize(culprit, root.rec.batch)
-
-
-def _localize(found, batch):
-    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
-    them), as SampleBlame says them; unchanged for a plain batch."""
-    where = [micro_row(batch, r) for r in found.rows]
-    if where and all(w is not None for w in where):
-        found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
-    return found
+    return localize(culprit, root.rec.batch)
 
 
 def _batch_row(s) -> int:
@@ -262,11 +214,6 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
         return
 
 
-def _where(batch, row: int) -> str:
-    w = micro_row(batch, row)
-    return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
-
-
 def _cause(c: Culprit, older_fault: bool | None) -> str | None:
     if c.transplant_fault is False:
         return "data x batch"
@@ -278,7 +225,7 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
 
 
 def _culprit_detail(c: Culprit, root: RootStep) -> str:
-    rows = ", ".join(f"{_where(root.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    rows = ", ".join(f"{where(root.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
@@ -290,10 +237,6 @@ def _culprit_detail(c: Culprit, root: RootStep) -> str:
 
 
 # --- the earlier cause ------------------------------------------------------------------------
-
-
-def _negate(x: bool | None) -> bool | None:
-    return None if x is None else not x
 
 
 # --- both, for the root step -------------------------------------------------------------------
@@ -317,8 +260,6 @@ def search(root: RootStep, rep: ReplayReport) -> None:
     doomed = root.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
     if doomed and inv.run.world_size == 1:  # (one process replays one rank: no window)
         inv.log(f"looking for an earlier step that doomed step {root.root}")
-        from ckptlab.replayer.rewind import earlier_cause  # (it uses ddmin and the naming here)
-
         rep.rewind = earlier_cause(root, budget)
     rep.budget = budget.to_json()
     inv.timing["search_s"] = time.perf_counter() - t0

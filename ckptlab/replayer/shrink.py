@@ -1,0 +1,69 @@
+"""What the deeper searches (search.py, rewind.py) share: their budget of replays, delta
+debugging to shrink a set that still faults, and how a row of a step's batch is named (a row
+counted across an accumulated step's micro-batches is "micro-batch i row j")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckptlab.analysis.batches import micro_row
+
+
+class Budget:
+    """How many more replays the deeper searches may spend, and which ones it cut short."""
+
+    def __init__(self, replays: int):
+        self.limit, self.used = max(0, int(replays)), 0
+        self.ran_out: list[str] = []
+
+    def take(self, search: str) -> bool:
+        if self.used >= self.limit:
+            if search not in self.ran_out:
+                self.ran_out.append(search)
+            return False
+        self.used += 1
+        return True
+
+    def to_json(self) -> dict:
+        return {"replays": self.limit, "used": self.used, "ran_out": list(self.ran_out)}
+
+
+def ddmin(items: list, test: Callable[[list], bool | None]) -> tuple[list, bool]:
+    """Zeller's delta debugging: a 1-minimal sublist of `items` for which `test` is true
+    (`test(items)` is taken to be true). `test` returns None when it may not run any more
+    (budget): the smallest list found so far comes back, with complete=False."""
+    c, n = list(items), 2
+    while len(c) >= 2:
+        size = -(-len(c) // n)
+        chunks = [c[i : i + size] for i in range(0, len(c), size)]
+        for candidate in chunks + ([[x for x in c if x not in ch] for ch in chunks] if len(chunks) > 2 else []):
+            found = test(candidate)
+            if found is None:
+                return c, False
+            if found:
+                n = 2 if candidate in chunks else max(n - 1, 2)
+                c = candidate
+                break
+        else:
+            if n >= len(c):
+                break
+            n = min(2 * n, len(c))
+    return c, True
+
+
+def negate(x: bool | None) -> bool | None:
+    return None if x is None else not x
+
+
+def where(batch, row: int) -> str:
+    w = micro_row(batch, row)
+    return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
+
+
+def localize(found, batch):
+    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
+    them), as SampleBlame says them; unchanged for a plain batch."""
+    where = [micro_row(batch, r) for r in found.rows]
+    if where and all(w is not None for w in where):
+        found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
+    return found
