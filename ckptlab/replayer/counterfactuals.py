@@ -182,19 +182,31 @@ def _update_and_after(root: RootStep, around) -> tuple[StepHealth, list[str]]:
 
 def _older_state(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:
     """Blamed rows: the same batch from an older checkpoint (not the one the window started
-    from, when there is another). Whether it faults there says whether the data alone does."""
+    from, when there is another). Whether it faults there says whether the data alone does.
+    A batch that faults there too is tried from the oldest checkpoint as well: a state primed
+    a checkpoint or two before the symptom (a poisoned update) faults from both of the newer
+    ones, not from the start of training."""
     older = [c for c in root.inv.run.checkpoints if c < root.root]
     if not older or not samples:
         return []
-    c = older[0] if older[-1] == root.root else older[-1]
-    if c == root.start and len(older) > 1:
-        c = older[-2]
-    t = root.replayer.build()
-    root.replayer.load_checkpoint(t, c)
-    h = root.replayer.run_step(t, root.rec)
-    root.replayer.close(t)
-    found = root.fault(h)
+    c = older[-2] if older[-1] == root.start and len(older) > 1 else older[-1]
+    h, found = _from_checkpoint(root, c)
     root.older_fault = faults_again(root)(found)
+    if root.older_fault and older[0] < c:
+        first = (c, h)
+        c = older[0]
+        h, found = _from_checkpoint(root, c)
+        root.older_fault = faults_again(root)(found)
+        if not root.older_fault:  # primed between the two
+            return [
+                Counterfactual(
+                    f"does the same batch fail from the older model states at steps {first[0]} and {c}?",
+                    False,
+                    f"from checkpoint {first[0]}: loss {first[1].loss:.6g} -> fails too; from checkpoint {c}: loss "
+                    f"{h.loss:.6g}, grad norm {h.grad_norm:.4g} -> no fault: it needs a model state reached after "
+                    f"step {c}" + _others(found),
+                )
+            ]
     return [
         Counterfactual(
             f"does the same batch fail from the older model state at step {c}?",
@@ -207,3 +219,14 @@ def _older_state(root: RootStep, samples: list[SampleBlame]) -> list[Counterfact
             ),
         )
     ]
+
+
+def _from_checkpoint(root: RootStep, c: int):
+    """The root step's batch from checkpoint `c`'s state: its health and anomalies."""
+    t = root.replayer.build()
+    try:
+        root.replayer.load_checkpoint(t, c)
+        h = root.replayer.run_step(t, root.rec)
+    finally:
+        root.replayer.close(t)
+    return h, root.fault(h)

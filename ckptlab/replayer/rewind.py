@@ -36,7 +36,7 @@ from ckptlab.analysis.batches import batch_rows, is_embedding, select_rows
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import EarlierCause
 from ckptlab.replayer.rootstep import RootStep
-from ckptlab.replayer.shrink import ddmin, localize, negate, where
+from ckptlab.replayer.shrink import ddmin, localize, negate, same_fault, where
 from ckptlab.training.probe import named_parameters
 
 STANDS_OUT = 10.0  # a journal candidate: a gradient norm >= 10x its parameter's window median
@@ -94,6 +94,7 @@ def window_faults(root: RootStep, budget, found: EarlierCause, start: int):
     (`found` says so)."""
     inv, r = root.inv, root.replayer
     fault_step = root.root
+    again = _the_fault_again(root)
 
     def faults(skip: Container[int] = (), drop: tuple[int, list[int]] | None = None) -> bool | None:
         if not budget.take("rewind"):
@@ -113,13 +114,24 @@ def window_faults(root: RootStep, budget, found: EarlierCause, start: int):
                     assert rows is not None, "earlier_cause drops rows only of a step whose batch has rows"
                     batch = select_rows(rec.batch, [x for x in range(rows) if x not in drop[1]], rows)
                 h = r.run_step(t, rec, batch, measure_update=s >= fault_step)
-                if inv.anomalies(h, dets) and s >= fault_step:
+                seen = inv.anomalies(h, dets)
+                if s >= fault_step and seen and again(seen):
                     return True
             return False
         finally:
             r.close(t)
 
     return faults
+
+
+def _the_fault_again(root: RootStep):
+    """Whether a window's anomalies at or after the root are the root's fault again: its loss
+    anomaly when it had one (the symptom a user asked about; a zero-initialized parameter's
+    first update is an "update explosion" whenever it comes, which a window without the cause
+    merely moves), else `same_fault` of all its anomalies."""
+    original = root.fault(root.base)
+    loss = [k for k in original if k in ("nonfinite_loss", "loss_spike")]
+    return same_fault(loss or original)
 
 
 def _find_step(root: RootStep, faults, start: int, found: EarlierCause) -> int | None:

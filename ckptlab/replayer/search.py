@@ -36,27 +36,11 @@ from ckptlab.replayer.findings import Culprit, ReplayReport
 from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rewind import earlier_cause
 from ckptlab.replayer.rootstep import RootStep
-from ckptlab.replayer.shrink import Budget, ddmin, localize, where
+from ckptlab.replayer.shrink import Budget, ddmin, localize, same_fault, where
 
 __all__ = ["DEFAULT_BUDGET", "Budget", "ddmin", "faults_again", "minimal_culprit", "same_fault", "search"]
 
 DEFAULT_BUDGET = 32
-
-
-def same_fault(original: list[str]) -> Callable[[list[str]], bool]:
-    """Whether a replay's anomalies are the original fault again: for a non-finite original,
-    a non-finite loss, gradient or weight (a spike alone is another fault: one row's loss
-    against the run's batch-mean history spikes easily); else one of the original's kinds
-    (any anomaly where the original showed none)."""
-    nonfinite = any(k.startswith("nonfinite") for k in original)
-    kinds = set(original)
-
-    def again(found: list[str]) -> bool:
-        if nonfinite:
-            return any(k.startswith("nonfinite") for k in found)
-        return bool(kinds & set(found)) if kinds else bool(found)
-
-    return again
 
 
 def faults_again(root: RootStep) -> Callable[[list[str]], bool]:

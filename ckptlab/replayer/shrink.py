@@ -1,5 +1,5 @@
 """What the deeper searches (search.py, rewind.py) share: their budget of replays, delta
-debugging to shrink a set that still faults, and how a row of a step's batch is named (a row
+debugging to shrink a set that still faults, what counts as the same fault again, and how a row of a step's batch is named (a row
 counted across an accumulated step's micro-batches is "micro-batch i row j")."""
 
 from __future__ import annotations
@@ -67,3 +67,19 @@ def localize(found, batch):
     if where and all(w is not None for w in where):
         found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
     return found
+
+
+def same_fault(original: list[str]) -> Callable[[list[str]], bool]:
+    """Whether a replay's anomalies are the original fault again: for a non-finite original,
+    a non-finite loss, gradient or weight (a spike alone is another fault: one row's loss
+    against the run's batch-mean history spikes easily); else one of the original's kinds
+    (any anomaly where the original showed none)."""
+    nonfinite = any(k.startswith("nonfinite") for k in original)
+    kinds = set(original)
+
+    def again(found: list[str]) -> bool:
+        if nonfinite:
+            return any(k.startswith("nonfinite") for k in found)
+        return bool(kinds & set(found)) if kinds else bool(found)
+
+    return again
