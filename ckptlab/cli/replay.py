@@ -103,9 +103,8 @@ def command(
     --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
     A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
-    the CPU, NCCL on GPUs) and names the rank the fault came in on. Under a launcher (e.g.
-    `torchrun --nnodes=2 --nproc_per_node=4 ... -m ckptlab replay --step N` on each node) the
-    job's processes are the ranks: each replays its own, and rank 0 prints the report.
+    the CPU, NCCL on GPUs) and names the rank the fault came in on; under torchrun (on each
+    node) each process replays its own rank and rank 0 prints the report.
 
     This imports and runs the run's recorded build_fn/step_fn, and nothing else, only when
     they are your own files, unchanged since recording (it says which file runs); anything
@@ -113,11 +112,7 @@ def command(
     """
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
-    run = _open(run_dir, term)
-    term.quiet = follower = _follower()  # (after _open: it imports torch)
-    run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
-    for problem in [] if follower else run.problems:  # known on opening: a rollback that was interrupted
-        term.warn(problem)
+    run, follower = _open_with_step(run_dir, step, term)
     report = _replay(
         run,
         step,
@@ -132,11 +127,21 @@ def command(
         budget=budget,
         dump=dump,
     )
-    if follower:  # a launched job's rank other than 0: rank 0 says it
-        return
-    _say(report, term, as_json)
-    if not report.fault_recorded and report.root_step is None:  # "nothing to explain"
+    if not follower:  # (a launched job's rank other than 0: rank 0 says it)
+        _say(report, term, as_json)
+    if not follower and not report.fault_recorded and report.root_step is None:  # "nothing to explain"
         _point_to_anomalies(run, step, term)
+
+
+def _open_with_step(run_dir, step: int, term):
+    """The run that holds `step` (`_run_with_step`), and whether this process is a launched
+    job's rank other than 0 (`_follower`: it then prints nothing but errors)."""
+    run = _open(run_dir, term)
+    term.quiet = follower = _follower()  # (after _open: it imports torch)
+    run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
+    for problem in [] if follower else run.problems:  # known on opening: a rollback that was interrupted
+        term.warn(problem)
+    return run, follower
 
 
 def _follower() -> bool:
