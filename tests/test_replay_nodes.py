@@ -109,6 +109,20 @@ def test_a_job_of_another_size_is_refused_in_one_line(run4, monkeypatch):
         ckptlab.replay(run4, dm.NAN_STEP)
 
 
+def test_every_rank_that_stops_names_the_first_rank_whose_step_raised():
+    """A step that raises on one rank makes its peers' collectives fail after it: each rank that
+    stops posts its crash to the job's store, and all of them name the first one posted."""
+    from torch.distributed import HashStore
+
+    from ckptlab.replayer.distributed import _first_crash
+
+    store = HashStore()
+    first = {"rank": 3, "step": 12, "error": "ValueError: input out of range"}
+    later = {"rank": 0, "step": 12, "error": "RuntimeError: Connection closed by peer"}
+    assert _first_crash(store, first)["rank"] == 3
+    assert _first_crash(store, later) == _first_crash(store, first) and _first_crash(store, later)["rank"] == 3
+
+
 if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_nodes.py RUN: record
     dm.NAN_RANK = NAN_RANK
     dm.main(sys.argv[1], "ddp")
