@@ -100,13 +100,25 @@ def test_two_nodes_replay_a_four_rank_run_bit_exactly_and_name_the_rank_row_and_
     )
 
 
+def _launched(monkeypatch, rank: int, size: int) -> None:
+    """This process as rank `rank` of `size` that torchrun started (its environment)."""
+    env = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": rank % 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+
+
 def test_a_job_of_another_size_is_refused_in_one_line(run4, monkeypatch):
     """Two launched processes for a 4-rank run: a clear error before any process group, not a hang."""
-    launched = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    for name, value in launched.items():
-        monkeypatch.setenv(name, value)
+    _launched(monkeypatch, 1, 2)
     with pytest.raises(ckptlab.CkptlabError, match=r"recorded on 4 processes, and this job has 2 \(WORLD_SIZE\)"):
         ckptlab.replay(run4, dm.NAN_STEP)
+
+
+def test_a_one_process_replay_is_refused_under_a_launcher(run4, monkeypatch, cli):
+    """`--rank R` replays in one process: under torchrun every process would do it again."""
+    _launched(monkeypatch, 0, 4)
+    done = cli("replay", "--run", run4, "--step", dm.NAN_STEP, "--rank", 1)
+    assert done.code == 2 and "--rank 1 replays in one process, and this is one of 4" in done.err, done.err
 
 
 def test_every_rank_that_stops_names_the_first_rank_whose_step_raised():

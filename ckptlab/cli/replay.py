@@ -112,7 +112,7 @@ def command(
     """
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
-    run, follower = _open_with_step(run_dir, step, term)
+    run, follower = _open_with_step(run_dir, step, rank, term)
     report = _replay(
         run,
         step,
@@ -133,24 +133,24 @@ def command(
         _point_to_anomalies(run, step, term)
 
 
-def _open_with_step(run_dir, step: int, term):
+def _open_with_step(run_dir, step: int, rank: int | None, term):
     """The run that holds `step` (`_run_with_step`), and whether this process is a launched
-    job's rank other than 0 (`_follower`: it then prints nothing but errors)."""
+    job's rank other than 0 (it then prints nothing but errors: rank 0 prints the report)."""
+    from ckptlab.training.world import launched
+
     run = _open(run_dir, term)
-    term.quiet = follower = _follower()  # (after _open: it imports torch)
+    launch = launched()  # (after _open: it imports torch)
+    term.quiet = follower = launch is not None and not launch.is_main
     run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
+    if launch is not None and launch.size > 1 and (rank is not None or run.world_size == 1):
+        alone = f"--rank {rank}" if rank is not None else "a run recorded on one process"
+        raise click.UsageError(
+            f"{alone} replays in one process, and this is one of {launch.size} that a launcher started "
+            "(torchrun): run it without the launcher"
+        )
     for problem in [] if follower else run.problems:  # known on opening: a rollback that was interrupted
         term.warn(problem)
     return run, follower
-
-
-def _follower() -> bool:
-    """This process is a rank other than 0 of a launched job (torchrun): it replays its rank
-    and prints nothing but errors."""
-    from ckptlab.training.world import launched
-
-    launch = launched()
-    return launch is not None and not launch.is_main
 
 
 def _open(run_dir, term):

@@ -15,6 +15,7 @@ Two ways to get the ranks, one per-rank replay (`replay_rank`) for both:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -264,7 +265,7 @@ def _rank_worker(
 # --- a launched job: its processes are the ranks ------------------------------------------------
 
 REPORT_WAIT = timedelta(hours=6)  # how long the other ranks wait for rank 0 to explain the root step
-KEY = "ckptlab-replay/"  # the keys this replay sets in the job's store
+_REPLAYS = itertools.count()  # this process's launched replays: each its own keys in the job's store
 
 
 def _replay_joined(run: Run, step: int, plan, launch: Launch, explain: Explain) -> ReplayReport:
@@ -286,8 +287,9 @@ def _replay_joined(run: Run, step: int, plan, launch: Launch, explain: Explain) 
     explain.log(f"replaying steps {plan.start}..{step} as rank {launch.rank} of {launch.size} ({backend})")
     # torchrun's rendezvous store (served by its agent, or by rank 0): the report goes through
     # it once the process group is gone.
-    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=30)))
-    dist.init_process_group(backend, store=dist.PrefixStore(KEY, store), rank=launch.rank, world_size=launch.size)
+    job_store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=30)))
+    store = dist.PrefixStore(f"ckptlab-replay/{next(_REPLAYS)}/", job_store)  # (every rank counts alike)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=launch.rank, world_size=launch.size)
     try:
         group = dist.new_group(backend="gloo") if backend != "gloo" else None  # for the state's hand-over
         got = replay_rank(
@@ -307,15 +309,17 @@ def _first_crash(store, mine: dict) -> dict:
     that stops says the same (a peer's collective fails after the rank that raised)."""
     import json
 
-    posted = store.compare_set(KEY + "crash", "", json.dumps({"time": time.time(), **mine}))
+    posted = store.compare_set("crash", "", json.dumps({"time": time.time(), **mine}))
     return json.loads(posted)
 
 
 def _state_to_rank0(got: Ranks, rank: int, group) -> Any:
     """The state the root step started in, on rank 0: written and read back by the rank that
     kept it (what the spawned workers hand over), and sent to rank 0 when that is another."""
+    import json
     import tempfile
 
+    import safetensors.torch
     import torch.distributed as dist
 
     if got.root is None:
@@ -327,12 +331,8 @@ def _state_to_rank0(got: Ranks, rank: int, group) -> Any:
             state = load_captured(checkpoint_dir(Path(tmp), got.root))
     if got.writer == 0 or rank not in (0, got.writer):
         return state
-    import json
-
-    import safetensors.torch
-
     box: list[Any] = [None, None]
-    if rank == got.writer:  # as safetensors bytes and JSON (torch's own pickling of tensors fails here)
+    if rank == got.writer:  # as safetensors bytes and JSON (pickled, these tensors do not load back)
         s = cast(CapturedState, state)
         tensors = {**{f"m/{k}": v for k, v in s.model.items()}, **{f"s/{k}": v for k, v in s.state_tensors.items()}}
         box = [safetensors.torch.save(tensors), json.dumps([s.step, s.aliases, s.state_spec])]
@@ -354,15 +354,15 @@ def _shared_report(store, launch: Launch, explain_here) -> ReplayReport:
         try:
             report = explain_here()
         except BaseException as e:
-            store.set(KEY + "report", pickle.dumps(("error", str(e))))
+            store.set("report", pickle.dumps(("error", str(e))))
             raise
-        store.set(KEY + "report", pickle.dumps(("report", report)))
+        store.set("report", pickle.dumps(("report", report)))
         # The store may be served from this process: it stays up until every rank has read.
-        store.wait([f"{KEY}read{r}" for r in range(1, launch.size)], timedelta(minutes=10))
+        store.wait([f"read{r}" for r in range(1, launch.size)], timedelta(minutes=10))
         return report
     store.set_timeout(REPORT_WAIT)
-    kind, value = pickle.loads(store.get(KEY + "report"))
-    store.set(f"{KEY}read{launch.rank}", b"1")
+    kind, value = pickle.loads(store.get("report"))
+    store.set(f"read{launch.rank}", b"1")
     if kind == "error":
         raise ReplayError(f"rank 0 could not explain the root step: {value}")
     return value
