@@ -58,6 +58,8 @@ def replay_distributed(
     import tempfile
 
     launch = launched()
+    if launch is not None and launch.size == 1:  # a job of one process spawns the ranks, as outside one
+        launch = None
     check_world(run, nproc, launch)
     log = log or (lambda msg: None)
     with solo_world(True):
