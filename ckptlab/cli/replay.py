@@ -103,7 +103,8 @@ def command(
     --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
     A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
-    the CPU, NCCL on GPUs) and names the rank the fault came in on.
+    the CPU, NCCL on GPUs) and names the rank the fault came in on; under torchrun (on each
+    node) each process replays its own rank and rank 0 prints the report.
 
     This imports and runs the run's recorded build_fn/step_fn, and nothing else, only when
     they are your own files, unchanged since recording (it says which file runs); anything
@@ -111,10 +112,7 @@ def command(
     """
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
     term = open_terminal(as_json)
-    run = _open(run_dir, term)
-    run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
-    for problem in run.problems:  # known on opening: a rollback that was interrupted
-        term.warn(problem)
+    run, follower = _open_with_step(run_dir, step, rank, term)
     report = _replay(
         run,
         step,
@@ -129,9 +127,30 @@ def command(
         budget=budget,
         dump=dump,
     )
-    _say(report, term, as_json)
-    if not report.fault_recorded and report.root_step is None:  # "nothing to explain"
+    if not follower:  # (a launched job's rank other than 0: rank 0 says it)
+        _say(report, term, as_json)
+    if not follower and not report.fault_recorded and report.root_step is None:  # "nothing to explain"
         _point_to_anomalies(run, step, term)
+
+
+def _open_with_step(run_dir, step: int, rank: int | None, term):
+    """The run that holds `step` (`_run_with_step`), and whether this process is a launched
+    job's rank other than 0 (it then prints nothing but errors: rank 0 prints the report)."""
+    from ckptlab.training.world import launched
+
+    run = _open(run_dir, term)
+    launch = launched()  # (after _open: it imports torch)
+    term.quiet = follower = launch is not None and not launch.is_main
+    run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
+    if launch is not None and launch.size > 1 and (rank is not None or run.world_size == 1):
+        alone = f"--rank {rank}" if rank is not None else "a run recorded on one process"
+        raise click.UsageError(
+            f"{alone} replays in one process, and this is one of {launch.size} that a launcher started "
+            "(torchrun): run it without the launcher"
+        )
+    for problem in [] if follower else run.problems:  # known on opening: a rollback that was interrupted
+        term.warn(problem)
+    return run, follower
 
 
 def _open(run_dir, term):

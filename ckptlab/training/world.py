@@ -16,11 +16,19 @@ Two layouts of parameters:
   the root mean square over ranks of the local norms; each rank's own norm is kept too.
 - sharded (FSDP2 `fully_shard`): parameters are DTensor shards; the hooks see the reduced
   gradient's local shard. Squared norms of the shards add up to the exact global norm.
+
+Nothing else: a model under DeepSpeed or FSDP1, with tensor-parallel DTensors or on a mesh of more
+than one dimension, or a pipeline stage, is refused when the Recorder starts (`unsupported`), before
+anything is written: neither layout would describe it, and a partial record would replay wrong.
+
+A process that a launcher started (torchrun, also under srun) knows its place from the
+launcher's environment (`launched`): a replay there joins the job instead of spawning ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +67,10 @@ class World:
     def detect(model: torch.nn.Module | None = None) -> World:
         import torch.distributed as dist
 
+        if model is not None and (why := unsupported(model)):
+            from ckptlab.errors import RecordError
+
+            raise RecordError(why, hint="docs/distributed.md, Limits, says what ckptlab records")
         if not (dist.is_available() and dist.is_initialized()):
             return World()
         sharded = model is not None and any(is_sharded(p) for p in model.parameters())
@@ -138,3 +150,121 @@ def solo_world(needed: bool):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process as one rank of a job that a launcher started (torchrun, also under srun or
+    an MPI-style scheduler that sets torchrun's variables)."""
+
+    rank: int
+    size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads
+
+
+def launched() -> Launch | None:
+    """The job this process was launched into (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT), or None: not launched, or the variables are incomplete."""
+    env = os.environ
+    if not all(env.get(v) for v in LAUNCH_VARS):
+        return None
+    try:
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK") or env["RANK"]))
+    except ValueError:
+        return None
+
+
+# --- what is not recorded: DeepSpeed, tensor and pipeline parallelism -------------------------------
+
+
+def unsupported(model: Any) -> str | None:
+    """Why `model` cannot be recorded (one line: what it is, what ckptlab records, what to do),
+    or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
+    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1's
+    wrapper, a DTensor parameter on a mesh of more than one dimension or outside FSDP2 (tensor
+    parallelism)."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
+    if any(n.startswith("deepspeed.") for n in names):
+        return (
+            f"cannot record a DeepSpeed model ({type(model).__name__}): ckptlab records DDP and FSDP2, "
+            "not ZeRO's partitioned parameters and optimizer state; train under DDP or FSDP2's fully_shard to record"
+        )
+    if any(n.startswith("torch.distributed.pipelining.") for n in names):
+        return (
+            f"cannot record a pipeline-parallel model ({type(model).__name__}): a stage holds part of the "
+            "model and sees part of each step; record the whole model under DDP or FSDP2"
+        )
+    if not isinstance(model, torch.nn.Module):
+        return None
+    fsdp1 = next((n for n, m in model.named_modules() if _is_fsdp1(m)), None)
+    if fsdp1 is not None:
+        return (
+            f"cannot record this model: {f'module {fsdp1}' if fsdp1 else 'it'} is wrapped by FSDP1 "
+            "(FullyShardedDataParallel), whose flat parameter shards neither layout describes; "
+            "ckptlab records FSDP2: shard with torch.distributed.fsdp.fully_shard"
+        )
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
+            return (
+                f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3; ckptlab records "
+                "DDP and FSDP2, not ZeRO; "
+                "train under DDP or FSDP2's fully_shard to record"
+            )
+        why = _dtensor_problem(model, name, p)
+        if why:
+            return why
+    return None
+
+
+def _is_fsdp1(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "FullyShardedDataParallel" and cls.__module__.startswith("torch.distributed.fsdp")
+
+
+def _dtensor_problem(model: torch.nn.Module, name: str, p: torch.Tensor) -> str | None:
+    """A DTensor parameter that is not FSDP2's shard on a 1-D mesh: tensor parallelism (a
+    mesh dimension named tp, a parameter FSDP2 does not manage) or a 2-D mesh (FSDP2 with TP,
+    HSDP), whose shards' norms neither add up nor average to the global one."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or not is_sharded(p):
+        return None
+    dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    ndim = int(getattr(mesh, "ndim", 1))
+    named = f" ({', '.join(dims)})" if dims else ""
+    what = None
+    if ndim > 1:
+        what = f"is a DTensor on a {ndim}-D device mesh{named} (tensor parallelism or HSDP)"
+    elif any("tp" in d.lower() for d in dims):
+        what = f"is tensor-parallel (a DTensor on mesh dimension {dims[0]})"
+    elif not _under_fsdp2(model, name):
+        placements = ", ".join(str(x) for x in getattr(p, "placements", ()))
+        what = f"is a DTensor ({placements}) that FSDP2 does not manage (tensor parallelism)"
+    if what is None:
+        return None
+    return (
+        f"cannot record this model: parameter {name} {what}; ckptlab records DDP and FSDP2 on a 1-D mesh, "
+        "not tensor parallelism or 2-D meshes; record with the model replicated (DDP) or fully_shard on a 1-D mesh"
+    )
+
+
+def _under_fsdp2(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter `name` belongs to a module that FSDP2's `fully_shard` manages (its
+    shards are FSDP2's own; a DTensor outside any is another engine's, tensor parallelism's)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    parts = name.split(".")[:-1]
+    module = model
+    managed = isinstance(module, FSDPModule)
+    for part in parts:
+        module = getattr(module, part)
+        managed = managed or isinstance(module, FSDPModule)
+    return managed
