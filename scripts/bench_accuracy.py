@@ -3,6 +3,7 @@ hooks, on every planted fault of the zoo (tests/fault_zoo.py), scored against it
 
     python scripts/bench_accuracy.py               # all scenarios: tables, summary, one JSON line
     python scripts/bench_accuracy.py --only dead_relu
+    python scripts/bench_accuracy.py --only token_sgd     # an earlier-cause scenario (tests/earlier_zoo.py)
 
 For each scenario: record the run (a temp dir), then ask each method about the symptom step.
 - ckptlab: `ckptlab.replay(run, symptom)`; its claims are root_step, origin.kind,
@@ -16,6 +17,9 @@ For each scenario: record the run (a temp dir), then ask each method about the s
   on every leaf module; its claims are the step and the module of the first non-finite output
   (forward hooks fire innermost first) or, failing that, the first non-finite input gradient.
 Neither baseline can name a kind, a parameter or a sample: those cells are "-" (not claimed).
+The earlier-cause zoo (tests/earlier_zoo.py) is scored on the step each method points to as
+the cause (ckptlab: `rewind.step`, the step whose removal prevents the fault; a baseline: the
+step it stopped at), the cause's sample ids (ckptlab only) and whether the fault reproduced.
 A method that does not see the fault again (a baseline that finds nothing up to the symptom
 step, replay with `reproduced: false`) claims "not reproduced", a root step (replay: the
 record's; a baseline: none, a miss), and no module ("-"). Docs: docs/accuracy.md.
@@ -39,10 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ckptlab  # noqa: E402
 from ckptlab.replayer.driver import Replayer  # noqa: E402
+from tests.earlier_zoo import EARLIER  # noqa: E402
 from tests.fault_zoo import SCENARIOS  # noqa: E402
 
 METHODS = ("ckptlab", "detect_anomaly", "nan_hooks")
 COLUMNS = ("root_step", "kind", "module", "parameter", "samples", "reproduced")
+# The earlier-cause zoo (tests/earlier_zoo.py): the step a method points to as the cause (for
+# ckptlab, `rewind.step`; for a baseline, the step it stopped at), the cause's sample ids.
+EARLIER_COLUMNS = ("earlier_cause", "cause_samples", "reproduced")
 NOT_CLAIMED = object()
 
 
@@ -214,6 +222,8 @@ def ckptlab_claims(run_dir: Path, symptom: int) -> dict:
     }
     if doc["reproduced"]:  # a fault not seen again has no module to claim (as for the baselines)
         claims["module"] = o["module"]
+    w = doc["rewind"] or {}
+    claims["earlier_cause"], claims["cause_samples"] = w.get("step"), w.get("sample_ids") or []
     return claims
 
 
@@ -221,6 +231,8 @@ def ckptlab_claims(run_dir: Path, symptom: int) -> dict:
 
 
 def truth_of(sc) -> dict:
+    if hasattr(sc, "cause"):  # an earlier-cause scenario
+        return {"earlier_cause": sc.cause, "cause_samples": sc.samples, "reproduced": True}
     return {
         "root_step": sc.root,
         "kind": sc.kind,
@@ -236,9 +248,13 @@ def score(sc, column: str, claims: dict):
     ground truth: the parameter column where no single parameter is at fault)."""
     if column == "parameter" and sc.parameter is None:
         return None
+    if column == "earlier_cause" and "earlier_cause" not in claims:  # a baseline: the step it stopped at
+        claims = {**claims, "earlier_cause": claims.get("root_step")}
     if column not in claims:
         return NOT_CLAIMED
     got, want = claims[column], truth_of(sc)[column]
+    if column == "cause_samples":
+        return set(got) == set(want)
     if column == "samples":  # the most to blame first: the top ones are the true samples
         return set(got[: len(want)]) == set(want) if want else got == []
     return got == want
@@ -260,29 +276,35 @@ def cell(sc, column, claims) -> str:
         return "-"
     if s is None:
         return "n/a"
-    return f"{'✓' if s else '✗'} {_show(claims[column])}"
+    got = claims[column] if column in claims else claims.get("root_step")
+    return f"{'✓' if s else '✗'} {_show(got)}"
+
+
+def columns_of(sc) -> tuple[str, ...]:
+    return EARLIER_COLUMNS if hasattr(sc, "cause") else COLUMNS
 
 
 def scenario_table(sc, claims: dict) -> str:
+    cols = columns_of(sc)
     lines = [
         f"### {sc.name}",
         "",
-        "| | " + " | ".join(COLUMNS) + " |",
-        "|---|" + "---|" * len(COLUMNS),
-        "| truth | " + " | ".join(_show(truth_of(sc)[c]) for c in COLUMNS) + " |",
+        "| | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+        "| truth | " + " | ".join(_show(truth_of(sc)[c]) for c in cols) + " |",
     ]
     for m in METHODS:
-        lines.append(f"| {m} | " + " | ".join(cell(sc, c, claims[m]) for c in COLUMNS) + " |")
+        lines.append(f"| {m} | " + " | ".join(cell(sc, c, claims[m]) for c in cols) + " |")
     lines.append("")
     lines += [f"- {m}: {claims[m]['detail']}" for m in METHODS]
     return "\n".join(lines)
 
 
-def summary(results: list) -> dict:
+def summary(results: list, columns: tuple[str, ...] = COLUMNS) -> dict:
     out = {}
     for m in METHODS:
         out[m] = {}
-        for c in COLUMNS:
+        for c in columns:
             scores = [score(sc, c, claims[m]) for sc, claims in results]
             applicable = [s for s in scores if s is not None]
             claimed = [s for s in applicable if s is not NOT_CLAIMED]
@@ -290,11 +312,11 @@ def summary(results: list) -> dict:
     return out
 
 
-def summary_table(summ: dict) -> str:
-    lines = ["| method | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+def summary_table(summ: dict, columns: tuple[str, ...] = COLUMNS) -> str:
+    lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for m in METHODS:
         cells = []
-        for c in COLUMNS:
+        for c in columns:
             s = summ[m][c]
             cells.append(f"{s['correct']} / {s['claimed']} / {s['total']}" if s["claimed"] else f"- / 0 / {s['total']}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -327,7 +349,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", metavar="NAME", help="run one scenario (names: tests/fault_zoo.py)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    chosen = [s for s in SCENARIOS if args.only in (None, s.name)]
+    chosen = [s for s in [*SCENARIOS, *EARLIER] if args.only in (None, s.name)]
     if not chosen:
         print(f"bench_accuracy: no scenario named {args.only!r}", file=sys.stderr)
         return 2
@@ -338,18 +360,24 @@ def main(argv=None) -> int:
             claims, timings[sc.name] = run_scenario(sc, Path(tmp))
             results.append((sc, claims))
             print(scenario_table(sc, claims) + "\n", flush=True)
-    summ = summary(results)
+    zoo = [(sc, c) for sc, c in results if not hasattr(sc, "cause")]
+    earlier = [(sc, c) for sc, c in results if hasattr(sc, "cause")]
+    summ = summary(zoo)
+    summ_earlier = summary(earlier, EARLIER_COLUMNS)
     print("### summary (correct / claimed / total)\n")
     print(summary_table(summ) + "\n")
+    print("### summary of the earlier-cause zoo (correct / claimed / total)\n")
+    print(summary_table(summ_earlier, EARLIER_COLUMNS) + "\n")
     print(
         json.dumps(
             {
                 "bench": "accuracy",
                 "scenarios": {
-                    sc.name: {m: {c: score(sc, c, claims[m]) for c in COLUMNS} for m in METHODS}
+                    sc.name: {m: {c: score(sc, c, claims[m]) for c in columns_of(sc)} for m in METHODS}
                     for sc, claims in results
                 },
                 "summary": summ,
+                "summary_earlier": summ_earlier,
                 "total_s": round(sum(sum(t.values()) for t in timings.values()), 1),
                 "torch": torch.__version__,
             },

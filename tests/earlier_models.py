@@ -170,3 +170,73 @@ def record_branch_adam(run_dir) -> Earlier:
 def record_branch_adam_two(run_dir) -> Earlier:
     """The same, first used at 26 and next at 41: across two checkpoints."""
     return _scenario(run_dir, build_adam, 26, 41, "branch", 1.0)
+
+
+# --- a learning-rate schedule that restarts on resume ---------------------------------------------
+# A linear regression trained with SGD and a step schedule (lr 0.5, x0.1 from step 20) whose
+# data changes scale at step 25 (a curriculum: the decayed rate is what keeps the larger inputs
+# stable). The run is resumed at step 30 by a script that restores the model and the optimizer
+# itself but builds a fresh scheduler (before loading the optimizer's state, so step 30 still
+# runs at the old rate): from step 31 the rate is 0.5 again, 20x the decayed one, and the error
+# on the large inputs grows several-fold per step. No single step is to blame: the first step
+# of the restarted schedule (31) is the cause; checkpoint 30 holds the earlier session's
+# scheduler, not the one the resumed session ran with.
+
+RESUME = 30
+
+
+def build_restart():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 20 else 0.05)
+
+
+def step_restart(model, optimizer, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def restart_batches(first: int, last: int):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(8, 1, generator=g)
+    for s in range(last + 1):
+        x = torch.randn(B, 8, generator=g) * (1.0 if s < 25 else 1.5)
+        y = x @ w + 0.01 * torch.randn(B, 1, generator=g)
+        if s >= first:
+            yield (x, y), [100 * s + r for r in range(B)]
+
+
+def record_lr_restart(run_dir) -> Earlier:
+    """Steps 0..29, then a resumed session whose scheduler restarted, to step 50 (the symptom:
+    the largest loss, or the first non-finite one)."""
+    import ckptlab
+
+    model, opt, sched = build_restart()
+    kw = {"ckpt_every": CKPT_EVERY, "health_every": 5, "keep_last": 10}
+    losses = []
+    with ckptlab.Recorder(
+        run_dir, model, opt, step_fn=step_restart, build_fn=build_restart, scheduler=sched, **kw
+    ) as rec:
+        for batch, ids in restart_batches(0, RESUME - 1):
+            losses.append(rec.step(batch, sample_ids=ids).item())
+        rec.checkpoint()
+    # The resumed script: the model and the optimizer restored by hand, the schedule built anew.
+    model2, opt2, fresh = build_restart()
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    fresh_kw = {**kw, "resume": True, "restore": False}
+    with ckptlab.Recorder(
+        run_dir, model2, opt2, step_fn=step_restart, build_fn=build_restart, scheduler=fresh, **fresh_kw
+    ) as rec:
+        for batch, ids in restart_batches(RESUME, 50):
+            try:
+                losses.append(rec.step(batch, sample_ids=ids).item())
+            except ckptlab.NonFiniteLoss:
+                losses.append(math.nan)
+                break
+    return Earlier(RESUME + 1, _first_bad(losses, RESUME), [])
