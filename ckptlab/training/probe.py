@@ -39,6 +39,15 @@ Where each number is computed, and why there:
   sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
   parameter (+1x their bytes).
+- a hand-written update (`optimizer` is a training/hand_update.py HandUpdate, whose `step()`
+  does nothing): no hook says when the weights change, so the learning rates and the weights
+  before the update (on the steps that measure it) are taken at `begin`, the update at `end`.
+  `stepped` is whether the weights moved, on the steps that measure the update; on the others,
+  whether the step made gradients (a hand update follows them; measuring whether the weights
+  moved would cost a pass over them every step).
+- on the first `watch` steps of a probe (the Recorder's first steps of a session), the norms of
+  the weights at `begin` and at `end`, when a torch optimizer's step never ran: weights that
+  moved without it say the optimizer given is not the one that trains (`PendingHealth.moved`).
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
   gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
@@ -65,6 +74,7 @@ import torch
 
 from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
+from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.health import StepHealth, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
@@ -115,6 +125,9 @@ class PendingHealth:
         self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
         self._values: torch.Tensor | None = values  # None once read
         self._health: StepHealth | None = None
+        # A watched step (StepProbe.watch): "stepped" (the optimizer did), else once read
+        # "moved" (the weights moved all the same) or "still"; None on the other steps.
+        self.watched: str | None = meta.pop("watched", None)
 
     def result(self, *, grads_live: bool = False) -> StepHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
@@ -124,8 +137,12 @@ class PendingHealth:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()  # the device is behind by more than a step: wait
             probe = self._probe
+            values = self._values.numpy()
+            if "w0" in self._parts:
+                moved = (values[self._parts["w0"]] != values[self._parts["w1"]]).any()
+                self.watched = "moved" if moved else "still"
             self._health = read_health(
-                self._values.numpy(),
+                values,
                 self._parts,
                 self._meta,
                 params=probe.params,
@@ -178,6 +195,8 @@ class StepProbe:
         self.scaler = scaler
         self.world = world or World()
         self.update_mode = update_ratio
+        self.hand = is_hand_update(optimizer)  # a hand-written update (module docstring)
+        self.watch = 0  # steps left whose weights are compared at begin and end (module docstring)
         self._active = False
         self._queued = False
         self._plans: list | None = None
@@ -220,6 +239,7 @@ class StepProbe:
         self._before: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # only the norms before the update (a step with bad gradients)
         self._before_norms: list[torch.Tensor] | None = None
+        self._begin_norms: list[torch.Tensor] | None = None  # a watched step's weights at begin
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
@@ -297,22 +317,32 @@ class StepProbe:
         if not self._active:
             return
         self._measure_point()
-        self._lr = [float(g["lr"]) for g in optimizer.param_groups]
+        if self.hand:  # (a HandUpdate's step does nothing: its lr and weights were taken at begin)
+            return
+        self._lr = group_lrs(optimizer)
         if self._measure_update:
-            with torch.no_grad():
-                weights = [local(p.detach()) for p in self.params]
-                self._before = (batched_norms(weights), self._take(weights))
+            self._take_before()
         elif self._bad_grads and not self.world.distributed:
             # Non-finite gradients (seen on the CPU without a sync): were the weights already
             # bad before this update? The record can then name them when the fault does not
             # reproduce (a weight changed outside the recorded step). One rank only: the ranks'
             # rows must have the same layout when combined.
             with torch.no_grad():
-                self._before_norms = batched_norms([local(p.detach()) for p in self.params])
+                self._before_norms = self._weight_norms()
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
-        if self._active:
+        if self._active and not self.hand:
             self._stepped = True
+
+    def _take_before(self) -> None:
+        """The weights before the update: their norms, and their sample (or copy)."""
+        with torch.no_grad():
+            weights = [local(p.detach()) for p in self.params]
+            self._before = (batched_norms(weights), self._take(weights))
+
+    def _weight_norms(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return batched_norms([local(p.detach()) for p in self.params])
 
     # --- the update-ratio sample ------------------------------------------------------------
 
@@ -349,6 +379,12 @@ class StepProbe:
     def begin(self, *, measure_update: bool = False) -> None:
         self._reset(measure_update)
         self._scale = self._scale_now()
+        if self.hand:  # the update happens somewhere in step_fn: what it starts from is here
+            self._lr = group_lrs(self.optimizer)
+            if measure_update:
+                self._take_before()
+        elif self.watch > 0:
+            self._begin_norms = self._weight_norms()
         self._t0 = time.perf_counter()
         self._active = True
         grad_points.LIVE.add(self)
@@ -368,7 +404,7 @@ class StepProbe:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
         grad_points.LIVE.discard(self)
-        self._before = self._before_norms = None
+        self._before = self._before_norms = self._begin_norms = None
 
     @out_of_sight
     def end(self, loss) -> PendingHealth:
@@ -401,23 +437,31 @@ class StepProbe:
             after = self._scale_now()  # after the step's scaler.update()
             assert after is not None, "an enabled scaler (it gave _scale) stays enabled"
             add("scale_after", [after])
+        stepped: bool | None = self._stepped if not self.hand else None if self._before is not None else bool(idx)
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
                 add("w", batched_norms(weights))
                 add("b", self._before[0])
-                if self._stepped:
+                if self._stepped or self.hand:
                     add("d", self._update_norms(weights))
                     meta["d_scale"] = self._update_scales()
         if self._before_norms is not None:
             add("b0", self._before_norms)
-        self._before = self._before_norms = None
+        if self.watch > 0 and not self.hand:
+            self.watch -= 1
+            meta["watched"] = "stepped"
+            if not self._stepped:  # did the weights move without the optimizer? (PendingHealth.watched)
+                assert self._begin_norms is not None, "taken at begin on a watched step"
+                add("w0", self._begin_norms)
+                add("w1", self._weight_norms())
+        self._before = self._before_norms = self._begin_norms = None
         values, event = to_host(pieces)
         meta |= {
             "idx": idx,
             "nonfinite": dict(self._nonfinite),
-            "lr": self._lr if self._lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups],
-            "stepped": self._stepped,
+            "lr": self._lr if self._lr is not None else group_lrs(self.optimizer),
+            "stepped": stepped,  # None: whether the weights moved (a measured hand update)
             "step_time": step_time,
         }
         return PendingHealth(self, values, event, parts, meta)
