@@ -78,13 +78,8 @@ class Recorder:
         config: RecordConfig | None = None,
         **options,
     ):
-        config = RecordConfig.of(config, **options)
         optimizer = _optimizer(optimizer, model, lr, run_dir)  # before anything is written
-        if isinstance(optimizer, HandUpdate):
-            # A live checkpoint needs the optimizer's step to wait for its bytes, and knows a
-            # change outside it by version counters, which `p.data.add_` does not move: copied.
-            config = dataclasses.replace(config, ckpt_snapshot="copy")
-        self.config = config
+        self.config = config = _config(RecordConfig.of(config, **options), optimizer)
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
         self.run_dir, self.batch_fn = Path(run_dir), batch_fn
@@ -336,6 +331,15 @@ def _optimizer(optimizer, model, lr, run_dir) -> torch.optim.Optimizer:
             "that updates them by hand",
         )
     return optimizer
+
+
+def _config(config: RecordConfig, optimizer) -> RecordConfig:
+    """A hand-written update's checkpoints are copied: a live one needs the optimizer's step to
+    wait for its bytes, and knows a change outside it by version counters, which
+    `p.data.add_` does not move."""
+    if isinstance(optimizer, HandUpdate):
+        return dataclasses.replace(config, ckpt_snapshot="copy")
+    return config
 
 
 def _settle_at_exit(rec: Recorder) -> Callable[[], None]:

@@ -116,6 +116,34 @@ def same_norms_now(measured) -> bool:
     return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
 
+def scale_now(scaler) -> torch.Tensor | None:
+    """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
+    as a float would sync), or None without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if get is not None else None
+    if scale is None:  # not yet created (before the first scale()) or an old scaler
+        return torch.tensor(float(scaler.get_scale()))
+    return scale.detach().reshape(()).float().clone()
+
+
+def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
+    """What turns the squared update norm of each sample into the whole tensor's."""
+    if mode == "exact":
+        return np.ones(n)
+    assert plans is not None, "made by _take, for the sample in _before"
+    return np.array([plan.scale for plan in plans], dtype=np.float64)
+
+
+def detached(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
+    """Gradients as the norms take them: this rank's shard of a DTensor (`sharded`), and
+    detached when a backward with create_graph made them part of a graph (else as they are)."""
+    if any(g.requires_grad for g in grads):
+        grads = [g.detach() for g in grads]
+    return [local(g) for g in grads] if sharded else grads
+
+
 class PendingHealth:
     """One step's measurements, on their way to the host. `result()` waits for the copy (on
     CUDA: an event recorded after it, normally long done a step later) and turns the numbers
@@ -298,7 +326,7 @@ class StepProbe:
         if present is None:
             present = [p.grad for p in self.params]
         idx = [i for i, g in enumerate(present) if g is not None]
-        grads = self._detached([present[i] for i in idx])
+        grads = detached([present[i] for i in idx], self._sharded)
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self.measured = (grads, [g._version for g in grads], norms)
@@ -357,7 +385,7 @@ class StepProbe:
 
     def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
-        (scaled up when read: `_update_scales`)."""
+        (scaled up when read: `update_scales`)."""
         assert self._before is not None, "called on a step that measures its update, after _on_pre_step"
         _, before = self._before
         if self.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
@@ -367,18 +395,11 @@ class StepProbe:
             list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, self._plans)], before))
         )
 
-    def _update_scales(self) -> np.ndarray:
-        """What turns the squared update norm of each sample into the whole tensor's."""
-        if self.update_mode == "exact":
-            return np.ones(len(self.params))
-        assert self._plans is not None, "made by _take, for the sample in _before"
-        return np.array([plan.scale for plan in self._plans], dtype=np.float64)
-
     # --- one step -------------------------------------------------------------------------------
 
     def begin(self, *, measure_update: bool = False) -> None:
         self._reset(measure_update)
-        self._scale = self._scale_now()
+        self._scale = scale_now(self.scaler)
         if self.hand:  # the update happens somewhere in step_fn: what it starts from is here
             self._lr = group_lrs(self.optimizer)
             if measure_update:
@@ -388,17 +409,6 @@ class StepProbe:
         self._t0 = time.perf_counter()
         self._active = True
         grad_points.LIVE.add(self)
-
-    def _scale_now(self) -> torch.Tensor | None:
-        """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
-        as a float would sync), or None without an enabled scaler."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        get = getattr(self.scaler, "_get_scale_async", None)
-        scale = get() if get is not None else None
-        if scale is None:  # not yet created (before the first scale()) or an old scaler
-            return torch.tensor(float(self.scaler.get_scale()))
-        return scale.detach().reshape(()).float().clone()
 
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
@@ -434,7 +444,7 @@ class StepProbe:
         add("grad", grad_norms)
         if self._scale is not None:
             add("scale", [self._scale])
-            after = self._scale_now()  # after the step's scaler.update()
+            after = scale_now(self.scaler)  # after the step's scaler.update()
             assert after is not None, "an enabled scaler (it gave _scale) stays enabled"
             add("scale_after", [after])
         stepped: bool | None = self._stepped if not self.hand else None if self._before is not None else bool(idx)
@@ -445,7 +455,7 @@ class StepProbe:
                 add("b", self._before[0])
                 if self._stepped or self.hand:
                     add("d", self._update_norms(weights))
-                    meta["d_scale"] = self._update_scales()
+                    meta["d_scale"] = update_scales(self.update_mode, self._plans, len(self.params))
         if self._before_norms is not None:
             add("b0", self._before_norms)
         if self.watch > 0 and not self.hand:
@@ -476,16 +486,9 @@ class StepProbe:
         if not late:
             return idx, norms if norms is not None else torch.zeros(0)
         by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
-        by_index.update(zip([i for i, _ in late], batched_norms(self._detached([g for _, g in late]))))
+        by_index.update(zip([i for i, _ in late], batched_norms(detached([g for _, g in late], self._sharded))))
         idx = sorted(by_index)
         return idx, self._stack([by_index[i] for i in idx])
-
-    def _detached(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients as the norms take them: this rank's shard of a DTensor, and detached
-        when a backward with create_graph made them part of a graph (else they are as is)."""
-        if any(g.requires_grad for g in grads):
-            grads = [g.detach() for g in grads]
-        return [local(g) for g in grads] if self._sharded else grads
 
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
