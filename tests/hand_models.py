@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import ckptlab
 from tests.carried_models import VOCAB, CarriedLSTM, chunk  # noqa: F401 - chunk: the data, for the tests
 
 LR = 1.0
@@ -111,3 +112,17 @@ def step_own_optimizer(model, optimizer, batch):
     own.step()
     own.zero_grad(set_to_none=True)
     return loss
+
+
+# --- a HandUpdate made by build_fn, with an LR scheduler ----------------------------------------
+
+
+def build_scheduled():
+    torch.manual_seed(0)
+    model = CarriedLSTM()
+    update = ckptlab.HandUpdate(model.parameters(), lr=LR)
+    return model, update, torch.optim.lr_scheduler.LambdaLR(update, _halving)
+
+
+def _halving(s: int) -> float:
+    return 0.5 ** (s // 3)

@@ -214,3 +214,16 @@ def test_a_hand_update_without_parameters_is_a_clear_error(run_dir):
     with pytest.raises(ckptlab.RecordError, match="the model has no parameters"):
         ckptlab.Recorder(run_dir, torch.nn.ReLU(), None, lr=0.1, step_fn=hm.step, build_fn=hm.build)
     assert not run_dir.exists()
+
+
+def test_a_hand_update_driven_by_a_scheduler_replays_bit_for_bit(run_dir):
+    """build_fn makes the HandUpdate and a LambdaLR on it: the scheduler's learning rates are
+    recorded, and the run replays across them."""
+    model, update, scheduler = hm.build_scheduled()
+    with ckptlab.Recorder(
+        run_dir, model, update, scheduler=scheduler, step_fn=hm.step, build_fn=hm.build_scheduled, ckpt_every=4
+    ) as rec:
+        losses = [rec.step(hm.chunk(s), sample_ids=ids(s)).item() for s in range(9)]
+    assert list(ckptlab.open_run(run_dir).metrics().lr[:, 0]) == [hm.LR * 0.5 ** (s // 3) for s in range(9)]
+    report = ckptlab.replay(run_dir, 8, from_step=4, trace=False, counterfactuals=False)
+    assert [c.loss for c in report.steps] == losses[4:9] and report.deterministic

@@ -46,6 +46,9 @@ class HandUpdate(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float | None = None):
         super().__init__(params, {"lr": _checked(lr)})
+        # The loop updates at every step, though `step()` is never called: an LR scheduler
+        # stepped after it is in the right order (torch warns when it sees no step first).
+        self._opt_called = True
 
     @property
     def lr(self) -> float:
