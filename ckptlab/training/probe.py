@@ -47,7 +47,7 @@ Where each number is computed, and why there:
   moved would cost a pass over them every step).
 - on the first `watch` steps of a probe (the Recorder's first steps of a session), the norms of
   the weights at `begin` and at `end`, when a torch optimizer's step never ran: weights that
-  moved without it say the optimizer given is not the one that trains (`PendingHealth.moved`).
+  moved without it say the optimizer given is not the one that trains (`PendingHealth.watched`).
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
   gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
@@ -355,8 +355,7 @@ class StepProbe:
             # bad before this update? The record can then name them when the fault does not
             # reproduce (a weight changed outside the recorded step). One rank only: the ranks'
             # rows must have the same layout when combined.
-            with torch.no_grad():
-                self._before_norms = self._weight_norms()
+            self._before_norms = self._weight_norms()
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
         if self._active and not self.hand:
@@ -447,7 +446,9 @@ class StepProbe:
             after = scale_now(self.scaler)  # after the step's scaler.update()
             assert after is not None, "an enabled scaler (it gave _scale) stays enabled"
             add("scale_after", [after])
-        stepped: bool | None = self._stepped if not self.hand else None if self._before is not None else bool(idx)
+        stepped: bool | None = self._stepped
+        if self.hand:  # measured: whether the weights moved (read_health); else whether gradients came
+            stepped = None if self._before is not None else bool(idx)
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
