@@ -126,3 +126,18 @@ def build_scheduled():
 
 def _halving(s: int) -> float:
     return 0.5 ** (s // 3)
+
+
+class OwnLoopTrainer:
+    """A trainer that owns its loop: it builds its optimizer inside `run()` and offers
+    callbacks around each batch, the way such trainers let a Recorder in."""
+
+    def __init__(self, model, on_batch_start, on_batch_end):
+        self.model, self.on_batch_start, self.on_batch_end = model, on_batch_start, on_batch_end
+
+    def run(self, steps: int) -> None:
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)  # its own
+        for s in range(steps):
+            batch = chunk(s)
+            self.on_batch_start(s, batch)
+            self.on_batch_end(s, step_sgd(self.model, optimizer, batch))

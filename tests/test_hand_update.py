@@ -184,6 +184,19 @@ def test_an_optimizer_that_never_steps_is_caught_while_recording(run_dir, cli):
     assert "the Recorder warned at step 2: the optimizer given to the Recorder did not step" in doc["verdict"]
 
 
+def test_an_optimizer_that_never_steps_is_caught_in_a_trainer_that_owns_its_loop(run_dir):
+    """Recorded from a trainer's callbacks (begin_step / end_step), with the optimizer built
+    before the trainer made its own: the same warning and event."""
+    model, early = hm.build_with_sgd()
+    with pytest.warns(UserWarning, match="it is not the one that trains them"):
+        with ckptlab.Recorder(run_dir, model, early, step_fn=hm.step_sgd, build_fn=hm.build_with_sgd) as rec:
+            trainer = hm.OwnLoopTrainer(
+                model, lambda s, batch: rec.begin_step(batch, sample_ids=ids(s)), lambda s, loss: rec.end_step(loss)
+            )
+            trainer.run(4)
+    assert [e["kind"] for e in ckptlab.open_run(run_dir).events()] == ["idle_optimizer"]
+
+
 def test_an_optimizer_that_steps_raises_no_warning(spike_runs):
     for run_dir, _ in spike_runs.values():
         assert "idle_optimizer" not in [e["kind"] for e in ckptlab.open_run(run_dir).events()]
