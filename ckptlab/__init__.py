@@ -38,6 +38,7 @@ _LAZY = {
     "collate_with_ids": ("ckptlab.training.sample_ids", "collate_with_ids"),
     "track_sample_ids": ("ckptlab.training.sample_ids", "track_sample_ids"),
     "RecordConfig": ("ckptlab.record", "RecordConfig"),
+    "HandUpdate": ("ckptlab.training.hand_update", "HandUpdate"),
     "RunLockedError": ("ckptlab.run.lock", "RunLockedError"),
     "portable_cpu": ("ckptlab.run.environment", "portable_cpu"),
 }

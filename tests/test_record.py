@@ -254,8 +254,8 @@ def test_a_failed_start_leaves_the_directory_as_it_found_it(run_dir, monkeypatch
     if exists:
         run_dir.mkdir()
     model, opt = models.build_mlp()
-    with pytest.raises(ckptlab.RecordError, match="optimizer is NoneType, not a torch.optim.Optimizer"):
-        ckptlab.Recorder(run_dir, model, None, step_fn=models.step_mlp, build_fn=models.build_mlp)
+    with pytest.raises(ckptlab.RecordError, match="optimizer is object, not a torch.optim.Optimizer"):
+        ckptlab.Recorder(run_dir, model, object(), step_fn=models.step_mlp, build_fn=models.build_mlp)
     assert not run_dir.exists() if not exists else list(run_dir.iterdir()) == []
 
     def broken(*a, **kw):

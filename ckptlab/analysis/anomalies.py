@@ -130,3 +130,32 @@ def episode_start(anomalies: dict[int, list[str]], step: int) -> int:
             break
         start = s
     return start
+
+
+# --- what the Recorder says about its own record ---------------------------------------------------
+
+# Recorded as an event, but no fault of a step: the optimizer the Recorder was given never
+# stepped in a session's first steps while the weights changed (record/health.py), so the
+# record misses the updates. Replay does not look for it as a fault; it gives it as the reason
+# a replay leaves the record.
+IDLE_OPTIMIZER = "idle_optimizer"
+RECORD_WARNINGS = (IDLE_OPTIMIZER,)
+_WARNED = "the Recorder warned at step"
+
+
+def idle_optimizer_text(steps: int) -> str:
+    """What an IDLE_OPTIMIZER event says, and what to do."""
+    return (
+        f"the optimizer given to the Recorder did not step in the first {steps} steps, yet the weights changed: "
+        "it is not the one that trains them (a trainer that made its own?), so the record misses their updates; "
+        "give the Recorder the optimizer that steps (optimizer=None for a loop that updates the weights by hand)"
+    )
+
+
+def record_warning_note(event: dict) -> str:
+    """A RECORD_WARNINGS event as a replay's note (`is_record_warning` finds it again)."""
+    return f"{_WARNED} {event['step']}: {event.get('detail') or event['kind']}"
+
+
+def is_record_warning(note: str) -> bool:
+    return note.startswith(_WARNED)

@@ -129,7 +129,8 @@ def command(
     )
     if not follower:  # (a launched job's rank other than 0: rank 0 says it)
         _say(report, term, as_json)
-    if not follower and not report.fault_recorded and report.root_step is None:  # "nothing to explain"
+    followed = report.deterministic or report.agreement == "equivalent"  # (else the verdict says why not)
+    if not follower and not report.fault_recorded and report.root_step is None and followed:  # "nothing to explain"
         _point_to_anomalies(run, step, term)
 
 
@@ -233,9 +234,12 @@ def _run_with_step(run, step: int, *, picked: bool, term):
 def _point_to_anomalies(run, step: int, term) -> None:
     """After a step that was healthy when recorded and replayed: where the run's anomalies are,
     and the command that explains the nearest (the first after `step`, else the last before)."""
+    from ckptlab.analysis.anomalies import RECORD_WARNINGS  # (no fault: replay's notes say them)
+
     kinds: dict[int, list[str]] = {}
     for e in run.events():
-        kinds.setdefault(int(e["step"]), []).append(str(e.get("kind")))
+        if e.get("kind") not in RECORD_WARNINGS:
+            kinds.setdefault(int(e["step"]), []).append(str(e.get("kind")))
     say = term.line  # on stderr, as the notes (--json keeps stdout for the document)
     if not kinds:
         say(f"The run recorded no anomaly: step {step} replayed as recorded, and there is nothing else to explain.")

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Callable
 
-from ckptlab.analysis.anomalies import detectors, step_anomalies
+from ckptlab.analysis.anomalies import IDLE_OPTIMIZER, detectors, idle_optimizer_text, step_anomalies
 from ckptlab.errors import NonFiniteLoss
 from ckptlab.record.config import RecordConfig
 from ckptlab.run import framelog, records
@@ -30,6 +31,11 @@ from ckptlab.training.probe import PendingHealth
 from ckptlab.training.world import World
 
 log = logging.getLogger(__name__)
+
+# The first steps of a session on which the Recorder checks that its optimizer is the one that
+# trains: the weights' norms at the step's start and end, when the optimizer did not step
+# (training/probe.py `StepProbe.watch`; nothing is measured for it after them).
+WATCHED_STEPS = 3
 
 Alert = Callable[[int, list[dict]], None]
 
@@ -50,6 +56,7 @@ class HealthLog:
         self._spikes = detectors()
         self.first_anomaly: int | None = None
         self._queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
+        self._watched: list[str] | None = []  # what the watched steps saw (None: judged)
 
     def resume(self, progress: Progress | None) -> None:
         """Continue a run: its first anomaly, and spikes judged against the run so far, not a blank."""
@@ -74,6 +81,7 @@ class HealthLog:
         while len(self._queue) > keep:
             n, pending, wait, t = self._queue.pop(0)
             health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
+            self._judge_optimizer(n, pending.watched)
             if bad is None and not health.loss_finite:
                 bad = (n, health.loss)
         if bad is not None and raise_nonfinite and self.config.on_nonfinite == "raise":
@@ -109,6 +117,25 @@ class HealthLog:
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
+
+    def _judge_optimizer(self, n: int, watched: str | None) -> None:
+        """After the first WATCHED_STEPS steps: if the optimizer never stepped while the
+        weights moved, it is not the one that trains (a trainer that made its own): a warning
+        and an IDLE_OPTIMIZER event (docs/alerts.md). Once a session."""
+        if watched is None or self._watched is None:
+            return
+        self._watched.append(watched)
+        if watched == "stepped" or len(self._watched) < WATCHED_STEPS:
+            if watched == "stepped":
+                self._watched = None
+            return
+        seen, self._watched = self._watched, None
+        if "moved" not in seen:
+            return
+        event = {"kind": IDLE_OPTIMIZER, "value": len(seen), "detail": idle_optimizer_text(len(seen))}
+        if self.world.is_main:
+            self.writer.append_json(framelog.EVENT, n, event)
+            warnings.warn(f"ckptlab: step {n}: {event['detail']}", stacklevel=4)
 
     def record_error(self, n: int, error: BaseException, model) -> None:
         """Step n raised: an `exception` event (what, and where in the user's code), when its

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -21,12 +22,13 @@ from ckptlab import trackers
 from ckptlab.errors import RecordError
 from ckptlab.record.batches import BatchLog
 from ckptlab.record.config import RecordConfig
-from ckptlab.record.health import HealthLog
+from ckptlab.record.health import WATCHED_STEPS, HealthLog
 from ckptlab.record.session import Session
 from ckptlab.record.snapshots import Snapshots
 from ckptlab.run import framelog
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
+from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.step import StepRunner, scaler_argument
@@ -38,9 +40,16 @@ class Recorder:
 
     Args:
         run_dir: the run directory (created; must not already hold a run unless `resume`).
-        model, optimizer: what `step_fn` trains.
+        model, optimizer: what `step_fn` trains. `optimizer=None`: a loop that updates the
+            weights by hand (`p.data.add_(p.grad, alpha=-lr)`): the Recorder makes a
+            `ckptlab.HandUpdate` holding the learning rate `lr` (`rec.optimizer`), which
+            `step_fn` gets as its `optimizer` and must read its learning rate from
+            (`optimizer.lr`), so that checkpoints carry it and replay uses the recorded one.
+        lr: the learning rate of a hand-written update (only with `optimizer=None`); not given,
+            it is recorded as unknown (NaN) and `rec.optimizer.lr` raises until it is set.
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
-        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded.
+        build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded;
+            for a hand-written update `build_fn() -> model` (or `(model, None)`).
         scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
         scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
             `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
@@ -58,18 +67,19 @@ class Recorder:
         self,
         run_dir: str | os.PathLike,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         *,
         step_fn: Callable,
         build_fn: Callable,
         scheduler=None,
         scaler=None,
         batch_fn: Callable | None = None,
+        lr: float | None = None,
         config: RecordConfig | None = None,
         **options,
     ):
-        self.config = config = RecordConfig.of(config, **options)
-        _check_optimizer(optimizer, run_dir)  # before anything is written
+        optimizer = _optimizer(optimizer, model, lr, run_dir)  # before anything is written
+        self.config = config = _config(RecordConfig.of(config, **options), optimizer)
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
         self.run_dir, self.batch_fn = Path(run_dir), batch_fn
@@ -91,6 +101,7 @@ class Recorder:
             self.runner = StepRunner(
                 *training, step_scheduler=config.step_scheduler, world=world, update_ratio=config.update_ratio
             )
+            self.runner.probe.watch = WATCHED_STEPS  # an optimizer that does not train: health.py
             self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
             self.live = live_log(stores, str(self.run_dir), session.manifest) if world.is_main else None
             self._health = HealthLog(self.writer, world, config, deferred=self.deferred, live=self.live)
@@ -295,14 +306,40 @@ class Recorder:
         self.close()
 
 
-def _check_optimizer(optimizer, run_dir) -> None:
+def _optimizer(optimizer, model, lr, run_dir) -> torch.optim.Optimizer:
+    """The optimizer to record: the one given, or for `None` (a hand-written update) a
+    HandUpdate on the model's parameters holding `lr`."""
+    if optimizer is None:
+        if not any(True for _ in model.parameters()):
+            raise RecordError("the model has no parameters: there is nothing to update", path=run_dir)
+        try:
+            return HandUpdate(model.parameters(), lr=lr)
+        except RecordError as e:
+            raise RecordError(e.problem, path=run_dir, hint=e.hint) from None
+    if lr is not None:
+        raise RecordError(
+            f"lr= is for a loop that updates the weights by hand (optimizer=None); this one has its "
+            f"{type(optimizer).__name__}, which holds its own learning rate",
+            path=run_dir,
+            hint="drop lr=, or pass optimizer=None if the loop updates the weights itself",
+        )
     if not hasattr(optimizer, "param_groups"):
         raise RecordError(
-            f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer: a loop that updates the "
-            "weights by hand is not recorded yet",
+            f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer",
             path=run_dir,
-            hint="an update p -= lr * p.grad is torch.optim.SGD(model.parameters(), lr=lr): step that instead",
+            hint="pass the torch optimizer that steps the weights, or optimizer=None (with lr=) for a loop "
+            "that updates them by hand",
         )
+    return optimizer
+
+
+def _config(config: RecordConfig, optimizer) -> RecordConfig:
+    """A hand-written update's checkpoints are copied: a live one needs the optimizer's step to
+    wait for its bytes, and knows a change outside it by version counters, which
+    `p.data.add_` does not move."""
+    if isinstance(optimizer, HandUpdate):
+        return dataclasses.replace(config, ckpt_snapshot="copy")
+    return config
 
 
 def _settle_at_exit(rec: Recorder) -> Callable[[], None]:

@@ -12,16 +12,19 @@ Knows nothing about faults or verdicts (investigation.py and blame.py judge what
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable
 from typing import cast
 
 import torch
 
+from ckptlab.analysis.anomalies import RECORD_WARNINGS, record_warning_note
 from ckptlab.errors import CorruptFileError, IntegrityError, ReplayError
 from ckptlab.run.reader import Run
 from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
+from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
 from ckptlab.training.sharded import full_snapshot
 from ckptlab.training.state import (
@@ -86,6 +89,9 @@ class Replayer:
                     if note not in self.notes:  # build_fn and step_fn in one file: said once
                         self.notes.append(note)
         self.build_fn, self.step_fn = loaded["build_fn"], loaded["step_fn"]
+        # What the Recorder warned of its own record (an optimizer that did not train): the
+        # reason a replay leaves the record, said as a note (replayer/verdict.py reads it).
+        self.notes += [record_warning_note(e) for e in run.events() if e.get("kind") in RECORD_WARNINGS]
         self.batch_fn = None  # imported at the first batch stored by reference
         self.trust_code = trust_code
         config = manifest.get("config", {})
@@ -103,9 +109,17 @@ class Replayer:
             apply_env({}, force_deterministic=True)  # before any CUDA work: cuBLAS reads it once
         with user_output():
             built = self.build_fn()
+        if isinstance(built, torch.nn.Module):  # a loop that updates the weights by hand
+            built = (built, None)
         if not isinstance(built, (tuple, list)) or len(built) < 2:
-            raise ReplayError("build_fn must return (model, optimizer[, scheduler])", path=self.run.path)
+            raise ReplayError(
+                "build_fn must return (model, optimizer[, scheduler]), or the model alone for a loop that "
+                "updates the weights by hand",
+                path=self.run.path,
+            )
         model, optimizer = built[0], built[1]
+        if optimizer is None:  # its learning rate comes from the checkpoint, then from the record
+            optimizer = HandUpdate(model.parameters())
         # After them, in any order: an LR scheduler and a GradScaler (told apart by type).
         extras = [x for x in built[2:] if x is not None]
         scaler = next((x for x in extras if is_grad_scaler(x)), None)
@@ -206,7 +220,24 @@ class Replayer:
                 ) from None
         batch = rec.batch if batch is None else batch
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
+        if isinstance(t.optimizer, HandUpdate):
+            self._next_lr(t.optimizer, rec.step + 1)
         return cast(StepHealth, health)  # not deferred: measured now, never a PendingHealth
+
+    def _next_lr(self, update: HandUpdate, step: int) -> None:
+        """A hand-written update's learning rate is the loop's to change between steps
+        (`update.lr /= 4` after an epoch), outside the recorded step: after each replayed step,
+        the learning rate the record says step `step` began with, where the record knows it
+        (the checkpoint holds the one of the step it starts). Set between steps, as the loop
+        does, so a snapshot of the next step's state holds it, and a counterfactual that
+        changes it for the step keeps its own."""
+        m = self.run.metrics()
+        i = m.index(step)
+        if i is None:
+            return
+        for group, lr in zip(update.param_groups, m.lr[i]):
+            if math.isfinite(lr):
+                group["lr"] = float(lr)
 
     def snapshot(self, t: StepRunner, step: int):
         """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptlab.analysis.anomalies import EPISODE_GAP, detectors, episode_start, step_anomalies
+from ckptlab.analysis.anomalies import EPISODE_GAP, RECORD_WARNINGS, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError, RetiredError
 from ckptlab.numbers import absdiff, ranges, same
@@ -88,7 +88,8 @@ class Investigation:
     def recorded_anomalies(self) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
         for e in self.run.events():
-            out.setdefault(int(e["step"]), []).append(e["kind"])
+            if e["kind"] not in RECORD_WARNINGS:  # (no fault of a step: the driver's note)
+                out.setdefault(int(e["step"]), []).append(e["kind"])
         i = self.metrics.index(self.step)
         if i is not None and not math.isfinite(self.metrics.loss[i]):
             out.setdefault(self.step, []).append("nonfinite_loss")

@@ -13,6 +13,7 @@ followed by the counterfactual proof, the deeper searches and a note when replay
 
 from __future__ import annotations
 
+from ckptlab.analysis.anomalies import is_record_warning
 from ckptlab.numbers import precise, ranges, short_number
 from ckptlab.replayer.findings import DivergenceCheck, Origin, ReplayReport
 
@@ -55,10 +56,7 @@ def _start_state(r: ReplayReport) -> str:
 
 def _sentence(r: ReplayReport) -> str:
     if not r.fault_recorded and r.root_step is None:
-        return (
-            f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint "
-            f"{r.start_checkpoint}: nothing to explain."
-        )
+        return _healthy(r)
     if r.noise_check is not None and not r.noise_check.robust:
         return _only_through_noise(r)
     if not r.reproduced and r.recorded_error:
@@ -66,6 +64,21 @@ def _sentence(r: ReplayReport) -> str:
     if not r.reproduced:
         return _fault_not_reproduced(r)
     return _reproduced(r)
+
+
+def _healthy(r: ReplayReport) -> str:
+    """A step healthy when recorded and replayed; a replay that left the record says little,
+    and why it left comes with it (the Recorder's own warning, when it gave one)."""
+    div = _divergence_step(r)
+    head = f"Step {r.requested_step} was healthy when recorded and when replayed from checkpoint {r.start_checkpoint}"
+    if r.deterministic or r.agreement == "equivalent" or div is None:
+        return head + ": nothing to explain."
+    warned = next((n for n in r.notes if is_record_warning(n)), None)
+    why = warned or (
+        "the state changed outside the recorded computation (code outside step_fn, or an optimizer or state "
+        "the checkpoints do not hold)"
+    )
+    return f"{head}, but the replay left the record at step {div}, so it tells little: {why}."
 
 
 # --- did not reproduce ----------------------------------------------------------------------------

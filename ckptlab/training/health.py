@@ -93,6 +93,9 @@ def read_health(
     if "w" in parts:
         d_sq = values[parts["d"]].astype(np.float64) ** 2 * meta["d_scale"] if "d" in parts else np.zeros(len(params))
         updates = [values[parts["w"]].astype(np.float64) ** 2, d_sq, values[parts["b"]].astype(np.float64) ** 2]
+    stepped = meta["stepped"]
+    if stepped is None:  # a hand-written update, measured (training/probe.py): did the weights move?
+        stepped = bool((values[parts["d"]] != 0).any())
     norms, grad_norm, nonfinite_all, counted, update_sq, ranks = _gradients(
         value, grad_sq, nonfinite, updates, len(meta["idx"]), world
     )
@@ -103,10 +106,10 @@ def read_health(
         nonfinite_grads=counted,
         param_nonfinite=nonfinite_all,
         lr=meta["lr"],
-        stepped=meta["stepped"],
+        stepped=stepped,
         grad_scale=scale,
         step_time=meta["step_time"],
-        scaler_skipped=_scaler_skipped(optimizer, meta["stepped"], scale, values, parts),
+        scaler_skipped=_scaler_skipped(optimizer, stepped, scale, values, parts),
     )
     if ranks is not None:
         _, health.rank_loss, health.rank_grad_norm = ranks

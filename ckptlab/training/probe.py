@@ -39,6 +39,15 @@ Where each number is computed, and why there:
   sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
   parameter (+1x their bytes).
+- a hand-written update (`optimizer` is a training/hand_update.py HandUpdate, whose `step()`
+  does nothing): no hook says when the weights change, so the learning rates and the weights
+  before the update (on the steps that measure it) are taken at `begin`, the update at `end`.
+  `stepped` is whether the weights moved, on the steps that measure the update; on the others,
+  whether the step made gradients (a hand update follows them; measuring whether the weights
+  moved would cost a pass over them every step).
+- on the first `watch` steps of a probe (the Recorder's first steps of a session), the norms of
+  the weights at `begin` and at `end`, when a torch optimizer's step never ran: weights that
+  moved without it say the optimizer given is not the one that trains (`PendingHealth.watched`).
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
   gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
@@ -65,6 +74,7 @@ import torch
 
 from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
+from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.health import StepHealth, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
@@ -106,6 +116,34 @@ def same_norms_now(measured) -> bool:
     return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
 
 
+def scale_now(scaler) -> torch.Tensor | None:
+    """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
+    as a float would sync), or None without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if get is not None else None
+    if scale is None:  # not yet created (before the first scale()) or an old scaler
+        return torch.tensor(float(scaler.get_scale()))
+    return scale.detach().reshape(()).float().clone()
+
+
+def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
+    """What turns the squared update norm of each sample into the whole tensor's."""
+    if mode == "exact":
+        return np.ones(n)
+    assert plans is not None, "made by _take, for the sample in _before"
+    return np.array([plan.scale for plan in plans], dtype=np.float64)
+
+
+def detached(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
+    """Gradients as the norms take them: this rank's shard of a DTensor (`sharded`), and
+    detached when a backward with create_graph made them part of a graph (else as they are)."""
+    if any(g.requires_grad for g in grads):
+        grads = [g.detach() for g in grads]
+    return [local(g) for g in grads] if sharded else grads
+
+
 class PendingHealth:
     """One step's measurements, on their way to the host. `result()` waits for the copy (on
     CUDA: an event recorded after it, normally long done a step later) and turns the numbers
@@ -115,6 +153,9 @@ class PendingHealth:
         self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
         self._values: torch.Tensor | None = values  # None once read
         self._health: StepHealth | None = None
+        # A watched step (StepProbe.watch): "stepped" (the optimizer did), else once read
+        # "moved" (the weights moved all the same) or "still"; None on the other steps.
+        self.watched: str | None = meta.pop("watched", None)
 
     def result(self, *, grads_live: bool = False) -> StepHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
@@ -124,8 +165,12 @@ class PendingHealth:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()  # the device is behind by more than a step: wait
             probe = self._probe
+            values = self._values.numpy()
+            if "w0" in self._parts:
+                moved = (values[self._parts["w0"]] != values[self._parts["w1"]]).any()
+                self.watched = "moved" if moved else "still"
             self._health = read_health(
-                self._values.numpy(),
+                values,
                 self._parts,
                 self._meta,
                 params=probe.params,
@@ -178,6 +223,8 @@ class StepProbe:
         self.scaler = scaler
         self.world = world or World()
         self.update_mode = update_ratio
+        self.hand = is_hand_update(optimizer)  # a hand-written update (module docstring)
+        self.watch = 0  # steps left whose weights are compared at begin and end (module docstring)
         self._active = False
         self._queued = False
         self._plans: list | None = None
@@ -220,6 +267,7 @@ class StepProbe:
         self._before: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # only the norms before the update (a step with bad gradients)
         self._before_norms: list[torch.Tensor] | None = None
+        self._begin_norms: list[torch.Tensor] | None = None  # a watched step's weights at begin
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
@@ -278,7 +326,7 @@ class StepProbe:
         if present is None:
             present = [p.grad for p in self.params]
         idx = [i for i, g in enumerate(present) if g is not None]
-        grads = self._detached([present[i] for i in idx])
+        grads = detached([present[i] for i in idx], self._sharded)
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self.measured = (grads, [g._version for g in grads], norms)
@@ -297,22 +345,31 @@ class StepProbe:
         if not self._active:
             return
         self._measure_point()
-        self._lr = [float(g["lr"]) for g in optimizer.param_groups]
+        if self.hand:  # (a HandUpdate's step does nothing: its lr and weights were taken at begin)
+            return
+        self._lr = group_lrs(optimizer)
         if self._measure_update:
-            with torch.no_grad():
-                weights = [local(p.detach()) for p in self.params]
-                self._before = (batched_norms(weights), self._take(weights))
+            self._take_before()
         elif self._bad_grads and not self.world.distributed:
             # Non-finite gradients (seen on the CPU without a sync): were the weights already
             # bad before this update? The record can then name them when the fault does not
             # reproduce (a weight changed outside the recorded step). One rank only: the ranks'
             # rows must have the same layout when combined.
-            with torch.no_grad():
-                self._before_norms = batched_norms([local(p.detach()) for p in self.params])
+            self._before_norms = self._weight_norms()
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
-        if self._active:
+        if self._active and not self.hand:
             self._stepped = True
+
+    def _take_before(self) -> None:
+        """The weights before the update: their norms, and their sample (or copy)."""
+        with torch.no_grad():
+            weights = [local(p.detach()) for p in self.params]
+            self._before = (batched_norms(weights), self._take(weights))
+
+    def _weight_norms(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return batched_norms([local(p.detach()) for p in self.params])
 
     # --- the update-ratio sample ------------------------------------------------------------
 
@@ -327,7 +384,7 @@ class StepProbe:
 
     def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
-        (scaled up when read: `_update_scales`)."""
+        (scaled up when read: `update_scales`)."""
         assert self._before is not None, "called on a step that measures its update, after _on_pre_step"
         _, before = self._before
         if self.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
@@ -337,38 +394,26 @@ class StepProbe:
             list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, self._plans)], before))
         )
 
-    def _update_scales(self) -> np.ndarray:
-        """What turns the squared update norm of each sample into the whole tensor's."""
-        if self.update_mode == "exact":
-            return np.ones(len(self.params))
-        assert self._plans is not None, "made by _take, for the sample in _before"
-        return np.array([plan.scale for plan in self._plans], dtype=np.float64)
-
     # --- one step -------------------------------------------------------------------------------
 
     def begin(self, *, measure_update: bool = False) -> None:
         self._reset(measure_update)
-        self._scale = self._scale_now()
+        self._scale = scale_now(self.scaler)
+        if self.hand:  # the update happens somewhere in step_fn: what it starts from is here
+            self._lr = group_lrs(self.optimizer)
+            if measure_update:
+                self._take_before()
+        elif self.watch > 0:
+            self._begin_norms = self._weight_norms()
         self._t0 = time.perf_counter()
         self._active = True
         grad_points.LIVE.add(self)
-
-    def _scale_now(self) -> torch.Tensor | None:
-        """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
-        as a float would sync), or None without an enabled scaler."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        get = getattr(self.scaler, "_get_scale_async", None)
-        scale = get() if get is not None else None
-        if scale is None:  # not yet created (before the first scale()) or an old scaler
-            return torch.tensor(float(self.scaler.get_scale()))
-        return scale.detach().reshape(()).float().clone()
 
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
         grad_points.LIVE.discard(self)
-        self._before = self._before_norms = None
+        self._before = self._before_norms = self._begin_norms = None
 
     @out_of_sight
     def end(self, loss) -> PendingHealth:
@@ -398,26 +443,36 @@ class StepProbe:
         add("grad", grad_norms)
         if self._scale is not None:
             add("scale", [self._scale])
-            after = self._scale_now()  # after the step's scaler.update()
+            after = scale_now(self.scaler)  # after the step's scaler.update()
             assert after is not None, "an enabled scaler (it gave _scale) stays enabled"
             add("scale_after", [after])
+        stepped: bool | None = self._stepped
+        if self.hand:  # measured: whether the weights moved (read_health); else whether gradients came
+            stepped = None if self._before is not None else bool(idx)
         if self._before is not None:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
                 add("w", batched_norms(weights))
                 add("b", self._before[0])
-                if self._stepped:
+                if self._stepped or self.hand:
                     add("d", self._update_norms(weights))
-                    meta["d_scale"] = self._update_scales()
+                    meta["d_scale"] = update_scales(self.update_mode, self._plans, len(self.params))
         if self._before_norms is not None:
             add("b0", self._before_norms)
-        self._before = self._before_norms = None
+        if self.watch > 0 and not self.hand:
+            self.watch -= 1
+            meta["watched"] = "stepped"
+            if not self._stepped:  # did the weights move without the optimizer? (PendingHealth.watched)
+                assert self._begin_norms is not None, "taken at begin on a watched step"
+                add("w0", self._begin_norms)
+                add("w1", self._weight_norms())
+        self._before = self._before_norms = self._begin_norms = None
         values, event = to_host(pieces)
         meta |= {
             "idx": idx,
             "nonfinite": dict(self._nonfinite),
-            "lr": self._lr if self._lr is not None else [float(g["lr"]) for g in self.optimizer.param_groups],
-            "stepped": self._stepped,
+            "lr": self._lr if self._lr is not None else group_lrs(self.optimizer),
+            "stepped": stepped,  # None: whether the weights moved (a measured hand update)
             "step_time": step_time,
         }
         return PendingHealth(self, values, event, parts, meta)
@@ -432,16 +487,9 @@ class StepProbe:
         if not late:
             return idx, norms if norms is not None else torch.zeros(0)
         by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
-        by_index.update(zip([i for i, _ in late], batched_norms(self._detached([g for _, g in late]))))
+        by_index.update(zip([i for i, _ in late], batched_norms(detached([g for _, g in late], self._sharded))))
         idx = sorted(by_index)
         return idx, self._stack([by_index[i] for i in idx])
-
-    def _detached(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients as the norms take them: this rank's shard of a DTensor, and detached
-        when a backward with create_graph made them part of a graph (else they are as is)."""
-        if any(g.requires_grad for g in grads):
-            grads = [g.detach() for g in grads]
-        return [local(g) for g in grads] if self._sharded else grads
 
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""

@@ -198,7 +198,7 @@ def _main_phase_ratios(d: RunData, rules: HealthRules) -> tuple[np.ndarray, dict
     weight matrices that are not frozen. The main phase: steps with the LR >= half its peak
     (warm-up and final decay legitimately move the ratio out of the band)."""
     m, (measured, ur) = d.m, d.update_ratios
-    lr = np.nanmax(m.lr, axis=1) if m.lr.size else np.ones(len(m))
+    lr = np.fmax.reduce(m.lr, axis=1) if m.lr.size else np.ones(len(m))  # (NaN where none is known)
     peak = np.nanmax(lr) if np.isfinite(lr).any() else 1.0
     main = measured[np.nan_to_num(lr[measured], nan=peak) >= 0.5 * peak]
     if len(main) < 2:
