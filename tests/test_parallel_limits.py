@@ -81,3 +81,16 @@ def test_tensor_parallel_and_2d_mesh_models_are_refused_and_fsdp2_is_not(run_dir
         fully_shard(sharded.fc1)
         fully_shard(sharded)
         assert World.detect(sharded).sharded  # FSDP2 on a 1-D mesh: recorded (tests/test_distributed.py)
+
+
+def test_a_deepspeed_optimizer_beside_a_plain_module_is_refused(tmp_path):
+    # ZeRO-1/2 with `engine.module` and `engine.optimizer` handed over: the model looks plain,
+    # the optimizer is DeepSpeed's. Refused before anything is written.
+    import ckptlab
+    from tests import models
+
+    ZeroOptimizer = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})
+    model, _ = models.build_mlp()
+    with pytest.raises(ckptlab.RecordError, match="DeepSpeed optimizer"):
+        ckptlab.Recorder(tmp_path / "r", model, ZeroOptimizer(), step_fn=models.step_mlp, build_fn=models.build_mlp)
+    assert not (tmp_path / "r").exists()

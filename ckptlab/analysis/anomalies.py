@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, Spike, SpikeDetector, SpikeRule
+from ckptlab.run.records import IDLE_OPTIMIZER, RECORD_WARNINGS  # noqa: F401 (their home for readers)
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
 # (healthy training moves ~1e-3..1e-2 of it per step; see report's update-ratio band).
@@ -138,8 +139,7 @@ def episode_start(anomalies: dict[int, list[str]], step: int) -> int:
 # stepped in a session's first steps while the weights changed (record/health.py), so the
 # record misses the updates. Replay does not look for it as a fault; it gives it as the reason
 # a replay leaves the record.
-IDLE_OPTIMIZER = "idle_optimizer"
-RECORD_WARNINGS = (IDLE_OPTIMIZER,)
+# (The kinds are the run format's: run/records.py, which read_progress also needs.)
 _WARNED = "the Recorder warned at step"
 
 

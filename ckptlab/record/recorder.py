@@ -323,6 +323,13 @@ def _optimizer(optimizer, model, lr, run_dir) -> torch.optim.Optimizer:
             path=run_dir,
             hint="drop lr=, or pass optimizer=None if the loop updates the weights itself",
         )
+    if any(c.__module__.startswith("deepspeed.") for c in type(optimizer).__mro__):  # (engine.module + its optimizer)
+        raise RecordError(
+            f"cannot record a DeepSpeed optimizer ({type(optimizer).__name__}): ckptlab records DDP and FSDP2, "
+            "not ZeRO's partitioned optimizer state",
+            path=run_dir,
+            hint="train under DDP or FSDP2's fully_shard to record (docs/distributed.md, Limits)",
+        )
     if not hasattr(optimizer, "param_groups"):
         raise RecordError(
             f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer",

@@ -438,7 +438,9 @@ def read_progress(run_dir: Path, recent: int = 128) -> Progress:
                     if ref.kind == framelog.STEP:
                         steps.append(ref)
                 elif ref.kind == framelog.EVENT:
-                    first_anomaly = ref.step if first_anomaly is None else min(first_anomaly, ref.step)
+                    event = records.decode_json(ref.read_payload()[0], where=f"{path}@{ref.step}")
+                    if event.get("kind") not in records.RECORD_WARNINGS:  # (a warning is no anomaly)
+                        first_anomaly = ref.step if first_anomaly is None else min(first_anomaly, ref.step)
                 elif ref.kind == framelog.VALIDATION:
                     record = records.decode_json(ref.read_payload()[0], where=f"{path}@{ref.step}")
                     validation.append((ref.step, record.get("metrics", {})))

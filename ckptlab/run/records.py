@@ -29,6 +29,12 @@ META_KEY = "ckptlab"
 NO_GRAD = -1.0
 
 
+# Events that are no anomaly of a step: what the Recorder warns of about its own record
+# (analysis/anomalies.py says what each means). Readers skip them where they look for faults.
+IDLE_OPTIMIZER = "idle_optimizer"
+RECORD_WARNINGS = (IDLE_OPTIMIZER,)
+
+
 def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
     """The record as safetensors bytes: the same bytes `safetensors.torch.save` writes
     (tests/run/test_records.py compares them), built here because the library's Python side
