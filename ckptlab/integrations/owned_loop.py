@@ -29,8 +29,9 @@ the trainer has built by then.
 A step begins at the first forward of the model in training mode with gradients on (an
 evaluation or a generation in a callback, under `torch.no_grad()` or `model.eval()`, does not
 begin one); its batch is what the forward was called with: the positional arguments (a tuple),
-the keyword arguments (a dict), or both (`{"args": ..., "kwargs": ...}`). A step that raises is
-kept with its batch when the `with` block ends, so it can be replayed.
+the keyword arguments (a dict), or both (`{"args": ..., "kwargs": ...}`): one forward a step
+(a trainer that accumulates over several forwards needs `Recorder.begin_step`/`record_batch`).
+A step that raises is kept with its batch when the `with` block ends, so it can be replayed.
 """
 
 from __future__ import annotations

@@ -142,3 +142,22 @@ def _no_accumulate(accelerator, model, optimizer, lr_scheduler, batch):
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """An optimizer in its own right around a base optimizer (its own state): not unwrapped."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        super().__init__(optimizer.param_groups, {})
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_an_optimizer_in_its_own_right_around_another_is_not_unwrapped():
+    _, inner = _linear()
+    outer = _Lookahead(inner)
+    assert torch_optimizer(outer) is outer
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1)
+    assert torch_scheduler(scheduler) is scheduler  # (a torch scheduler has `.optimizer`, never unwrapped)
