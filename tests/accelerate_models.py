@@ -40,6 +40,8 @@ WARMUP = 3
 MAX_GRAD_NORM = 1.0
 SEED = 0
 FAULT_SAMPLE = 14  # its NaN input: where the seeded shuffle puts it (tests/integrations/test_accelerate_loop.py)
+LR_SPIKE_STEP = 17  # the optimizer step whose learning rate a buggy schedule multiplies by LR_SPIKE
+LR_SPIKE = 1e4
 
 
 def config() -> GPT2Config:
@@ -78,9 +80,11 @@ def optimizer_for(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=3e-3)
 
 
-def scheduler_for(optimizer, accelerator, batches_per_epoch: int):
+def scheduler_for(optimizer, accelerator, batches_per_epoch: int, *, lr_spike: bool = False):
     num_update_steps_per_epoch = math.ceil(batches_per_epoch / ACCUM)
     max_train_steps = EPOCHS * num_update_steps_per_epoch
+    if lr_spike:  # a schedule with a bug at one step
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: LR_SPIKE if step == LR_SPIKE_STEP else 1.0)
     return get_scheduler(
         name="linear",
         optimizer=optimizer,
@@ -103,16 +107,22 @@ def train_step(accelerator, model, optimizer, lr_scheduler, batch):
     return loss
 
 
-def build():
+def build(*, lr_spike: bool = False):
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model = GPT2LMHeadModel(config())
     optimizer = optimizer_for(model)
-    lr_scheduler = scheduler_for(optimizer, accelerator, math.ceil(SAMPLES / BATCH))
+    lr_scheduler = scheduler_for(optimizer, accelerator, math.ceil(SAMPLES / BATCH), lr_spike=lr_spike)
     return cka.build(accelerator, train_step, *accelerator.prepare(model, optimizer, lr_scheduler))
 
 
-def main(run_dir, *, fault: bool = False, **options) -> int:
-    """The example's main(), recorded: returns the optimizer steps completed."""
+def build_lr_spike():
+    return build(lr_spike=True)
+
+
+def main(run_dir, *, fault: bool = False, lr_spike: bool = False, epochs: int = EPOCHS, **options) -> int:
+    """The example's main(), recorded: returns the optimizer steps completed. `fault`: a NaN in
+    sample FAULT_SAMPLE's input; `lr_spike`: the learning rate of step LR_SPIKE_STEP multiplied
+    by LR_SPIKE."""
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     set_seed(SEED)
     model = GPT2LMHeadModel(config())
@@ -120,7 +130,7 @@ def main(run_dir, *, fault: bool = False, **options) -> int:
     train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=default_data_collator, batch_size=BATCH)
     eval_dataloader = DataLoader(Sequences(8, seed=4), collate_fn=default_data_collator, batch_size=BATCH)
     optimizer = optimizer_for(model)
-    lr_scheduler = scheduler_for(optimizer, accelerator, len(train_dataloader))
+    lr_scheduler = scheduler_for(optimizer, accelerator, len(train_dataloader), lr_spike=lr_spike)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
@@ -131,13 +141,13 @@ def main(run_dir, *, fault: bool = False, **options) -> int:
         optimizer,
         lr_scheduler,
         body=train_step,
-        build_fn=build,
+        build_fn=build_lr_spike if lr_spike else build,
         sample_id_key="sample_id",
         **options,
     )
     completed_steps = 0
     with rec:
-        for _epoch in range(EPOCHS):
+        for _epoch in range(epochs):
             model.train()
             for _step, batch in enumerate(train_dataloader):
                 rec.micro_batch(batch)  # was: the body itself

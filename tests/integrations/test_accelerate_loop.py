@@ -2,7 +2,7 @@
 gradient accumulation, accelerate's wrapped optimizer and scheduler, clipping, a shuffled
 DataLoader) is recorded one optimizer step a step; `ckptlab replay` re-runs it bit for bit,
 across an epoch's shorter last step too, and names the planted NaN sample by its micro-batch,
-row and id. The wrappers users hold (accelerate's, Lightning's) are accepted where a torch
+row and id, and a learning-rate spike by its step. The wrappers users hold (accelerate's, Lightning's) are accepted where a torch
 optimizer or scheduler is."""
 
 import pytest
@@ -70,6 +70,20 @@ def test_replay_from_the_cli_names_the_step_the_micro_batch_and_the_sample(nan_r
 def test_every_step_replays_bit_for_bit_across_an_epoch_end(clean_run):
     report = ckptlab.replay(clean_run, 9, from_step=0, trace=False, counterfactuals=False)
     assert [c.step for c in report.steps] == list(range(10)) and all(c.match for c in report.steps)
+
+
+def test_a_learning_rate_spike_is_named_at_its_step_with_no_sample(tmp_path, cli):
+    """A schedule bug multiplies one optimizer step's learning rate (accelerate's wrapped
+    scheduler steps it in the body): the loss spikes a step later, replay names the step that
+    used it, the optimizer, and no sample."""
+    am.main(tmp_path / "run", lr_spike=True, epochs=4, ckpt_every=5)  # 20 steps: a baseline for the spike rule
+    done = cli("replay", "--run", tmp_path / "run", "--step", am.LR_SPIKE_STEP + 1, "--json")
+    assert done.code == 0, done.err
+    doc = done.json()
+    assert doc["root_step"] == am.LR_SPIKE_STEP and doc["reproduced"] and doc["deterministic"]
+    assert doc["origin"]["kind"] == "optimizer" and doc["samples"] == []
+    lr_check = doc["counterfactuals"][0]
+    assert "learning rate" in lr_check["question"] and lr_check["fault"] is False
 
 
 def test_a_body_outside_accumulate_is_refused(tmp_path):
