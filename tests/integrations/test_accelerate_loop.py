@@ -95,6 +95,24 @@ def test_a_body_outside_accumulate_is_refused(tmp_path):
         rec.micro_batch(torch.ones(3, 4))
 
 
+def test_without_accumulation_each_batch_is_a_step_and_replays(tmp_path):
+    accelerator = Accelerator(cpu=True)  # gradient_accumulation_steps=1
+    model, optimizer = _linear()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    with cka.record(
+        tmp_path / "run", accelerator, model, optimizer, scheduler, body=_accumulated, build_fn=_build_linear_loop
+    ) as rec:
+        for i in range(3):
+            rec.micro_batch(torch.full((3, 4), float(i)), sample_ids=[3 * i, 3 * i + 1, 3 * i + 2])
+    run = ckptlab.open_run(tmp_path / "run")
+    batch, ids = run.batch(2)
+    assert set(batch) == {"batch", "accelerate"} and ids == [6, 7, 8]  # one batch, no micro-batches
+    assert run.metrics().lr[:, 0].tolist() == pytest.approx([0.1, 0.05, 0.025])  # the body stepped the scheduler
+    report = ckptlab.replay(tmp_path / "run", 2, from_step=0, trace=False, counterfactuals=False)
+    assert len(report.steps) == 3 and all(c.match for c in report.steps)
+
+
 # --- the wrappers users hold ------------------------------------------------------------------
 
 
@@ -139,6 +157,23 @@ def _build_linear():
     model, optimizer = _linear()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     return accelerator.prepare(model, optimizer, scheduler)
+
+
+def _build_linear_loop():
+    accelerator = Accelerator(cpu=True)  # gradient_accumulation_steps=1
+    model, optimizer = _linear()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return cka.build(accelerator, _accumulated, *accelerator.prepare(model, optimizer, scheduler))
+
+
+def _accumulated(accelerator, model, optimizer, lr_scheduler, batch):
+    with accelerator.accumulate(model):
+        loss = model(batch).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+    return loss
 
 
 def _plain_step(model, optimizer, batch):
