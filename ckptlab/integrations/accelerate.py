@@ -48,6 +48,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, ReplayError
 from ckptlab.integrations import _common
@@ -154,12 +156,11 @@ class LoopRecorder:
                 _record(rec, micro, how)
             rec.abort_step()
             raise
-        if acc.step != counter or bool(acc.sync_gradients) != last:
-            rec.abort_step(RecordError("the body did not run in accelerator.accumulate"))
-            raise RecordError(
-                "the loop's body did not run inside `with accelerator.accumulate(model)` once",
-                hint="put the body's forward, backward and optimizer step under accelerator.accumulate(model)",
-            )
+        problem = _misfit(acc, counter, last, loss)
+        if problem is not None:
+            error = RecordError(problem[0], path=rec.run_dir, hint=problem[1])
+            rec.abort_step(error)
+            raise error
         micro.add_loss(scaled(loss, k))
         if last:
             _common.end_step(rec, micro.loss)
@@ -217,9 +218,23 @@ def training_step(model, optimizer, batch):
 
 def scaled(loss, k: int):
     """A micro-batch's share of its step's loss: divided by k, as `accelerator.backward` does."""
-    if loss is None:
-        raise RecordError("the loop's body must return the loss (the one it passes to accelerator.backward)")
     return loss.detach() / k
+
+
+def _misfit(accelerator, counter: int, last: bool, loss) -> tuple[str, str] | None:
+    """(problem, hint) when the body did not run as a recorded micro-batch must: once inside
+    `accelerator.accumulate`, syncing as predicted, returning its loss."""
+    if accelerator.step != counter or bool(accelerator.sync_gradients) != last:
+        return (
+            "the loop's body did not run inside `with accelerator.accumulate(model)` once",
+            "put the body's forward, backward and optimizer step under accelerator.accumulate(model)",
+        )
+    if not isinstance(loss, torch.Tensor):
+        return (
+            f"the loop's body returned {type(loss).__name__}, not the loss",
+            "return the loss the body passes to accelerator.backward",
+        )
+    return None
 
 
 def _syncs_next(accelerator) -> tuple[bool, int]:

@@ -86,12 +86,14 @@ def test_a_learning_rate_spike_is_named_at_its_step_with_no_sample(tmp_path, cli
     assert "learning rate" in lr_check["question"] and lr_check["fault"] is False
 
 
-def test_a_body_outside_accumulate_is_refused(tmp_path):
+@pytest.mark.parametrize(("body", "says"), [("no_accumulate", "accelerator.accumulate"), ("no_loss", "not the loss")])
+def test_a_body_that_does_not_fit_is_refused(tmp_path, body, says):
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
     model, optimizer = _linear()
     model, optimizer = accelerator.prepare(model, optimizer)
-    rec = cka.record(tmp_path / "run", accelerator, model, optimizer, body=_no_accumulate, build_fn=_build_linear)
-    with rec, pytest.raises(RecordError, match="accelerator.accumulate"):
+    body_fn = {"no_accumulate": _no_accumulate, "no_loss": _no_loss}[body]
+    rec = cka.record(tmp_path / "run", accelerator, model, optimizer, body=body_fn, build_fn=_build_linear)
+    with rec, pytest.raises(RecordError, match=says):
         rec.micro_batch(torch.ones(3, 4))
 
 
@@ -210,3 +212,10 @@ def test_an_optimizer_in_its_own_right_around_another_is_not_unwrapped():
     assert torch_optimizer(outer) is outer
     scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1)
     assert torch_scheduler(scheduler) is scheduler  # (a torch scheduler has `.optimizer`, never unwrapped)
+
+
+def _no_loss(accelerator, model, optimizer, lr_scheduler, batch):
+    with accelerator.accumulate(model):
+        accelerator.backward(model(batch).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
