@@ -66,7 +66,9 @@ class ForwardRecorder:
             batch)` does what the trainer does with one batch; replay runs it.
         sample_ids: a function that returns the sample ids of the batch the forward got (e.g.
             `track_ids(dataset).take`); None: no sample ids.
-        scheduler, scaler, batch_fn, config, **options: as for `ckptlab.Recorder`.
+        scheduler: an LR scheduler, or a function that returns it (called at the first step,
+            as `optimizer`); pass `step_scheduler=False` when the trainer steps it itself.
+        scaler, batch_fn, config, **options: as for `ckptlab.Recorder`.
     """
 
     def __init__(
@@ -92,9 +94,11 @@ class ForwardRecorder:
             return  # an evaluation, or a second forward within the step
         batch: Any = tuple(args) if not kwargs else dict(kwargs) if not args else {"args": args, "kwargs": kwargs}
         ids = self._ids(batch)
-        if self.rec is None:
-            optimizer = self._optimizer() if callable(self._optimizer) else self._optimizer
-            self.rec = Recorder(self.run_dir, self.model, optimizer, config=self._config, **self._fns, **self._kwargs)
+        if self.rec is None:  # the trainer has made its optimizer (and scheduler) by now
+            optimizer, kwargs = _made(self._optimizer), dict(self._kwargs)
+            if "scheduler" in kwargs:
+                kwargs["scheduler"] = _made(kwargs["scheduler"])
+            self.rec = Recorder(self.run_dir, self.model, optimizer, config=self._config, **self._fns, **kwargs)
         self.rec.begin_step(batch, ids)
 
     def _ids(self, batch):
@@ -140,6 +144,12 @@ class ForwardRecorder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exc)
+
+
+def _made(obj):
+    """`obj`, or what it returns when it is a function (torch optimizers and schedulers are not
+    callable)."""
+    return obj() if callable(obj) else obj
 
 
 def track_ids(dataset) -> FetchedIds:
