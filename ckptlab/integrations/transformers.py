@@ -55,6 +55,7 @@ from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.probe import accumulating
+from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 try:
     import transformers
@@ -170,10 +171,10 @@ class CkptlabCallback(TrainerCallback):
         self.rec = Recorder(
             self.run_dir,
             model,
-            _inner(optimizer),
+            torch_optimizer(optimizer),
             step_fn=training_step,
             build_fn=self.build_fn,
-            scheduler=_inner(lr_scheduler),
+            scheduler=torch_scheduler(lr_scheduler),
             scaler=self.trainer.accelerator.scaler,  # fp16 (on a GPU): the GradScaler accelerate made
             config=_common.with_trackers(self.config),  # "auto": the runs report_to= started
         )
@@ -282,7 +283,7 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     trainer.create_optimizer()
     trainer.model_wrapped, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
     trainer.create_scheduler(num_training_steps=steps, optimizer=trainer.optimizer)
-    optimizer, scaler = _inner(trainer.optimizer), trainer.accelerator.scaler
+    optimizer, scaler = torch_optimizer(trainer.optimizer), trainer.accelerator.scaler
     _common.register(optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
     built = (trainer.model, optimizer, trainer.lr_scheduler)
     return (*built, scaler) if scaler is not None else built
@@ -329,15 +330,6 @@ def training_step(model, optimizer, batch):
         scheduler.step()
     model.zero_grad()
     return total
-
-
-def _inner(obj):
-    """The torch optimizer / scheduler inside accelerate's wrappers (their state is the inner's)."""
-    for attr in ("optimizer", "scheduler"):
-        inner = getattr(obj, attr, None)
-        if type(obj).__module__.startswith("accelerate") and inner is not None:
-            return inner
-    return obj
 
 
 def _replay_limits(args) -> list[str]:

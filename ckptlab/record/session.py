@@ -37,6 +37,7 @@ from ckptlab.training import userfns
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
 from ckptlab.training.world import World
+from ckptlab.training.wrappers import torch_optimizer
 
 
 class Session:
@@ -184,7 +185,7 @@ class Session:
                 }
                 for n, p in params
             ],
-            param_groups=len(optimizer.param_groups),
+            param_groups=len(torch_optimizer(optimizer).param_groups) if optimizer is not None else 0,
             data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,

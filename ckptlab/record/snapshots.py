@@ -27,6 +27,7 @@ from ckptlab.run.writer import Retention, RunWriter
 from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
 from ckptlab.training.state import capture_train_state, snapshot
 from ckptlab.training.world import World
+from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 
 class Snapshots:
@@ -37,7 +38,9 @@ class Snapshots:
 
     def __init__(self, writer: RunWriter, world: World, config: RecordConfig, training: tuple, health: HealthLog):
         self.writer, self.world, self.config = writer, world, config
-        self.model, self.optimizer, self.scheduler, self.scaler = training
+        model, optimizer, scheduler, self.scaler = training
+        # (the torch objects inside a framework's wrappers: their hooks and state are the ones)
+        self.model, self.optimizer, self.scheduler = model, torch_optimizer(optimizer), torch_scheduler(scheduler)
         self.health = health
         self.run_dir: Path = writer.run_dir
         self.steps: list[int] = []

@@ -3,7 +3,8 @@
 A checkpoint at step k is the state in which step k starts:
 - the model's state dict (tied weights stored once, with an alias map; `_orig_mod.`/`module.`
   wrappers unwrapped so names match an uncompiled model),
-- optimizer, LR scheduler and grad scaler state,
+- optimizer, LR scheduler and grad scaler state (of the torch objects inside a framework's
+  wrappers: training/wrappers.py),
 - every RNG that changes bits (python `random`, numpy's global RNG, torch CPU and CUDA),
 - the execution settings that change bits (`env`): thread counts, deterministic-algorithm
   flags, cuDNN/TF32 switches, matmul precision, default dtype, CUBLAS_WORKSPACE_CONFIG.
@@ -27,6 +28,7 @@ from ckptlab.io.base import expand_aliases, split_tied
 from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.training.sharded import load_sharded, set_full
+from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -123,6 +125,7 @@ def _few(items: list[str], n: int = 3) -> str:
 
 def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any]:
     """Plain nested state (tensors still live: encode it with the codec, which copies)."""
+    optimizer, scheduler = torch_optimizer(optimizer), torch_scheduler(scheduler)
     state: dict[str, Any] = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -135,6 +138,7 @@ def capture_train_state(optimizer, scheduler=None, scaler=None) -> dict[str, Any
 
 def load_train_state(state: dict[str, Any], optimizer, scheduler=None, scaler=None) -> None:
     """Optimizer (when the state has one: a sharded run's goes through DCP), scheduler, scaler."""
+    optimizer, scheduler = torch_optimizer(optimizer), torch_scheduler(scheduler)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "scheduler" in state:
@@ -422,7 +426,7 @@ def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dic
         owned = {p.data_ptr() for p in unwrap(model).parameters()}
         owned |= {
             t.data_ptr()
-            for per_param in getattr(optimizer, "state", {}).values()
+            for per_param in getattr(torch_optimizer(optimizer), "state", {}).values()
             for t in per_param.values()
             if isinstance(t, torch.Tensor)
         }
@@ -437,7 +441,7 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
     (not the env). A whole-state snapshot of sharded (FSDP) training carries its optimizer
     state keyed by parameter name (`optimizer_fqn`) and goes in through DCP's state-dict API."""
     if "optimizer_fqn" in train_state:
-        set_full(model, optimizer, expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
+        set_full(model, torch_optimizer(optimizer), expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
         load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
     else:
         load_model(model, tensors, aliases)
@@ -464,7 +468,7 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, worl
     distributed sharded model, else whole (assembled from the shards) into any model."""
     state = ckpt.load_state(verify=False)
     if ckpt.sharded and world is not None and world.sharded and world.distributed:
-        load_sharded(ckpt.path, model, optimizer, state)
+        load_sharded(ckpt.path, model, torch_optimizer(optimizer), state)
         load_train_state({k: v for k, v in state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
         restore_rng(state["rng"])
     elif ckpt.sharded:

@@ -37,11 +37,15 @@ from ckptlab.errors import RecordError
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import PendingHealth, StepProbe
 from ckptlab.training.world import World
+from ckptlab.training.wrappers import torch_optimizer
 
 
 @dataclass
 class StepRunner:
-    """The live training objects (what `build_fn` returns) and the probe on them."""
+    """The live training objects (what `build_fn` returns) and the probe on them. The optimizer
+    may be given as a framework's wrapper (accelerate's, Lightning's): `step_fn` receives it as
+    given (`step_optimizer`), while `optimizer` is the torch optimizer inside it, the one whose
+    hooks, state and parameter groups the probe and replay use (training/wrappers.py)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -51,9 +55,11 @@ class StepRunner:
     world: World | None = None
     update_ratio: str = "sampled"  # how the probe measures ||dw|| (training/probe.py)
     probe: StepProbe = field(init=False)
+    step_optimizer: Any = field(init=False)  # the optimizer as given: what step_fn receives
     _extra: tuple = field(init=False, default=(None, None, {}))  # (step_fn, scaler, scaler_argument): once
 
     def __post_init__(self) -> None:
+        self.step_optimizer, self.optimizer = self.optimizer, torch_optimizer(self.optimizer)
         self.probe = StepProbe(self.model, self.optimizer, self.scaler, self.world, update_ratio=self.update_ratio)
 
     def begin(self, *, measure_update: bool) -> None:
@@ -101,7 +107,7 @@ class StepRunner:
         self.begin(measure_update=measure_update)
         try:
             with around if around is not None else contextlib.nullcontext():
-                loss = step_fn(self.model, self.optimizer, batch, **extra)
+                loss = step_fn(self.model, self.step_optimizer, batch, **extra)
         except BaseException:
             self.abort()
             raise
