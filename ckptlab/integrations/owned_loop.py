@@ -98,7 +98,16 @@ class ForwardRecorder:
             optimizer, kwargs = _made(self._optimizer), dict(self._kwargs)
             if "scheduler" in kwargs:
                 kwargs["scheduler"] = _made(kwargs["scheduler"])
-            self.rec = Recorder(self.run_dir, self.model, optimizer, config=self._config, **self._fns, **kwargs)
+            fns = self._fns
+            self.rec = Recorder(
+                self.run_dir,
+                self.model,
+                optimizer,
+                step_fn=fns["step_fn"],
+                build_fn=fns["build_fn"],
+                config=self._config,
+                **kwargs,
+            )
         self.rec.begin_step(batch, ids)
 
     def _ids(self, batch):
