@@ -21,6 +21,7 @@ from collections.abc import Callable
 from ckptlab.analysis.anomalies import IDLE_OPTIMIZER, detectors, idle_optimizer_text, step_anomalies
 from ckptlab.errors import NonFiniteLoss
 from ckptlab.record.config import RecordConfig
+from ckptlab.record.precursors import Precursors
 from ckptlab.run import framelog, records
 from ckptlab.run.reader import Progress
 from ckptlab.run.writer import RunWriter
@@ -45,8 +46,18 @@ class HealthLog:
     (rank 0), sent to the trackers (`live`) and judged for anomalies (`first_anomaly`: the
     run's first step with one, earlier sessions included)."""
 
-    def __init__(self, writer: RunWriter, world: World, config: RecordConfig, *, deferred: bool, live=None):
+    def __init__(
+        self,
+        writer: RunWriter,
+        world: World,
+        config: RecordConfig,
+        *,
+        deferred: bool,
+        live=None,
+        names: list[str] | None = None,
+    ):
         self.writer, self.world, self.config = writer, world, config
+        self._precursors = Precursors(names) if names is not None else None
         self.deferred, self.live = deferred, live
         self.run_dir = writer.run_dir
         if isinstance(config.on_anomaly, str):  # "warn": one warning a run, not a rank
@@ -102,6 +113,8 @@ class HealthLog:
     def _record(self, n: int, health: StepHealth, ckpt_wait: float, t: float) -> StepHealth:
         """Step n's health and anomalies, appended to the journal."""
         events = step_anomalies(health, self._spikes)
+        if self._precursors is not None:
+            self._precursors.add(n, health, events)
         if events and self.first_anomaly is None:
             self.first_anomaly = n
         scalars = {"step": n, "time": t, **health.scalars()}

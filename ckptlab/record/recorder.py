@@ -104,7 +104,9 @@ class Recorder:
             self.runner.probe.watch = WATCHED_STEPS  # an optimizer that does not train: health.py
             self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
             self.live = live_log(stores, str(self.run_dir), session.manifest) if world.is_main else None
-            self._health = HealthLog(self.writer, world, config, deferred=self.deferred, live=self.live)
+            self._health = HealthLog(
+                self.writer, world, config, deferred=self.deferred, live=self.live, names=self.runner.probe.names
+            )
             self._health.resume(session.progress)
             self._batches = BatchLog(self.writer, self.run_dir, batch_fn, config.batch_ref_bytes)
             self._snaps = Snapshots(self.writer, world, config, training, self._health)

@@ -114,7 +114,11 @@ def anomaly_points(events: list[dict]) -> dict:
 
 def alert_text(run_dir: str, step: int, events: list[dict]) -> str:
     """The one line that names what happened at `step` and the command that explains it."""
-    what = ", ".join(e.get("error") or e["kind"].replace("_", " ") for e in events)  # error: a step that raised
+    what = ", ".join(  # error: a step that raised; precursor_text: what stood out before a loss anomaly
+        (e.get("error") or e["kind"].replace("_", " "))
+        + (f" (after {e['precursor_text']})" if e.get("precursor_text") else "")
+        for e in events
+    )
     return f"step {step}: {what}; explain it with {replay_command(run_dir, step)}"
 
 

@@ -8,6 +8,7 @@ import pytest
 import ckptlab
 from ckptlab.analysis.health import HealthRules, curve_shape, diagnose, early_stopping
 from ckptlab.analysis.spikes import SpikeRule
+from ckptlab.trackers.points import alert_text
 from tests import act_models as am
 from tests import models
 
@@ -340,6 +341,12 @@ def test_a_precursor_some_steps_before_the_loss_spike_is_named(tmp_path, health_
         assert ("side.weight", "update", 37) in spikes
     assert all(s["step"] < 38 for s in f.evidence["spikes"])
     assert any("ckptlab replay --step 38 --from-step 20" in x for x in f.remedies)  # checkpoints 0, 20, 40
+    # The Recorder said so live, in the loss spike's event (and its alert).
+    spike = next(e for e in ckptlab.open_run(tmp_path / "gated").events() if e["kind"] == "loss_spike")
+    assert spike["step"] == 38 and spike["precursor"]["param"] == "side.weight" and spike["precursor"]["step"] == 37
+    assert alert_text("r", 38, [spike]).startswith(
+        "step 38: loss spike (after side.weight got its first non-zero gradient at step 37 (exactly 0 before))"
+    )
 
 
 def test_a_spike_caused_by_its_own_batch_has_no_precursor(reports):

@@ -75,10 +75,18 @@ def _series(m: Metrics) -> list[tuple[str, np.ndarray]]:
 def _spikes_before(m: Metrics, i: int, rules: HealthRules) -> list[dict]:
     """The spikes of any parameter's gradient norm or update in the window before row `i`,
     largest ratio first."""
+    return spikes_before(m.step, m.param_names, _series(m), i, rules)
+
+
+def spikes_before(
+    steps, names: list[str], series: list[tuple[str, np.ndarray]], i: int, rules: HealthRules
+) -> list[dict]:
+    """`_spikes_before` on plain arrays: `steps[rows]`, `series` as `_series` makes them
+    (the Recorder's live alert keeps the recent rows: record/health.py)."""
     lo = max(0, i - rules.precursor_window)
     base = max(0, lo - BASELINE)
     found = []
-    for what, values in _series(m):
+    for what, values in series:
         window = values[base:i]
         finite = np.where(np.isfinite(window), window, np.nan)
         enough = np.isfinite(finite).sum(0) >= MIN_BASELINE
@@ -102,9 +110,9 @@ def _spikes_before(m: Metrics, i: int, rules: HealthRules) -> list[dict]:
         for r, c in zip(*np.nonzero(hit | first)):
             found.append(
                 {
-                    "param": m.param_names[cols[c]],
+                    "param": names[cols[c]],
                     "what": "first non-zero gradient" if first[r, c] else what,
-                    "step": int(m.step[lo + r]),
+                    "step": int(steps[lo + r]),
                     "ratio": float("inf") if first[r, c] else float(ratio[r, c]),
                     "value": float(recent[r, c]),
                     "median": float(med[c]),
@@ -123,6 +131,14 @@ def _first_nonzero(values: np.ndarray) -> np.ndarray:
     return nonzero & (before == 0) & (zeros_before >= MIN_BASELINE)
 
 
+def describe(top: dict) -> str:
+    """'side.weight got its first non-zero gradient at step 37 (exactly 0 before)', or
+    "emb.weight's gradient spiked 4.1e+03x at step 37"."""
+    if top["what"] == "first non-zero gradient":
+        return f"{top['param']} got its first non-zero gradient at step {top['step']} (exactly 0 before)"
+    return f"{top['param']}'s {top['what']} spiked {top['ratio']:.3g}x at step {top['step']}"
+
+
 def _finding(m: Metrics, i: int, what: str, found: list[dict], checkpoints: list[int]) -> Finding:
     top, step = found[0], int(m.step[i])
     # A replay that runs the precursor's step starts at a checkpoint at or before it.
@@ -131,10 +147,7 @@ def _finding(m: Metrics, i: int, what: str, found: list[dict], checkpoints: list
     lead = step - top["step"]
     params = list(dict.fromkeys(f["param"] for f in found))
     when = f"{lead} step{'s' if lead != 1 else ''} before the loss {what} at step {step}"
-    if top["what"] == "first non-zero gradient":
-        title = f"{top['param']} got its first non-zero gradient at step {top['step']} (exactly 0 before), {when}"
-    else:
-        title = f"{top['param']}'s {top['what']} spiked {top['ratio']:.3g}x at step {top['step']}, {when}"
+    title = f"{describe(top)}, {when}"
     return Finding(
         kind="precursor",
         severity="warning",
