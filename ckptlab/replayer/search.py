@@ -144,6 +144,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
                     cause="data x batch",
                 ),
                 root.rec.batch,
+                n,
             )
     rows, minimal = ddmin(start, faults) if len(start) > 1 else (start, True)
     culprit = Culprit(rows, [root.sample_id(r) for r in rows], minimal)
@@ -152,13 +153,13 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     _transplant(root, culprit, budget)
     culprit.cause = _cause(culprit, root.older_fault)
     culprit.detail = _culprit_detail(culprit, root)
-    return _localize(culprit, root.rec.batch)
+    return _localize(culprit, root.rec.batch, n)
 
 
-def _localize(found, batch):
-    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
-    them), as SampleBlame says them; unchanged for a plain batch."""
-    where = [micro_row(batch, r) for r in found.rows]
+def _localize(found, batch, n):
+    """Rows counted across an accumulated step's micro-batches (of `n` rows) -> (micro_batches,
+    rows within them), as SampleBlame says them; unchanged for a plain batch."""
+    where = [micro_row(batch, r, n) for r in found.rows]
     if where and all(w is not None for w in where):
         found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
     return found
@@ -234,7 +235,7 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
     the same rows, and run it from the root step's state: does the fault follow the rows?"""
     run, n = root.inv.run, root.rows
     m = root.inv.metrics
-    if micro_rows(root.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
+    if micro_rows(root.rec.batch, n) is not None:  # recorded micro-batches: not transplanted (yet)
         return
     recorded_faults = {int(e["step"]) for e in run.events()}
     for s in sorted((s for s in run.steps if s < root.root), reverse=True)[:8]:
@@ -263,8 +264,8 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
         return
 
 
-def _where(batch, row: int) -> str:
-    w = micro_row(batch, row)
+def _where(batch, row: int, n: int | None) -> str:
+    w = micro_row(batch, row, n)
     return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
 
 
@@ -279,7 +280,7 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
 
 
 def _culprit_detail(c: Culprit, root: RootStep) -> str:
-    rows = ", ".join(f"{_where(root.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    rows = ", ".join(f"{_where(root.rec.batch, r, root.rows)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"
@@ -324,8 +325,8 @@ def earlier_cause(root: RootStep, budget: Budget) -> EarlierCause | None:
         ids = rec.sample_ids
         found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = found.rows and len(found.rows) < (n or 0)
-    who = ", ".join(f"{_where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
-    _localize(found, rec.batch)
+    who = ", ".join(f"{_where(rec.batch, x, n)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
+    _localize(found, rec.batch, n)
     found.detail = (
         f"without {who} of step {step}" if partial else f"without step {step}"
     ) + f", step {fault_step} does not fault"
