@@ -87,3 +87,22 @@ def test_an_inf_made_finite_again_is_no_origin_but_one_that_reaches_the_loss_is(
     assert math.isinf(loss.item())
     assert [c.op for c in tr.candidates] == ["aten.addmm.default", "aten.log.default"]
     assert tr.origin is not None and tr.origin.op == "aten.log.default" and tr.origin.bad_rows == {0: 1}
+
+
+class Preallocated(nn.Module):
+    """Writes each position's result into a preallocated tensor (an RNN loop's `out[:, t] = h`)."""
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[1]):
+            out[:, t] = torch.exp(x[:, t])  # exp(100) overflows float32
+        return torch.log(out.sum(dim=1)) - out.sum(dim=1)  # inf - inf = NaN in the overflowed row
+
+
+def test_values_written_into_a_preallocated_tensor_keep_their_origin():
+    x = torch.zeros(3, 4)
+    x[1, 2] = 100.0
+    with Tracer(Preallocated(), rows=3) as tr:
+        Preallocated()(x)
+    assert tr.nan_events and tr.origin is not None
+    assert tr.origin.op == "aten.exp.default" and tr.origin.bad_rows == {1: 1}

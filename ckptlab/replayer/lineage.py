@@ -25,8 +25,26 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Ops that read only their input's shape and dtype: their finite output absorbs nothing.
-VALUE_BLIND = tuple(f"aten.{k}" for k in ("ones_like", "zeros_like", "empty_like", "full_like", "rand", "new_"))
+# Ops that read only their input's shape and dtype, or pick some of its elements: their finite
+# output absorbs nothing (the non-finite elements they did not pick are still there). Views
+# (`select`, `slice`, ...) are found by their storage.
+VALUE_BLIND = tuple(
+    f"aten.{k}"
+    for k in (
+        "ones_like",
+        "zeros_like",
+        "empty_like",
+        "full_like",
+        "rand",
+        "new_",
+        "index.",
+        "index_select",
+        "gather",
+        "masked_select",
+        "take",
+        "embedding.",
+    )
+)
 ALL = -1  # the key of a tensor's roots when it has no batch rows
 Roots = dict[int, frozenset[int]]  # batch row (or ALL) -> indices of the candidate events
 
@@ -59,6 +77,12 @@ def row_counts(bad: torch.Tensor, n: int | None) -> torch.Tensor | None:
     return None
 
 
+def writes(op: str) -> bool:
+    """Whether the aten op writes into a tensor it was given (`copy_`, `add_`, an `.out`)."""
+    parts = op.split(".")
+    return len(parts) > 1 and (parts[1].endswith("_") or parts[-1] == "out")
+
+
 def bad_rows(t: torch.Tensor, rows: tuple[int, int | None]) -> set[int] | None:
     """The batch rows (`rows`: the first row and count of the rows the op works on) holding a
     non-finite element of `t`; None when `t` has no batch rows."""
@@ -74,25 +98,31 @@ class Lineage:
     """The roots of every live non-finite tensor of a traced step, and the absorbed roots."""
 
     def __init__(self) -> None:
-        self._roots = WeakIdKeyDictionary()  # tensor -> (version, Roots)
+        # tensor -> Roots. No version check: every op that writes into a tensor is traced and
+        # sets it anew (and its version is bumped only after the op returns to us).
+        self._roots = WeakIdKeyDictionary()
         self.absorbed: set[int] = set()
 
     def roots_of(self, t: torch.Tensor) -> Roots:
         """A non-finite tensor's roots; empty for one no traced op made (the batch, a weight)."""
         try:
-            hit = self._roots.get(t)
-            return hit[1] if hit is not None and hit[0] == t._version else {}
-        except (TypeError, RuntimeError):
+            return self._roots.get(t) or {}
+        except TypeError:
             return {}
 
     def _keep(self, t: torch.Tensor, roots: Roots) -> None:
         try:
             if roots:
-                self._roots[t] = (t._version, roots)
+                self._roots[t] = roots
             else:
                 self._roots.pop(t, None)
-        except (TypeError, RuntimeError):  # tensors without weakref/version support
+        except TypeError:  # tensors without weakref support
             pass
+
+    def _into_base(self, base: torch.Tensor, roots: frozenset[int]) -> None:
+        """A view of `base` was written in place: `base` holds `roots` now too."""
+        old = self.roots_of(base)
+        self._keep(base, {ALL: frozenset().union(*old.values()) | roots})
 
     def alias(self, out, inp) -> None:
         """`out` holds `inp`'s values (an untraced `detach`): the same roots."""
@@ -127,14 +157,24 @@ class Lineage:
             roots = {k: own.union(*(_at(r, k) for r in bad_in)) for k in keys}
             self._keep(t, {k: v for k, v in roots.items() if v})
             ev.roots = ev.roots.union(*roots.values())
+            if t._base is not None and writes(ev.op):
+                self._into_base(t._base, ev.roots)  # `out[:, i] = h`: the written tensor holds them
         if not floats or out_rows is None or ev.phase != "forward" or ev.op.startswith(VALUE_BLIND):
             return  # (a backward op's finite gradient says nothing of the forward values it saw)
         written = {id(t) for t in outputs}
-        for t, r in before:  # rows non-finite in, finite out: absorbed (not when overwritten)
-            if id(t) not in written:
+        viewed = {_storage(t) for t in outputs} - {None}
+        for t, r in before:  # rows non-finite in, finite out: absorbed (not when overwritten or viewed)
+            if id(t) not in written and _storage(t) not in viewed:
                 for k, v in r.items():
                     if k not in out_rows and (k != ALL or not out_rows):
                         self.absorbed |= v
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, DTensor, ...)
+        return None
 
 
 def _at(roots: Roots, key: int) -> frozenset[int]:
@@ -147,12 +187,13 @@ def _at(roots: Roots, key: int) -> frozenset[int]:
 def pick_origin(events: list, first_nans: list[int], candidates: list, absorbed: set[int]):
     """The origin event (see the module docstring), or None: the first NaN with a root not
     absorbed names its first such root (a NaN whose every root was absorbed was guarded: the
-    next one is looked at; a NaN with no root came from outside the traced ops, the batch or
-    the weights: no op is the origin); with no such NaN, the first candidate not absorbed."""
+    next one is looked at); with no such NaN, or when the first NaN has no root (it came from
+    the batch or the weights, or by a way the lineage does not follow), the first candidate
+    not absorbed."""
     for i in first_nans:
         roots = events[i].roots
         if not roots:
-            return None
+            break  # (or reached it by a way not followed: the first candidate not absorbed, below)
         live = roots - absorbed
         if live:
             return events[min(live)]

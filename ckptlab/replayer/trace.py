@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
-from ckptlab.replayer.lineage import Lineage, pick_origin, row_counts
+from ckptlab.replayer.lineage import Lineage, pick_origin, row_counts, writes
 from ckptlab.training.crash import TORCH_DIR, ours
 from ckptlab.training.world import local
 
@@ -525,7 +525,8 @@ class Tracer:
             module=module,
             source=source,
             inputs=inputs,
-            outputs=[self.summary(t) for t in outs],
+            # (an in-place op's output: its version is bumped only after this returns)
+            outputs=[summarize(t) if writes(name) else self.summary(t) for t in outs],
             scalar_nonfinite=any(isinstance(a, float) and not math.isfinite(a) for a in flat_in),
         )
         in_nan = any(s.nan for s in inputs)
