@@ -63,18 +63,28 @@ def rows_of(shape: tuple[int, ...], index: list[int], rows: int | None) -> int |
     return None
 
 
+def _layout(shape: tuple[int, ...], n: int | None) -> int | None:
+    """The dimension holding a tensor's batch rows for the layouts rows_of maps: 0 for (B, ...)
+    and (B*k, ...), 1 for (T, B, ...); None when it has no batch rows."""
+    if not n or not shape:
+        return None
+    if shape[0] == n or (shape[0] > n and shape[0] % n == 0):
+        return 0
+    return 1 if len(shape) > 1 and shape[1] == n else None
+
+
+def _by_row(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` as (n, -1), its batch rows first (`_layout` is not None)."""
+    return (x if _layout(tuple(x.shape), n) == 0 else x.transpose(0, 1)).reshape(n, -1)
+
+
 def row_counts(bad: torch.Tensor, n: int | None) -> torch.Tensor | None:
     """Per batch row, how many elements of the boolean tensor `bad` are set, for the layouts
     rows_of maps: (B, ...), (B*k, ...) batch-major, (T, B, ...) sequence-first. None when
     the tensor has no such rows."""
-    shape = tuple(bad.shape)
-    if not n or not shape:
+    if _layout(tuple(bad.shape), n) is None:
         return None
-    if shape[0] == n or (shape[0] > n and shape[0] % n == 0):
-        return bad.reshape(n, -1).sum(1)
-    if len(shape) > 1 and shape[1] == n:
-        return bad.transpose(0, 1).reshape(n, -1).sum(1)
-    return None
+    return _by_row(bad, n or 0).sum(1)
 
 
 def writes(op: str) -> bool:
@@ -83,15 +93,17 @@ def writes(op: str) -> bool:
     return len(parts) > 1 and (parts[1].endswith("_") or parts[-1] == "out")
 
 
-def bad_rows(t: torch.Tensor, rows: tuple[int, int | None]) -> set[int] | None:
+def bad_rows(t: torch.Tensor, rows: tuple[int, int | None], every: bool = False) -> set[int] | None:
     """The batch rows (`rows`: the first row and count of the rows the op works on) holding a
-    non-finite element of `t`; None when `t` has no batch rows."""
+    non-finite element of `t` (`every`: all its elements are); None when `t` has no batch rows."""
     first, n = rows
-    with torch.no_grad():
-        counts = row_counts(~torch.isfinite(t), n)
-    if counts is None:
+    if n is None or _layout(tuple(t.shape), n) is None:
         return None
-    return {first + r for r in counts.nonzero().flatten().tolist()}
+    if every:
+        return set(range(first, first + n))
+    with torch.no_grad():
+        flags = _by_row(~torch.isfinite(t), n).any(1)
+    return {first + r for r in flags.nonzero().flatten().tolist()}
 
 
 class Lineage:
@@ -144,11 +156,15 @@ class Lineage:
         floats = [(t, s) for t, s in zip(outputs, ev.outputs) if t.is_floating_point()]
         out_rows: set[int] | None = set()
         ev.roots = own
+        if not own and not any(bad_in):  # nothing to carry (non-finite values from outside)
+            for t, _ in floats:
+                self._keep(t, {})
+            return
         for t, s in floats:
             if s.finite:
                 self._keep(t, {})
                 continue
-            where = bad_rows(t, rows)
+            where = bad_rows(t, rows, every=s.nan + s.posinf + s.neginf == t.numel())
             if where is None or out_rows is None:
                 out_rows = None
             else:
