@@ -87,3 +87,10 @@ def test_the_trace_maps_each_micro_batch_to_its_rows():
             ((model(tokens) - y) ** 2).mean().backward()
     assert tr.micro_batches == 2
     assert tr.origin is not None and tr.origin.op == "aten.pow.Tensor_Scalar" and tr.origin.bad_rows == {6: 1}
+
+
+def test_dirty_finds_the_sample_across_the_micro_batches(nan_run, cli):
+    r = cli("dirty", "--run", nan_run, "--json", "--no-attribute")
+    assert r.code == 0, r.err
+    top = r.json()["flagged"][0]
+    assert (top["step"], top["row"], top["sample_id"], top["reason"]) == (ml.BAD_STEP, 6, ml.BAD_SAMPLE, "nonfinite")
