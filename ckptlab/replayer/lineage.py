@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ckptlab.training.world import local
+
 # Ops that read only their input's shape and dtype, or pick some of its elements: their finite
 # output absorbs nothing (the non-finite elements they did not pick are still there). Views
 # (`select`, `slice`, ...) are found by their storage.
@@ -97,6 +99,7 @@ def bad_rows(t: torch.Tensor, rows: tuple[int, int | None], every: bool = False)
     """The batch rows (`rows`: the first row and count of the rows the op works on) holding a
     non-finite element of `t` (`every`: all its elements are); None when `t` has no batch rows."""
     first, n = rows
+    t = local(t)  # a DTensor: this process's shard
     if n is None or _layout(tuple(t.shape), n) is None:
         return None
     if every:
@@ -188,7 +191,7 @@ class Lineage:
 
 def _storage(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage().data_ptr()
+        return local(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage (meta, DTensor, ...)
         return None
 

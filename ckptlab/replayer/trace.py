@@ -554,7 +554,7 @@ class Tracer:
 
     def _op_rows(self, ev: OpEvent) -> tuple[int, int | None]:
         """(first row, row count) of the rows an op works on: the running micro-batch's, else
-        the batch's (an update's ops work on no rows)."""
+        (an update's op too) the batch's."""
         micro = self.micro if ev.phase != "optimizer" else None
         return micro if micro is not None else (0, self.rows)
 
@@ -566,7 +566,7 @@ class Tracer:
             if s.finite or not t.is_floating_point():
                 continue
             with torch.no_grad():
-                bad = ~torch.isfinite(t)
+                bad = ~torch.isfinite(local(t))  # (a DTensor: this process's shard)
                 counts = row_counts(bad, n)
                 if counts is None and n == 1 and self.micro is not None and ev.phase != "optimizer":
                     counts = bad.sum().reshape(1)  # a one-row micro-batch: what it computes (its loss) is that row's
