@@ -3,7 +3,8 @@
 import torch
 import torch.nn as nn
 
-from ckptlab.replayer.trace import Tracer, batch_slice, rows_of, summarize
+from ckptlab.replayer.lineage import rows_of
+from ckptlab.replayer.trace import Tracer, batch_slice, summarize
 
 
 class Masked(nn.Module):

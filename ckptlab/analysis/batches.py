@@ -7,9 +7,12 @@ dirty, report and replay's blame share.
     vocab = embedding_tables(run.manifest)          # rows of each embedding-like table
 
 A step with gradient accumulation is recorded as its micro-batches together,
-`{"micro_batches": [mb0, mb1, ...], "micro_rows": [rows of mb0, ...], ...}`, its rows (and
-sample ids) numbered across the micro-batches in order: `row_groups` and `micro_row` map
-between the two, and `batch_rows` / `select_rows` count and select across them.
+`{"micro_batches": [mb0, mb1, ...], "micro_rows": [rows of mb0, ...], ...}`, or is a plain
+list of them that `step_fn` loops over, `[(x0, y0), (x1, y1), ...]`; either way its rows (and
+sample ids) are numbered across the micro-batches in order: `row_groups` and `micro_row` map
+between the two, and `batch_rows` / `select_rows` count and select across them. A plain list
+is read so only when the step's row count (its sample ids) says so (`micro_list`): an ordinary
+`(x, y)` batch is never taken for two micro-batches.
 """
 
 from __future__ import annotations
@@ -85,10 +88,11 @@ def python_leaves(obj, path: str = "") -> Iterator[tuple[str, Any]]:
 MICRO_BATCHES, MICRO_ROWS = "micro_batches", "micro_rows"
 
 
-def micro_rows(batch) -> list[int] | None:
-    """The row count of each micro-batch, when `batch` records an accumulated step."""
+def micro_rows(batch, n: int | None = None) -> list[int] | None:
+    """The row count of each micro-batch, when `batch` records an accumulated step: the dict
+    form, or (given the step's `n` rows) a plain list of micro-batches (`micro_list`)."""
     if not isinstance(batch, dict):
-        return None
+        return micro_list(batch, n)
     parts, sizes = batch.get(MICRO_BATCHES), batch.get(MICRO_ROWS)
     if not isinstance(parts, list) or not isinstance(sizes, list) or len(parts) != len(sizes):
         return None
@@ -102,16 +106,22 @@ def row_groups(batch, rows: int | None) -> list[tuple[int, Any, int | None]]: ..
 def row_groups(batch, rows):
     """(first row, the part of the batch that holds its rows, row count): one per micro-batch
     of an accumulated step (each counted), else the batch itself (`rows` rows)."""
-    sizes = micro_rows(batch)
+    sizes = micro_rows(batch, rows)
     if sizes is None:
         return [(0, batch, rows)]
     firsts = np.cumsum([0, *sizes[:-1]]).tolist()
-    return list(zip(firsts, batch[MICRO_BATCHES], sizes))
+    return list(zip(firsts, _parts(batch), sizes))
 
 
-def micro_row(batch, row: int) -> tuple[int, int] | None:
-    """(micro-batch, row within it) of a row of an accumulated step's batch; None otherwise."""
-    sizes = micro_rows(batch)
+def _parts(batch) -> list:
+    """An accumulated step's micro-batches (of either form)."""
+    return batch[MICRO_BATCHES] if isinstance(batch, dict) else list(batch)
+
+
+def micro_row(batch, row: int, n: int | None = None) -> tuple[int, int] | None:
+    """(micro-batch, row within it) of a row of an accumulated step's batch (of `n` rows: a
+    plain list of micro-batches is one only given `n`); None otherwise."""
+    sizes = micro_rows(batch, n)
     if sizes is None:
         return None
     for m, n in enumerate(sizes):
@@ -138,7 +148,7 @@ def batch_rows(batch, ids) -> int | None:
 def select_rows(obj, rows: list[int], n: int):
     """The batch restricted to `rows` (every leaf whose first dimension is the batch's; in an
     accumulated step's batch, the micro-batches that keep a row, each restricted to its rows)."""
-    sizes = micro_rows(obj)
+    sizes = micro_rows(obj, n)
     if sizes is not None and sum(sizes) == n:
         parts, kept = [], []
         for first, part, k in row_groups(obj, n):
@@ -146,7 +156,7 @@ def select_rows(obj, rows: list[int], n: int):
             if mine:
                 parts.append(select_rows(part, mine, k))
                 kept.append(len(mine))
-        return {**obj, MICRO_BATCHES: parts, MICRO_ROWS: kept}
+        return {**obj, MICRO_BATCHES: parts, MICRO_ROWS: kept} if isinstance(obj, dict) else type(obj)(parts)
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         dim = row_dim(obj.shape, n)
         if dim is None:
@@ -161,6 +171,37 @@ def select_rows(obj, rows: list[int], n: int):
             return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
         return type(obj)(select_rows(v, rows, n) for v in obj)
     return obj
+
+
+def micro_list(batch, n: int | None) -> list[int] | None:
+    """The row count of each micro-batch when `batch`, a plain list or tuple, is the micro-
+    batches of a step of `n` rows (its sample ids numbered across them in order): two or more
+    parts built alike, whose rows (each its most common leading dimension) add up to `n`, and
+    no leaf of which has the `n` rows itself (read as one batch, it would not fit). Bare
+    tensors whose dimension 1 is `n` are a sequence-first `(T, n)` batch instead. None when
+    it is not so."""
+    if not n or not isinstance(batch, (list, tuple)) or hasattr(type(batch), "_fields") or len(batch) < 2:
+        return None
+    arrays = [leaf for _, leaf in python_leaves(batch) if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim]
+    if not arrays or any(a.shape[0] == n for a in arrays) or len({_built(p) for p in batch}) != 1:
+        return None
+    if all(isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim > 1 and p.shape[1] == n for p in batch):
+        return None
+    sizes = [k for k in (batch_rows(p, None) for p in batch) if k is not None]
+    return sizes if len(sizes) == len(batch) and sum(sizes) == n else None
+
+
+def _built(obj) -> tuple:
+    """How a batch is built, sizes aside: its nesting, field names, and array dtypes and ranks."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return ("array", str(obj.dtype), obj.ndim)
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, _built(v)) for k, v in obj.items()))
+    if _is_row_list(obj):
+        return ("values",)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_built(v) for v in obj))
+    return (type(obj).__name__,)
 
 
 def row_dim(shape, n: int) -> int | None:

@@ -104,7 +104,7 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict) -> None:
             samples.setdefault(r, SampleBlame(r, root.sample_id(r), why, batch_row=r))
     alone = _rows_raising_alone(root, rep, crash, samples)
     for sb in samples.values():  # an accumulated step: the row within its micro-batch
-        where = micro_row(root.rec.batch, sb.row)
+        where = micro_row(root.rec.batch, sb.row, root.rows)
         if where is not None:
             sb.batch_row, (sb.micro_batch, sb.row) = sb.row, where
     # (samples is keyed by each blamed row's batch row)

@@ -203,7 +203,7 @@ def _ranked(
         if r in samples:
             samples[r].loss, samples[r].grad_norm = row_h.loss, row_h.grad_norm
     for s in samples.values():  # an accumulated step: the row within its micro-batch
-        where = micro_row(root.rec.batch, s.row)
+        where = micro_row(root.rec.batch, s.row, root.rows)
         if where is not None:
             s.batch_row, (s.micro_batch, s.row) = s.row, where
 

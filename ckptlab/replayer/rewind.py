@@ -213,8 +213,8 @@ def _name_step(root: RootStep, budget, found: EarlierCause, faults, step: int) -
         ids = rec.sample_ids
         found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = found.rows and len(found.rows) < (n or 0)
-    who = ", ".join(f"{where(rec.batch, x)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
-    localize(found, rec.batch)
+    who = ", ".join(f"{where(rec.batch, x, n)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
+    localize(found, rec.batch, n)
     if budget.take("rewind"):
         found.effect = step_effect(root, found.start if found.start is not None else root.start, step)
     found.detail = (

@@ -88,6 +88,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
                     cause="data x batch",
                 ),
                 root.rec.batch,
+                n,
             )
     rows, minimal = ddmin(start, faults) if len(start) > 1 else (start, True)
     culprit = Culprit(rows, [root.sample_id(r) for r in rows], minimal)
@@ -96,7 +97,7 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     _transplant(root, culprit, budget)
     culprit.cause = _cause(culprit, root.older_fault)
     culprit.detail = _culprit_detail(culprit, root)
-    return localize(culprit, root.rec.batch)
+    return localize(culprit, root.rec.batch, n)
 
 
 def _batch_row(s) -> int:
@@ -169,7 +170,7 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
     the same rows, and run it from the root step's state: does the fault follow the rows?"""
     run, n = root.inv.run, root.rows
     m = root.inv.metrics
-    if micro_rows(root.rec.batch) is not None:  # recorded micro-batches: not transplanted (yet)
+    if micro_rows(root.rec.batch, n) is not None:  # recorded micro-batches: not transplanted (yet)
         return
     recorded_faults = {int(e["step"]) for e in run.events()}
     for s in sorted((s for s in run.steps if s < root.root), reverse=True)[:8]:
@@ -209,7 +210,7 @@ def _cause(c: Culprit, older_fault: bool | None) -> str | None:
 
 
 def _culprit_detail(c: Culprit, root: RootStep) -> str:
-    rows = ", ".join(f"{where(root.rec.batch, r)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
+    rows = ", ".join(f"{where(root.rec.batch, r, root.rows)} (sample {i})" for r, i in zip(c.rows, c.sample_ids))
     out = f"{rows} alone still faults"
     if c.positions:
         out += f"; it needs position(s) {ranges(c.positions)} of {', '.join(f'batch{f}' for f in c.fields)}"

@@ -55,17 +55,20 @@ def negate(x: bool | None) -> bool | None:
     return None if x is None else not x
 
 
-def where(batch, row: int) -> str:
-    w = micro_row(batch, row)
+def where(batch, row: int, n: int | None = None) -> str:
+    """'row 5', or 'micro-batch 1 row 2' for a row counted across a step's micro-batches (of
+    `n` rows in all: a plain list of micro-batches is told apart by it)."""
+    w = micro_row(batch, row, n)
     return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
 
 
-def localize(found, batch):
-    """Rows counted across an accumulated step's micro-batches -> (micro_batches, rows within
-    them), as SampleBlame says them; unchanged for a plain batch."""
-    where = [micro_row(batch, r) for r in found.rows]
-    if where and all(w is not None for w in where):
-        found.micro_batches, found.rows = [w[0] for w in where], [w[1] for w in where]
+def localize(found, batch, n: int | None = None):
+    """Rows counted across an accumulated step's micro-batches (of `n` rows) -> (micro_batches,
+    rows within them), as SampleBlame says them; unchanged for a plain batch."""
+    places = [micro_row(batch, r, n) for r in found.rows]
+    known = [w for w in places if w is not None]
+    if known and len(known) == len(places):
+        found.micro_batches, found.rows = [w[0] for w in known], [w[1] for w in known]
     return found
 
 

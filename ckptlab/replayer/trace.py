@@ -2,7 +2,7 @@
 
     with Tracer(model, optimizer, rows=16) as tracer:
         loss = step_fn(model, optimizer, batch)
-    tracer.origin          # the first op that produced a non-finite value from clean inputs
+    tracer.origin          # the op that produced the fault's first non-finite values from clean inputs
     tracer.events          # every op: phase, aten name, module path, user source line, input
                            # and output summaries (shape, dtype, NaN/Inf counts, abs max)
 
@@ -27,10 +27,13 @@ How an op is placed:
 The origin rule. An op is an origin candidate when it
   - outputs NaN while none of its tensor inputs holds a NaN, or
   - outputs +-Inf while all of its inputs (tensors and scalars) are finite.
-So `masked_fill(mask, -inf)` (an Inf scalar in, on purpose) is not an origin, but a softmax
+So `masked_fill(mask, -inf)` (an Inf scalar in, on purpose) is not a candidate, but a softmax
 over a fully masked row (-inf in, NaN out) is; an overflowing matmul (finite in, Inf out) is,
 and so is a float16 cast of a value above 65504. Uninitialized outputs (`empty*`) are ignored.
-The first candidate in execution order is the origin.
+The origin is the first candidate whose non-finite values reach the first NaN (lineage.py
+follows them op by op, per batch row): a candidate whose values some op makes finite again
+(a causal mask `log(tril(ones))` softmaxed to 0) made them harmlessly and is passed over; with
+no NaN, the first candidate whose values are never made finite again.
 
 Reduced precision. A candidate that computed in float16 or bfloat16 (under autocast, or in a
 half module) is run once more on the same inputs cast to float32: `fp32_finite` says whether
@@ -58,6 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
+from ckptlab.replayer.lineage import Lineage, pick_origin, row_counts, writes
 from ckptlab.training.crash import TORCH_DIR, ours
 from ckptlab.training.world import local
 
@@ -65,6 +69,7 @@ _STAMP = "ckptlab"
 # Ops whose output is uninitialized memory (may hold NaN bit patterns) or only a view.
 _IGNORE_PREFIXES = ("aten.empty", "aten.new_empty", "aten.empty_like", "aten.empty_strided")
 REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_LOCATED = 64  # candidates whose rows (and float32 re-run) are worked out
 
 
 def _metadata(node: Node) -> dict:
@@ -125,6 +130,7 @@ class OpEvent:
     new_nan: bool = False
     new_inf: bool = False
     bad_rows: dict[int, int] | None = None  # batch row -> non-finite output elements
+    roots: frozenset[int] = frozenset()  # the candidates whose non-finite values it outputs (lineage.py)
     fp32_finite: bool | None = None  # reduced-precision candidate: the op is finite in float32
 
     @property
@@ -228,20 +234,6 @@ def copied_rows(inputs: list, batch_leaves: list[torch.Tensor], rows: int | None
     return None
 
 
-def rows_of(shape: tuple[int, ...], index: list[int], rows: int | None) -> int | None:
-    """Map an element index to a batch row, for the common layouts: (B, ...), (B*k, ...)
-    (flattened tokens, batch-major heads) and (T, B, ...) (sequence-first)."""
-    if not rows or not shape:
-        return None
-    if shape[0] == rows:
-        return index[0]
-    if shape[0] > rows and shape[0] % rows == 0:
-        return index[0] // (shape[0] // rows)
-    if len(shape) > 1 and shape[1] == rows:
-        return index[1]
-    return None
-
-
 class _FunctionMode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
@@ -276,11 +268,14 @@ class _DispatchMode(TorchDispatchMode):
         record = not (tr.paused or name.startswith(_IGNORE_PREFIXES) or name == "aten.detach.default")
         flat_in = tree_flatten((args, kwargs))[0] if record else []
         inputs = [tr.summary(a) for a in flat_in if isinstance(a, torch.Tensor)] if record else []
+        before = tr.lineage.before(flat_in, inputs) if record else []
         if record and tr.watch is not None:
             tr.watch.before_op(len(tr.events), name, flat_in)
         out = func(*args, **kwargs)
+        if name == "aten.detach.default" and not tr.paused and args:
+            tr.lineage.alias(out, args[0])  # not an op of the step, but its values go on
         if record:
-            ev = tr._record(name, flat_in, inputs, out, rerun=lambda: finite_in_float32(func, args, kwargs))
+            ev = tr._record(name, flat_in, inputs, out, before, rerun=lambda: finite_in_float32(func, args, kwargs))
             if ev is not None and tr.watch is not None:
                 tr.watch.after_op(ev, flat_in, out)
         return out
@@ -341,8 +336,9 @@ class Tracer:
         self.watch = watch
         self.paused = False  # while True, nothing is traced (a watcher's own copies)
         self.events: list[OpEvent] = []
-        self.origin: OpEvent | None = None
-        self.candidates: list[OpEvent] = []
+        self.candidates: list[OpEvent] = []  # the origin rule's candidates, in order
+        self.nan_events: list[int] = []  # indices of the events that output NaN, in order
+        self.lineage = Lineage()
         self.truncated = False
         self._names = {id(m): n for n, m in self.model.named_modules()}
         self._stack: list[str] = []
@@ -503,7 +499,9 @@ class Tracer:
             return "optimizer"
         return "forward"
 
-    def _record(self, name: str, flat_in: list, inputs: list[TensorSummary], out, rerun=None) -> OpEvent | None:
+    def _record(
+        self, name: str, flat_in: list, inputs: list[TensorSummary], out, before: list, rerun=None
+    ) -> OpEvent | None:
         if len(self.events) >= self.max_events:
             self.truncated = True
             return None
@@ -527,7 +525,8 @@ class Tracer:
             module=module,
             source=source,
             inputs=inputs,
-            outputs=[self.summary(t) for t in outs],
+            # (an in-place op's output: its version is bumped only after this returns)
+            outputs=[summarize(t) if writes(name) else self.summary(t) for t in outs],
             scalar_nonfinite=any(isinstance(a, float) and not math.isfinite(a) for a in flat_in),
         )
         in_nan = any(s.nan for s in inputs)
@@ -535,46 +534,61 @@ class Tracer:
         ev.new_nan = not in_nan and any(s.nan for s in ev.outputs)
         ev.new_inf = not in_nonfinite and any(s.posinf or s.neginf for s in ev.outputs)
         self.events.append(ev)
-        if ev.is_origin_candidate and len(self.candidates) < 8:
-            self._locate(ev, outs)
-            if rerun is not None and any(t.dtype in REDUCED_DTYPES for t in outs):
-                ev.fp32_finite = rerun()
+        if before or not ev.output_finite:
+            self.lineage.op(ev, before, outs, self._op_rows(ev))
+        if any(s.nan for s in ev.outputs):
+            self.nan_events.append(ev.index)
+        if ev.is_origin_candidate:
+            if len(self.candidates) < MAX_LOCATED:
+                self._locate(ev, outs)
+                if rerun is not None and any(t.dtype in REDUCED_DTYPES for t in outs):
+                    ev.fp32_finite = rerun()
             self.candidates.append(ev)
-            if self.origin is None:
-                self.origin = ev
         return ev
 
-    def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
-        """Element indices of the new non-finite values, mapped to batch rows (in a micro-batch:
-        to the rows of the micro-batch, then to the batch's)."""
+    @property
+    def origin(self) -> OpEvent | None:
+        """The op that started the fault: the first whose non-finite values reach the first NaN
+        (or, with no NaN, are never made finite again); see lineage.py."""
+        return pick_origin(self.events, self.nan_events, self.candidates, self.lineage.absorbed)
+
+    def _op_rows(self, ev: OpEvent) -> tuple[int, int | None]:
+        """(first row, row count) of the rows an op works on: the running micro-batch's, else
+        (an update's op too) the batch's."""
         micro = self.micro if ev.phase != "optimizer" else None
-        first, n = micro if micro is not None else (0, self.rows)
+        return micro if micro is not None else (0, self.rows)
+
+    def _locate(self, ev: OpEvent, outs: list[torch.Tensor]) -> None:
+        """The new non-finite values of its first non-finite output, counted by batch row (in a
+        micro-batch: the rows of the micro-batch, then the batch's)."""
+        first, n = self._op_rows(ev)
         for t, s in zip(outs, ev.outputs):
             if s.finite or not t.is_floating_point():
                 continue
             with torch.no_grad():
-                bad = (~torch.isfinite(t)).nonzero()
-            if not len(bad):
-                continue
-            rows: dict[int, int] = {}
-            for idx in bad[:100_000].tolist():
-                r = rows_of(tuple(t.shape), idx, n)
-                if r is None and n == 1 and micro is not None:
-                    r = 0  # a one-row micro-batch: whatever it computes (its loss) is that row's
-                if r is not None:
-                    rows[first + r] = rows.get(first + r, 0) + 1
+                bad = ~torch.isfinite(local(t))  # (a DTensor: this process's shard)
+                counts = row_counts(bad, n)
+                if counts is None and n == 1 and self.micro is not None and ev.phase != "optimizer":
+                    counts = bad.sum().reshape(1)  # a one-row micro-batch: what it computes (its loss) is that row's
+            rows = {} if counts is None else {first + r: int(c) for r, c in enumerate(counts.tolist()) if c}
             ev.bad_rows = rows or None
             return
 
     # --- summaries ------------------------------------------------------------------------------
 
     def chain(self, limit: int = 12) -> list[OpEvent]:
-        """The non-finite values' path from the origin on: one event per (phase, module) run."""
-        if self.origin is None:
+        """The non-finite values' path from the origin on (the events its values reach): one
+        event per (phase, module) run."""
+        origin = self.origin
+        if origin is None:
             return []
-        out: list[OpEvent] = [self.origin]
-        for ev in self.events[self.origin.index + 1 :]:
-            if ev.output_finite or ev.op in ("aten.view.default", "aten._unsafe_view.default", "aten.t.default"):
+        out: list[OpEvent] = [origin]
+        for ev in self.events[origin.index + 1 :]:
+            if origin.index not in ev.roots or ev.op in (
+                "aten.view.default",
+                "aten._unsafe_view.default",
+                "aten.t.default",
+            ):
                 continue
             last = out[-1]
             if (ev.phase, ev.module) == (last.phase, last.module):

@@ -95,11 +95,12 @@ def _run_length(flat: np.ndarray) -> np.ndarray:
 def batch_parts(batch, ids) -> list[tuple[int, list[tuple[str, Any]], int]]:
     """(first row, fields, rows) of each part of a batch: each micro-batch of an accumulated
     step (gradient accumulation; rows numbered across them), else the whole batch."""
-    sizes = micro_rows(batch)
+    rows = len(ids) if ids is not None else None  # (a plain list of micro-batches needs them)
+    sizes = micro_rows(batch, rows)
     if sizes is None:
         fields = list(leaves(batch))
         return [(0, fields, _batch_size(fields, ids))]
-    return [(first, list(leaves(part)), n) for (first, part, _), n in zip(row_groups(batch, None), sizes)]
+    return [(first, list(leaves(part)), n) for (first, part, _), n in zip(row_groups(batch, rows), sizes)]
 
 
 def _batch_size(fields: list[tuple[str, Any]], ids) -> int:
