@@ -55,7 +55,10 @@ def lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:
     hist = m.window(max(0, root - 32), root - 1)
     if hist.stop <= hist.start or not h.lr:
         return None
-    typical = float(np.nanmedian(m.lr[hist, 0]))
+    recent = m.lr[hist, 0]
+    if np.isnan(recent).all():  # a loop whose learning rate is unknown (a hand-written update without lr=)
+        return None
+    typical = float(np.nanmedian(recent))
     lr = float(h.lr[0])
     if typical > 0 and lr > 10 * typical:
         return lr / typical, lr
