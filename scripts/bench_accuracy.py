@@ -222,8 +222,9 @@ def ckptlab_claims(run_dir: Path, symptom: int) -> dict:
     }
     if doc["reproduced"]:  # a fault not seen again has no module to claim (as for the baselines)
         claims["module"] = o["module"]
-    w = doc["rewind"] or {}
-    claims["earlier_cause"], claims["cause_samples"] = w.get("step"), w.get("sample_ids") or []
+    w = doc["rewind"] or {}  # the step it points to as the cause: the earlier one found, else the root
+    claims["earlier_cause"] = w.get("step") if w.get("step") is not None else doc["root_step"]
+    claims["cause_samples"] = w.get("sample_ids") or [s["sample_id"] for s in doc["samples"]]
     return claims
 
 

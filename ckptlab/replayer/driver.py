@@ -60,6 +60,7 @@ class Replayer:
         self.world: World | None = None
         self.log = log or (lambda msg: None)
         self.notes: list[str] = []
+        self._lr_noted = False  # (follow_lr's note, once)
         manifest = run.manifest
         recorded_device = str(manifest.get("device", "cpu"))
         self.device = torch.device(device) if device else torch.device(recorded_device)
@@ -170,6 +171,7 @@ class Replayer:
                 hint="replay with the code the run was recorded with",
             ) from None
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
+        self.follow_lr(t.optimizer, step)
 
     def batch(self, step: int):
         rec = self.run.batch_record(step, self.rank)
@@ -220,24 +222,36 @@ class Replayer:
                 ) from None
         batch = rec.batch if batch is None else batch
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
-        if isinstance(t.optimizer, HandUpdate):
-            self._next_lr(t.optimizer, rec.step + 1)
+        self.follow_lr(t.optimizer, rec.step + 1)
         return cast(StepHealth, health)  # not deferred: measured now, never a PendingHealth
 
-    def _next_lr(self, update: HandUpdate, step: int) -> None:
-        """A hand-written update's learning rate is the loop's to change between steps
-        (`update.lr /= 4` after an epoch), outside the recorded step: after each replayed step,
-        the learning rate the record says step `step` began with, where the record knows it
-        (the checkpoint holds the one of the step it starts). Set between steps, as the loop
-        does, so a snapshot of the next step's state holds it, and a counterfactual that
-        changes it for the step keeps its own."""
+    def follow_lr(self, optimizer, step: int) -> None:
+        """The learning rate is the loop's to change between steps, outside the recorded step
+        (`update.lr /= 4` after an epoch, nanoGPT's `param_group['lr'] = get_lr(it)` before
+        it, a scheduler a resumed script built anew): before step `step`, each parameter group
+        gets the learning rate the record says that step ran with, where the record knows it.
+        A recording whose scheduler (or step_fn) set it changes nothing: the same number. Set
+        between steps, as the loop does, so a snapshot of the step's state holds it and a
+        counterfactual that changes it for the step keeps its own. A learning rate held as a
+        tensor (a capturable optimizer's) is left alone. The first time the record's differs
+        from the state's, a note says so (not for a hand-written update: its loop always
+        sets it)."""
         m = self.run.metrics()
         i = m.index(step)
         if i is None:
             return
-        for group, lr in zip(update.param_groups, m.lr[i]):
-            if math.isfinite(lr):
-                group["lr"] = float(lr)
+        for g, (group, lr) in enumerate(zip(optimizer.param_groups, m.lr[i])):
+            now = group.get("lr")
+            if not math.isfinite(lr) or not isinstance(now, (int, float)) or now == lr:
+                continue
+            group["lr"] = float(lr)
+            if not self._lr_noted and not isinstance(optimizer, HandUpdate):
+                self._lr_noted = True
+                self.notes.append(
+                    f"step {step} ran with learning rate {lr:.6g} (group {g}), not the {now:.6g} the replayed state "
+                    "gives: replay follows the record (a loop that sets the learning rate outside step_fn, or a "
+                    "scheduler that was not restored when the run resumed)"
+                )
 
     def snapshot(self, t: StepRunner, step: int):
         """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a

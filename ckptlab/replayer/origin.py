@@ -49,10 +49,15 @@ def origin(
     return o, _ranked(root, samples, data_rows, rows)
 
 
+RECENT_LR = 8  # steps
+
+
 def lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:
     """(how many times its recent value, the learning rate) when the root step's learning rate
-    jumped more than tenfold over the recorded steps before it."""
-    hist = m.window(max(0, root - 32), root - 1)
+    jumped more than tenfold over the recorded steps just before it (their median: the last
+    RECENT_LR; a schedule restarted on resume jumps back to a rate the run had long before, so
+    a longer history would hide it)."""
+    hist = m.window(max(0, root - RECENT_LR), root - 1)
     if hist.stop <= hist.start or not h.lr:
         return None
     recent = m.lr[hist, 0]
