@@ -96,3 +96,39 @@ def test_end_step_without_a_training_forward_says_so(tmp_path):
     with owned_loop.record(tmp_path / "run", om.TinyLM(), None, step_fn=om.step, build_fn=om.build) as rec:
         with pytest.raises(RecordError, match="no training forward"):
             rec.end_step(torch.tensor(1.0))
+
+
+def test_a_learning_rate_spike_set_from_a_callback_is_named(tmp_path, cli):
+    # The trainer's callback sets the rate outside the step (as loops that compute their own
+    # schedule do): x1e4 for step 20 only. Replay follows the recorded rate and names step 20,
+    # kind optimizer, no sample (after 20 steps: the spike rule's history).
+    def spike(t):
+        for g in t.optimizer.param_groups:
+            g["lr"] = om.TRAIN_CONFIG.learning_rate * (1e4 if t.iter_num == 19 else 1.0)
+
+    torch.manual_seed(0)
+    model = om.TinyLM()
+    data = owned_loop.track_ids(om.Sequences())
+    trainer = om.Trainer(SimpleNamespace(**{**vars(om.TRAIN_CONFIG), "max_iters": 26}), model, data)
+    run_dir = tmp_path / "run"
+    with owned_loop.record(
+        run_dir,
+        model,
+        lambda: trainer.optimizer,
+        step_fn=om.step,
+        build_fn=om.build,
+        sample_ids=data.take,
+        ckpt_every=4,
+    ) as rec:
+        trainer.add_callback("on_batch_end", lambda t: rec.end_step(t.loss))
+        trainer.add_callback("on_batch_end", spike)
+        try:
+            trainer.run()
+        except ckptlab.NonFiniteLoss:
+            pass
+    m = ckptlab.open_run(run_dir).metrics()
+    assert m.lr[20, 0] == pytest.approx(30.0) and m.lr[19, 0] == pytest.approx(3e-3)
+    symptom = next(e["step"] for e in ckptlab.open_run(run_dir).events() if e["step"] > 20)
+    doc = cli("replay", "--run", run_dir, "--step", symptom, "--json").json()
+    assert doc["reproduced"] and doc["deterministic"]
+    assert (doc["root_step"], doc["origin"]["kind"], doc["samples"]) == (20, "optimizer", [])
