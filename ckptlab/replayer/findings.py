@@ -13,6 +13,8 @@ from ckptlab.jsonable import NOT_IN_JSON, plain
 
 # The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
 STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
+# How an optimizer-state origin's detail begins when the second moment was empty (optstate.py).
+FIRST_UPDATE = "first update with an empty second moment"
 
 
 @dataclass

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptlab.analysis.anomalies import UPDATE_EXPLOSION
-from ckptlab.replayer.findings import FirstUpdate
+from ckptlab.replayer.findings import FIRST_UPDATE, FirstUpdate
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.health import StepHealth
 from ckptlab.training.norms import on_one_device
@@ -45,8 +45,6 @@ from ckptlab.training.world import is_sharded
 # The new gradient's RMS over the second moment's (bias-corrected) RMS above which the
 # optimizer was not expecting that gradient.
 OUT_OF_TUNE = 10.0
-# What replay calls it: the origin's detail, the anomaly kind of the step, the report's list.
-FIRST_UPDATE = "first update with an empty second moment"
 
 
 @dataclass
