@@ -12,7 +12,7 @@ A step is anomalous when
 - `grad_spike`: its gradient norm explodes: a spike (GRAD_RULE, >= 5x the median), or over
   GRAD_EXPLOSION whatever came before (which needs no history: it holds from the first step);
 - `update_explosion`: its update moves the weights by more than UPDATE_EXPLOSION of their norm
-  (measured every `health_every` steps while recording, every step near the fault while
+  (measured every `health_every` steps while recording, exactly at every replayed step while
   replaying).
 
 Each predicate takes one step's values or a whole series (numpy arrays, one row a step), so the
