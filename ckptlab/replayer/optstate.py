@@ -108,7 +108,7 @@ def second_moment_gaps(
 
 def empty_second_moments(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> dict[int, str]:
     """The parameters (index: how) whose second moment is empty as the next update starts:
-    `exp_avg_sq` all zero, or no state at all while another parameter's state has stepped.
+    `exp_avg_sq` all zero, or no state at all while other parameters have one (their updates began).
     Empty for an optimizer that keeps no `exp_avg_sq` (SGD), before the first update of all,
     and for sharded state (a DTensor shard says nothing of the whole). Reads the state only:
     one small batched read per call."""
@@ -122,8 +122,8 @@ def empty_second_moments(optimizer: torch.optim.Optimizer, params: Sequence[torc
     zero = torch.zeros((), dtype=torch.float32)
     peaks = torch.stack(on_one_device([v.detach().amax().float() if v.numel() else zero for v in moments.values()]))
     out = {i: "exp_avg_sq all zero" for i, peak in zip(moments, peaks.tolist()) if peak == 0 and params[i].numel()}
-    if any(float(st.get("step", 0)) > 0 for st in states if st):
-        out |= {i: "no optimizer state" for i, st in enumerate(states) if not st and params[i].requires_grad}
+    # (a state with an exp_avg_sq is made by its parameter's first update: the others stepped)
+    out |= {i: "no optimizer state" for i, st in enumerate(states) if not st and params[i].requires_grad}
     return dict(sorted(out.items()))
 
 
