@@ -88,7 +88,7 @@ def step_gated(model, opt, batch):
 SWITCH_ON = 37
 
 
-def record_adam_first_update(run_dir, **record) -> Expected:
+def record_adam_first_update(run_dir, health_every: int = HEALTH_EVERY) -> Expected:
     def batches():
         for s in range(SWITCH_ON + 3):
             x, y = _xy(s)
@@ -97,7 +97,7 @@ def record_adam_first_update(run_dir, **record) -> Expected:
             on = torch.full((B,), float(s >= SWITCH_ON))
             yield (x, feats, on, y), ids(s)
 
-    losses, _ = record_pairs(run_dir, build_gated, step_gated, batches(), health_every=HEALTH_EVERY, **record)
+    losses, _ = record_pairs(run_dir, build_gated, step_gated, batches(), health_every=health_every)
     return Expected(SWITCH_ON, _loss_symptom(losses, SWITCH_ON), None, [], kind="optimizer")
 
 
@@ -136,7 +136,7 @@ def step_bag(model, opt, batch):
     return loss
 
 
-def record_hidden_update_explosion(run_dir, **record) -> Expected:
+def record_hidden_update_explosion(run_dir) -> Expected:
     def batches():
         for s in range(GLITCH + 5):
             g = torch.Generator().manual_seed(8000 + s)
@@ -147,5 +147,5 @@ def record_hidden_update_explosion(run_dir, **record) -> Expected:
                 tokens[2, :4] = RARE
             yield (tokens, torch.randn(B, 1, generator=g)), ids(s)
 
-    losses, _ = record_pairs(run_dir, build_bag, step_bag, batches(), health_every=HEALTH_EVERY, **record)
+    losses, _ = record_pairs(run_dir, build_bag, step_bag, batches(), health_every=HEALTH_EVERY)
     return Expected(GLITCH, _loss_symptom(losses, GLITCH), None, [], kind="optimizer")

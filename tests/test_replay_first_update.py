@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckptlab.analysis.anomalies import detectors, step_anomalies
 from ckptlab.replayer.optstate import empty_second_moments, first_updates
 from ckptlab.run.reader import Run
 from ckptlab.training.health import StepHealth
@@ -87,12 +88,29 @@ def test_a_first_update_counts_when_a_gradient_reached_it_and_it_moved_more_than
     h = StepHealth(
         loss=1.0,
         grad_norm=1.0,
-        param_grad_norm=np.array([0.5, 0.0, 0.5, -1.0], dtype=np.float32),  # -1: no gradient (NO_GRAD)
+        param_grad_norm=np.array([0.5, 0.0, 0.5, -1.0, 0.5], dtype=np.float32),  # -1: no gradient (NO_GRAD)
         nonfinite_grads=0,
         param_nonfinite=None,
         lr=[0.1],
         stepped=True,
-        update_ratio=np.array([60.0, 60.0, 0.1, 0.0], dtype=np.float32),
+        update_ratio=np.array([60.0, 60.0, 0.1, 0.0, 60.0], dtype=np.float32),
+        second_moment_empty=np.array([1, 1, 2, 2, 0], dtype=np.float32),  # the last: not empty
     )
-    found = first_updates(7, {0: "exp_avg_sq all zero", 1: "x", 2: "x", 3: "no optimizer state"}, h, list("abcd"))
-    assert [(f.step, f.parameter, f.update_ratio) for f in found] == [(7, "a", 60.0)]
+    found = first_updates(7, h, list("abcde"))
+    assert [(f.step, f.parameter, f.state, f.update_ratio) for f in found] == [(7, "a", "exp_avg_sq all zero", 60.0)]
+    assert [e for e in step_anomalies(h, detectors()) if e["kind"] == "first_update"] == [
+        {"kind": "first_update", "value": 60.0, "parameters": [0]}
+    ]
+
+
+def test_the_recorder_raises_a_first_update_live_on_a_step_that_measures_its_update(tmp_path, caplog):
+    """Measured steps (health_every 1 here) carry the probe's flags, read with the rest of the
+    health: the Recorder records a `first_update` event at step 37 and warns of it."""
+    run_dir = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="ckptlab"):
+        fu.record_adam_first_update(run_dir, health_every=1)
+    events = [e for e in Run(run_dir).events() if e["kind"] == "first_update"]
+    # block.out.weight (~60x its norm) and block.out.bias (zero-initialized: moved from zero)
+    assert [(e["step"], e["parameters"]) for e in events] == [(37, [6, 7])]
+    assert 30 < events[0]["value"] < 100
+    assert "step 37: first update; explain it with ckptlab replay" in caplog.text

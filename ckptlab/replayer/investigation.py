@@ -32,7 +32,7 @@ from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
 from ckptlab.replayer.findings import FirstUpdate, Origin, ReplayReport, StepCheck
-from ckptlab.replayer.optstate import empty_second_moments, first_updates
+from ckptlab.replayer.optstate import first_updates
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.replayer.startstate import describe as describe_start
@@ -198,8 +198,7 @@ class Investigation:
                 kept[s] = (snap, dets_before)
                 break
             found = [f for f in self.anomalies(h, dets) if not (bad and f == "nonfinite_weight")]
-            found += ["first_update"] if first else []  # optstate.py: the step whose update exploded
-            firsts += first
+            firsts += first  # (found has them as `first_update`: the step whose update exploded)
             error = self.recorded_error(s) if self.metrics.index(s) is None else None
             checks.append(compare(self.metrics, s, h, found, error))
             if found:
@@ -389,10 +388,9 @@ def measured_exactly(r: Replayer, t: StepRunner) -> StepRunner:
 def measured_step(r: Replayer, t: StepRunner, rec, step: int) -> tuple[StepHealth, list[FirstUpdate]]:
     """One replayed step with its update and weight norms measured (every step, whatever the
     record's `health_every`), and the parameters whose first update with an empty second
-    moment exploded in it (optstate.py): the state is read before the step, not changed."""
-    empty = empty_second_moments(t.optimizer, t.probe.params)
+    moment exploded in it (optstate.py). Measuring only reads the state."""
     h = r.run_step(t, rec, measure_update=True)
-    return h, first_updates(step, empty, h, t.probe.names)
+    return h, first_updates(step, h, t.probe.names)
 
 
 def _start_state(inv: Investigation, report: ReplayReport, window: Window) -> dict | None:

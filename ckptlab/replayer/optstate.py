@@ -10,8 +10,7 @@ once: a huge step with clean data and a normal learning rate.
     with in_tune(optimizer, param):                        # the counterfactual replay
         ...
 
-    empty = empty_second_moments(optimizer, params)       # before each replayed step
-    found = first_updates(empty, health, names)            # after it: its first updates that exploded
+    found = first_updates(step, health, names)             # a replayed step's first updates that exploded
 
 `second_moment_gaps` reads the optimizer's state as the root step found it (the blame restores
 that state first) and the root step's replayed health (gradient and update per parameter).
@@ -22,8 +21,9 @@ late, a gated branch) or it has no state at all (it never had a gradient) while 
 have stepped. Whatever its gradient's size, Adam then moves every element by about the
 learning rate at once (lr x (1-beta1)/(1-beta1^t) / sqrt((1-beta2)/(1-beta2^t)): 1x at t=1,
 0.6x at t=38, ~3x late in training): a tiny-initialized weight moves by many times its norm.
-Replay checks it before every replayed step (`empty_second_moments`), so the step whose update
-exploded is the root, not the step after it whose loss did.
+The probe flags such parameters before every update it measures (training/first_update.py);
+replay measures every step, so the step whose update exploded is the root (its anomaly
+`first_update`), not the step after it whose loss did.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptlab.analysis.anomalies import UPDATE_EXPLOSION
+from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, first_update
 from ckptlab.replayer.findings import FIRST_UPDATE, FirstUpdate
 from ckptlab.run.records import NO_GRAD
+from ckptlab.training.first_update import HOW, empty_flags
 from ckptlab.training.health import StepHealth
-from ckptlab.training.norms import on_one_device
-from ckptlab.training.world import is_sharded
 
 # The new gradient's RMS over the second moment's (bias-corrected) RMS above which the
 # optimizer was not expecting that gradient.
@@ -107,39 +106,26 @@ def second_moment_gaps(
 
 
 def empty_second_moments(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> dict[int, str]:
-    """The parameters (index: how) whose second moment is empty as the next update starts:
-    `exp_avg_sq` all zero, or no state at all while other parameters have one (their updates began).
-    Empty for an optimizer that keeps no `exp_avg_sq` (SGD), before the first update of all,
-    and for sharded state (a DTensor shard says nothing of the whole). Reads the state only:
-    one small batched read per call."""
-    states = [optimizer.state.get(p) for p in params]
-    moments = {
-        i: st["exp_avg_sq"] for i, st in enumerate(states) if st and isinstance(st.get("exp_avg_sq"), torch.Tensor)
-    }
-    if not moments or any(is_sharded(v) for v in moments.values()):
-        return {}
-    # exp_avg_sq >= 0: its largest element is 0 exactly when all are (a NaN is not 0)
-    zero = torch.zeros((), dtype=torch.float32)
-    peaks = torch.stack(on_one_device([v.detach().amax().float() if v.numel() else zero for v in moments.values()]))
-    out = {i: "exp_avg_sq all zero" for i, peak in zip(moments, peaks.tolist()) if peak == 0 and params[i].numel()}
-    # (a state with an exp_avg_sq is made by its parameter's first update: the others stepped)
-    out |= {i: "no optimizer state" for i, st in enumerate(states) if not st and params[i].requires_grad}
-    return dict(sorted(out.items()))
+    """The parameters (index: how) whose second moment is empty as the next update starts
+    (training/first_update.py: `exp_avg_sq` all zero, or no state while other parameters have
+    one), read now: what the probe flags on every step that measures its update."""
+    flags = empty_flags(optimizer, params)
+    return {} if flags is None else {i: HOW[f] for i, f in enumerate(flags.tolist()) if f}
 
 
-def first_updates(step: int, empty: dict[int, str], h: StepHealth, names: list[str]) -> list[FirstUpdate]:
-    """Of the parameters whose second moment was empty before step `step` (`empty`), those a
-    nonzero gradient reached and whose update moved them by more than UPDATE_EXPLOSION of
-    their norm (from zero weights: any move); the largest move first, moves from zero weights
-    (an infinite ratio: a zero-initialized weight) after them."""
-    if not empty or h.update_ratio is None:
+def first_updates(step: int, h: StepHealth, names: list[str]) -> list[FirstUpdate]:
+    """The parameters whose first update with an empty second moment exploded in step `step`
+    (its health `h`, measured: analysis/anomalies.py `first_update`); the largest move first,
+    moves from zero weights (an infinite ratio: a zero-initialized weight) after them."""
+    if h.second_moment_empty is None or h.update_ratio is None:
         return []
-    out = []
-    for i, how in empty.items():
-        g, ratio = float(h.param_grad_norm[i]), float(h.update_ratio[i])
-        if g != NO_GRAD and g > 0 and ratio > UPDATE_EXPLOSION:
-            out.append(FirstUpdate(step, names[i], how, g, ratio))
-    return sorted(out, key=lambda f: (math.isinf(f.update_ratio), -f.update_ratio))
+    found = [
+        FirstUpdate(
+            step, names[i], HOW[float(h.second_moment_empty[i])], float(h.param_grad_norm[i]), float(h.update_ratio[i])
+        )
+        for i in first_update(h.second_moment_empty, h.update_ratio, h.param_grad_norm)
+    ]
+    return sorted(found, key=lambda f: (math.isinf(f.update_ratio), -f.update_ratio))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ import copy
 from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import batch_rows
 from ckptlab.replayer.findings import ReplayReport
-from ckptlab.replayer.optstate import empty_second_moments, first_updates
 from ckptlab.training.health import StepHealth
 from ckptlab.training.state import restore_snapshot
 
@@ -30,7 +29,6 @@ class RootStep:
     _report: ReplayReport | None  # the report the stages write into
     _base: StepHealth | None  # the root step as replayed (parameter blame)
     older_fault: bool | None  # the same batch from an older checkpoint: faults?
-    _empty: dict[int, str] | None  # the parameters whose second moment the root state has empty
 
     def __init__(self, inv, window):
         """`inv`: the Investigation (its run, metrics, replayer, budget, log and timing);
@@ -46,7 +44,6 @@ class RootStep:
         self._report = None
         self._base = None
         self.older_fault = None
-        self._empty = None
 
     @property
     def report(self) -> ReplayReport:
@@ -81,20 +78,16 @@ class RootStep:
             self.runner.scaler,
             rank=self.replayer.rank,
         )
-        if self._empty is None:  # (the state is always the same: read once)
-            self._empty = empty_second_moments(self.runner.optimizer, self.runner.probe.params)
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()
         return self.replayer.run_step(self.runner, self.rec, batch, tracer=tracer)
 
     def fault(self, h: StepHealth) -> list[str]:
-        """The anomalies of a replay of the root step, judged by the detectors it started with,
-        and, as the window judged it, a first update with an empty second moment that
-        exploded (optstate.py)."""
-        found = [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
-        first = first_updates(self.root, self._empty or {}, h, self.runner.probe.names)
-        return found + (["first_update"] if first else [])
+        """The anomalies of a replay of the root step, judged by the detectors it started with
+        (a first update with an empty second moment that exploded among them, as the window
+        judged it: the probe flags it on every step that measures its update)."""
+        return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
 
     def sample_id(self, row: int):
         return self.ids[row] if self.ids is not None and row < len(self.ids) else None

@@ -65,6 +65,7 @@ import torch
 
 from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
+from ckptlab.training.first_update import empty_flags
 from ckptlab.training.health import StepHealth, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
@@ -220,6 +221,7 @@ class StepProbe:
         self._before: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # only the norms before the update (a step with bad gradients)
         self._before_norms: list[torch.Tensor] | None = None
+        self._empty: torch.Tensor | None = None  # second moments empty before the update (first_update.py)
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
@@ -302,6 +304,7 @@ class StepProbe:
             with torch.no_grad():
                 weights = [local(p.detach()) for p in self.params]
                 self._before = (batched_norms(weights), self._take(weights))
+                self._empty = empty_flags(optimizer, self.params)
         elif self._bad_grads and not self.world.distributed:
             # Non-finite gradients (seen on the CPU without a sync): were the weights already
             # bad before this update? The record can then name them when the fault does not
@@ -409,9 +412,11 @@ class StepProbe:
                 if self._stepped:
                     add("d", self._update_norms(weights))
                     meta["d_scale"] = self._update_scales()
+        if self._empty is not None:
+            add("e", self._empty)
         if self._before_norms is not None:
             add("b0", self._before_norms)
-        self._before = self._before_norms = None
+        self._before = self._before_norms = self._empty = None
         values, event = to_host(pieces)
         meta |= {
             "idx": idx,
