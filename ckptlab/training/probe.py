@@ -38,7 +38,8 @@ Where each number is computed, and why there:
   and the weights it started from. By default the update norm is estimated from a strided
   sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
-  parameter (+1x their bytes).
+  parameter (+1x their bytes). On those steps, also which parameters' optimizer second moment
+  is empty (an Adam first update to come: training/first_update.py), as device flags.
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
   gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
