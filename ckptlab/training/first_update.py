@@ -42,10 +42,10 @@ def empty_flags(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
         return None
     device = present[0].device
     zero, no_state = (torch.full((), x, dtype=torch.float32, device=device) for x in (0.0, NO_STATE))  # (no copy)
-    flags = []
-    for p, st, v in zip(params, states, moments):
-        if isinstance(v, torch.Tensor) and v.numel():  # exp_avg_sq >= 0: all zero iff its largest is 0
-            flags.append(torch.eq(v.detach().amax(), 0).float() * ALL_ZERO)
-        else:
-            flags.append(no_state if not st and p.requires_grad else zero)
+    flags = [no_state if not st and p.requires_grad else zero for p, st in zip(params, states)]
+    held = [(i, v.detach()) for i, v in enumerate(moments) if isinstance(v, torch.Tensor) and v.numel()]
+    if held:  # exp_avg_sq >= 0: all zero exactly when its largest element is 0 (one fused max)
+        peaks = on_one_device([m.float() for m in torch._foreach_max([v for _, v in held])])
+        for (i, _), hit in zip(held, (torch.stack(peaks) == 0).float().mul_(ALL_ZERO).unbind()):
+            flags[i] = hit
     return torch.stack(on_one_device(flags))
