@@ -1,5 +1,6 @@
-"""The fault zoo: every planted-fault scenario (tests/fault_models.py and tests/zoo_models.py)
-with its ground truth, for tests/test_fault_zoo.py and scripts/bench_accuracy.py.
+"""The fault zoo: every planted-fault scenario (tests/fault_models.py, tests/zoo_models.py and
+tests/first_update_models.py) with its ground truth, for tests/test_fault_zoo.py and
+scripts/bench_accuracy.py.
 
 Ground truth per scenario: the root step (the first step that went wrong; for a transient, the
 first step that ran with the corrupted state), the kind (docs/replay.md's origin.kind), the
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tests import fault_models as fm
+from tests import first_update_models as fu
 from tests import zoo_models as zm
 
 
@@ -77,6 +79,10 @@ SCENARIOS: list[Scenario] = [
     _s("zero_length_division", zm, 18, 18, "numeric", None, samples=[1805], new=True),
     _s("corrupted_embedding_row", zm, 16, 13, "none", None, parameter="wte.weight", reproduces=False, new=True),
     _s("duplicated_sample", zm, 22, 22, "data", None, samples=[zm.HAMMER], new=True),
+    # tests/first_update_models.py: the root step's update exploded, the record measured no update
+    # there (health_every 10), and the loss explodes a step or three later
+    _s("adam_first_update", fu, 38, 37, "optimizer", None, parameter="block.out.weight", new=True),
+    _s("hidden_update_explosion", fu, 38, 35, "optimizer", None, new=True),
 ]
 
 BY_NAME = {s.name: s for s in SCENARIOS}

@@ -12,8 +12,11 @@ A step is anomalous when
 - `grad_spike`: its gradient norm explodes: a spike (GRAD_RULE, >= 5x the median), or over
   GRAD_EXPLOSION whatever came before (which needs no history: it holds from the first step);
 - `update_explosion`: its update moves the weights by more than UPDATE_EXPLOSION of their norm
-  (measured every `health_every` steps while recording, every step near the fault while
-  replaying).
+  (measured every `health_every` steps while recording, exactly at every replayed step while
+  replaying);
+- `first_update`: (where updates are measured) a parameter whose optimizer second moment was
+  empty (Adam's `exp_avg_sq` all zero, or no state yet) met a nonzero gradient and its update
+  moved it by more than UPDATE_EXPLOSION of its norm.
 
 Each predicate takes one step's values or a whole series (numpy arrays, one row a step), so the
 Recorder's per-step check and report's scan of the recorded metrics are the same test.
@@ -73,6 +76,20 @@ def grad_exploded(norm: float, spike: Spike | None, bar: float = GRAD_EXPLOSION)
     return spike is not None or (math.isfinite(norm) and norm > bar)
 
 
+def first_update(empty, update_ratio, param_grad_norm) -> list[int]:
+    """The parameters whose second moment was empty before the update (`empty`: the flags of
+    training/first_update.py; None: not measured) that a nonzero gradient reached and whose
+    update moved them by more than UPDATE_EXPLOSION of their norm: an optimizer's first update
+    with an empty second moment that exploded (Adam moves every element by ~lr at once)."""
+    if empty is None or update_ratio is None:
+        return []
+    with np.errstate(invalid="ignore"):
+        hit = (
+            (np.asarray(empty) > 0) & (np.asarray(param_grad_norm) > 0) & (np.asarray(update_ratio) > UPDATE_EXPLOSION)
+        )
+    return np.flatnonzero(hit).tolist()
+
+
 def update_exploded(ratio):
     """||dw|| / ||w|| over all parameters together above UPDATE_EXPLOSION (None: not measured)."""
     return ratio is not None and ratio > UPDATE_EXPLOSION
@@ -104,6 +121,12 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
         events.append({"kind": "grad_spike", "value": h.grad_norm, **spread})
     if update_exploded(h.update_ratio_global):
         events.append({"kind": "update_explosion", "value": h.update_ratio_global})
+    first = first_update(getattr(h, "second_moment_empty", None), h.update_ratio, h.param_grad_norm)
+    if first:  # value: their largest finite update ratio (inf: all moved from zero); parameters: their indices
+        ratios = np.asarray(h.update_ratio)[first]
+        finite = ratios[np.isfinite(ratios)]
+        value = float(finite.max()) if finite.size else math.inf
+        events.append({"kind": "first_update", "value": value, "parameters": first})
     return events
 
 

@@ -13,6 +13,8 @@ from ckptlab.jsonable import NOT_IN_JSON, plain
 
 # The keys of `ckptlab replay --json` that scripts rely on (docs/replay.md), in this order.
 STABLE_KEYS = ("requested_step", "root_step", "reproduced", "deterministic", "origin", "samples", "verdict")
+# How an optimizer-state origin's detail begins when the second moment was empty (optstate.py).
+FIRST_UPDATE = "first update with an empty second moment"
 
 
 @dataclass
@@ -124,6 +126,18 @@ class EarlierCause:
 
 
 @dataclass
+class FirstUpdate:
+    """A parameter's first update with an empty second moment, whose update exploded: one of
+    the report's `first_updates` (replayer/optstate.py finds them)."""
+
+    step: int
+    parameter: str
+    state: str  # "exp_avg_sq all zero" | "no optimizer state"
+    grad_norm: float  # the step's gradient norm of that parameter (before clipping)
+    update_ratio: float  # ||update|| / ||weights||, measured exactly
+
+
+@dataclass
 class DumpInfo:
     """`--dump FILE.h5`: what the file holds (docs/replay.md, "The dump file")."""
 
@@ -224,6 +238,10 @@ class ReplayReport:
     # Weights already non-finite in the start checkpoint (startstate.py): {"checkpoint", "nonfinite":
     # [{"parameter", "count", "rows"}], "first_recorded" (step), "used_by": [{"row", "sample_id"}]}
     start_state: dict | None = None
+    # Every replayed step measures its update exactly; a parameter's first update with an empty
+    # second moment (exp_avg_sq all zero, or no state yet) that moved it by more than half its
+    # norm is listed here, in step order (optstate.py).
+    first_updates: list[FirstUpdate] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ckptlab.analysis.anomalies import EPISODE_GAP, RECORD_WARNINGS, detectors, episode_start, step_anomalies
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
@@ -30,7 +31,8 @@ from ckptlab.replayer.agreement import judge, survives_noise, why_bits_differ
 from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
 from ckptlab.replayer.driver import Replayer
-from ckptlab.replayer.findings import Origin, ReplayReport, StepCheck
+from ckptlab.replayer.findings import FirstUpdate, Origin, ReplayReport, StepCheck
+from ckptlab.replayer.optstate import first_updates
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.replayer.startstate import describe as describe_start
@@ -40,6 +42,7 @@ from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
+from ckptlab.training.step import StepRunner
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Window:
     root_detectors: dict[str, SpikeDetector] | None = None  # spike detectors primed up to the root
     crash: dict | None = None  # the step that raised on replay (the window ends there): training/crash.py
     bad_start: list[dict] = field(default_factory=list)  # weights already non-finite at `start` (startstate.py)
+    first_updates: list[FirstUpdate] = field(default_factory=list)  # optstate.py: first updates that exploded
 
 
 class Investigation:
@@ -80,7 +84,6 @@ class Investigation:
         if self.metrics.index(step) is None and step not in run.steps:
             raise ReplayError(run.missing_step(step), path=run.path)
         self.replayer = Replayer(run, device=device, log=self.log, rank=rank, trust_code=trust_code)
-        self.health_every = int(run.manifest.get("config", {}).get("health_every", 10))
         self.budget = Budget(DEFAULT_BUDGET)  # extra replays for the deeper searches (search.py)
 
     # 1. where to start -----------------------------------------------------------------------
@@ -174,21 +177,20 @@ class Investigation:
         Keeps the state (and spike detectors) before each anomalous step from `snap_from` on,
         so the root can be traced without replaying the window twice."""
         r = self.replayer
-        t = r.build()
+        t = measured_exactly(r, r.build())
         r.load_checkpoint(t, k)
         bad = nonfinite_params(t.model)  # already bad: their non-finite norms are no new anomaly
         dets = self.detectors(k)
         checks: list[StepCheck] = []
         kept: dict[int, tuple] = {}
-        crash = None
+        crash, firsts = None, []
         for s in range(k, self.step + 1):
             self.progress(s - k, self.step - k + 1)
             rec = r.batch(s)
-            suspect = s >= snap_from  # near the recorded fault: keep state, measure updates
-            snap = r.snapshot(t, s) if suspect else None
+            snap = r.snapshot(t, s) if s >= snap_from else None  # near the recorded fault: keep state
             dets_before = copy.deepcopy(dets)
             try:
-                h = r.run_step(t, rec, measure_update=suspect or s % self.health_every == 0)
+                h, first = measured_step(r, t, rec, s)
             except Exception as e:
                 if not is_step_error(e):
                     raise
@@ -197,6 +199,7 @@ class Investigation:
                 kept[s] = (snap, dets_before)
                 break
             found = [f for f in self.anomalies(h, dets) if not (bad and f == "nonfinite_weight")]
+            firsts += first  # (found has them as `first_update`: the step whose update exploded)
             error = self.recorded_error(s) if self.metrics.index(s) is None else None
             checks.append(compare(self.metrics, s, h, found, error))
             if found:
@@ -210,7 +213,7 @@ class Investigation:
         if crash is not None:  # a crash is its own root: what came before did not raise
             root = crash["step"]
         snap, dets_before = kept.get(root, (None, None)) if root is not None else (None, None)
-        return Window(k, checks, root, snap, dets_before, crash, bad)
+        return Window(k, checks, root, snap, dets_before, crash, bad, firsts)
 
     def write_dump(self, report: ReplayReport, captured) -> None:
         if captured is None:
@@ -330,7 +333,7 @@ class Investigation:
         if root is None and plan.fault_recorded:
             self.not_reproduced(report, plan, trace)
         why_bits_differ(self, report, trace)
-        report.start_state = _start_state(self, report, window)
+        report.start_state, report.first_updates = _start_state(self, report, window), window.first_updates
         captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
         if self.dump is not None and window.crash is None:
@@ -364,6 +367,31 @@ class Investigation:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
         explain_crash(root, report, window.crash)
         return None
+
+
+def measured_exactly(r: Replayer, t: StepRunner) -> StepRunner:
+    """`t` (and every runner `r` builds after it) measuring each step's update exactly: a copy
+    of every parameter before the update, +1x their bytes (docs/replay.md). On a GPU without
+    that room, the update is measured as the run recorded it (a note says so)."""
+    if r.update_ratio == "exact":
+        t.probe.update_mode = "exact"
+        return t
+    need = sum(p.numel() * p.element_size() for p in t.probe.params)
+    if r.device.type == "cuda" and torch.cuda.mem_get_info(r.device)[0] < 2 * need:
+        note = f"too little free GPU memory to measure every update exactly: measured as recorded ({r.update_ratio})"
+        if note not in r.notes:
+            r.notes.append(note)
+        return t
+    r.update_ratio = t.probe.update_mode = "exact"
+    return t
+
+
+def measured_step(r: Replayer, t: StepRunner, rec, step: int) -> tuple[StepHealth, list[FirstUpdate]]:
+    """One replayed step with its update and weight norms measured (every step, whatever the
+    record's `health_every`), and the parameters whose first update with an empty second
+    moment exploded in it (optstate.py). Measuring only reads the state."""
+    h = r.run_step(t, rec, measure_update=True)
+    return h, first_updates(step, h, t.probe.names)
 
 
 def _start_state(inv: Investigation, report: ReplayReport, window: Window) -> dict | None:

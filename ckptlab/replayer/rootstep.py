@@ -84,7 +84,9 @@ class RootStep:
         return self.replayer.run_step(self.runner, self.rec, batch, tracer=tracer)
 
     def fault(self, h: StepHealth) -> list[str]:
-        """The anomalies of a replay of the root step, judged by the detectors it started with."""
+        """The anomalies of a replay of the root step, judged by the detectors it started with
+        (a first update with an empty second moment that exploded among them, as the window
+        judged it: the probe flags it on every step that measures its update)."""
         return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
 
     def sample_id(self, row: int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ckptlab.analysis.anomalies import is_record_warning
 from ckptlab.numbers import precise, ranges, short_number
-from ckptlab.replayer.findings import DivergenceCheck, Origin, ReplayReport
+from ckptlab.replayer.findings import FIRST_UPDATE, DivergenceCheck, Origin, ReplayReport
 
 # A culprit's `cause` (search.py), as the sentence says it.
 CAUSES = {
@@ -348,12 +348,17 @@ def _optimizer(r: ReplayReport, lead: str) -> str:
             + "; no sample is to blame."
         )
     proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
+    first = (o.detail or "").startswith(FIRST_UPDATE)
     return (
-        f"{lead}: the optimizer's own state blew the weights up"
-        + (f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
+        (f"{lead}: the optimizer's {o.detail}" if first else f"{lead}: the optimizer's own state blew the weights up")
+        + ("" if first else f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
         + "; no sample is to blame"
         + (", and with that second moment in tune with its gradient the fault vanishes" if proven else "")
-        + " (remedies: warm the learning rate up again, clip updates, a larger eps)."
+        + (
+            " (remedies: warm the learning rate up for what switches on late, clip updates, a larger eps)."
+            if first
+            else " (remedies: warm the learning rate up again, clip updates, a larger eps)."
+        )
     )
 
 

@@ -37,6 +37,9 @@ class StepHealth:
     rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
     rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
     scaler_skipped: bool = False  # a GradScaler found non-finite gradients and skipped the update
+    # float32[P], where update ratios were measured: each parameter's second moment empty before
+    # the update (training/first_update.py: 1 exp_avg_sq all zero, 2 no state, 0 not empty)
+    second_moment_empty: np.ndarray | None = None
 
     @property
     def loss_finite(self) -> bool:
@@ -115,6 +118,7 @@ def read_health(
         _, health.rank_loss, health.rank_grad_norm = ranks
     if update_sq is not None:
         _set_updates(health, update_sq)
+        health.second_moment_empty = values[parts["e"]].copy() if "e" in parts else None
     before = np.sqrt(update_sq[2]) if update_sq is not None else values[parts["b0"]] if "b0" in parts else None
     if before is not None and not np.isfinite(before).all():
         health.weight_norm_before = np.asarray(before, dtype=np.float32)

@@ -38,7 +38,8 @@ Where each number is computed, and why there:
   and the weights it started from. By default the update norm is estimated from a strided
   sample of at most UPDATE_SAMPLE elements per tensor (`update_ratio="sampled"`, extra memory
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
-  parameter (+1x their bytes).
+  parameter (+1x their bytes). On those steps, also which parameters' optimizer second moment
+  is empty (an Adam first update to come: training/first_update.py), as device flags.
 - a hand-written update (`optimizer` is a training/hand_update.py HandUpdate, whose `step()`
   does nothing): no hook says when the weights change, so the learning rates and the weights
   before the update (on the steps that measure it) are taken at `begin`, the update at `end`.
@@ -74,6 +75,7 @@ import torch
 
 from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
+from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.health import StepHealth, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
@@ -268,6 +270,7 @@ class StepProbe:
         # only the norms before the update (a step with bad gradients)
         self._before_norms: list[torch.Tensor] | None = None
         self._begin_norms: list[torch.Tensor] | None = None  # a watched step's weights at begin
+        self._empty: torch.Tensor | None = None  # second moments empty before the update (first_update.py)
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
         self._measure_update = measure_update
@@ -350,6 +353,7 @@ class StepProbe:
         self._lr = group_lrs(optimizer)
         if self._measure_update:
             self._take_before()
+            self._empty = empty_flags(optimizer, self.params)
         elif self._bad_grads and not self.world.distributed:
             # Non-finite gradients (seen on the CPU without a sync): were the weights already
             # bad before this update? The record can then name them when the fault does not
@@ -457,16 +461,13 @@ class StepProbe:
                 if self._stepped or self.hand:
                     add("d", self._update_norms(weights))
                     meta["d_scale"] = update_scales(self.update_mode, self._plans, len(self.params))
+        if self._empty is not None:
+            add("e", self._empty)
         if self._before_norms is not None:
             add("b0", self._before_norms)
         if self.watch > 0 and not self.hand:
-            self.watch -= 1
-            meta["watched"] = "stepped"
-            if not self._stepped:  # did the weights move without the optimizer? (PendingHealth.watched)
-                assert self._begin_norms is not None, "taken at begin on a watched step"
-                add("w0", self._begin_norms)
-                add("w1", self._weight_norms())
-        self._before = self._before_norms = self._begin_norms = None
+            _watched(self, add, meta)
+        self._before = self._before_norms = self._begin_norms = self._empty = None
         values, event = to_host(pieces)
         meta |= {
             "idx": idx,
@@ -494,3 +495,14 @@ class StepProbe:
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
         return torch.stack(scalars if self._one_device else on_one_device(scalars))
+
+
+def _watched(probe: StepProbe, add, meta: dict) -> None:
+    """A watched step's end (`StepProbe.watch`): did the weights move without the optimizer?
+    (PendingHealth.watched)."""
+    probe.watch -= 1
+    meta["watched"] = "stepped"
+    if not probe._stepped:
+        assert probe._begin_norms is not None, "taken at begin on a watched step"
+        add("w0", probe._begin_norms)
+        add("w1", probe._weight_norms())
