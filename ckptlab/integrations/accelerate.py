@@ -44,7 +44,6 @@ optimizer steps and the accelerated scheduler steps there, as in the loop).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -113,11 +112,6 @@ class LoopRecorder:
         self.accelerator, self.model, self.optimizer, self.lr_scheduler = accelerator, model, optimizer, lr_scheduler
         self.body, self.sample_id_key = body, sample_id_key
         self.config = RecordConfig.of(config, **{**options, "step_scheduler": False})
-        if accelerator.num_processes > 1:
-            warnings.warn(
-                "ckptlab: recording an accelerate loop on more than one process is not tested; replay may not be exact",
-                stacklevel=2,
-            )
         self.rec = Recorder(
             run_dir,
             model,

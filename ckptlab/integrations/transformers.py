@@ -42,6 +42,7 @@ docs/integrations.md lists what replays exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -151,11 +152,6 @@ class CkptlabCallback(TrainerCallback):
                 hint="call ckptlab.integrations.transformers.record(trainer, ...) "
                 "or callback.attach(trainer) before trainer.train()",
             )
-        if args.world_size > 1:
-            warnings.warn(
-                "ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2
-            )
-            return
         for problem in _replay_limits(args):
             warnings.warn(
                 f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
@@ -308,6 +304,7 @@ def training_step(model, optimizer, batch):
     steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
     # Set by the Trainer's loop for each optimizer step: how many micro-batches it has.
     trainer.current_gradient_accumulation_steps = cfg.get("current_gradient_accumulation_steps", 1)
+    wrapped = _wrapped(trainer, model)
     total = None
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
@@ -316,7 +313,11 @@ def training_step(model, optimizer, batch):
         # optimizer does nothing on the others (the flag is process-wide: set it every time).
         accelerator.gradient_state._set_sync_gradients(last)
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
-        loss = trainer.training_step(model, part["inputs"], batch.get("num_items_in_batch"))
+        # As the loop: DDP all-reduces the gradients of the last micro-batch only (no_sync
+        # before it; one process: no wrapper, nothing to sync).
+        sync = contextlib.nullcontext if last else functools.partial(accelerator.no_sync, wrapped)
+        with sync():
+            loss = trainer.training_step(wrapped, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
     if not steps:
         return total
@@ -330,6 +331,13 @@ def training_step(model, optimizer, batch):
         scheduler.step()
     model.zero_grad()
     return total
+
+
+def _wrapped(trainer, model):
+    """The model the Trainer's loop runs: `model` as `accelerator.prepare` wrapped it in `build`
+    (DDP, on more than one process), or `model` itself (one process; or another model given)."""
+    wrapped = trainer.model_wrapped
+    return wrapped if wrapped is model or getattr(wrapped, "module", None) is model else model
 
 
 def _replay_limits(args) -> list[str]:
