@@ -40,6 +40,11 @@ applies that rule (checked after each micro-batch).
 `training_step` is the recorded step function: the body on each micro-batch of the step, with
 accelerate's counter set so that `accumulate` syncs on the last one only (the accelerated
 optimizer steps and the accelerated scheduler steps there, as in the loop).
+
+On several processes (DDP under `torchrun` or `accelerate launch --multi_gpu`) every rank records, as the plain
+Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
+micro-batches. Replay spawns the recorded world size; `build_fn`'s `accelerator.prepare` wraps
+the model in DDP there, and `accumulate` skips the all-reduce (`no_sync`) as in the loop.
 """
 
 from __future__ import annotations

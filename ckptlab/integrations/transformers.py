@@ -22,7 +22,9 @@ HF callbacks are not given the batch or the loss, so `record` (or `CkptlabCallba
 also wraps `trainer.training_step`. What is recorded from which hook:
 - `on_train_begin`: the Recorder is created on the trainer's model, optimizer, LR scheduler
   and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
-  `step_scheduler=False`);
+  `step_scheduler=False`); under `torchrun` / `accelerate launch --multi_gpu` (DDP) on every rank, as the
+  plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
+  batches (a multi-process DeepSpeed or FSDP run is not recorded: a warning);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -35,9 +37,11 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
 Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
-does: accelerate's bf16/fp16 autocast and GradScaler) on each micro-batch, then the optimizer
-half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
-docs/integrations.md lists what replays exactly.
+does: accelerate's bf16/fp16 autocast and GradScaler; on several processes the model wrapped
+in DDP, under `no_sync` but for the step's last micro-batch) on each micro-batch, then the
+optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+A multi-process run replays on its recorded world size (one process per rank, spawned by
+`ckptlab replay`). docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
@@ -152,6 +156,15 @@ class CkptlabCallback(TrainerCallback):
                 hint="call ckptlab.integrations.transformers.record(trainer, ...) "
                 "or callback.attach(trainer) before trainer.train()",
             )
+        if args.world_size > 1 and _replay_limits(args):
+            # Only DDP is recorded across processes: FSDP's and ZeRO's sharded states would be
+            # recorded in part, and replay would not run their steps.
+            warnings.warn(
+                "ckptlab: recording a multi-process Trainer run under DeepSpeed or FSDP is not supported "
+                "(DDP is); recording nothing",
+                stacklevel=2,
+            )
+            return
         for problem in _replay_limits(args):
             warnings.warn(
                 f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
