@@ -5,6 +5,7 @@ run, each rank its own batches. `ckptlab replay` spawns both ranks, runs the Tra
 bit, and names rank 1, the micro-batch, the row and the planted sample."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ckptlab  # noqa: E402
+from ckptlab.integrations import transformers as ckt  # noqa: E402
 from tests import hf_ddp_models as dm  # noqa: E402
 from tests.integrations.ddp_launch import replay_json, torchrun  # noqa: E402
 
@@ -52,3 +54,15 @@ def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sam
     ]
     assert "on rank 1" in doc["verdict"] and f"micro-batch {dm.FAULT_MICRO} row {dm.FAULT_ROW}" in doc["verdict"]
     assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
+
+
+def test_a_multi_process_fsdp_or_deepspeed_run_records_nothing_and_says_so(tmp_path):
+    """Only DDP is recorded across processes: the sharded states of FSDP and ZeRO would be
+    recorded in part, and their steps are not replayed."""
+    cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
+    cb.trainer = SimpleNamespace()  # attached (on_train_begin runs on a Trainer's rank)
+    for engine in ({"fsdp": "full_shard", "deepspeed": None}, {"fsdp": "", "deepspeed": "ds.json"}):
+        args = SimpleNamespace(world_size=2, max_steps=10, **engine)
+        with pytest.warns(UserWarning, match="DeepSpeed or FSDP is not supported .DDP is.; recording nothing"):
+            cb.on_train_begin(args, None, None)
+        assert cb.rec is None and not (tmp_path / "run").exists()
