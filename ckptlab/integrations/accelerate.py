@@ -40,11 +40,15 @@ applies that rule (checked after each micro-batch).
 `training_step` is the recorded step function: the body on each micro-batch of the step, with
 accelerate's counter set so that `accumulate` syncs on the last one only (the accelerated
 optimizer steps and the accelerated scheduler steps there, as in the loop).
+
+On several processes (DDP under `torchrun` or `accelerate launch --multi_gpu`) every rank records, as the plain
+Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
+micro-batches. Replay spawns the recorded world size; `build_fn`'s `accelerator.prepare` wraps
+the model in DDP there, and `accumulate` skips the all-reduce (`no_sync`) as in the loop.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -113,11 +117,6 @@ class LoopRecorder:
         self.accelerator, self.model, self.optimizer, self.lr_scheduler = accelerator, model, optimizer, lr_scheduler
         self.body, self.sample_id_key = body, sample_id_key
         self.config = RecordConfig.of(config, **{**options, "step_scheduler": False})
-        if accelerator.num_processes > 1:
-            warnings.warn(
-                "ckptlab: recording an accelerate loop on more than one process is not tested; replay may not be exact",
-                stacklevel=2,
-            )
         self.rec = Recorder(
             run_dir,
             model,

@@ -22,7 +22,9 @@ HF callbacks are not given the batch or the loss, so `record` (or `CkptlabCallba
 also wraps `trainer.training_step`. What is recorded from which hook:
 - `on_train_begin`: the Recorder is created on the trainer's model, optimizer, LR scheduler
   and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
-  `step_scheduler=False`);
+  `step_scheduler=False`); under `torchrun` / `accelerate launch --multi_gpu` (DDP) on every rank, as the
+  plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
+  batches (a multi-process DeepSpeed or FSDP run is not recorded: a warning);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -35,13 +37,16 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
 Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
-does: accelerate's bf16/fp16 autocast and GradScaler) on each micro-batch, then the optimizer
-half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
-docs/integrations.md lists what replays exactly.
+does: accelerate's bf16/fp16 autocast and GradScaler; on several processes the model wrapped
+in DDP, under `no_sync` but for the step's last micro-batch) on each micro-batch, then the
+optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+A multi-process run replays on its recorded world size (one process per rank, spawned by
+`ckptlab replay`). docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -151,9 +156,13 @@ class CkptlabCallback(TrainerCallback):
                 hint="call ckptlab.integrations.transformers.record(trainer, ...) "
                 "or callback.attach(trainer) before trainer.train()",
             )
-        if args.world_size > 1:
+        if args.world_size > 1 and _replay_limits(args):
+            # Only DDP is recorded across processes: FSDP's and ZeRO's sharded states would be
+            # recorded in part, and replay would not run their steps.
             warnings.warn(
-                "ckptlab: recording a multi-process Trainer run is not supported; recording nothing", stacklevel=2
+                "ckptlab: recording a multi-process Trainer run under DeepSpeed or FSDP is not supported "
+                "(DDP is); recording nothing",
+                stacklevel=2,
             )
             return
         for problem in _replay_limits(args):
@@ -308,6 +317,7 @@ def training_step(model, optimizer, batch):
     steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
     # Set by the Trainer's loop for each optimizer step: how many micro-batches it has.
     trainer.current_gradient_accumulation_steps = cfg.get("current_gradient_accumulation_steps", 1)
+    wrapped = _wrapped(trainer, model)
     total = None
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
@@ -316,7 +326,11 @@ def training_step(model, optimizer, batch):
         # optimizer does nothing on the others (the flag is process-wide: set it every time).
         accelerator.gradient_state._set_sync_gradients(last)
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
-        loss = trainer.training_step(model, part["inputs"], batch.get("num_items_in_batch"))
+        # As the loop: DDP all-reduces the gradients of the last micro-batch only (no_sync
+        # before it; one process: no wrapper, nothing to sync).
+        sync = contextlib.nullcontext if last else functools.partial(accelerator.no_sync, wrapped)
+        with sync():
+            loss = trainer.training_step(wrapped, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
     if not steps:
         return total
@@ -330,6 +344,13 @@ def training_step(model, optimizer, batch):
         scheduler.step()
     model.zero_grad()
     return total
+
+
+def _wrapped(trainer, model):
+    """The model the Trainer's loop runs: `model` as `accelerator.prepare` wrapped it in `build`
+    (DDP, on more than one process), or `model` itself (one process; or another model given)."""
+    wrapped = trainer.model_wrapped
+    return wrapped if wrapped is model or getattr(wrapped, "module", None) is model else model
 
 
 def _replay_limits(args) -> list[str]:

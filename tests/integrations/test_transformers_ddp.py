@@ -1,0 +1,68 @@
+"""A Hugging Face Trainer under `torchrun --nproc_per_node=2` (DDP, gloo on the CPU; tests/
+hf_ddp_models.py) is recorded on every rank as the plain Recorder records DDP: rank 0 writes the
+run, each rank its own batches. `ckptlab replay` spawns both ranks, runs the Trainer's DDP step
+(the model accelerate wrapped, the gradients all-reduced after the last micro-batch) bit for
+bit, and names rank 1, the micro-batch, the row and the planted sample."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import ckptlab  # noqa: E402
+from ckptlab.integrations import transformers as ckt  # noqa: E402
+from tests import hf_ddp_models as dm  # noqa: E402
+from tests.integrations.ddp_launch import replay_json, torchrun  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hf-ddp") / "run"
+    assert torchrun("hf_ddp_models.py", run_dir) == [f"rank {r} stopped at step {dm.FAULT_STEP}" for r in (0, 1)]
+    return run_dir
+
+
+def test_every_rank_records_its_own_micro_batches(ddp_run):
+    run = ckptlab.open_run(ddp_run)
+    assert run.world_size == dm.WORLD and run.ranks == [0, 1]
+    assert run.steps_of(0) == run.steps_of(1) == list(range(dm.FAULT_STEP + 1))
+    batch, ids = run.batch(dm.FAULT_STEP, rank=1)
+    assert batch["micro_rows"] == [dm.hm.BATCH] * dm.ACCUM
+    assert ids[dm.FAULT_MICRO * dm.hm.BATCH + dm.FAULT_ROW] == dm.FAULT_SAMPLE
+    assert dm.FAULT_SAMPLE not in run.batch(dm.FAULT_STEP, rank=0)[1]
+    m = run.metrics()
+    rank_loss = m.scalars[m.index(dm.FAULT_STEP)]["rank_loss"]
+    assert math.isfinite(rank_loss[0]) and math.isnan(rank_loss[1])  # the NaN came in on rank 1
+    assert 0 in run.checkpoints and 2 in run.checkpoints  # written once, by rank 0
+
+
+def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sample(ddp_run):
+    """From step 0: the healthy steps' losses and gradient norms equal to the bit on both ranks
+    (the all-reduce as DDP ran it), then the NaN on rank 1."""
+    doc = replay_json(ddp_run, dm.FAULT_STEP, "--from-step", "0")
+    assert doc["root_step"] == dm.FAULT_STEP and doc["rank"] == dm.FAULT_RANK
+    assert doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
+    steps = doc["steps"]
+    assert [s["step"] for s in steps] == list(range(dm.FAULT_STEP + 1)) and all(s["match"] for s in steps)
+    for s in steps[:-1]:  # healthy: every rank's own loss, and the all-reduced gradient norm, to the bit
+        assert (s["rank_loss"], s["grad_norm"]) == (s["recorded_rank_loss"], s["recorded_grad_norm"])
+    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (dm.FAULT_MICRO, dm.FAULT_ROW, dm.FAULT_SAMPLE)
+    ]
+    assert "on rank 1" in doc["verdict"] and f"micro-batch {dm.FAULT_MICRO} row {dm.FAULT_ROW}" in doc["verdict"]
+    assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
+
+
+def test_a_multi_process_fsdp_or_deepspeed_run_records_nothing_and_says_so(tmp_path):
+    """Only DDP is recorded across processes: the sharded states of FSDP and ZeRO would be
+    recorded in part, and their steps are not replayed."""
+    cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
+    cb.trainer = SimpleNamespace()  # attached (on_train_begin runs on a Trainer's rank)
+    for engine in ({"fsdp": "full_shard", "deepspeed": None}, {"fsdp": "", "deepspeed": "ds.json"}):
+        args = SimpleNamespace(world_size=2, max_steps=10, **engine)
+        with pytest.warns(UserWarning, match="DeepSpeed or FSDP is not supported .DDP is.; recording nothing"):
+            cb.on_train_begin(args, None, None)
+        assert cb.rec is None and not (tmp_path / "run").exists()
