@@ -30,6 +30,11 @@ What is recorded from which hook:
   `val_prefix` (not during the sanity check);
 - `on_train_end` / `on_exception`: close.
 
+Under DDP (`strategy="ddp"`, `"ddp_spawn"`) every rank records, as the Recorder records DDP
+(rank 0 the manifest, journal and checkpoints; every rank its own batches), and the replayed
+step runs through a DistributedDataParallel wrapper with the recorded options (`_ddp_wrapper`).
+Other multi-process strategies (FSDP, DeepSpeed) are not recorded: a warning, nothing written.
+
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
 optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss

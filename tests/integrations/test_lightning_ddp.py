@@ -5,6 +5,7 @@ bit, and names the rank, micro-batch, row and sample id the NaN came in with."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,8 @@ def replay_json(run_dir, step, capfd) -> dict:
 
 def test_every_rank_records_its_own_batches(runs):
     run_dir, out = runs[1]
-    assert sorted(out.split("\n")[:2]) == [f"rank {r} stopped at step {NAN_STEP}" for r in (0, 1)]  # both stop
+    stopped = sorted(re.findall(r"rank \d stopped at step \d+", out))
+    assert stopped == [f"rank {r} stopped at step {NAN_STEP}" for r in (0, 1)]  # every rank raises there
     run = ckptlab.open_run(run_dir)
     assert run.world_size == 2 and run.ranks == [0, 1] and run.manifest["backend"] == "gloo"
     assert run.steps_of(0) == run.steps_of(1) == list(range(NAN_STEP + 1))
@@ -105,3 +107,20 @@ def test_ddp_spawn_with_accumulation_replays_bit_exactly_and_names_the_micro_bat
     assert len(doc["samples"]) == 1
     assert (sample["micro_batch"], sample["row"], sample["sample_id"]) == (ACCUM_MICRO, ldm.FAULT_ROW, ldm.FAULT_SAMPLE)
     assert f"micro-batch {ACCUM_MICRO} row {ldm.FAULT_ROW} (sample {ldm.FAULT_SAMPLE})" in doc["verdict"]
+
+
+def test_other_multi_process_strategies_are_not_recorded(tmp_path):
+    """FSDP (DeepSpeed, model parallelism alike) on 2 processes: a warning naming the strategy,
+    and nothing written."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from ckptlab.integrations import lightning as ckl
+    from tests.integrations import lit_models as lm
+
+    cb = ckl.CkptlabCallback(tmp_path / "run", build_fn=lm.build)
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), world_size=2)
+    with pytest.warns(UserWarning, match="2-process Lightning run under FSDPStrategy is not supported"):
+        cb.on_train_start(trainer, lm.LitMLP())
+    assert cb.rec is None and not (tmp_path / "run").exists()
