@@ -5,7 +5,7 @@
 process_group_backend="gloo"))` with ckptlab's callback. Lightning's "ddp" starts rank 1 by
 running this same command again (so the test runs it in a subprocess, not in pytest). With
 "popen" every rank stops at the NaN step (NonFiniteLoss, decided on every rank's loss) and
-prints `rank R stopped at step S`; "spawn" is strategy="ddp_spawn" (see `main`).
+prints `rank R stopped at step S`; "spawn" is strategy="ddp_spawn", with precision="bf16-mixed" (see `main`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main(run_dir: str, accumulate: int, start_method: str = "popen") -> None:
         strategy=DDPStrategy(process_group_backend="gloo", start_method=start_method),
         accumulate_grad_batches=accumulate,
         max_steps=FAULT_BATCH // accumulate + 1,
+        precision="bf16-mixed" if spawn else "32-true",
         limit_val_batches=0,
         use_distributed_sampler=False,
     )

@@ -27,7 +27,7 @@ ACCUM_STEP, ACCUM_MICRO = divmod(ldm.FAULT_BATCH, ACCUM)  # step 2, its micro-ba
 def runs(tmp_path_factory):
     """Both recordings, trained at once, each from its own `python -m` process: strategy="ddp"
     with one batch a step (Lightning's launcher runs the command again as rank 1), and
-    strategy="ddp_spawn" with accumulate_grad_batches=2 (both ranks spawned from it)."""
+    strategy="ddp_spawn" with accumulate_grad_batches=2 and bf16-mixed (both ranks spawned from it)."""
     tmp = tmp_path_factory.mktemp("lit-ddp")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
@@ -91,15 +91,15 @@ def test_replay_is_bit_exact_on_two_processes_and_names_rank_row_and_sample(runs
     assert doc["counterfactuals"][0]["fault"] is False  # without that row the step is healthy
 
 
-def test_ddp_spawn_with_accumulation_replays_bit_exactly_and_names_the_micro_batch(runs, capfd):
+def test_ddp_spawn_with_accumulation_and_bf16_replays_bit_exactly_and_names_the_micro_batch(runs, capfd):
     """strategy="ddp_spawn" records as "ddp" does. accumulate_grad_batches=2: the first
     micro-batch's backward runs without the all-reduce (Lightning's no_sync), the last one's
-    with it; replay does the same."""
+    with it; replay does the same, under the same bf16 autocast."""
     run_dir, out = runs[ACCUM]
     run = ckptlab.open_run(run_dir)
     batch, ids = run.batch(ACCUM_STEP, rank=1)
     assert batch["micro_rows"] == [4, 4] and ids == sum((ldm.sample_ids(b, 1) for b in (4, 5)), [])
-    assert batch["lightning"]["accumulate_grad_batches"] == ACCUM
+    assert (batch["lightning"]["accumulate_grad_batches"], batch["lightning"]["precision"]) == (ACCUM, "bf16-mixed")
     doc = replay_json(run_dir, ACCUM_STEP, capfd)
     assert doc["root_step"] == ACCUM_STEP and doc["rank"] == ldm.FAULT_RANK and doc["bit_exact"]
     assert [(c["step"], c["match"]) for c in doc["steps"]] == [(s, True) for s in range(ACCUM_STEP + 1)]
