@@ -273,8 +273,10 @@ def training_step(model, optimizer, batch):
     optimizer.step(closure), followed by on_before_optimizer_step and configure_gradient_clipping
     (16-mixed: on the gradients the scaler unscaled, then the scaler's step, which skips the
     update on inf/NaN gradients, and its update); then the LR scheduler steps when the trainer
-    stepped it after this batch. Returns the loss (with accumulation, the sum of the
-    micro-batches' losses).
+    stepped it after this batch. Under DDP (recorded "strategy": "ddp") training_step runs
+    through a DistributedDataParallel wrapper (`_ddp_wrapper`), the micro-batches before the
+    last under its no_sync, as DDPStrategy runs them. Returns the loss (with accumulation, the
+    sum of the micro-batches' losses).
     """
     cfg = batch["lightning"]
     parts = batch.get(MICRO_BATCHES) or [{"batch": batch["batch"], "batch_idx": batch["batch_idx"]}]
