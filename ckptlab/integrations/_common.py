@@ -28,6 +28,11 @@ def register(optimizer, **objects) -> None:
     _REPLAY[optimizer] = objects
 
 
+def remember(optimizer, name: str, obj) -> None:
+    """Add `obj` under `name` to what is registered for `optimizer` (made during replay)."""
+    _REPLAY.setdefault(optimizer, {})[name] = obj
+
+
 def registered(optimizer, name: str, *, required: bool, hint: str):
     """The object `build(...)` registered under `name` for `optimizer`."""
     obj = _REPLAY.get(optimizer, {}).get(name)

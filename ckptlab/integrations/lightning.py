@@ -30,6 +30,11 @@ What is recorded from which hook:
   `val_prefix` (not during the sanity check);
 - `on_train_end` / `on_exception`: close.
 
+Under DDP (`strategy="ddp"`, `"ddp_spawn"`) every rank records, as the Recorder records DDP
+(rank 0 the manifest, journal and checkpoints; every rank its own batches), and the replayed
+step runs through a DistributedDataParallel wrapper with the recorded options (`_ddp_wrapper`).
+Other multi-process strategies (FSDP, DeepSpeed) are not recorded: a warning, nothing written.
+
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
 optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss
@@ -110,10 +115,9 @@ class CkptlabCallback(pl.Callback):
     # --- set-up ---------------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.world_size > 1:
-            warnings.warn(
-                "ckptlab: recording a multi-process Lightning run is not supported; recording nothing", stacklevel=2
-            )
+        why = _not_recorded(trainer)
+        if why:
+            warnings.warn(f"ckptlab: {why}; recording nothing", stacklevel=2)
             return
         for problem in _replay_limits(trainer, pl_module):
             warnings.warn(
@@ -174,6 +178,9 @@ class CkptlabCallback(pl.Callback):
         }
         if accumulate != 1:
             config["accumulate_grad_batches"] = accumulate
+        if _is_ddp(trainer.model):
+            config["strategy"] = "ddp"
+            config["ddp"] = _ddp_kwargs(trainer.strategy)
         return config
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -266,8 +273,10 @@ def training_step(model, optimizer, batch):
     optimizer.step(closure), followed by on_before_optimizer_step and configure_gradient_clipping
     (16-mixed: on the gradients the scaler unscaled, then the scaler's step, which skips the
     update on inf/NaN gradients, and its update); then the LR scheduler steps when the trainer
-    stepped it after this batch. Returns the loss (with accumulation, the sum of the
-    micro-batches' losses).
+    stepped it after this batch. Under DDP (recorded "strategy": "ddp") training_step runs
+    through a DistributedDataParallel wrapper (`_ddp_wrapper`), the micro-batches before the
+    last under its no_sync, as DDPStrategy runs them. Returns the loss (with accumulation, the
+    sum of the micro-batches' losses).
     """
     cfg = batch["lightning"]
     parts = batch.get(MICRO_BATCHES) or [{"batch": batch["batch"], "batch_idx": batch["batch_idx"]}]
@@ -276,19 +285,21 @@ def training_step(model, optimizer, batch):
     scaler = None
     if cfg["precision"] == "16-mixed":
         scaler = _common.registered(optimizer, "scaler", required=True, hint=SCALER_HINT)
+    ddp = _ddp_wrapper(model, optimizer, cfg)
     total = None
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
         accumulating(optimizer, not last)  # the probe measures pre-clip gradient norms on the last only
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
         # Lightning zeroes the gradients when batch_idx % k == 0: the first micro-batch of each step.
-        closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last, scaler=scaler)
+        closure = _closure(model, optimizer, part, cfg, k, first=i == 0, last=last, scaler=scaler, ddp=ddp)
         if last:
             stepping = optimizer if scaler is None else _ScaledOptimizer(optimizer, scaler)
             with _quiet_log():
                 model.optimizer_step(cfg["epoch"], part["batch_idx"], stepping, closure)
         else:
-            closure()
+            with _no_sync(ddp):  # DDP: no all-reduce until the step's last micro-batch
+                closure()
         if closure.loss is not None:
             total = _common.add_losses(total, closure.loss)
     if steps and cfg["scheduler_step"]:
@@ -297,17 +308,18 @@ def training_step(model, optimizer, batch):
     return total
 
 
-def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool, scaler=None):
-    """Lightning's closure for one batch: training_step, zero_grad (first batch of the step),
-    backward (of the scaled loss, with a GradScaler); on the step's last batch, the hooks
-    before the update and gradient clipping (after unscaling, with a GradScaler).
-    `closure.loss` is the loss it returned (divided by k)."""
+def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool, scaler=None, ddp=None):
+    """Lightning's closure for one batch: training_step (through the DDP wrapper `ddp`, when
+    the trainer had one), zero_grad (first batch of the step), backward (of the scaled loss,
+    with a GradScaler); on the step's last batch, the hooks before the update and gradient
+    clipping (after unscaling, with a GradScaler). `closure.loss` is the loss it returned
+    (divided by k)."""
     inputs, batch_idx, epoch = part["batch"], part["batch_idx"], cfg["epoch"]
     args = (inputs, batch_idx) if _takes_batch_idx(model) else (inputs,)
 
     def closure():
         with _autocast(model, cfg["precision"]), _quiet_log():
-            result = model.training_step(*args)
+            result = _run_training_step(model, ddp, args)
         loss = result.get("loss") if isinstance(result, dict) else result
         if first:
             model.on_before_zero_grad(optimizer)
@@ -404,6 +416,72 @@ def _takes_batch_idx(model) -> bool:
     return is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
 
 
+# --- DDP: the wrapper the trainer's DDPStrategy put around the module -------------------------
+
+# DistributedDataParallel's options that shape the gradient all-reduce (its buckets, which
+# gradients it waits for, buffers it broadcasts): recorded with each step, replayed as given.
+DDP_OPTIONS = (
+    "bucket_cap_mb",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "broadcast_buffers",
+)
+
+
+def _is_ddp(model) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _ddp_kwargs(strategy) -> dict:
+    return {k: v for k, v in getattr(strategy, "_ddp_kwargs", {}).items() if k in DDP_OPTIONS}
+
+
+def _ddp_wrapper(model, optimizer, cfg: dict):
+    """Replay of a step the trainer ran under DDP: the DistributedDataParallel wrapper around
+    `model` with the recorded options, so the backward all-reduces the gradients over the
+    ranks the replay runs on (a process group of one when one rank is replayed alone). Made
+    at the built model's first replayed step, on every rank alike (its construction is
+    collective), and kept with the optimizer build(...) registered."""
+    if cfg.get("strategy") != "ddp":
+        return None
+    wrapper = _common.registered(optimizer, "ddp", required=False, hint=BUILD_HINT)
+    if wrapper is None or wrapper.module is not model:
+        wrapper = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
+        _common.remember(optimizer, "ddp", wrapper)
+    return wrapper
+
+
+def _run_training_step(model, ddp, args):
+    """`model.training_step(*args)`; under DDP through the wrapper's forward, as DDPStrategy
+    runs it (its forward redirection), so the wrapper prepares the gradient all-reduce."""
+    if ddp is None:
+        return model.training_step(*args)
+    redirect = importlib.import_module(f"{pl.__name__}.strategies.ddp")._DDPForwardRedirection()
+    return redirect(ddp, model, "training_step", *args)
+
+
+def _no_sync(ddp):
+    """DDPStrategy.block_backward_sync: a micro-batch before the step's last one."""
+    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+
+
+def _not_recorded(trainer) -> str | None:
+    """Why this trainer's run is not recorded (None: it is): one process, or DDP (every rank
+    records, as the Recorder does under DDP: docs/distributed.md)."""
+    strategies = importlib.import_module(f"{pl.__name__}.strategies")
+    strategy = trainer.strategy
+    if isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, strategies.DeepSpeedStrategy):
+        return None
+    if trainer.world_size <= 1:
+        return None
+    return (
+        f"recording a {trainer.world_size}-process Lightning run under {type(strategy).__name__} is not supported "
+        '(ckptlab records strategy="ddp", "ddp_spawn" and one process; FSDP, DeepSpeed and model parallelism '
+        "shard the model in ways it does not replay)"
+    )
+
+
 # --- what the trainer will do after this batch ------------------------------------------------
 
 
@@ -442,6 +520,9 @@ def _replay_limits(trainer, module) -> list[str]:
         )
     if len(trainer.optimizers) > 1:
         problems.append(f"{len(trainer.optimizers)} optimizers: only the first is checkpointed")
+    strategy = trainer.strategy
+    if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(strategy, "_model_averaging_period", None):
+        problems.append("a DDP communication hook or model averaging: replay all-reduces gradients as plain DDP does")
     return problems
 
 
