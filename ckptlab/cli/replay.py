@@ -137,10 +137,10 @@ def command(
 def _open_with_step(run_dir, step: int, rank: int | None, term):
     """The run that holds `step` (`_run_with_step`), and whether this process is a launched
     job's rank other than 0 (it then prints nothing but errors: rank 0 prints the report)."""
-    from ckptlab.training.world import launched
-
     run = _open(run_dir, term)
-    launch = launched()  # (after _open: it imports torch)
+    from ckptlab.training.world import launched  # (after _open: it imports torch)
+
+    launch = launched()
     term.quiet = follower = launch is not None and not launch.is_main
     run = _run_with_step(run, step, picked=run_dir is None and not os.environ.get("CKPTLAB_RUN"), term=term)
     if launch is not None and launch.size > 1 and (rank is not None or run.world_size == 1):

@@ -208,7 +208,9 @@ def pick_origin(events: list, first_nans: list[int], candidates: list, absorbed:
     absorbed names its first such root (a NaN whose every root was absorbed was guarded: the
     next one is looked at); with no such NaN, or when the first NaN has no root (it came from
     the batch or the weights, or by a way the lineage does not follow), the first candidate
-    not absorbed."""
+    not absorbed; with none, the first forward op that made a NaN from absorbed values only
+    (a softmax over a row whose every key a mask set to -inf)."""
+    guarded = None  # the first forward NaN made from absorbed values only
     for i in first_nans:
         roots = events[i].roots
         if not roots:
@@ -216,4 +218,9 @@ def pick_origin(events: list, first_nans: list[int], candidates: list, absorbed:
         live = roots - absorbed
         if live:
             return events[min(live)]
-    return next((c for c in candidates if c.index not in absorbed), None)
+        if guarded is None and events[i].phase == "forward":
+            guarded = events[i]
+    candidate = next((c for c in candidates if c.index not in absorbed), None)
+    # A mask's -inf, harmless in every other row, turned into NaN here (a softmax over a row
+    # whose every key is masked: an all-padding document): this op is where the fault starts.
+    return candidate if candidate is not None else guarded
