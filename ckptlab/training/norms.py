@@ -46,6 +46,8 @@ def to_host(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, object]:
     on = on_one_device(pieces)
     first = on[0].device
     values = torch.cat([p if p.dtype == torch.float32 else p.float() for p in on])
+    if first.type == "cpu":  # already where it is read (no `.cpu()` call: it would return it)
+        return values, None
     if first.type != "cuda":
         return values.cpu(), None
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
