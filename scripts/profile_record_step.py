@@ -52,7 +52,7 @@ PHASES = {
     "RNG: capture (recorded states)": [(record_batches, "capture_rng")],
     "RNG: compare (older ckptlab: full states)": [(record_batches, "rng_equal")],
     "batch: ids, encode (codec, pack)": [(record_batches.BatchLog, "append"), (records, "encode_batch")],
-    "batch: zlib + frame write": [(RunWriter, "append_batch")],
+    "batch: zlib": [(RunWriter, "append_batch")],
     "probe: begin": [(StepProbe, "begin")],
     "probe: gradient hooks (per parameter)": [(StepProbe, "_on_grad")],
     "probe: end of backward (the note; per backward on a probe's first step)": [(StepProbe, "_on_backward_end")],
@@ -63,7 +63,8 @@ PHASES = {
     "probe: read the health (host arithmetic)": [(PendingHealth, "result")],
     "step record: anomaly rules": [(anomalies, "step_anomalies")],
     "step record: health dicts, encode": [(record_health.HealthLog, "_record"), (records, "encode_step")],
-    "step record: frame write": [(RunWriter, "append_step"), (framelog.FrameWriter, "append")],
+    "step record: the writer's append": [(RunWriter, "append_step")],
+    "frame writes (framing, crc, os.write: the batch's and the step record's)": [(framelog.FrameWriter, "append")],
     "step: close (after_step, settle)": [(Recorder, "_after_step"), (record_health.HealthLog, "settle")],
     "step: the Recorder's own step() and run_step": [(Recorder, "step"), (StepRunner, "run_step")],
 }

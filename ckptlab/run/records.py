@@ -40,7 +40,12 @@ def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
     (tests/run/test_records.py compares them), built here because the library's Python side
     costs ~0.1 ms a call and a recorded step packs two records. A value may also be a numpy
     array (a step record's health arrays): stored as the tensor `torch.from_numpy` makes of it."""
-    metadata = {META_KEY: _JSON(meta)}
+    return pack_json(_JSON(meta), tensors)
+
+
+def pack_json(meta_json: str, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
+    """`pack` of a record whose JSON is already encoded (`meta_json`)."""
+    metadata = {META_KEY: meta_json}
     laid = layout(tensors, metadata)
     if laid is None:
         return safetensors.torch.save(_as_torch(tensors), metadata=metadata)
@@ -74,6 +79,9 @@ def layout(tensors: dict, metadata: dict[str, str]) -> tuple[bytes, list[np.ndar
 
 # One encoder each, made once: json.dumps(..., separators=...) builds a new one per call.
 _JSON = json.JSONEncoder(separators=(",", ":")).encode
+# The same, refusing a non-finite float (ValueError) instead of writing NaN: a record whose
+# numbers are all finite needs no `json_safe` copy first (the same text either way).
+_JSON_FINITE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _JSON_HEADER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
@@ -254,7 +262,14 @@ def decode_batch(payload: bytes, *, where: str) -> BatchRecord:
 
 
 def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
-    return pack(json_safe(scalars), {k: v for k, v in arrays.items() if v is not None})
+    """A step record: its scalars as JSON (non-finite floats as strings: `json_safe`) and its
+    arrays. Most steps' numbers are all finite, and are encoded as they are, without the copy
+    `json_safe` makes (a step record a step, on the training thread)."""
+    try:
+        meta_json = _JSON_FINITE(scalars)
+    except ValueError:  # a NaN or an infinity among them
+        meta_json = _JSON(json_safe(scalars))
+    return pack_json(meta_json, {k: v for k, v in arrays.items() if v is not None})
 
 
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:

@@ -90,7 +90,8 @@ def loss_tensor(loss) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise RecordError(f"step_fn returned a tensor of shape {tuple(loss.shape)}; return the scalar loss")
-        return loss.detach().reshape(1).float()
+        value = loss.detach().reshape(1)
+        return value if value.dtype == torch.float32 else value.float()
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         return torch.tensor([float(loss)], dtype=torch.float32)
     raise RecordError(f"step_fn must return the loss (a scalar tensor), got {type(loss).__name__}")

@@ -3,11 +3,13 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
 import torch
 
+from ckptlab.jsonable import json_safe
 from ckptlab.run import records
 
 DTYPES = [
@@ -40,6 +42,22 @@ def test_pack_is_byte_for_byte_what_safetensors_writes():
 def test_pack_without_tensors():
     meta = {"step": 1}
     assert records.pack(meta, {}) == safetensors.torch.save({}, metadata={records.META_KEY: '{"step":1}'})
+
+
+@pytest.mark.parametrize(
+    "scalars",
+    [
+        {"step": 3, "loss": 2.5, "grad_norm": 1.25, "lr": [3e-4, 1e-3], "stepped": True, "nonfinite_grads": 0},
+        {"step": 4, "loss": float("nan"), "grad_norm": float("inf"), "lr": (0.1,), "rank_loss": [1.0, -float("inf")]},
+        {"step": 5, "loss": np.float64(0.5), "note": "caf\u00e9", "nested": {"a": [1, (2.0, None)]}},
+    ],
+)
+def test_a_step_record_with_finite_numbers_is_the_same_bytes_without_the_json_safe_copy(scalars):
+    arrays = {"param_grad_norm": np.array([0.5, -1.0], dtype=np.float32), "update_ratio": None}
+    before = records.pack(json_safe(scalars), {"param_grad_norm": arrays["param_grad_norm"]})
+    assert records.encode_step(scalars, arrays) == before
+    meta, _ = records.decode_step(before, where="x")
+    assert meta["step"] == scalars["step"]
 
 
 def test_a_streamed_checkpoint_file_is_the_librarys_bytes_and_hash(tmp_path, monkeypatch):
