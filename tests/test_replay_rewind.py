@@ -32,6 +32,10 @@ def test_a_poisoned_update_one_checkpoint_before_the_fault_is_named(poisoned, cl
     assert (e["param"], e["row"], e["row_norm_before"]) == ("emb.weight", rm.RARE, 0.0) and e["row_norm_after"] > 50
     assert f"Doomed earlier: without row 3 (sample {100 * rm.POISON_STEP + 3}) of step 37" in doc["verdict"]
     assert f"most its row {rm.RARE}" in doc["verdict"]
+    # The Recorder had flagged step 37's gradient as the loss's precursor: the verdict links the two.
+    assert (doc["precursor"]["param"], doc["precursor"]["step"]) == ("emb.weight", rm.POISON_STEP)
+    assert "The record saw it coming: emb.weight's gradient spiked" in doc["verdict"]
+    assert "at step 37 (the step found above)" in doc["verdict"]
 
 
 def test_a_search_back_that_runs_out_of_budget_says_what_it_did_not_test(poisoned, cli):

@@ -216,6 +216,9 @@ class ReplayReport:
     # of the window: None when not run.
     culprit: Culprit | None = None
     rewind: EarlierCause | None = None
+    # The record's precursor of the root step's loss anomaly (record/precursors.py: what stood
+    # out before the loss did): {"param", "what", "step", "ratio", "text"}; None when none.
+    precursor: dict | None = None
     budget: dict | None = None  # {"replays": limit, "used": n, "ran_out": [searches cut short]}
     dump: DumpInfo | None = None  # --dump: the full-tensor dump of the root step
     divergence: DivergenceCheck | None = None  # not reproduced: why the replay left the record

@@ -516,9 +516,20 @@ def execution(report: ReplayReport, run: Run, compiled: bool | None) -> None:
     report.compiled = compiled
     report.recorded_compiled = recorded
     report.bit_exact = all(c.match for c in report.steps) if report.steps else None
+    report.precursor = recorded_precursor(run, report.root_step, report.requested_step)
     if recorded is not None and report.compiled is not None and bool(recorded) != report.compiled:
         how = ("compiled", "eagerly") if recorded else ("eagerly", "compiled")
         report.notes.append(
             f"recorded {how[0]}, replayed {how[1]} (the model build_fn returns): "
             + ("bit-exact all the same" if report.bit_exact else "kernels differ, so the numbers may too")
         )
+
+
+def recorded_precursor(run: Run, root: int | None, requested: int) -> dict | None:
+    """What the Recorder saw stand out before the loss anomaly at the root step (or, with
+    none, the requested one): its event's `precursor`, with `text`."""
+    for step in dict.fromkeys(s for s in (root, requested) if s is not None):
+        for e in run.events():
+            if e["step"] == step and e.get("precursor"):
+                return {**e["precursor"], "text": e.get("precursor_text", "")}
+    return None

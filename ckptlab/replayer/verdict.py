@@ -368,6 +368,10 @@ def _searches(r: ReplayReport) -> str:
     w = r.rewind
     if w is not None and w.detail:
         out += f" {'Doomed earlier' if w.step is not None else 'Searching back'}: {w.detail}."
+    p = r.precursor
+    if p and p.get("text") and (r.root_step is None or p["step"] < r.root_step):
+        found = w is not None and w.step == p["step"]
+        out += f" The record saw it coming: {p['text']}" + (" (the step found above)." if found else ".")
     if r.budget and r.budget.get("ran_out"):
         out += f" The {' and '.join(r.budget['ran_out'])} search ran out of its budget ({r.budget['used']} replays)."
     return out
