@@ -182,6 +182,12 @@ def test_an_optimizer_that_never_steps_is_caught_while_recording(run_dir, cli):
     assert doc["reproduced"] is False and doc["deterministic"] is False
     assert "the replay left the record at step 6" in doc["verdict"]
     assert "the Recorder warned at step 2: the optimizer given to the Recorder did not step" in doc["verdict"]
+    info = cli("info", "--run", run_dir, "--json").json()  # a warning, not an anomaly of a step
+    assert info["anomalies"] == [] and [w["kind"] for w in info["warnings"]] == ["idle_optimizer"]
+    assert (
+        "warned" in cli("info", "--run", run_dir).out
+        and "none seen while recording" in cli("info", "--run", run_dir).out
+    )
 
 
 def test_an_optimizer_that_never_steps_is_caught_in_a_trainer_that_owns_its_loop(run_dir):

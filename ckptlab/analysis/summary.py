@@ -11,6 +11,7 @@ from ckptlab.run.layout import dir_size, parts
 from ckptlab.run.lock import holder
 from ckptlab.run.manifest import recorded_code
 from ckptlab.run.reader import Run
+from ckptlab.run.records import RECORD_WARNINGS
 
 
 @dataclass
@@ -46,6 +47,9 @@ class RunSummary:
     environment: dict | None = None
     recording: dict | None = None  # the live Recorder's lock record ({"pid", "host", "started"}), if one records now
     problems: list[str] = field(default_factory=list)  # torn tails (a crash's), and all of `damaged`
+    # What the Recorder warned of about its own record (an optimizer that never stepped:
+    # docs/alerts.md): events, but no anomaly of a step.
+    warnings: list[dict] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)  # corrupt, truncated or tampered files
 
 
@@ -73,7 +77,9 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         steps["ranks"] = {r: _ranges(run.steps_of(r)) for r in run.ranks}
     # A checkpoint retention retires while this reads it is left out: the summary of a moment later.
     checkpoints = [c for c in (_checkpoint_status(run, s, verify) for s in run.checkpoints) if c is not None]
-    anomalies = run.events()  # reads the journal, noting its problems
+    events = run.events()  # reads the journal, noting its problems
+    anomalies = [e for e in events if e["kind"] not in RECORD_WARNINGS]
+    warned = [e for e in events if e["kind"] in RECORD_WARNINGS]  # the Recorder's own (no fault of a step)
     failed = [c.problem for c in checkpoints if c.verified is False and c.problem is not None]
     return RunSummary(
         run=str(run.path),
@@ -87,6 +93,7 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         steps=steps,
         checkpoints=checkpoints,
         anomalies=anomalies,
+        warnings=warned,
         validation=_validation(run),
         disk=_disk(run),
         functions=_functions(run),

@@ -13,7 +13,8 @@ from ckptlab.cli.common import end_with_problems, find_run, json_option, open_te
 @click.option("--no-verify", is_flag=True, help="Skip hashing checkpoint files (faster on large runs).")
 def command(run_dir, as_json: bool, no_verify: bool) -> None:
     """Summarize a run: steps recorded, checkpoints (integrity verified against their hashes),
-    anomalies seen while recording, validation points, disk use per part, and whether the
+    anomalies seen while recording (and the Recorder's warnings about its own record, such as an
+    optimizer that never stepped), validation points, disk use per part, and whether the
     recorded build_fn/step_fn source changed since recording.
 
     Exits 1 when anything recorded is damaged: a checkpoint that fails its hashes, a corrupt

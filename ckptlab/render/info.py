@@ -34,6 +34,8 @@ def render(s, term) -> None:
     term.field("recorded on", safe(summary(s.environment) or "not recorded (a run recorded before ckptlab kept it)"))
     term.print(_checkpoints(s.checkpoints))
     _anomalies(s.anomalies, term)
+    for e in s.warnings:
+        term.field("[yellow]warned[/yellow]", f"step {e['step']}: {safe(e.get('detail') or e['kind'])}")
     v = s.validation
     if v["count"]:
         best = v["best"]

@@ -30,6 +30,7 @@ KEYS = {
     "steps",
     "checkpoints",
     "anomalies",
+    "warnings",
     "validation",
     "disk",
     "functions",
