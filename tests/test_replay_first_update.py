@@ -53,6 +53,9 @@ def test_adams_first_update_with_an_empty_second_moment_is_the_root(adam, cli):
     assert (first["step"], first["parameter"], first["state"]) == (37, "block.out.weight", "exp_avg_sq all zero")
     assert 30 < first["update_ratio"] < 100  # ~60x its norm, measured exactly
     assert "first_update" in _step(doc, 37)["anomalies"]
+    # Proven: with the block's empty second moments in tune with their gradients, no fault.
+    proof = next(c for c in doc["counterfactuals"] if "second moment" in c["question"])
+    assert proof["fault"] is False and "the fault vanishes" in doc["verdict"]
     # Measuring every step only reads: every replayed step matches the record bit for bit.
     assert doc["bit_exact"] and all(c["match"] for c in doc["steps"])
 

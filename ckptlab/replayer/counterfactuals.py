@@ -151,7 +151,8 @@ def _second_moment_in_tune(root: RootStep) -> list[Counterfactual]:
     return [
         Counterfactual(
             f"does the fault {f'(to step {last}) ' if last > root.root else ''}remain with `{name}`'s "
-            "second moment in tune with its gradient at the root step (exp_avg_sq = max(exp_avg_sq, grad^2))?",
+            "second moment (and any other still empty) in tune with its gradient at the root step "
+            "(exp_avg_sq = max(exp_avg_sq, grad^2))?",
             bool(found),
             f"in tune: update ratio {h.update_ratio_global or 0:.3g}"
             + (

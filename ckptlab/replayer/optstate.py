@@ -129,15 +129,21 @@ def first_updates(step: int, h: StepHealth, names: list[str]) -> list[FirstUpdat
 
 
 @contextlib.contextmanager
-def in_tune(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter):
+def in_tune(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, *, empty_too: bool = True):
     """For the steps inside, `param`'s second moment is brought up to its new gradient's square
     just before the update (exp_avg_sq = max(exp_avg_sq, grad^2)): the update Adam would make if
-    its state had kept up with the gradient."""
+    its state had kept up with the gradient. With `empty_too`, so is every other parameter's
+    whose second moment is still empty (all zero): a block switched on makes its first update
+    in all of its parameters at once, and tuning one of them leaves the others' sign-like steps."""
 
     def raise_floor(opt, args, kwargs):
-        v = opt.state.get(param, {}).get("exp_avg_sq")
-        if isinstance(v, torch.Tensor) and param.grad is not None:
-            torch.maximum(v, param.grad.detach().to(v.dtype).square(), out=v)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                v = opt.state.get(p, {}).get("exp_avg_sq")
+                if not isinstance(v, torch.Tensor) or p.grad is None:
+                    continue
+                if p is param or (empty_too and not bool(v.any())):
+                    torch.maximum(v, p.grad.detach().to(v.dtype).square(), out=v)
 
     handle = optimizer.register_step_pre_hook(raise_floor)
     try:
