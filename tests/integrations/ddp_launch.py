@@ -32,3 +32,22 @@ def replay_json(run_dir: Path, step: int, *options: str) -> dict:
         [sys.executable, "-m", "ckptlab", "replay", "--run", str(run_dir), "--step", str(step), *options, "--json"]
     )
     return json.loads(done.stdout)
+
+
+def assert_replays_and_names_the_sample(doc: dict, dm) -> None:
+    """A replay from step 0 of a fixture module `dm`'s planted NaN (FAULT_STEP, FAULT_RANK,
+    FAULT_MICRO, FAULT_ROW, FAULT_SAMPLE): every healthy step equal to the bit on both ranks
+    (each rank's own loss and the all-reduced gradient norm), the fault on its rank, and the
+    sample named by micro-batch and row."""
+    assert doc["root_step"] == dm.FAULT_STEP and doc["rank"] == dm.FAULT_RANK
+    assert doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
+    steps = doc["steps"]
+    assert [s["step"] for s in steps] == list(range(dm.FAULT_STEP + 1)) and all(s["match"] for s in steps)
+    for s in steps[:-1]:
+        assert (s["rank_loss"], s["grad_norm"]) == (s["recorded_rank_loss"], s["recorded_grad_norm"])
+    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (dm.FAULT_MICRO, dm.FAULT_ROW, dm.FAULT_SAMPLE)
+    ]
+    assert f"on rank {dm.FAULT_RANK}" in doc["verdict"]
+    assert f"micro-batch {dm.FAULT_MICRO} row {dm.FAULT_ROW}" in doc["verdict"]
+    assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy

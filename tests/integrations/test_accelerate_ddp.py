@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")
 
 import ckptlab  # noqa: E402
 from tests import accelerate_ddp_models as dm  # noqa: E402
-from tests.integrations.ddp_launch import replay_json, torchrun  # noqa: E402
+from tests.integrations.ddp_launch import assert_replays_and_names_the_sample, replay_json, torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,4 @@ def test_every_rank_records_its_own_micro_batches(ddp_run):
 def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sample(ddp_run):
     """From step 0: the healthy steps' losses and gradient norms equal to the bit on both ranks
     (accumulate's no_sync, then the all-reduce, as DDP ran them), then the NaN on rank 1."""
-    doc = replay_json(ddp_run, dm.FAULT_STEP, "--from-step", "0")
-    assert doc["root_step"] == dm.FAULT_STEP and doc["rank"] == dm.FAULT_RANK
-    assert doc["reproduced"] and doc["deterministic"] and doc["bit_exact"]
-    steps = doc["steps"]
-    assert [s["step"] for s in steps] == list(range(dm.FAULT_STEP + 1)) and all(s["match"] for s in steps)
-    for s in steps[:-1]:  # healthy: every rank's own loss, and the all-reduced gradient norm, to the bit
-        assert (s["rank_loss"], s["grad_norm"]) == (s["recorded_rank_loss"], s["recorded_grad_norm"])
-    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
-        (dm.FAULT_MICRO, dm.FAULT_ROW, dm.FAULT_SAMPLE)
-    ]
-    assert "on rank 1" in doc["verdict"] and f"micro-batch {dm.FAULT_MICRO} row {dm.FAULT_ROW}" in doc["verdict"]
-    assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
+    assert_replays_and_names_the_sample(replay_json(ddp_run, dm.FAULT_STEP, "--from-step", "0"), dm)
