@@ -12,9 +12,10 @@ the fault's episode), then each older checkpoint in turn:
    the state at that checkpoint was already primed: the cause lies before it, so the search goes
    one checkpoint further back (if every step from there is retained, and budget is left).
 2. Else one of those steps did it. Candidates come from the journal first: the steps whose
-   per-parameter gradient norm (before clipping) stands out most against that parameter's
-   median over the window (>= 10x, or the first non-zero gradient of a parameter that had only
-   zeros), each confirmed by a replay without it; then bisection (the earlier half first).
+   per-parameter gradient norm (before clipping) or update stands out most, by the report's
+   precursor rule (>= 10x that parameter's median and a robust z, or the first non-zero
+   gradient of a parameter that had only zeros), each confirmed by a replay without it; then
+   bisection (the earlier half first).
 3. The step found: the fewest of its rows whose removal prevents the fault (their sample ids),
    and what the step did to the state (one more replay up to it): the parameter it moved most
    against its norm, and for an embedding-like table the row it pushed (the token id).
@@ -26,20 +27,22 @@ test (batches not retained, a checkpoint missing, the budget spent).
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from collections.abc import Container
 
 import numpy as np
 import torch
 
 from ckptlab.analysis.batches import batch_rows, is_embedding, select_rows
+from ckptlab.analysis.health.precursors import series, spikes_before
+from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.findings import EarlierCause
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.shrink import ddmin, localize, negate, same_fault, where
 from ckptlab.training.probe import named_parameters
 
-STANDS_OUT = 10.0  # a journal candidate: a gradient norm >= 10x its parameter's window median
+RULES = HealthRules()  # what stands out in the journal: the report's precursor rule
 CANDIDATES = 3  # journal candidates confirmed by replay before bisecting
 
 
@@ -155,22 +158,16 @@ def _find_step(root: RootStep, faults, start: int, found: EarlierCause) -> int |
 
 
 def journal_candidates(root: RootStep, start: int) -> list[int]:
-    """Steps start..root-1 whose per-parameter gradient norm stood out most in the record
-    (>= STANDS_OUT x that parameter's median over the window, or non-zero where the median is
-    0), most first; at most CANDIDATES."""
+    """Steps start..root-1 where a parameter's gradient norm or update stood out in the
+    record, by the report's precursor rule (analysis/health/precursors.py: >= 10x that
+    parameter's median and a robust z, or a first non-zero gradient), most first; at most
+    CANDIDATES."""
     m = root.inv.metrics
-    sl = m.window(start, root.root - 1)
-    g = m.param_grad_norm[sl].astype(np.float64)
-    g = np.where((g < 0) | ~np.isfinite(g), np.nan, g)  # -1: no gradient
-    if not g.size:
-        return []
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # (a column without any gradient)
-        med = np.nanmedian(g, axis=0)
-        ratio = np.where(med > 0, g / med, np.where(g > 0, np.inf, 0.0))
-    score = np.nan_to_num(ratio, nan=0.0).max(axis=1)
-    order = [int(i) for i in np.argsort(-score, kind="stable") if score[i] >= STANDS_OUT]
-    return [int(m.step[sl][i]) for i in order[:CANDIDATES]]
+    i = int(np.searchsorted(m.step, root.root))  # the root's row (or where it would be)
+    rules = dataclasses.replace(RULES, precursor_window=max(1, root.root - start))
+    found = spikes_before(m.step, m.param_names, series(m), i, rules)
+    steps = dict.fromkeys(f["step"] for f in found if start <= f["step"] < root.root)
+    return list(steps)[:CANDIDATES]
 
 
 def bisect(faults, start: int, fault_step: int, found: EarlierCause) -> int | None:

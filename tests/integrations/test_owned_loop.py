@@ -26,28 +26,39 @@ def evaluate(trainer):
         trainer.model.train()
 
 
+def record_trainer(run_dir, config, *callbacks, fault: bool = False):
+    """What a user writes: the dataset tracked, the Recorder on the model's forward and the
+    callback, then the trainer's own run() (with `callbacks` after the step). Returns the
+    recording (its `.recorder` is made at the first step), the trainer, and the NonFiniteLoss
+    that stopped it (None: it ran to its end)."""
+    torch.manual_seed(0)
+    model = om.TinyLM()
+    data = owned_loop.track_ids(om.Sequences(fault=fault))
+    trainer = om.Trainer(config, model, data)
+    with owned_loop.record(
+        run_dir,
+        model,
+        lambda: trainer.optimizer,
+        step_fn=om.step,
+        build_fn=om.build,
+        sample_ids=data.take,
+        ckpt_every=4,
+    ) as rec:
+        trainer.add_callback("on_batch_end", lambda t: rec.end_step(t.loss))
+        for callback in callbacks:
+            trainer.add_callback("on_batch_end", callback)
+        try:
+            trainer.run()
+        except ckptlab.NonFiniteLoss as e:
+            return rec, trainer, e
+    return rec, trainer, None
+
+
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("owned") / "run"
-    torch.manual_seed(0)
-    model = om.TinyLM()
-    # what a user writes: the dataset tracked, the Recorder on the model's forward and the callback
-    data = owned_loop.track_ids(om.Sequences(fault=True))
-    trainer = om.Trainer(om.TRAIN_CONFIG, model, data)
-    with pytest.raises(ckptlab.NonFiniteLoss) as e:
-        with owned_loop.record(
-            run_dir,
-            model,
-            lambda: trainer.optimizer,
-            step_fn=om.step,
-            build_fn=om.build,
-            sample_ids=data.take,
-            ckpt_every=4,
-        ) as rec:
-            trainer.add_callback("on_batch_end", lambda t: rec.end_step(t.loss))
-            trainer.add_callback("on_batch_end", evaluate)
-            trainer.run()
-    assert e.value.step == FAULT_STEP
+    rec, trainer, stopped = record_trainer(run_dir, om.TRAIN_CONFIG, evaluate, fault=True)
+    assert stopped is not None and stopped.step == FAULT_STEP
     assert rec.recorder is not None and rec.recorder.optimizer is trainer.optimizer  # the one run() built
     return run_dir
 
@@ -106,26 +117,9 @@ def test_a_learning_rate_spike_set_from_a_callback_is_named(tmp_path, cli):
         for g in t.optimizer.param_groups:
             g["lr"] = om.TRAIN_CONFIG.learning_rate * (1e4 if t.iter_num == 19 else 1.0)
 
-    torch.manual_seed(0)
-    model = om.TinyLM()
-    data = owned_loop.track_ids(om.Sequences())
-    trainer = om.Trainer(SimpleNamespace(**{**vars(om.TRAIN_CONFIG), "max_iters": 26}), model, data)
     run_dir = tmp_path / "run"
-    with owned_loop.record(
-        run_dir,
-        model,
-        lambda: trainer.optimizer,
-        step_fn=om.step,
-        build_fn=om.build,
-        sample_ids=data.take,
-        ckpt_every=4,
-    ) as rec:
-        trainer.add_callback("on_batch_end", lambda t: rec.end_step(t.loss))
-        trainer.add_callback("on_batch_end", spike)
-        try:
-            trainer.run()
-        except ckptlab.NonFiniteLoss:
-            pass
+    config = SimpleNamespace(**{**vars(om.TRAIN_CONFIG), "max_iters": 26})
+    record_trainer(run_dir, config, spike)  # (it may stop at the first non-finite loss)
     m = ckptlab.open_run(run_dir).metrics()
     assert m.lr[20, 0] == pytest.approx(30.0) and m.lr[19, 0] == pytest.approx(3e-3)
     symptom = next(e["step"] for e in ckptlab.open_run(run_dir).events() if e["step"] > 20)

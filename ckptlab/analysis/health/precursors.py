@@ -64,7 +64,7 @@ def loss_events(m: Metrics, rules: HealthRules) -> list[tuple[int, str]]:
     return kept
 
 
-def _series(m: Metrics) -> list[tuple[str, np.ndarray]]:
+def series(m: Metrics) -> list[tuple[str, np.ndarray]]:
     """(what, values[rows, params]) with NaN where not measured: gradient norms (-1 = none)
     and the update ratios of steps that stepped."""
     grads = np.where(m.param_grad_norm < 0, np.nan, m.param_grad_norm.astype(np.float64))
@@ -75,13 +75,13 @@ def _series(m: Metrics) -> list[tuple[str, np.ndarray]]:
 def _spikes_before(m: Metrics, i: int, rules: HealthRules) -> list[dict]:
     """The spikes of any parameter's gradient norm or update in the window before row `i`,
     largest ratio first."""
-    return spikes_before(m.step, m.param_names, _series(m), i, rules)
+    return spikes_before(m.step, m.param_names, series(m), i, rules)
 
 
 def spikes_before(
     steps, names: list[str], series: list[tuple[str, np.ndarray]], i: int, rules: HealthRules
 ) -> list[dict]:
-    """`_spikes_before` on plain arrays: `steps[rows]`, `series` as `_series` makes them
+    """`_spikes_before` on plain arrays: `steps[rows]`, `series` as `series` makes them
     (the Recorder's live alert keeps the recent rows: record/health.py)."""
     lo = max(0, i - rules.precursor_window)
     base = max(0, lo - BASELINE)
@@ -131,6 +131,12 @@ def _first_nonzero(values: np.ndarray) -> np.ndarray:
     return nonzero & (before == 0) & (zeros_before >= MIN_BASELINE)
 
 
+def _plain(spike: dict) -> dict:
+    """A spike for the evidence: a first non-zero gradient has no ratio (null), as in the
+    Recorder's live event."""
+    return {**spike, "ratio": spike["ratio"] if np.isfinite(spike["ratio"]) else None}
+
+
 def describe(top: dict) -> str:
     """'side.weight got its first non-zero gradient at step 37 (exactly 0 before)', or
     "emb.weight's gradient spiked 4.1e+03x at step 37"."""
@@ -153,7 +159,7 @@ def _finding(m: Metrics, i: int, what: str, found: list[dict], checkpoints: list
         severity="warning",
         title=title,
         steps=sorted({f["step"] for f in found})[:20] + [step],
-        evidence={"loss_step": step, "loss": what, "spikes": found[:10]},
+        evidence={"loss_step": step, "loss": what, "spikes": [_plain(f) for f in found[:10]]},
         params=params,
         remedies=[
             f"the cause may lie at step {top['step']}, not {step}: replay both from before it: {replay}"
