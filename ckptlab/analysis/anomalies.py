@@ -112,13 +112,7 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
         events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
     if h.weight_norm is not None and nonfinite_weight(h.weight_norm):
         events.append({"kind": "nonfinite_weight", "value": int(nonfinite_weight(h.weight_norm))})
-    spike = dets["loss"].check(h.loss)
-    if spike is not None:
-        events.append({"kind": "loss_spike", "value": h.loss, "median": spike.median, "z": spike.z})
-    spike = dets["grad"].check(h.grad_norm)
-    if grad_exploded(h.grad_norm, spike):
-        spread = {"median": spike.median, "z": spike.z} if spike is not None else {}
-        events.append({"kind": "grad_spike", "value": h.grad_norm, **spread})
+    events += spike_events(h.loss, h.grad_norm, dets)
     if update_exploded(h.update_ratio_global):
         events.append({"kind": "update_explosion", "value": h.update_ratio_global})
     first = first_update(getattr(h, "second_moment_empty", None), h.update_ratio, h.param_grad_norm)
@@ -127,6 +121,21 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
         finite = ratios[np.isfinite(ratios)]
         value = float(finite.max()) if finite.size else math.inf
         events.append({"kind": "first_update", "value": value, "parameters": first})
+    return events
+
+
+def spike_events(loss: float, grad_norm: float, dets: dict[str, SpikeDetector]) -> list[dict]:
+    """A step's loss and gradient-norm spikes, as events (the whole of `step_anomalies` for a
+    step whose numbers are all finite and whose update was not measured); feeds both to the
+    detectors."""
+    events = []
+    spike = dets["loss"].check(loss)
+    if spike is not None:
+        events.append({"kind": "loss_spike", "value": loss, "median": spike.median, "z": spike.z})
+    spike = dets["grad"].check(grad_norm)
+    if grad_exploded(grad_norm, spike):
+        spread = {"median": spike.median, "z": spike.z} if spike is not None else {}
+        events.append({"kind": "grad_spike", "value": grad_norm, **spread})
     return events
 
 

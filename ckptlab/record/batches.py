@@ -15,7 +15,8 @@ import torch
 from ckptlab.errors import RecordError
 from ckptlab.run import records
 from ckptlab.run.writer import RunWriter
-from ckptlab.training.state import capture_rng, rng_fingerprint
+from ckptlab.training.rng_state import rng_fingerprint
+from ckptlab.training.state import capture_rng
 
 WRITTEN = object()  # `BatchLog.pending_rng` when the running step's batch is written (or none runs)
 

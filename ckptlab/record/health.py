@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from ckptlab.analysis.anomalies import IDLE_OPTIMIZER, detectors, idle_optimizer_text, step_anomalies
+from ckptlab.analysis.anomalies import IDLE_OPTIMIZER, detectors, idle_optimizer_text, spike_events, step_anomalies
 from ckptlab.errors import NonFiniteLoss
 from ckptlab.record.config import RecordConfig
 from ckptlab.record.precursors import Precursors
@@ -27,7 +27,7 @@ from ckptlab.run.reader import Progress
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.points import ALERT_GAP, alert_text
 from ckptlab.training.crash import describe, is_step_error
-from ckptlab.training.health import StepHealth
+from ckptlab.training.health import CommonHealth, StepHealth
 from ckptlab.training.probe import PendingHealth
 from ckptlab.training.world import World
 
@@ -78,20 +78,29 @@ class HealthLog:
             self._spikes["loss"].check(loss)
             self._spikes["grad"].check(grad)
 
-    def queue(self, n: int, pending: PendingHealth, ckpt_wait: float) -> StepHealth | None:
+    def queue(self, n: int, pending: PendingHealth, ckpt_wait: float, *, want: bool = False) -> StepHealth | None:
         """Step n ran: queue its health; record what is due (all of it when read at once, all
-        but this step's when deferred). Returns this step's health when read."""
+        but this step's when deferred). Returns this step's health when read and `want`ed."""
         self._queue.append((n, pending, ckpt_wait, time.time()))
-        return self.settle(keep=1 if self.deferred else 0)
+        health = self.settle(keep=1 if self.deferred else 0)
+        if not want:
+            return None
+        return health.health() if isinstance(health, CommonHealth) else health
 
-    def settle(self, keep: int = 0, *, raise_nonfinite: bool = True) -> StepHealth | None:
+    def settle(self, keep: int = 0, *, raise_nonfinite: bool = True) -> StepHealth | CommonHealth | None:
         """Read and record the health of the steps that ran, leaving the last `keep` pending;
         then NonFiniteLoss for the first non-finite loss among them (if asked to), once the
-        steps after it are recorded too. Returns the last health recorded."""
-        health, bad = None, None
+        steps after it are recorded too. Returns the last health recorded (the usual step's
+        as a CommonHealth: training/health.py)."""
+        health: StepHealth | CommonHealth | None = None
+        bad = None
         while len(self._queue) > keep:
             n, pending, wait, t = self._queue.pop(0)
-            health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
+            common = pending.common() if self.live is None else None  # (the trackers take the arrays)
+            if common is not None:
+                health = self._record_common(n, common, wait, t)
+            else:
+                health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
             self._judge_optimizer(n, pending.watched)
             if bad is None and not health.loss_finite:
                 bad = (n, health.loss)
@@ -121,15 +130,35 @@ class HealthLog:
         if ckpt_wait:
             scalars["ckpt_wait"] = ckpt_wait
         arrays = health.arrays()
-        if self.world.is_main:
-            self.writer.append_step(n, records.encode_step(scalars, arrays))
-            for event in events:
-                self.writer.append_json(framelog.EVENT, n, event)
+        self._append(n, records.encode_step(scalars, arrays) if self.world.is_main else b"", events)
         if self.live is not None:  # queued: the trackers are sent to off this thread
             self.live.step(n, scalars, arrays, events)
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
+
+    def _record_common(self, n: int, health: CommonHealth, ckpt_wait: float, t: float) -> CommonHealth:
+        """`_record` of the usual step (training/health.py `CommonHealth`): the same record,
+        events and alerts, with no numpy call (no tracker: `settle`)."""
+        events = spike_events(health.loss, health.grad_norm, self._spikes)  # (nothing else can happen)
+        if self._precursors is not None:
+            self._precursors.add_row(n, health.norms, None, events)
+        if events and self.first_anomaly is None:
+            self.first_anomaly = n
+        scalars = {"step": n, "time": t, **health.scalars()}
+        if ckpt_wait:
+            scalars["ckpt_wait"] = ckpt_wait
+        self._append(n, records.encode_step_norms(scalars, health.norms) if self.world.is_main else b"", events)
+        if events and self.on_anomaly is not None:
+            self.on_anomaly(n, events)
+        return health
+
+    def _append(self, n: int, record: bytes, events: list[dict]) -> None:
+        """Step n's record and its events, to the journal (rank 0's)."""
+        if self.world.is_main:
+            self.writer.append_step(n, record)
+            for event in events:
+                self.writer.append_json(framelog.EVENT, n, event)
 
     def _judge_optimizer(self, n: int, watched: str | None) -> None:
         """After the first WATCHED_STEPS steps: if the optimizer never stepped while the

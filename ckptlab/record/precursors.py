@@ -36,10 +36,14 @@ class Precursors:
     def add(self, step: int, health: StepHealth, events: list[dict]) -> None:
         """Step `step`'s numbers; a loss event among `events` gets a `precursor` key (the
         parameter, what spiked, its step and ratio) when one stood out before it."""
-        grads = health.param_grad_norm
+        updates = health.update_ratio if health.update_ratio is not None and health.stepped else None
+        self.add_row(step, health.param_grad_norm, updates, events)
+
+    def add_row(self, step: int, grads, updates, events: list[dict]) -> None:
+        """`add` of the numbers themselves: the per-parameter gradient norms (an array or a
+        list), the update ratios (None: not measured this step)."""
         if grads is None or len(grads) != len(self.names):
             return
-        updates = health.update_ratio if health.update_ratio is not None and health.stepped else None
         self._rows.append((step, grads, updates))
         loss = next((e for e in events if e["kind"] in LOSS_EVENTS), None)
         if loss is None:

@@ -138,7 +138,7 @@ class Recorder:
             self._fail(e)
             raise
         self._in_step = False
-        self._after_step(pending)
+        self._after_step(pending, want=False)
         return loss
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
@@ -224,13 +224,14 @@ class Recorder:
                 snaps.wait += self._checkpoint(n, reason)
         return n % self.config.health_every == 0
 
-    def _after_step(self, pending) -> StepHealth | None:
-        """Step `next_step` ran: its health queued (and what is due recorded)."""
+    def _after_step(self, pending, want: bool = True) -> StepHealth | None:
+        """Step `next_step` ran: its health queued (and what is due recorded); returned when
+        `want`ed and read."""
         n = self.next_step
         self._snaps.await_write()
         self._batches.step_ended()
         self.next_step = n + 1
-        return self._health.queue(n, pending, self._snaps.wait)
+        return self._health.queue(n, pending, self._snaps.wait, want=want)
 
     def _fail(self, error: BaseException | None) -> None:
         """The running step failed: the live checkpoint's write finished, the health still

@@ -272,6 +272,27 @@ def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
     return pack_json(meta_json, {k: v for k, v in arrays.items() if v is not None})
 
 
+def encode_step_norms(scalars: dict, norms: list[float]) -> bytes:
+    """`encode_step(scalars, {"param_grad_norm": float32 array of norms})`, the same bytes, for
+    the usual step (training/health.py `CommonHealth`: no other array) in fewer, plainer calls
+    than the general layout: right after a step each numpy call costs tens of microseconds.
+    `norms` are float32 values (as Python floats)."""
+    try:
+        meta_json = _JSON_FINITE(scalars)
+    except ValueError:  # a NaN or an infinity among them
+        return encode_step(scalars, {"param_grad_norm": np.array(norms, dtype=np.float32)})
+    n = len(norms)
+    # What `layout` writes for one F32 vector: the metadata (its JSON as a JSON string: only
+    # quotes to escape in a record of numbers), then the tensor's entry, padded to 8 bytes.
+    escaped = meta_json.replace('"', '\\"')
+    head = (
+        f'{{"__metadata__":{{"{META_KEY}":"{escaped}"}},'
+        f'"param_grad_norm":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{4 * n}]}}}}'
+    ).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + struct.pack(f"<{n}f", *norms)
+
+
 def decode_step(payload: bytes, *, where: str) -> tuple[dict, dict[str, np.ndarray]]:
     meta, tensors = unpack(payload, where=where)
     if not isinstance(meta, dict):

@@ -2,14 +2,16 @@
 takes a step's pre-clip gradient norms, with no call from the user's loop.
 
     grad_points.install()            # once per process (the probe's constructor calls it)
-    grad_points.LIVE.add(probe)      # a probe inside a step: measured before a change
+    grad_points.enter(probe)         # a probe inside a step: measured before a change
+    grad_points.leave(probe)         # its step ended (or failed, or the probe closed)
 
 Torch's clipping functions (`clip_grad_norm_`, `clip_grad_value_`, `get_total_norm`,
 `clip_grads_with_norm_`) all start by grouping the tensors with a helper that they look up in
 their own module at call time; wrapping that name catches them however the user imported them
 (`from torch.nn.utils import clip_grad_norm_` before ckptlab included). `GradScaler.unscale_`
 and `zero_grad` (of an optimizer or a module: a loop that drops a bad step) are wrapped on
-their classes. Each wrapper costs one truthiness test of `LIVE` outside a step.
+their classes. Each wrapper costs one truthiness test of `LIVE` outside a step (a plain list:
+a WeakSet's Python-level methods cost tens of microseconds a step, right after its compute).
 
 `clip_grad_norm_` also reuses the probe's norms: its total is the norm of the per-tensor
 norms, which are the very numbers the probe has just taken (the same kernel on the same
@@ -23,17 +25,30 @@ gradients then keeps its numbers right, at the cost of measuring every backward.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
-LIVE: weakref.WeakSet = weakref.WeakSet()  # probes inside a step
+LIVE: list = []  # probes inside a step (one per recorded model: `enter` to `leave`)
 _MARK = "__ckptlab_measures__"
+
+
+def enter(probe) -> None:
+    """`probe`'s step began: it measures before torch changes the gradients."""
+    if not any(p is probe for p in LIVE):
+        LIVE.append(probe)
+
+
+def leave(probe) -> None:
+    """`probe`'s step ended, failed, or the probe was closed."""
+    for i, p in enumerate(LIVE):
+        if p is probe:
+            del LIVE[i]
+            return
 
 
 def before_grads_change() -> None:
     """Torch is about to clip, unscale or zero gradients: every live probe measures them first."""
-    for probe in list(LIVE):
+    for probe in LIVE:
         probe._measure_point()
 
 
@@ -55,11 +70,11 @@ def _total_norm_reusing(fn):
     def wrapper(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         if LIVE and foreach is not False and float(norm_type) == 2.0 and isinstance(tensors, (list, tuple)):
             before_grads_change()
-            for probe in list(LIVE):
+            for probe in LIVE:
                 norms = reusable_norms(probe.measured, tensors)
                 if norms is not None:
                     with torch.no_grad():
-                        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                        total = torch.linalg.vector_norm(norms, 2.0)
                     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
                         return fn(tensors, norm_type, error_if_nonfinite, foreach)  # (torch's own error)
                     return total
@@ -69,26 +84,29 @@ def _total_norm_reusing(fn):
     return wrapper
 
 
-def reusable_norms(measured, tensors) -> list[torch.Tensor] | None:
+def reusable_norms(measured, tensors) -> torch.Tensor | None:
     """A probe's norms (`measured`: the gradients it just measured, their versions, their
-    norms) of exactly `tensors` (any order), unchanged since, on the CPU in float32: what
-    `clip_grad_norm_` would compute, the same bits. None when anything differs."""
+    norms, and those stacked) of exactly `tensors` (any order), unchanged since, on the CPU
+    in float32, as one vector: what `clip_grad_norm_` would stack, the same bits. None when
+    anything differs."""
     if measured is None or len(tensors) != len(measured[0]) or not tensors:
         return None
-    grads, versions, norms = measured
+    grads, versions, norms, stacked = measured
     device = grads[0].device
     if device.type != "cpu":
         return None
     at = {id(g): k for k, g in enumerate(grads)}
-    out = []
+    order = []
     for t in tensors:
         k = at.get(id(t))
         if k is None or grads[k] is not t or t._version != versions[k]:
             return None
         if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.device != device:
             return None
-        out.append(norms[k])
-    return out
+        order.append(k)
+    if order == list(range(len(grads))):  # (the usual order: the vector the probe stacked)
+        return stacked
+    return torch.stack([norms[k] for k in order])
 
 
 @functools.cache

@@ -77,7 +77,7 @@ from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
-from ckptlab.training.health import StepHealth, read_health
+from ckptlab.training.health import CommonHealth, StepHealth, read_common, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample
@@ -115,8 +115,8 @@ def same_norms_now(measured) -> bool:
     this one, so the probe stays eager."""
     if measured is None or not measured[0]:
         return True
-    grads, _, norms = measured
-    return bool(torch.equal(torch.stack(batched_norms(list(grads))), torch.stack(norms)))
+    grads, _, _, stacked = measured
+    return bool(torch.equal(torch.stack(batched_norms(list(grads))), stacked))
 
 
 def scale_now(scaler) -> torch.Tensor | None:
@@ -156,13 +156,28 @@ class PendingHealth:
         self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
         self._values: torch.Tensor | None = values  # None once read
         self._health: StepHealth | None = None
+        self._common: CommonHealth | None = None  # read by common()
         # A watched step (StepProbe.watch): "stepped" (the optimizer did), else once read
         # "moved" (the weights moved all the same) or "still"; None on the other steps.
         self.watched: str | None = meta.pop("watched", None)
 
+    def common(self) -> CommonHealth | None:
+        """The usual step's health in plain Python numbers (training/health.py `read_common`:
+        cheap right after a step), or None for any other step (read it with `result()`).
+        One rank, on the CPU."""
+        if self._health is not None or self._event is not None or self._probe.world.distributed:
+            return None
+        assert self._values is not None, "let go only once read into _health"
+        common = read_common(self._values, self._parts, self._meta, len(self._probe.params))
+        if common is not None:
+            self._common, self._values = common, None
+        return common
+
     def result(self, *, grads_live: bool = False) -> StepHealth:
         """`grads_live`: the step's gradients are still on the parameters (read right after
         the step), so a GPU run can count the non-finite elements of a non-finite norm."""
+        if self._health is None and self._common is not None:
+            self._health = self._common.health()
         if self._health is None:
             assert self._values is not None, "let go only once read into _health"
             if self._event is not None and not self._event.query():
@@ -256,6 +271,7 @@ class StepProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        grad_points.leave(self)
         if _PROBES.get(self.optimizer) is self:
             del _PROBES[self.optimizer]
 
@@ -280,7 +296,8 @@ class StepProbe:
         # measured: None before any backward or once measured in the lazy mode.
         self._note: tuple[list, list[int]] | None = None
         self._checked = False  # "learn": the note was checked at a measuring point this step
-        self.measured: tuple[list, list[int], list[torch.Tensor]] | None = None  # (grads, versions, norms)
+        # (grads, versions, norms, the norms stacked)
+        self.measured: tuple[list, list[int], list[torch.Tensor], torch.Tensor] | None = None
 
     # --- hooks ------------------------------------------------------------------------------
 
@@ -333,7 +350,7 @@ class StepProbe:
         grads = detached([present[i] for i in idx], self._sharded)
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
-        self.measured = (grads, [g._version for g in grads], norms)
+        self.measured = (grads, [g._version for g in grads], norms, self._grad_norms)
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
@@ -412,12 +429,12 @@ class StepProbe:
             self._begin_norms = self._weight_norms()
         self._t0 = time.perf_counter()
         self._active = True
-        grad_points.LIVE.add(self)
+        grad_points.enter(self)
 
     def abort(self) -> None:
         """Stop measuring (the step failed, or `end` is done): hooks ignore what comes next."""
         self._active = False
-        grad_points.LIVE.discard(self)
+        grad_points.leave(self)
         self._before = self._before_norms = self._begin_norms = None
 
     @out_of_sight
@@ -429,7 +446,7 @@ class StepProbe:
         if self.grad_mode == "learn" and self._checked:
             self.grad_mode = "lazy"  # nothing changed the gradients after their backward
         self._active = False
-        grad_points.LIVE.discard(self)
+        grad_points.leave(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
         idx, grad_norms = self._gradient_norms()
         meta: dict = {}

@@ -15,10 +15,8 @@ after); writing to disk happens elsewhere, in the background.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
-import struct
 from typing import Any
 
 import numpy as np
@@ -186,133 +184,6 @@ def rng_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if not torch.equal(a["torch"], b["torch"]):
         return False
     return all(torch.equal(x, y) for x, y in zip(a.get("cuda", []), b.get("cuda", [])))
-
-
-def rng_fingerprint() -> tuple:
-    """The RNG states as plain bytes and tuples, cheap to take and to compare: two fingerprints
-    are equal exactly when `capture_rng()` at those two moments would give states that
-    `rng_equal` calls equal. What the Recorder takes twice a step to tell whether the loop
-    drew random numbers between two steps; the states to record come from `capture_rng`."""
-    fp: tuple[Any, ...] = (_PYTHON.fingerprint(), _NUMPY.fingerprint(), torch.get_rng_state().numpy().tobytes())
-    if torch.cuda.is_initialized():  # (implies is_available, which costs more)
-        fp += tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all())
-    return fp
-
-
-class _PythonRandomState:
-    """Python's global `random` read without `random.getstate()`, which builds a tuple of 625
-    ints (~10 us, and as long to compare): the Mersenne Twister's C struct (`int index;
-    uint32_t state[624]` after the object header) as bytes, and `gauss_next`. The layout is
-    checked once against getstate on a scratch `random.Random`; if it does not match, the
-    fingerprint is getstate's own tuple."""
-
-    _BYTES = 4 + 624 * 4
-
-    def __init__(self) -> None:
-        self._ok: bool | None = None
-
-    def fingerprint(self):
-        if self._ok is None:
-            self._ok = self._check()
-        inst = random._inst if self._ok else None
-        if type(inst) is not random.Random:
-            return random.getstate()
-        return ctypes.string_at(id(inst) + object.__basicsize__, self._BYTES), inst.gauss_next
-
-    def _check(self) -> bool:
-        try:
-            if getattr(random.getstate, "__self__", None) is not random._inst:  # the module's functions are its methods
-                return False
-            r = random.Random(12345)
-            # (gauss's mu and sigma are given: they have no defaults in Python 3.10)
-            for draw in (None, r.random, lambda: r.gauss(0.0, 1.0), lambda: r.getrandbits(20000)):
-                if draw is not None:
-                    draw()
-                raw = ctypes.string_at(id(r) + object.__basicsize__, self._BYTES)
-                index, words = struct.unpack_from("<i", raw)[0], struct.unpack_from("<624I", raw, 4)
-                if (*words, index) != r.getstate()[1]:
-                    return False
-            return True
-        except Exception:  # noqa: BLE001 - any surprise means: use getstate
-            return False
-
-
-class _NumpyLegacyState:
-    """numpy's global RandomState read without `np.random.get_state()`, whose copy of the
-    624-word key one word at a time costs ~40 us: the key and position through the MT19937
-    bit generator's documented ctypes interface (`ctypes.state_address`), and the cached
-    Gaussian (`has_gauss`, `gauss`, which only get_state exposes) from the RandomState
-    object itself, at an offset found once and checked against get_state on a scratch
-    RandomState through every transition of the cache. If any of that fails (another numpy,
-    another bit generator), the fingerprint is get_state's own tuple: slower, as exact."""
-
-    _KEY_BYTES = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
-
-    def __init__(self) -> None:
-        self._offset: int | None | bool = False  # False: not looked for yet; None: not found
-
-    def fingerprint(self):
-        if self._offset is False:
-            self._offset = self._locate()
-        rs = np.random.mtrand._rand if self._offset is not None else None
-        bits = getattr(rs, "_bit_generator", None)
-        if type(rs) is not np.random.RandomState or type(bits) is not np.random.MT19937:
-            return _comparable(np.random.get_state())
-        aug = ctypes.string_at(id(rs) + self._offset, 16)  # int has_gauss, (padding), double gauss
-        return ctypes.string_at(bits.ctypes.state_address, self._KEY_BYTES) + aug[:4] + aug[8:]
-
-    def _locate(self) -> int | None:
-        """The offset of `has_gauss` in a RandomState, or None. The RandomState holds a copy
-        of its bit generator's `bitgen_t` (whose first field points at the MT19937 state) and
-        then `aug_bitgen_t {bitgen_t *bit_generator; int has_gauss; double gauss}`, whose
-        first field points at that copy: both pointers are searched for, then checked."""
-        try:
-            if getattr(np.random.get_state, "__self__", None) is not np.random.mtrand._rand:  # the global RandomState
-                return None
-            cls = np.random.RandomState
-            rs = cls(12345)
-            size = cls.__basicsize__
-            state = rs._bit_generator.ctypes.state_address
-
-            def word_at(value: int) -> int | None:
-                raw = ctypes.string_at(id(rs), size)
-                return next((i for i in range(0, size - 7, 8) if struct.unpack_from("<Q", raw, i)[0] == value), None)
-
-            copy = word_at(state)
-            aug = word_at(id(rs) + copy) if copy is not None else None
-            if aug is None or aug + 24 > size:
-                return None
-            offset = aug + 8
-            for draw in (None, rs.standard_normal, rs.standard_normal, rs.random_sample):  # cache: 0, 1, 0, 0
-                if draw is not None:
-                    draw()
-                legacy = rs.get_state(legacy=True)
-                if not isinstance(legacy, tuple):  # a dict: not MT19937's legacy state
-                    return None
-                raw = ctypes.string_at(id(rs) + offset, 16)
-                key = ctypes.string_at(rs._bit_generator.ctypes.state_address, self._KEY_BYTES)
-                got = (key[:-4], struct.unpack_from("<i", key, 2496)[0], *struct.unpack_from("<i4xd", raw))
-                if got != (legacy[1].tobytes(), legacy[2], legacy[3], legacy[4]):
-                    return None
-            return offset
-        except Exception:  # noqa: BLE001 - any surprise means: use get_state
-            return None
-
-
-def _comparable(state):
-    """A numpy state (a tuple, or a dict for another bit generator) with `==` that compares
-    arrays by their bytes."""
-    if isinstance(state, np.ndarray):
-        return state.dtype.str, state.shape, state.tobytes()
-    if isinstance(state, dict):
-        return tuple((k, _comparable(v)) for k, v in state.items())
-    if isinstance(state, (tuple, list)):
-        return tuple(_comparable(v) for v in state)
-    return state
-
-
-_PYTHON = _PythonRandomState()
-_NUMPY = _NumpyLegacyState()
 
 
 # --- execution settings ----------------------------------------------------------------------

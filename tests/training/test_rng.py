@@ -9,8 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckptlab
-from ckptlab.training import state
-from ckptlab.training.state import capture_rng, rng_equal, rng_fingerprint
+from ckptlab.training import rng_state
+from ckptlab.training.rng_state import rng_fingerprint
+from ckptlab.training.state import capture_rng, rng_equal
 
 # Draws and settings that move (or keep) each RNG, the awkward ones included: a draw that only
 # consumes a cached Gaussian changes no key word (numpy's has_gauss, Python's gauss_next).
@@ -27,6 +28,12 @@ MOVES = [
     ("numpy seed again, nothing drawn", lambda: np.random.seed(7)),
     ("torch rand", lambda: torch.rand(3)),
     ("torch manual_seed", lambda: torch.manual_seed(3)),
+    ("torch randn(1): caches a float normal", lambda: torch.randn(1)),
+    ("torch randn(1): uses the cached one", lambda: torch.randn(1)),
+    ("torch float64 normal: caches one", lambda: torch.randn(1, dtype=torch.float64)),
+    ("torch float64 normal: uses the cached one", lambda: torch.randn(1, dtype=torch.float64)),
+    ("torch set_rng_state to the same state", lambda: torch.set_rng_state(torch.get_rng_state())),
+    ("torch manual_seed again, nothing drawn", lambda: torch.manual_seed(3)),
 ]
 
 
@@ -40,8 +47,22 @@ def _cached_gaussian_set_back():
     return lambda: np.random.set_state(saved)
 
 
+def _torch_cached_normal_set_back():
+    """torch's CPU state with the same key words as now but the cached float normal of
+    earlier: only the cache differs."""
+    torch.manual_seed(11)
+    torch.randn(1)
+    saved = torch.get_rng_state()  # a float normal cached
+    torch.randn(1)  # uses it: same key and position
+    return lambda: torch.set_rng_state(saved)
+
+
 def _agree_through_moves() -> None:
-    for name, move in [*MOVES, ("numpy: only the cached Gaussian put back", _cached_gaussian_set_back())]:
+    for name, move in [
+        *MOVES,
+        ("numpy: only the cached Gaussian put back", _cached_gaussian_set_back()),
+        ("torch: only the cached normal put back", _torch_cached_normal_set_back()),
+    ]:
         before_fp, before = rng_fingerprint(), capture_rng()
         move()
         after_fp, after = rng_fingerprint(), capture_rng()
@@ -53,12 +74,14 @@ def test_fingerprints_tell_exactly_what_full_captures_tell():
 
 
 def test_the_raw_readers_are_used_here_and_the_fallbacks_agree(monkeypatch):
-    # numpy / CPython as installed: the raw reads were found and checked (else each step costs
+    # numpy / CPython / torch as installed: the raw reads were found and checked (else each step costs
     # ~50 us more: still exact, through get_state/getstate)
     rng_fingerprint()
-    assert state._NUMPY._offset not in (None, False) and state._PYTHON._ok
-    monkeypatch.setattr(state._NUMPY, "_offset", None)
-    monkeypatch.setattr(state._PYTHON, "_ok", False)
+    assert rng_state._NUMPY._offset not in (None, False) and rng_state._PYTHON._ok
+    assert rng_state._TORCH._offset not in (None, False)
+    monkeypatch.setattr(rng_state._NUMPY, "_offset", None)
+    monkeypatch.setattr(rng_state._PYTHON, "_ok", False)
+    monkeypatch.setattr(rng_state._TORCH, "_offset", None)
     _agree_through_moves()
 
 
