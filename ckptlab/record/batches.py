@@ -94,6 +94,8 @@ class BatchLog:
 
 def plain_ids(ids) -> list:
     """Sample ids as a JSON list of ints/strings (a tensor or array of ids is accepted)."""
+    if type(ids) in _SEQUENCES and _PLAIN.issuperset(map(type, ids)):
+        return list(ids)  # the common case, checked without a Python loop (once a step)
     if isinstance(ids, torch.Tensor):
         ids = ids.tolist()
     elif hasattr(ids, "tolist"):
@@ -109,3 +111,7 @@ def plain_ids(ids) -> list:
                 i = str(i)
         out.append(i)
     return out
+
+
+_SEQUENCES = (list, tuple)
+_PLAIN = frozenset((int, str))  # exactly: a bool, an IntEnum or a str subclass takes the loop

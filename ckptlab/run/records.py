@@ -21,7 +21,7 @@ import torch
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
 from ckptlab.jsonable import is_int, is_number, json_restore, json_safe
-from ckptlab.run import codec
+from ckptlab.run import batch_fast, codec
 from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
 META_KEY = "ckptlab"
@@ -228,6 +228,10 @@ def encode_batch_ref(step: int, digest: str, nbytes: int, sample_ids: list | Non
 
 
 def encode_batch(step: int, batch: Any, sample_ids: list | None, rng: dict | None) -> bytes:
+    if rng is None:  # the common batch, the same bytes with fewer calls (run/batch_fast.py)
+        payload = batch_fast.encode_batch(step, batch, sample_ids)
+        if payload is not None:
+            return payload
     spec, tensors = codec.encode(batch, prefix="batch", compact_ints=True)
     return _encode_batch_meta({"step": step, "batch": spec, "sample_ids": sample_ids}, rng, tensors=tensors)
 
