@@ -170,10 +170,12 @@ class FrameWriter:
         return len(frame)
 
     def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        n = os.write(self._fd, data)  # (one call: all of it, nearly always)
+        if n < len(data):
+            view = memoryview(data)[n:]
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
 
     def close(self, *, fsync: bool = True) -> None:
         if self._fd < 0:

@@ -49,7 +49,8 @@ def leave(probe) -> None:
 def before_grads_change() -> None:
     """Torch is about to clip, unscale or zero gradients: every live probe measures them first."""
     for probe in LIVE:
-        probe._measure_point()
+        if probe._note is not None:  # (else nothing to measure: skip the call)
+            probe._measure_point()
 
 
 def _measuring_first(fn):
