@@ -6,10 +6,14 @@ previous step's compute (cold caches: each torch op costs ~5-10 us there). Most 
 tensor, or a dict / list / tuple of dense CPU tensors (token ids, masks, labels) with the same
 structure, dtypes and shapes step after step. So what follows from the structure alone (the
 codec's spec, the tensors' names, the safetensors header's entries and data order) is built
-once per structure and kept; a step only finds its integer tensors' value range (numpy on the
-tensor's own memory, no torch op: one reduction when no value is negative), narrows them as `codec._compact` does, and joins the
-header and the data into the payload (the join is the copy the codec's clone makes: the bytes
-are taken before `encode_batch` returns, so the loop may change its batch afterwards).
+once per structure and kept; a step only finds its integer tensors' value range, narrows them
+as `codec._compact` does, and joins the header and the data into the payload. Small integer
+and bool tensors (at most SMALL_NUMEL elements: a small batch's token ids, masks, labels) are
+read as Python ints and packed with `struct`: right after a step, when nothing else has used
+numpy, one numpy call costs 20-60 us. Larger ones go through numpy on the tensor's own memory
+(one reduction when no value is negative). The join (or the pack) is the copy the codec's
+clone makes: the bytes are taken before `encode_batch` returns, so the loop may change its
+batch afterwards.
 
 Anything else (a tensor on a GPU, with grad, non-contiguous, of another dtype; numpy arrays,
 floats, namedtuples, non-str dict keys; RNG states to record) gets None: the general path.
@@ -61,10 +65,20 @@ _COMPACT = [(torch.empty(0, dtype=d).numpy().dtype, codec.dtype_name(d), lo, hi)
 # itemsize of the signed ints the codec compacts -> (the unsigned dtype, the largest signed value)
 _UNSIGNED = {d.itemsize: (np.dtype(f"u{d.itemsize}"), 2 ** (8 * d.itemsize - 1) - 1) for d in codec._INT_DTYPES}
 
+# Integer and bool tensors of at most SMALL_NUMEL elements (token ids, masks, labels of a small
+# batch) are packed from Python ints (`_small_ints`); dtype -> whether the codec compacts it.
+SMALL_NUMEL = 1024
+_SMALL = {
+    d: d in codec._INT_DTYPES for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+}
+# The struct code of each dtype packed that way (little-endian, standard sizes).
+_STRUCT = {torch.bool: "?", torch.uint8: "B", torch.int8: "b", torch.uint16: "H", torch.int16: "h"}
+_STRUCT |= {torch.int32: "i", torch.int64: "q"}
+
 # structure signature -> (`,"batch":SPEC,"sample_ids":`, the header after the metadata, the
-# order of the tensors' data in the file). Bounded: a batch whose leaves (ints, strings) change
+# order of the tensors' data in the file, the first as it reads inside the metadata string). Bounded: a batch whose leaves (ints, strings) change
 # every step makes a new signature each time.
-_CACHE: dict[tuple, tuple[str, str, tuple[int, ...]]] = {}
+_CACHE: dict[tuple, tuple[str, str, tuple[int, ...], str]] = {}
 _CACHE_MAX = 64
 _STRIDED = torch.strided
 
@@ -75,7 +89,7 @@ def encode_batch(step: int, batch: Any, sample_ids: list | None) -> bytes | None
     if type(step) is not int:
         return None
     sig: list = []
-    arrays: list[np.ndarray] = []
+    arrays: list = []
     try:
         if not _walk(batch, sig, arrays):
             return None
@@ -88,13 +102,27 @@ def encode_batch(step: int, batch: Any, sample_ids: list | None) -> bytes | None
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
         _CACHE[key] = entry
-    middle, tail, order = entry
-    meta_json = '{"step":' + int.__repr__(step) + middle + _ids_json(sample_ids) + "}"
-    head = ('{"__metadata__":{"' + META_KEY + '":' + _JSON_HEADER(meta_json) + tail).encode()
+    middle, tail, order, escaped = entry
+    ids = _int_ids(sample_ids)
+    if ids is not None:  # (nothing in it to escape: the metadata string is written as is)
+        meta = '"{\\"step\\":' + int.__repr__(step) + escaped + ids + '}"'
+    else:
+        meta = _JSON_HEADER('{"step":' + int.__repr__(step) + middle + _ids_json(sample_ids) + "}")
+    head = ('{"__metadata__":{"' + META_KEY + '":' + meta + tail).encode()
     head += b" " * (-len(head) % 8)
     if len(order) == 1:
-        return b"".join((struct.pack("<Q", len(head)), head, arrays[0]))  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs lack __buffer__
-    return b"".join([struct.pack("<Q", len(head)), head, *[arrays[i] for i in order]])  # type: ignore[list-item]  # as above
+        return b"".join((struct.pack("<Q", len(head)), head, arrays[0]))
+    return b"".join([struct.pack("<Q", len(head)), head, *[arrays[i] for i in order]])
+
+
+def _int_ids(sample_ids: list | None) -> str | None:
+    """The JSON of sample ids that are None or a list of plain ints (nothing in it a JSON
+    string must escape); None for any other."""
+    if sample_ids is None:
+        return "null"
+    if type(sample_ids) is list and all(type(i) is int for i in sample_ids):
+        return "[" + ",".join(map(int.__repr__, sample_ids)) + "]"
+    return None
 
 
 def _ids_json(sample_ids: list | None) -> str:
@@ -106,7 +134,7 @@ def _ids_json(sample_ids: list | None) -> str:
     return _JSON(sample_ids)
 
 
-def _walk(obj: Any, sig: list, arrays: list[np.ndarray]) -> bool:
+def _walk(obj: Any, sig: list, arrays: list) -> bool:
     """Append what `obj`'s encoding depends on (but its tensors' data) to `sig`, and its tensors'
     data, in the order the codec meets them, to `arrays`; False if the fast path cannot encode it."""
     kind = type(obj)
@@ -131,13 +159,16 @@ def _walk(obj: Any, sig: list, arrays: list[np.ndarray]) -> bool:
     return False
 
 
-def _tensor(t: torch.Tensor, sig: list, arrays: list[np.ndarray]) -> bool:
+def _tensor(t: torch.Tensor, sig: list, arrays: list) -> bool:
     if t.requires_grad or not t.is_cpu or t.layout is not _STRIDED or not t.is_contiguous():
         return False
     dtype = t.dtype
     spec = _DTYPES.get(dtype)
     if spec is None:
         return False
+    small = _SMALL.get(dtype)
+    if small is not None and t.numel() <= SMALL_NUMEL:  # (no numpy: module docstring)
+        return _small_ints(t, small, sig, arrays)
     try:
         a = t.view(torch.int16).numpy() if dtype is torch.bfloat16 else t.numpy()
     except RuntimeError:  # a negative or conjugate view bit: numpy() refuses, the codec copes
@@ -160,7 +191,25 @@ def _tensor(t: torch.Tensor, sig: list, arrays: list[np.ndarray]) -> bool:
     return True
 
 
-def _build(batch: Any, sig: list, arrays: list[np.ndarray]) -> tuple[str, str, tuple[int, ...]]:
+def _small_ints(t: torch.Tensor, compacts: bool, sig: list, arrays: list) -> bool:
+    """A small integer (or bool) tensor's data, compacted as `codec._compact` does, packed from
+    its values as Python ints: right after a step a numpy call costs tens of microseconds,
+    `tolist`, `min`, `max` and `struct.pack` a few."""
+    values = t.reshape(-1).tolist()
+    stored, code = None, _STRUCT[t.dtype]
+    if compacts and values:
+        lo, hi = min(values), max(values)
+        for dtype, dmin, dmax in codec._COMPACT:
+            if dmin <= lo and hi <= dmax:
+                if dtype.itemsize < t.itemsize:  # else kept as is (codec._compact)
+                    stored, code = codec.dtype_name(dtype), _STRUCT[dtype]
+                break
+    sig.append((t.dtype, t.shape, stored))
+    arrays.append(struct.pack(f"<{len(values)}{code}", *values))
+    return True
+
+
+def _build(batch: Any, sig: list, arrays: list) -> tuple[str, str, tuple[int, ...], str]:
     """The parts of the record that depend only on the signature `sig` of `batch`: the JSON
     between the step and the sample ids, the safetensors header after the metadata (as
     `records.layout` writes it) and the order of the tensors' data in the file."""
@@ -177,11 +226,13 @@ def _build(batch: Any, sig: list, arrays: list[np.ndarray]) -> tuple[str, str, t
     header: dict[str, Any] = {}
     offset = 0
     for _, name, code, i in entries:
-        n = arrays[i].nbytes
-        header[name] = {"dtype": code, "shape": list(arrays[i].shape), "data_offsets": [offset, offset + n]}
+        n = memoryview(arrays[i]).nbytes
+        header[name] = {"dtype": code, "shape": list(tensors[i][1]), "data_offsets": [offset, offset + n]}
         offset += n
     tail = "}" + ("," + _JSON_HEADER(header)[1:-1] if header else "") + "}"
-    return middle, tail, tuple(e[3] for e in entries)
+    # `middle` as it reads inside the metadata string (a JSON string of the record's JSON)
+    escaped = _JSON_HEADER(middle)[1:-1]
+    return middle, tail, tuple(e[3] for e in entries), escaped
 
 
 def _spec(obj: Any, path: str, refs: dict[str, int], stored) -> Any:

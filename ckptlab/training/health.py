@@ -274,13 +274,12 @@ class CommonHealth:
         )
 
 
-def read_common(values: torch.Tensor, parts: dict, meta: dict, n_params: int) -> CommonHealth | None:
-    """The step's health when it is the usual one (`values`: the probe's CPU vector of the loss
-    and the P gradient norms, nothing else measured; every parameter has a gradient; all
-    finite), else None (read_health reads it)."""
+def read_common(numbers: list[float], parts: dict, meta: dict, n_params: int) -> CommonHealth | None:
+    """The step's health when it is the usual one (`numbers`: the probe's, as Python floats:
+    the loss and the P gradient norms, nothing else measured; every parameter has a gradient;
+    all finite), else None (read_health reads it)."""
     if len(parts) != 2 or len(meta["idx"]) != n_params or meta["nonfinite"] or meta["stepped"] is None:
         return None
-    numbers = values.tolist()
     norms = numbers[1:]
     total = _sum_as_numpy([g * g for g in norms])
     loss = numbers[0]

@@ -152,9 +152,13 @@ class PendingHealth:
     CUDA: an event recorded after it, normally long done a step later) and turns the numbers
     into a StepHealth."""
 
-    def __init__(self, probe: StepProbe, values: torch.Tensor, event, parts: dict, meta: dict):
+    def __init__(
+        self, probe: StepProbe, values: torch.Tensor | tuple[float, torch.Tensor], event, parts: dict, meta: dict
+    ):
         self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
-        self._values: torch.Tensor | None = values  # None once read
+        # The numbers: one vector, or on the usual CPU step (StepProbe.end) the loss as a float
+        # and the gradient norms' vector, kept apart until read. None once read.
+        self._values: torch.Tensor | tuple[float, torch.Tensor] | None = values
         self._health: StepHealth | None = None
         self._common: CommonHealth | None = None  # read by common()
         # A watched step (StepProbe.watch): "stepped" (the optimizer did), else once read
@@ -167,8 +171,10 @@ class PendingHealth:
         One rank, on the CPU."""
         if self._health is not None or self._event is not None or self._probe.world.distributed:
             return None
-        assert self._values is not None, "let go only once read into _health"
-        common = read_common(self._values, self._parts, self._meta, len(self._probe.params))
+        values = self._values
+        assert values is not None, "let go only once read into _health"
+        numbers = [values[0], *values[1].tolist()] if isinstance(values, tuple) else values.tolist()
+        common = read_common(numbers, self._parts, self._meta, len(self._probe.params))
         if common is not None:
             self._common, self._values = common, None
         return common
@@ -183,6 +189,9 @@ class PendingHealth:
             if self._event is not None and not self._event.query():
                 self._event.synchronize()  # the device is behind by more than a step: wait
             probe = self._probe
+            if isinstance(self._values, tuple):  # (the loss and the norms, as to_host joins them)
+                loss, norms = self._values
+                self._values = torch.cat([torch.tensor([loss], dtype=torch.float32), norms])
             values = self._values.numpy()
             if "w0" in self._parts:
                 moved = (values[self._parts["w0"]] != values[self._parts["w1"]]).any()
@@ -236,6 +245,7 @@ class StepProbe:
         # Where a step's norms can be stacked as they are (all parameters on one device), and
         # whether gradients are DTensors whose local shard is what this rank measures.
         self._one_device = len({p.device for p in self.params}) <= 1
+        self._cpu = all(p.device.type == "cpu" for p in self.params)
         self._sharded = any(is_sharded(p) for p in self.params)
         self.optimizer = optimizer
         self.scaler = scaler
@@ -441,7 +451,8 @@ class StepProbe:
     def end(self, loss) -> PendingHealth:
         """Finish the step: queue its measurements' copy to the host and return at once.
         Combining with the other ranks happens in `result()` (all ranks read in step order)."""
-        value = loss_tensor(loss)
+        plain = self._cpu and type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.numel() == 1
+        value = None if plain else loss_tensor(loss)  # (a plain loss is read as a float below)
         self._measure_point()  # no optimizer step (or clipping) after the last backward
         if self.grad_mode == "learn" and self._checked:
             self.grad_mode = "lazy"  # nothing changed the gradients after their backward
@@ -449,6 +460,13 @@ class StepProbe:
         grad_points.leave(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
         idx, grad_norms = self._gradient_norms()
+        if plain and _usual(self):  # the loss and the gradient norms only: no vector made here
+            usual = {"loss": slice(0, 1), "grad": slice(1, 1 + len(idx))}
+            return PendingHealth(
+                self, (loss.item(), grad_norms), None, usual, _step_meta(self, idx, self._stepped, step_time)
+            )
+        if value is None:
+            value = loss_tensor(loss)
         meta: dict = {}
         parts: dict[str, slice] = {}  # name -> where its numbers sit in the one vector copied
         pieces: list[torch.Tensor] = []
@@ -487,14 +505,7 @@ class StepProbe:
             _watched(self, add, meta)
         self._before = self._before_norms = self._begin_norms = self._empty = None
         values, event = to_host(pieces)
-        meta |= {
-            "idx": idx,
-            "nonfinite": dict(self._nonfinite),
-            "lr": self._lr if self._lr is not None else group_lrs(self.optimizer),
-            "stepped": stepped,  # None: whether the weights moved (a measured hand update)
-            "step_time": step_time,
-        }
-        return PendingHealth(self, values, event, parts, meta)
+        return PendingHealth(self, values, event, parts, meta | _step_meta(self, idx, stepped, step_time))
 
     def _gradient_norms(self) -> tuple[list[int], torch.Tensor]:
         """The parameters with a gradient (ascending) and its norm, as one vector: those the
@@ -524,3 +535,26 @@ def _watched(probe: StepProbe, add, meta: dict) -> None:
         assert probe._begin_norms is not None, "taken at begin on a watched step"
         add("w0", probe._begin_norms)
         add("w1", probe._weight_norms())
+
+
+def _usual(probe: StepProbe) -> bool:
+    """The step measured the loss and the gradient norms, nothing else (no GradScaler, no
+    update, no weights: training/health.py `read_common`'s step)."""
+    return (
+        probe._scale is None
+        and probe._before is None
+        and probe._empty is None
+        and probe._before_norms is None
+        and not probe.hand
+        and (probe.watch <= 0 or probe._stepped)
+    )
+
+
+def _step_meta(probe: StepProbe, idx: list[int], stepped: bool | None, step_time: float) -> dict:
+    return {
+        "idx": idx,
+        "nonfinite": dict(probe._nonfinite),
+        "lr": probe._lr if probe._lr is not None else group_lrs(probe.optimizer),
+        "stepped": stepped,  # None: whether the weights moved (a measured hand update)
+        "step_time": step_time,
+    }

@@ -21,6 +21,14 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 Pair = namedtuple("Pair", "a b")
 
 
+@pytest.fixture(autouse=True, params=["small ints from Python", "every tensor through numpy"])
+def _both_paths(request, monkeypatch):
+    """Every test on both ways of taking a tensor's data: small integer tensors packed from
+    their Python values, and everything through numpy."""
+    if request.param == "every tensor through numpy":
+        monkeypatch.setattr(batch_fast, "SMALL_NUMEL", -1)
+
+
 def general(step, batch, ids, rng=None) -> bytes:
     """records.encode_batch without its fast path."""
     with mock.patch.object(batch_fast, "encode_batch", lambda *a: None):

@@ -44,7 +44,7 @@ def test_read_common_is_read_health_bit_for_bit(seed):
     values, parts, meta = _probe_output(norms, float(rng.normal()) * 10.0 ** float(rng.integers(-5, 5)))
     params = [torch.zeros(1) for _ in range(P)]
     want = read_health(values.numpy(), parts, meta, params=params, world=World(), optimizer=None, grads_live=False)
-    common = read_common(values, parts, meta, P)
+    common = read_common(values.tolist(), parts, meta, P)
     assert common is not None
     got = common.health()
     assert got.loss == want.loss and got.grad_norm == want.grad_norm
@@ -59,12 +59,12 @@ def test_any_other_step_is_left_to_the_general_read():
     norms = [1.0, 2.0, 3.0]
     for loss, bad in ((math.nan, norms), (math.inf, norms), (1.0, [1.0, math.inf, 2.0]), (1.0, [1.0, math.nan])):
         values, parts, meta = _probe_output(bad, loss)
-        assert read_common(values, parts, meta, len(bad)) is None, (loss, bad)
+        assert read_common(values.tolist(), parts, meta, len(bad)) is None, (loss, bad)
     values, parts, meta = _probe_output(norms, 1.0)
-    assert read_common(values, parts, meta, 4) is None  # a parameter without a gradient
-    assert read_common(values, {**parts, "scale": slice(4, 5)}, meta, 3) is None  # a GradScaler's step
-    assert read_common(values, parts, {**meta, "nonfinite": {1: 3}}, 3) is None
-    assert read_common(values, parts, {**meta, "stepped": None}, 3) is None  # a measured hand update
+    assert read_common(values.tolist(), parts, meta, 4) is None  # a parameter without a gradient
+    assert read_common(values.tolist(), {**parts, "scale": slice(4, 5)}, meta, 3) is None  # a GradScaler's step
+    assert read_common(values.tolist(), parts, {**meta, "nonfinite": {1: 3}}, 3) is None
+    assert read_common(values.tolist(), parts, {**meta, "stepped": None}, 3) is None  # a measured hand update
 
 
 def _scalars(rng) -> dict:
