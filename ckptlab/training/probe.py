@@ -67,6 +67,7 @@ training/health.py.
 from __future__ import annotations
 
 import math
+import operator
 import time
 import weakref
 
@@ -139,10 +140,18 @@ def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
     return np.array([plan.scale for plan in plans], dtype=np.float64)
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _versions(grads: list) -> list[int]:
+    """Each gradient's version counter (-1: no gradient)."""
+    return [-1 if g is None else g._version for g in grads]
+
+
 def detached(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
     """Gradients as the norms take them: this rank's shard of a DTensor (`sharded`), and
     detached when a backward with create_graph made them part of a graph (else as they are)."""
-    if any(g.requires_grad for g in grads):
+    if any(map(_REQUIRES_GRAD, grads)):
         grads = [g.detach() for g in grads]
     return [local(g) for g in grads] if sharded else grads
 
@@ -326,7 +335,7 @@ class StepProbe:
             return
         grads = [p.grad for p in self.params]
         if self.grad_mode != "eager":  # (nothing checks the note in the eager mode)
-            self._note = (grads, [-1 if g is None else g._version for g in grads])
+            self._note = (grads, _versions(grads))
         if self.grad_mode != "lazy":
             self._measure_grads(grads)
 
@@ -339,7 +348,7 @@ class StepProbe:
             return
         grads, versions = self._note
         now = [p.grad for p in self.params]
-        unchanged = all(a is g and (g is None or g._version == v) for a, g, v in zip(now, grads, versions))
+        unchanged = all(map(operator.is_, now, grads)) and _versions(now) == versions
         if self.grad_mode == "lazy":
             self._note = None
             self._measure_grads(now)  # after a change: what is there now, and every backward from now on
