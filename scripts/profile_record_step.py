@@ -39,7 +39,7 @@ from ckptlab.analysis import anomalies
 from ckptlab.record import Recorder
 from ckptlab.record import batches as record_batches
 from ckptlab.record import health as record_health
-from ckptlab.run import framelog, records
+from ckptlab.run import batch_fast, framelog, records
 from ckptlab.run.writer import RunWriter
 from ckptlab.training import probe
 from ckptlab.training.probe import PendingHealth, StepProbe
@@ -51,7 +51,11 @@ PHASES = {
     "RNG: fingerprint (did the loop draw?)": [(record_batches, "rng_fingerprint")],
     "RNG: capture (recorded states)": [(record_batches, "capture_rng")],
     "RNG: compare (older ckptlab: full states)": [(record_batches, "rng_equal")],
-    "batch: ids, encode (codec, pack)": [(record_batches.BatchLog, "append"), (records, "encode_batch")],
+    "batch: ids, encode (codec, pack)": [
+        (record_batches.BatchLog, "append"),
+        (records, "encode_batch"),
+        (batch_fast, "encode_batch"),
+    ],
     "batch: zlib": [(RunWriter, "append_batch")],
     "probe: begin": [(StepProbe, "begin")],
     "probe: gradient hooks (per parameter)": [(StepProbe, "_on_grad")],
@@ -60,9 +64,14 @@ PHASES = {
     "probe: the norm kernels themselves (every call)": [(probe, "batched_norms")],
     "probe: optimizer pre/post hooks": [(StepProbe, "_on_pre_step"), (StepProbe, "_on_post_step")],
     "probe: end (gather, copy)": [(StepProbe, "end"), (StepRunner, "finish")],
-    "probe: read the health (host arithmetic)": [(PendingHealth, "result")],
-    "step record: anomaly rules": [(anomalies, "step_anomalies")],
-    "step record: health dicts, encode": [(record_health.HealthLog, "_record"), (records, "encode_step")],
+    "probe: read the health (host arithmetic)": [(PendingHealth, "result"), (PendingHealth, "common")],
+    "step record: anomaly rules": [(anomalies, "step_anomalies"), (record_health, "spike_events")],
+    "step record: health dicts, encode": [
+        (record_health.HealthLog, "_record"),
+        (record_health.HealthLog, "_record_common"),
+        (records, "encode_step"),
+        (records, "encode_step_norms"),
+    ],
     "step record: the writer's append": [(RunWriter, "append_step")],
     "frame writes (framing, crc, os.write: the batch's and the step record's)": [(framelog.FrameWriter, "append")],
     "step: close (after_step, settle)": [(Recorder, "_after_step"), (record_health.HealthLog, "settle")],

@@ -384,7 +384,8 @@ class StepProbe:
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if not self._active:
             return
-        self._measure_point()
+        if self._note is not None:  # (else nothing to measure: skip the call)
+            self._measure_point()
         if self.hand:  # (a HandUpdate's step does nothing: its lr and weights were taken at begin)
             return
         self._lr = group_lrs(optimizer)
@@ -406,22 +407,13 @@ class StepProbe:
         """The weights before the update: their norms, and their sample (or copy)."""
         with torch.no_grad():
             weights = [local(p.detach()) for p in self.params]
-            self._before = (batched_norms(weights), self._take(weights))
+            self._before = (batched_norms(weights), _take(self, weights))
 
     def _weight_norms(self) -> list[torch.Tensor]:
         with torch.no_grad():
             return batched_norms([local(p.detach()) for p in self.params])
 
     # --- the update-ratio sample ------------------------------------------------------------
-
-    def _take(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What ||w_after - w_before|| needs of the weights before the update: a copy of every
-        parameter ("exact"), or the same fixed strided sample of each ("sampled")."""
-        if self.update_mode == "exact":
-            return [w.clone() for w in weights]
-        if self._plans is None or len(self._plans) != len(weights):
-            self._plans = sample_plans([w.numel() for w in weights], [w.element_size() for w in weights])
-        return [take_sample(w, plan).clone() for w, plan in zip(weights, self._plans)]
 
     def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
@@ -462,7 +454,8 @@ class StepProbe:
         Combining with the other ranks happens in `result()` (all ranks read in step order)."""
         plain = self._cpu and type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.numel() == 1
         value = None if plain else loss_tensor(loss)  # (a plain loss is read as a float below)
-        self._measure_point()  # no optimizer step (or clipping) after the last backward
+        if self._note is not None:  # no optimizer step (or clipping) after the last backward
+            self._measure_point()
         if self.grad_mode == "learn" and self._checked:
             self.grad_mode = "lazy"  # nothing changed the gradients after their backward
         self._active = False
@@ -567,3 +560,13 @@ def _step_meta(probe: StepProbe, idx: list[int], stepped: bool | None, step_time
         "stepped": stepped,  # None: whether the weights moved (a measured hand update)
         "step_time": step_time,
     }
+
+
+def _take(probe: StepProbe, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ||w_after - w_before|| needs of the weights before the update: a copy of every
+    parameter ("exact"), or the same fixed strided sample of each ("sampled")."""
+    if probe.update_mode == "exact":
+        return [w.clone() for w in weights]
+    if probe._plans is None or len(probe._plans) != len(weights):
+        probe._plans = sample_plans([w.numel() for w in weights], [w.element_size() for w in weights])
+    return [take_sample(w, plan).clone() for w, plan in zip(weights, probe._plans)]
