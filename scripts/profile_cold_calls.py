@@ -7,7 +7,11 @@ per-step path could use, the median over `--rounds` steps of its first call afte
 ("cold") and of a second call right after ("warm"), in microseconds. It is why that path
 avoids numpy, the JSON encoder and ctypes calls on the usual step (docs/performance.md).
 
-    PYTHONPATH=.:scripts python scripts/profile_cold_calls.py [--rounds 150]
+    PYTHONPATH=.:scripts python scripts/profile_cold_calls.py [--rounds 150] [--hook-rounds 800]
+
+The last line is what autograd's call of a Python hook costs: the step with a no-op
+`register_post_accumulate_grad_hook` on every parameter against the step without, in turns
+(the median of the differences), the price of the probe's gradient hooks before their body.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def primitives(fd: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=150, help="steps per primitive (default 150)")
+    ap.add_argument("--hook-rounds", type=int, default=800, help="steps each way for the hooks' line (default 800)")
     args = ap.parse_args()
     steady_malloc()
     torch.set_num_threads(1)
@@ -85,11 +90,32 @@ def main() -> None:
                 cold[name].append(t1 - t0)
                 warm[name].append(t2 - t1)
         os.close(fd)
+    hooked = hook_cost(model, opt, batches, args.hook_rounds)
     print(f"case c's step, 1 torch thread; median of {args.rounds} steps per primitive, in us")
     print(f"  {'primitive':<42}{'after a step':>14}{'again at once':>15}{'ratio':>8}")
     for name in calls:
         c, w = statistics.median(cold[name]) / 1e3, statistics.median(warm[name]) / 1e3
         print(f"  {name:<42}{c:>14.1f}{w:>15.1f}{c / w:>8.1f}")
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    print(f"  a no-op gradient hook on each of the {n} parameters: {hooked:+.1f} us a step")
+
+
+def hook_cost(model, opt, batches, rounds: int) -> float:
+    """The step with a no-op post-accumulate-grad hook on every parameter, minus without (us)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    spent: dict[bool, list[int]] = {False: [], True: []}
+    for i in range(rounds):
+        for hooks in (False, True) if i % 2 else (True, False):
+            handles = [p.register_post_accumulate_grad_hook(lambda p: None) for p in params] if hooks else []
+            t0 = time.perf_counter_ns()
+            step(model, opt, batches[i % len(batches)][0])
+            spent[hooks].append(time.perf_counter_ns() - t0)
+            for h in handles:
+                h.remove()
+    diffs = [a - b for a, b in zip(spent[True], spent[False])]
+    # The step that runs second in a round is faster: average each two rounds (one of each
+    # order), then the median of those.
+    return statistics.median((a + b) / 2 for a, b in zip(diffs[::2], diffs[1::2])) / 1e3
 
 
 if __name__ == "__main__":
