@@ -70,7 +70,7 @@ PHASES = {
         (record_health.HealthLog, "_record"),
         (record_health.HealthLog, "_record_common"),
         (records, "encode_step"),
-        (records, "encode_step_norms"),
+        (records, "encode_step_floats"),
     ],
     "step record: the writer's append": [(RunWriter, "append_step")],
     "frame writes (framing, crc, os.write: the batch's and the step record's)": [(framelog.FrameWriter, "append")],

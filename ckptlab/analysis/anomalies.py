@@ -112,9 +112,7 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
         events.append({"kind": "nonfinite_grad", "value": h.nonfinite_grads})
     if h.weight_norm is not None and nonfinite_weight(h.weight_norm):
         events.append({"kind": "nonfinite_weight", "value": int(nonfinite_weight(h.weight_norm))})
-    events += spike_events(h.loss, h.grad_norm, dets)
-    if update_exploded(h.update_ratio_global):
-        events.append({"kind": "update_explosion", "value": h.update_ratio_global})
+    events += spike_events(h.loss, h.grad_norm, dets) + update_events(h.update_ratio_global)
     first = first_update(getattr(h, "second_moment_empty", None), h.update_ratio, h.param_grad_norm)
     if first:  # value: their largest finite update ratio (inf: all moved from zero); parameters: their indices
         ratios = np.asarray(h.update_ratio)[first]
@@ -137,6 +135,12 @@ def spike_events(loss: float, grad_norm: float, dets: dict[str, SpikeDetector]) 
         spread = {"median": spike.median, "z": spike.z} if spike is not None else {}
         events.append({"kind": "grad_spike", "value": grad_norm, **spread})
     return events
+
+
+def update_events(ratio: float | None) -> list[dict]:
+    """The update explosion of a step whose global update ratio is `ratio` (None: not
+    measured), as events."""
+    return [{"kind": "update_explosion", "value": ratio}] if update_exploded(ratio) else []
 
 
 # --- a series, as report sees it ------------------------------------------------------------------

@@ -18,7 +18,14 @@ import time
 import warnings
 from collections.abc import Callable
 
-from ckptlab.analysis.anomalies import IDLE_OPTIMIZER, detectors, idle_optimizer_text, spike_events, step_anomalies
+from ckptlab.analysis.anomalies import (
+    IDLE_OPTIMIZER,
+    detectors,
+    idle_optimizer_text,
+    spike_events,
+    step_anomalies,
+    update_events,
+)
 from ckptlab.errors import NonFiniteLoss
 from ckptlab.record.config import RecordConfig
 from ckptlab.record.precursors import Precursors
@@ -140,15 +147,20 @@ class HealthLog:
     def _record_common(self, n: int, health: CommonHealth, ckpt_wait: float, t: float) -> CommonHealth:
         """`_record` of the usual step (training/health.py `CommonHealth`): the same record,
         events and alerts, with no numpy call (no tracker: `settle`)."""
-        events = spike_events(health.loss, health.grad_norm, self._spikes)  # (nothing else can happen)
+        # (nothing else can happen on such a step: training/health.py `read_common`)
+        events = spike_events(health.loss, health.grad_norm, self._spikes)
+        ratios = None
+        if health.update is not None:
+            events += update_events(health.update[2])
+            ratios = health.update[1] if health.stepped else None
         if self._precursors is not None:
-            self._precursors.add_row(n, health.norms, None, events)
+            self._precursors.add_row(n, health.norms, ratios, events)
         if events and self.first_anomaly is None:
             self.first_anomaly = n
         scalars = {"step": n, "time": t, **health.scalars()}
         if ckpt_wait:
             scalars["ckpt_wait"] = ckpt_wait
-        self._append(n, records.encode_step_norms(scalars, health.norms) if self.world.is_main else b"", events)
+        self._append(n, records.encode_step_floats(scalars, health.arrays()) if self.world.is_main else b"", events)
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health

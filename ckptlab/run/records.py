@@ -276,27 +276,30 @@ def encode_step(scalars: dict, arrays: dict[str, np.ndarray]) -> bytes:
     return pack_json(meta_json, {k: v for k, v in arrays.items() if v is not None})
 
 
-def encode_step_norms(scalars: dict, norms: list[float]) -> bytes:
-    """`encode_step(scalars, {"param_grad_norm": float32 array of norms})`, the same bytes, for
-    the usual step (training/health.py `CommonHealth`: no other array) in fewer, plainer calls
-    than the general layout: right after a step each numpy call costs tens of microseconds.
-    `norms` are float32 values (as Python floats)."""
+def encode_step_floats(scalars: dict, arrays: dict[str, list[float]]) -> bytes:
+    """`encode_step(scalars, arrays as float32 arrays)`, the same bytes, for the usual step
+    (training/health.py `CommonHealth`: float32 vectors only) in fewer, plainer calls than the
+    general layout: right after a step each numpy call costs tens of microseconds. The arrays
+    hold float32 values (as Python floats)."""
     meta_json = _plain_json(scalars)
     if meta_json is None:
         try:
             meta_json = _JSON_FINITE(scalars)
         except ValueError:  # a NaN or an infinity among them
-            return encode_step(scalars, {"param_grad_norm": np.array(norms, dtype=np.float32)})
-    n = len(norms)
-    # What `layout` writes for one F32 vector: the metadata (its JSON as a JSON string: only
-    # quotes to escape in a record of numbers), then the tensor's entry, padded to 8 bytes.
+            return encode_step(scalars, {k: np.array(v, dtype=np.float32) for k, v in arrays.items()})
+    # What `layout` writes for F32 vectors (one dtype: in the order of their names): the
+    # metadata (its JSON as a JSON string: only quotes to escape in a record of numbers), then
+    # each tensor's entry, padded to 8 bytes.
     escaped = meta_json.replace('"', '\\"')
-    head = (
-        f'{{"__metadata__":{{"{META_KEY}":"{escaped}"}},'
-        f'"param_grad_norm":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{4 * n}]}}}}'
-    ).encode()
+    entries, offset = [], 0
+    for name in sorted(arrays):
+        n = len(arrays[name])
+        entries.append(f'"{name}":{{"dtype":"F32","shape":[{n}],"data_offsets":[{offset},{offset + 4 * n}]}}')
+        offset += 4 * n
+    head = f'{{"__metadata__":{{"{META_KEY}":"{escaped}"}},{",".join(entries)}}}'.encode()
     head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + struct.pack(f"<{n}f", *norms)
+    data = [struct.pack(f"<{len(arrays[name])}f", *arrays[name]) for name in sorted(arrays)]
+    return b"".join([struct.pack("<Q", len(head)), head, *data])
 
 
 def _plain_json(record: dict) -> str | None:

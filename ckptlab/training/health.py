@@ -6,6 +6,7 @@ step late or replay reads it at once (training/probe.py says where each number i
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -248,11 +249,14 @@ class CommonHealth:
     lr: list[float]
     stepped: bool
     step_time: float
+    # A step that measured its update: the weight norms, the update ratios (float32 values),
+    # the update ratio over all parameters, and the second-moment flags (all 0) when taken.
+    update: tuple[list[float], list[float], float, list[float] | None] | None = None
     loss_finite = True  # (read_common reads finite steps only)
 
     def scalars(self) -> dict:
         """`StepHealth.scalars()` of this step (the same keys, in the same order)."""
-        return {
+        out = {
             "loss": self.loss,
             "grad_norm": self.grad_norm,
             "nonfinite_grads": 0,
@@ -260,9 +264,19 @@ class CommonHealth:
             "stepped": self.stepped,
             "step_time": self.step_time,
         }
+        if self.update is not None:
+            out["nonfinite_weights"] = 0
+            out["update_ratio_global"] = self.update[2]
+        return out
+
+    def arrays(self) -> dict[str, list[float]]:
+        """`StepHealth.arrays()` of this step, as lists of float32 values."""
+        if self.update is None:
+            return {"param_grad_norm": self.norms}
+        return {"param_grad_norm": self.norms, "update_ratio": self.update[1], "weight_norm": self.update[0]}
 
     def health(self) -> StepHealth:
-        return StepHealth(
+        health = StepHealth(
             loss=self.loss,
             grad_norm=self.grad_norm,
             param_grad_norm=np.array(self.norms, dtype=np.float32),
@@ -272,22 +286,65 @@ class CommonHealth:
             stepped=self.stepped,
             step_time=self.step_time,
         )
+        if self.update is not None:
+            weights, ratios, health.update_ratio_global, empty = self.update
+            health.weight_norm = np.array(weights, dtype=np.float32)
+            health.update_ratio = np.array(ratios, dtype=np.float32)
+            health.second_moment_empty = np.array(empty, dtype=np.float32) if empty is not None else None
+        return health
+
+
+# The probe's parts on the usual step: the loss and the gradient norms; with the update
+# measured, the weight norms after and before it and the (sampled) update norms; with an
+# Adam-like optimizer also its second-moment flags.
+_USUAL, _UPDATE, _UPDATE_FLAGS = {"loss", "grad"}, {"loss", "grad", "w", "b", "d"}, {"loss", "grad", "w", "b", "d", "e"}
 
 
 def read_common(numbers: list[float], parts: dict, meta: dict, n_params: int) -> CommonHealth | None:
     """The step's health when it is the usual one (`numbers`: the probe's, as Python floats:
-    the loss and the P gradient norms, nothing else measured; every parameter has a gradient;
-    all finite), else None (read_health reads it)."""
-    if len(parts) != 2 or len(meta["idx"]) != n_params or meta["nonfinite"] or meta["stepped"] is None:
+    the loss and the P gradient norms, and the update when measured; one rank, every
+    parameter has a gradient, all finite, no first update of an empty second moment), else
+    None (read_health reads it)."""
+    if len(meta["idx"]) != n_params or meta["nonfinite"] or meta["stepped"] is None:
         return None
-    norms = numbers[1:]
+    measured = parts.keys() != _USUAL
+    if measured and not (parts.keys() == _UPDATE or parts.keys() == _UPDATE_FLAGS):
+        return None
+    norms = numbers[parts["grad"]]
     total = _sum_as_numpy([g * g for g in norms])
     loss = numbers[0]
     if _SUM_AGREES[0] is None:
         _SUM_AGREES[0] = _sum_agrees()
     if not (math.isfinite(total) and math.isfinite(loss)) or not _SUM_AGREES[0]:
         return None  # (a non-finite step, or a numpy whose sum is not the one below)
-    return CommonHealth(loss, math.sqrt(total), norms, meta["lr"], meta["stepped"], meta["step_time"])
+    update = _read_update(numbers, parts, meta["d_scale"]) if measured else None
+    if measured and update is None:
+        return None
+    return CommonHealth(loss, math.sqrt(total), norms, meta["lr"], meta["stepped"], meta["step_time"], update)
+
+
+def _read_update(numbers: list[float], parts: dict, d_scale: np.ndarray):
+    """`_set_updates` of a step whose weights, before and after, are finite and whose
+    second moments were not empty: (weight norms, update ratios as float32 values, the
+    global ratio, the flags), the same bits; None for any other (read_health reads it)."""
+    weights, before, updates = numbers[parts["w"]], numbers[parts["b"]], numbers[parts["d"]]
+    flags = numbers[parts["e"]] if "e" in parts else None
+    if flags is not None and any(flags):  # (a first update: the general rules look at it)
+        return None
+    d_sq = [x * x * s for x, s in zip(updates, d_scale.tolist())]
+    b_sq = [x * x for x in before]
+    d_total, b_total = _sum_as_numpy(d_sq), _sum_as_numpy(b_sq)
+    if not (math.isfinite(sum(weights)) and math.isfinite(d_total) and math.isfinite(b_total)):
+        return None
+    ratios = []
+    for dq, bq in zip(d_sq, b_sq):
+        d, b = math.sqrt(dq), math.sqrt(bq)
+        ratios.append(d / b if b > 0 else math.inf if d > 0 else 0.0)
+    try:  # float32, as numpy's cast rounds (a finite ratio beyond float32's range: read_health)
+        ratios = list(struct.unpack(f"<{len(ratios)}f", struct.pack(f"<{len(ratios)}f", *ratios)))
+    except OverflowError:
+        return None
+    return weights, ratios, math.sqrt(d_total) / max(math.sqrt(b_total), 1e-300), flags
 
 
 def _sum_as_numpy(x: list[float]) -> float:

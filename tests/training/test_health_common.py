@@ -1,5 +1,5 @@
 """The usual step's health read in plain Python (training/health.py `read_common`, record/health.py
-`_record_common`, run/records.py `encode_step_norms`): right after a step every numpy call and
+`_record_common`, run/records.py `encode_step_floats`): right after a step every numpy call and
 JSON encode costs tens of microseconds, so the usual step skips them. The record must be the
 same bytes, the health the same bits, the alerts the same events as the general path's."""
 
@@ -55,6 +55,65 @@ def test_read_common_is_read_health_bit_for_bit(seed):
     assert common.scalars() == want.scalars()
 
 
+def _measured(rng, P: int, *, flags: bool, scale: str):
+    """A step that measured its update, as the probe lays it out: weight norms after and
+    before, update norms (of a sample, scaled up by `d_scale`), the second-moment flags."""
+    norms = np.float32(rng.random(P) * 10.0 ** rng.integers(-6, 6, P)).tolist()
+    w = np.float32(rng.random(P) * 10.0 ** rng.integers(-3, 3, P))
+    b = w.copy()
+    b[rng.random(P) < 0.2] = 0.0  # a zero-initialised bias: its ratio is inf once it moves
+    d = np.float32(rng.random(P) * 10.0 ** rng.integers(-9, 0, P))
+    d[rng.random(P) < 0.1] = 0.0
+    extra, pieces, at = {}, [], 1 + P
+    for name, vec in (("w", w), ("b", b), ("d", d), *((("e", np.zeros(P, np.float32)),) if flags else ())):
+        extra[name] = slice(at, at + P)
+        pieces += vec.tolist()
+        at += P
+    values, parts, meta = _probe_output([*norms, *pieces], float(rng.normal()), extra)
+    parts["grad"] = slice(1, 1 + P)
+    meta["idx"] = list(range(P))
+    meta["d_scale"] = np.ones(P) if scale == "exact" else rng.random(P) * 1e3 + 1
+    return values, parts, meta
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("scale", ["exact", "sampled"])
+def test_a_measured_update_is_read_as_read_health_reads_it(seed, scale):
+    rng = np.random.default_rng(seed)
+    P = int(rng.integers(1, 30))
+    values, parts, meta = _measured(rng, P, flags=seed % 2 == 0, scale=scale)
+    params = [torch.zeros(1) for _ in range(P)]
+    want = read_health(values.numpy(), parts, meta, params=params, world=World(), optimizer=None, grads_live=False)
+    common = read_common(values.tolist(), parts, meta, P)
+    assert common is not None
+    got = common.health()
+    for key in ("param_grad_norm", "weight_norm", "update_ratio", "second_moment_empty"):
+        a, b = getattr(got, key), getattr(want, key)
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes()), key
+    assert got.update_ratio_global == want.update_ratio_global and got.weight_norm_before is None
+    assert common.scalars() == want.scalars()
+    assert {k: np.array(v, np.float32).tobytes() for k, v in common.arrays().items()} == {
+        k: v.tobytes() for k, v in want.arrays().items()
+    }
+
+
+def test_a_first_update_or_bad_weights_are_left_to_the_general_read():
+    rng = np.random.default_rng(3)
+    values, parts, meta = _measured(rng, 5, flags=True, scale="sampled")
+    flagged = values.clone()
+    flagged[parts["e"].start + 2] = 1.0  # an empty second moment: the first-update rule looks
+    assert read_common(flagged.tolist(), parts, meta, 5) is None
+    for bad in (math.nan, math.inf):
+        broken = values.clone()
+        broken[parts["w"].start] = bad
+        assert read_common(broken.tolist(), parts, meta, 5) is None
+    huge = values.clone()
+    huge[parts["b"]] = 1e-30  # ratios beyond float32's range: numpy's cast makes them inf
+    huge[parts["d"]] = 1e30
+    assert read_common(huge.tolist(), parts, meta, 5) is None
+    assert read_common(values.tolist(), {k: v for k, v in parts.items() if k != "d"}, meta, 5) is None
+
+
 def test_any_other_step_is_left_to_the_general_read():
     norms = [1.0, 2.0, 3.0]
     for loss, bad in ((math.nan, norms), (math.inf, norms), (1.0, [1.0, math.inf, 2.0]), (1.0, [1.0, math.nan])):
@@ -96,7 +155,7 @@ def test_the_usual_step_record_is_the_same_bytes(seed):
     if seed % 10 == 2:
         scalars["lr"] = [1, 0.5]  # an int learning rate: the JSON encoder's own text
     want = records.encode_step(scalars, {"param_grad_norm": np.array(norms, dtype=np.float32)})
-    assert records.encode_step_norms(scalars, norms) == want
+    assert records.encode_step_floats(scalars, {"param_grad_norm": norms}) == want
     plain = records._plain_json(scalars)
     assert plain is None or plain == records._JSON_FINITE(scalars)
 
@@ -119,8 +178,14 @@ def _record(tmp_path, name: str, general: bool, monkeypatch, spike_at: int = 25)
             if i == spike_at:
                 y = y + 1e4  # a loss spike (and a gradient spike): the alert's path
             rec.step((x, y), sample_ids=ids)
-    assert general or sum(r is not None for r in read) >= 25  # (the spike's steps are the usual ones too)
+    # (the spike's steps are the usual ones too; so are steps 0, 10 and 20, which measure
+    # their update: before the first update of all, AdamW's state has no flags to look at)
+    assert general or sum(r is not None for r in read) == 30
+    assert general or sum(r is not None and r.update is not None for r in read) == 3
     return ckptlab.open_run(tmp_path / name), seen
+
+
+TIMES = ("time", "step_time", "ckpt_wait")  # (how long things took: not the same twice)
 
 
 def test_a_recording_is_the_same_either_way(tmp_path, monkeypatch):
@@ -128,7 +193,11 @@ def test_a_recording_is_the_same_either_way(tmp_path, monkeypatch):
     general, general_alerts = _record(tmp_path, "general", True, monkeypatch)
     a, b = fast.metrics(), general.metrics()
     assert np.array_equal(a.loss, b.loss) and np.array_equal(a.grad_norm, b.grad_norm)
-    assert a.param_grad_norm.tobytes() == b.param_grad_norm.tobytes()
+    for key in ("param_grad_norm", "update_ratio", "weight_norm"):
+        assert getattr(a, key).tobytes() == getattr(b, key).tobytes(), key
     assert [s.keys() for s in a.scalars] == [s.keys() for s in b.scalars]
+    same = [{k: v for k, v in s.items() if k not in TIMES} for s in a.scalars]
+    assert same == [{k: v for k, v in s.items() if k not in TIMES} for s in b.scalars]
+    assert sum("update_ratio_global" in s for s in a.scalars) == 3
     assert fast.events() == general.events() and fast_alerts == general_alerts
     assert {e["kind"] for e in fast.events()} >= {"loss_spike"} and fast.events()[0]["step"] == 25
