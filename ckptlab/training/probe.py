@@ -464,9 +464,10 @@ class StepProbe:
         idx, grad_norms = self._gradient_norms()
         if plain and _usual(self):  # the loss and the gradient norms only: no vector made here
             usual = {"loss": slice(0, 1), "grad": slice(1, 1 + len(idx))}
-            return PendingHealth(
-                self, (loss.item(), grad_norms), None, usual, _step_meta(self, idx, self._stepped, step_time)
-            )
+            plain_meta = _step_meta(self, idx, self._stepped, step_time)
+            if self.watch > 0:  # a watched step that stepped: counted, nothing to add
+                _watched(self, None, plain_meta)
+            return PendingHealth(self, (loss.item(), grad_norms), None, usual, plain_meta)
         if value is None:
             value = loss_tensor(loss)
         meta: dict = {}
