@@ -30,6 +30,7 @@ from ckptlab.errors import ReplayError
 from ckptlab.replayer.findings import ReplayReport, StepCheck
 from ckptlab.replayer.investigation import Investigation, Window
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
+from ckptlab.run.atomic import write_json_atomic
 from ckptlab.run.checkpoint import CapturedState, commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_dir
 from ckptlab.run.reader import Run, open_run
@@ -236,7 +237,6 @@ def _rank_worker(
     trust_code: bool,
 ) -> None:
     """One rank of a distributed replay (a spawned process)."""
-    import json
     import os
 
     import torch.distributed as dist
@@ -252,7 +252,9 @@ def _rank_worker(
         got = replay_rank(rank, run_path, step, k, snap_from, device, trust_code)
         if got.crash is not None:  # say what happened and stop: the parent stops the others and reports it
             crash = {"time": time.time(), **got.crash}
-            (Path(out) / f"crash-rank{rank}.json").write_text(json.dumps(crash))
+            # (whole or not at all: the parent reads every crash file as soon as any rank fails,
+            # and a peer whose collective lost this rank may be writing its own just then)
+            write_json_atomic(Path(out) / f"crash-rank{rank}.json", crash)
             raise ReplayError(f"step {crash['step']} raised on rank {rank}")
         if got.snapshot is not None:
             commit_checkpoint(Path(out) / "snapshot", got.snapshot)
