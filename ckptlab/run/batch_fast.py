@@ -32,12 +32,8 @@ import torch
 from ckptlab import dtypes
 from ckptlab.run import codec
 
-# What `records` encodes with (records.META_KEY, records._JSON, records._JSON_HEADER); this
-# module cannot import records (records imports it), so the settings are repeated here, and
-# the tests compare the bytes with the general path's.
-META_KEY = "ckptlab"
-_JSON = json.JSONEncoder(separators=(",", ":")).encode
-_JSON_HEADER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+# What `records` encodes with (the codec's: records imports this module, not the reverse).
+META_KEY, _JSON, _JSON_HEADER = codec.META_KEY, codec.JSON_COMPACT, codec.JSON_HEADER
 # _JSON of the sample ids without the C encoder `JSONEncoder.encode` makes per call (~1 us of a
 # ~10 us record); made without the circular-reference check, so a list that holds itself
 # recurses to a RecursionError, and then _JSON says what it says of it.

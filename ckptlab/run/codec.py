@@ -23,6 +23,7 @@ instead of 8; the spec keeps the original dtype.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -32,6 +33,13 @@ import numpy as np
 import torch
 
 from ckptlab.errors import RecordError
+
+# A record's JSON (the spec, the step, the ids...) sits in its safetensors header's metadata
+# under this key (run/records.py), encoded compactly; the header itself keeps non-ASCII text.
+# One encoder each, made once: json.dumps(..., separators=...) builds a new one per call.
+META_KEY = "ckptlab"
+JSON_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
+JSON_HEADER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 # Narrowest-first; each must be a dtype safetensors stores.
 _COMPACT = [

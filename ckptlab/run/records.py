@@ -22,9 +22,9 @@ from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
 from ckptlab.jsonable import is_int, is_number, json_restore, json_safe
 from ckptlab.run import batch_fast, codec
+from ckptlab.run.codec import META_KEY
 from ckptlab.run.framelog import FLAG_SAFETENSORS, FLAG_ZLIB, MAX_INFLATED
 
-META_KEY = "ckptlab"
 # A step record's param_grad_norm for a parameter that got no gradient that step.
 NO_GRAD = -1.0
 
@@ -77,12 +77,10 @@ def layout(tensors: dict, metadata: dict[str, str]) -> tuple[bytes, list[np.ndar
     return struct.pack("<Q", len(head)) + head, chunks
 
 
-# One encoder each, made once: json.dumps(..., separators=...) builds a new one per call.
-_JSON = json.JSONEncoder(separators=(",", ":")).encode
-# The same, refusing a non-finite float (ValueError) instead of writing NaN: a record whose
+_JSON, _JSON_HEADER = codec.JSON_COMPACT, codec.JSON_HEADER
+# The compact encoder, refusing a non-finite float (ValueError) instead of writing NaN: a record whose
 # numbers are all finite needs no `json_safe` copy first (the same text either way).
 _JSON_FINITE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_JSON_HEADER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def _entry(t) -> tuple[int, str, list[int], np.ndarray] | None:
@@ -291,14 +289,14 @@ def encode_step_floats(scalars: dict, arrays: dict[str, list[float]]) -> bytes:
     # metadata (its JSON as a JSON string: only quotes to escape in a record of numbers), then
     # each tensor's entry, padded to 8 bytes.
     escaped = meta_json.replace('"', '\\"')
-    entries, offset = [], 0
-    for name in sorted(arrays):
+    entries, offset, names = [], 0, sorted(arrays)
+    for name in names:
         n = len(arrays[name])
         entries.append(f'"{name}":{{"dtype":"F32","shape":[{n}],"data_offsets":[{offset},{offset + 4 * n}]}}')
         offset += 4 * n
     head = f'{{"__metadata__":{{"{META_KEY}":"{escaped}"}},{",".join(entries)}}}'.encode()
     head += b" " * (-len(head) % 8)
-    data = [struct.pack(f"<{len(arrays[name])}f", *arrays[name]) for name in sorted(arrays)]
+    data = [struct.pack(f"<{len(arrays[name])}f", *arrays[name]) for name in names]
     return b"".join([struct.pack("<Q", len(head)), head, *data])
 
 

@@ -26,6 +26,13 @@ def torchrun(script: str, run_dir: Path, nproc: int = 2) -> list[str]:
     return sorted(line for line in done.stdout.splitlines() if line)
 
 
+def record_to_the_fault(script: str, run_dir: Path, dm) -> Path:
+    """Record tests/`script` on dm.WORLD ranks into `run_dir`; every rank stops at the planted
+    fault (dm.FAULT_STEP). Returns `run_dir`."""
+    assert torchrun(script, run_dir, dm.WORLD) == [f"rank {r} stopped at step {dm.FAULT_STEP}" for r in range(dm.WORLD)]
+    return run_dir
+
+
 def replay_json(run_dir: Path, step: int, *options: str) -> dict:
     """`ckptlab replay --run RUN_DIR --step STEP OPTIONS --json`, its report."""
     done = _run(

@@ -14,16 +14,12 @@ pytest.importorskip("accelerate")
 
 import ckptlab  # noqa: E402
 from tests import accelerate_ddp_models as dm  # noqa: E402
-from tests.integrations.ddp_launch import assert_replays_and_names_the_sample, replay_json, torchrun  # noqa: E402
+from tests.integrations.ddp_launch import assert_replays_and_names_the_sample, record_to_the_fault, replay_json  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("acc-ddp") / "run"
-    assert torchrun("accelerate_ddp_models.py", run_dir) == [
-        f"rank {r} stopped at step {dm.FAULT_STEP}" for r in (0, 1)
-    ]
-    return run_dir
+    return record_to_the_fault("accelerate_ddp_models.py", tmp_path_factory.mktemp("acc-ddp") / "run", dm)
 
 
 def test_every_rank_records_its_own_micro_batches(ddp_run):

@@ -203,7 +203,7 @@ def test_a_recording_is_the_same_either_way(tmp_path, monkeypatch):
     assert {e["kind"] for e in fast.events()} >= {"loss_spike"} and fast.events()[0]["step"] == 25
 
 
-def test_the_first_steps_watch_the_optimizer_on_the_usual_path_too(tmp_path):
+def test_the_first_steps_watch_the_optimizer_on_the_usual_path_too(tmp_path, monkeypatch):
     """A session's first steps check that its optimizer is the one that trains
     (record/health.py WATCHED_STEPS): the usual step counts them down and says it stepped, so
     the weights' norms stop being taken at every step's start after them."""
@@ -217,12 +217,9 @@ def test_the_first_steps_watch_the_optimizer_on_the_usual_path_too(tmp_path):
             seen.append(self.watched)
             return common(self)
 
-        PendingHealth.common = spy  # type: ignore[method-assign]
-        try:
-            for batch, ids in mlp_batches(6):
-                rec.step(batch, sample_ids=ids)
-                left.append(probe.watch)
-        finally:
-            PendingHealth.common = common  # type: ignore[method-assign]
+        monkeypatch.setattr(PendingHealth, "common", spy)
+        for batch, ids in mlp_batches(6):
+            rec.step(batch, sample_ids=ids)
+            left.append(probe.watch)
     assert left == [2, 1, 0, 0, 0, 0]
     assert seen == ["stepped"] * 3 + [None] * 3
