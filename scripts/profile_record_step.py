@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import ckptlab
-from bench_record import make_batches, steady_malloc  # scripts/ is on sys.path
+from bench_record import MICRO, make_batches, steady_malloc, step_micro  # scripts/ is on sys.path
 from bench_replay import CFG, build, step
 from ckptlab.analysis import anomalies
 from ckptlab.record import Recorder
@@ -142,6 +142,12 @@ def timed_user_step(step_fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--case",
+        choices=("c", "m"),
+        default="c",
+        help="c: the fast step (default); m: bench_record's case m, MICRO micro-batches a step (2 layers)",
+    )
     ap.add_argument("--steps", type=int, default=400, help="steps per copy (default 400; the first 20 warm up)")
     ap.add_argument("--health-every", type=int, default=10, help="the Recorder's health_every (default 10)")
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the recorded steps: print this many rows")
@@ -155,8 +161,9 @@ def main() -> None:
     CLOCK[0] = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     steady_malloc()
     torch.set_num_threads(1)
-    CFG.update(layers=1, width=64, seq=32)
-    batches = make_batches(args.steps, 4)
+    CFG.update(layers=1 if args.case == "c" else 2, width=64, seq=32)
+    step_fn = step if args.case == "c" else step_micro
+    batches = make_batches(args.steps, 4 if args.case == "c" else 2 * MICRO)
     warm = min(20, args.steps // 4)
     instrument()
     profile = cProfile.Profile() if args.cprofile else None
@@ -167,7 +174,7 @@ def main() -> None:
             Path(tmp) / "run",
             model,
             opt,
-            step_fn=step,
+            step_fn=step_fn,
             build_fn=build,
             ckpt_every=10**9,
             health_every=args.health_every,
@@ -181,7 +188,7 @@ def main() -> None:
                     rec.runner.probe.close()
                 t0 = CLOCK[0]()
                 if mode == "bare":
-                    step(model, opt, batch)
+                    step_fn(model, opt, batch)
                 else:
                     _on[0] = measured and profile is None
                     if measured and profile is not None:
@@ -197,8 +204,13 @@ def main() -> None:
     n = len(times["recorded"])
     bare_ms = statistics.median(times["bare"]) * 1e3
     rec_ms = statistics.median(times["recorded"]) * 1e3
+    shape = (
+        "1 layer x 64 wide, batch 4 x 32"
+        if args.case == "c"
+        else f"2 layers x 64 wide, {MICRO} micro-batches of 2 x 32"
+    )
     print(
-        f"case c: 1 layer x 64 wide, batch 4 x 32, 1 thread, health_every={args.health_every}; "
+        f"case {args.case}: {shape}, 1 thread, health_every={args.health_every}; "
         f"{n} steps per copy measured (after {warm}); clock: {args.clock}"
     )
     print(f"  bare step {bare_ms:.3f} ms, recorded {rec_ms:.3f} ms (medians): +{rec_ms - bare_ms:.3f} ms")

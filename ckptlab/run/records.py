@@ -141,10 +141,10 @@ def unpack(data: bytes, *, where: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
-# A payload under this many bytes is stored as is: compressing it saves a few hundred bytes
-# and costs ~50-120 us of the training thread right after a step (zlib's state is set up per
-# call), a large share of a fast step's bookkeeping (scripts/profile_record_step.py).
-MIN_COMPRESS = 1024
+# A payload under this many bytes is stored as is: deflating 1-4 KiB costs 30-100 us of the
+# training thread right after a step (zlib's set-up and its deflate), to save at most about a
+# kilobyte: a large share of a fast step's bookkeeping (scripts/profile_record_step.py).
+MIN_COMPRESS = 4096
 
 
 class Compressor:

@@ -141,10 +141,15 @@ def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
 
 
 def _versions(grads: list) -> list[int]:
     """Each gradient's version counter (-1: no gradient)."""
+    try:  # (every parameter has one: read at C level, no Python frame per item)
+        return list(map(_VERSION, grads))
+    except AttributeError:  # (None has no version)
+        pass
     return [-1 if g is None else g._version for g in grads]
 
 
@@ -271,6 +276,7 @@ class StepProbe:
         # after it), "lazy" (once per step, at the first measuring point), "eager" (at the end of
         # every backward: the loop changes gradients after its backward).
         self.grad_mode = "learn"
+        self._reuse = True  # whether a backward's note may reuse an earlier one's tensors (_on_backward_end)
         grad_points.install()
         self.attach()
         self._reset(False)
@@ -311,9 +317,10 @@ class StepProbe:
         self._stepped = False
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
-        # The gradients the last noted backward left (tensor, version), and whether they are
-        # measured: None before any backward or once measured in the lazy mode.
-        self._note: tuple[list, list[int]] | None = None
+        # The gradients the last noted backward left: (tensors, versions, whether every
+        # parameter had one, whether the tensors are an earlier backward's of this step: see
+        # _on_backward_end). None before any backward, or once measured in the lazy mode.
+        self._note: tuple[list, list[int], bool, bool] | None = None
         self._checked = False  # "learn": the note was checked at a measuring point this step
         # (grads, versions, norms, the norms stacked)
         self.measured: tuple[list, list[int], list[torch.Tensor], torch.Tensor] | None = None
@@ -326,18 +333,31 @@ class StepProbe:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
-    @out_of_sight
     def _on_backward_end(self) -> None:
         """A backward pass ended: note the gradients it left (and in the "learn" and "eager"
-        modes, measure them now)."""
+        modes, measure them now).
+
+        Right after a backward, reading each parameter's gradient costs ~1 us (cold): in the
+        lazy mode, a backward after one that left every gradient (a micro-batch loop's) reads
+        only the versions of the tensors that one left, into which this one accumulated in
+        place. A backward that makes new tensors (`create_graph=True`) shows at the measuring
+        point as tensors other than the note's; the probe then reads every backward's."""
         self._queued = False
         if not self._active:
             return
-        grads = [p.grad for p in self.params]
-        if self.grad_mode != "eager":  # (nothing checks the note in the eager mode)
-            self._note = (grads, _versions(grads))
-        if self.grad_mode != "lazy":
-            self._measure_grads(grads)
+        note = self._note
+        if self.grad_mode == "lazy":  # (noted only: no torch op, so no dispatch-mode check)
+            if note is not None and note[2] and self._reuse:
+                self._note = (note[0], list(map(_VERSION, note[0])), True, True)
+            else:
+                grads = list(map(_GRAD, self.params))
+                versions = _versions(grads)
+                self._note = (grads, versions, -1 not in versions, False)
+            return
+        grads = list(map(_GRAD, self.params))
+        if self.grad_mode == "learn":  # (nothing checks the note in the eager mode)
+            self._note = (grads, _versions(grads), False, False)
+        self._measure_grads_unseen(grads)
 
     @out_of_sight
     def _measure_point(self) -> None:
@@ -346,13 +366,16 @@ class StepProbe:
         since that backward by something else (by hand)?"""
         if not self._active or self._note is None:
             return
-        grads, versions = self._note
-        now = [p.grad for p in self.params]
-        unchanged = all(map(operator.is_, now, grads)) and _versions(now) == versions
+        grads, versions, _, reused = self._note
+        now = list(map(_GRAD, self.params))
+        same = all(map(operator.is_, now, grads))
+        unchanged = same and _versions(now) == versions
         if self.grad_mode == "lazy":
             self._note = None
             self._measure_grads(now)  # after a change: what is there now, and every backward from now on
-            if not unchanged:
+            if not unchanged and reused and not same:  # (maybe the backward's new tensors: learn again)
+                self._reuse, self.grad_mode = False, "learn"
+            elif not unchanged:
                 self.grad_mode = "eager"
         elif self.grad_mode == "learn":
             self._note = None
@@ -364,12 +387,12 @@ class StepProbe:
         """The norms of the gradients there now (`present`: each parameter's, just read), in
         one batched call."""
         if present is None:
-            present = [p.grad for p in self.params]
+            present = list(map(_GRAD, self.params))
         idx = [i for i, g in enumerate(present) if g is not None]
         grads = detached([present[i] for i in idx], self._sharded)
         norms = batched_norms(grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
-        self.measured = (grads, [g._version for g in grads], norms, self._grad_norms)
+        self.measured = (grads, list(map(_VERSION, grads)), norms, self._grad_norms)
         self._nonfinite = {}
         # Counting is free on the CPU (and a sync on a GPU, where it waits for `result()`).
         # (A sum of norms is finite when all are; an overflow only sends us to the exact test.)
@@ -379,6 +402,8 @@ class StepProbe:
             for i, g, n in zip(idx, grads, norms):
                 if not torch.isfinite(n):
                     self._nonfinite[i] = count_nonfinite(g)
+
+    _measure_grads_unseen = out_of_sight(_measure_grads)  # (from a hook with no check of its own)
 
     @out_of_sight
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
@@ -412,20 +437,6 @@ class StepProbe:
     def _weight_norms(self) -> list[torch.Tensor]:
         with torch.no_grad():
             return batched_norms([local(p.detach()) for p in self.params])
-
-    # --- the update-ratio sample ------------------------------------------------------------
-
-    def _update_norms(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample
-        (scaled up when read: `update_scales`)."""
-        assert self._before is not None, "called on a step that measures its update, after _on_pre_step"
-        _, before = self._before
-        if self.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
-            return [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(weights, before)]
-        assert self._plans is not None, "made by _take, for the sample in _before"
-        return batched_norms(
-            list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, self._plans)], before))
-        )
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -498,7 +509,7 @@ class StepProbe:
                 add("w", batched_norms(weights))
                 add("b", self._before[0])
                 if self._stepped or self.hand:
-                    add("d", self._update_norms(weights))
+                    add("d", _update_norms(self, weights))
                     meta["d_scale"] = update_scales(self.update_mode, self._plans, len(self.params))
         if self._empty is not None:
             add("e", self._empty)
@@ -527,6 +538,17 @@ class StepProbe:
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
         return torch.stack(scalars if self._one_device else on_one_device(scalars))
+
+
+def _update_norms(probe: StepProbe, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per parameter, ||w_after - w_before|| ("exact"), or that norm over the sample (scaled up
+    when read: `update_scales`)."""
+    assert probe._before is not None, "called on a step that measures its update, after _on_pre_step"
+    _, before = probe._before
+    if probe.update_mode == "exact":  # one difference at a time: +1x the largest tensor, not all
+        return [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(weights, before)]
+    assert probe._plans is not None, "made by _take, for the sample in _before"
+    return batched_norms(list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, probe._plans)], before)))
 
 
 def _watched(probe: StepProbe, add, meta: dict) -> None:

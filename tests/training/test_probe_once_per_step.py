@@ -186,3 +186,80 @@ def test_a_change_behind_the_version_counters_on_the_first_step_keeps_every_back
         assert torch.allclose(torch.from_numpy(health.param_grad_norm).float(), want, rtol=1e-6, atol=0)
     assert probe.grad_mode == "eager"
     probe.close()
+
+
+def lazy_probe_after_one_step(model, opt) -> StepProbe:
+    probe = StepProbe(model, opt)
+    probe.begin()
+    loss, _ = step(model, opt, micro_batches(0), "norm")
+    probe.end(loss).result()
+    assert probe.grad_mode == "lazy"
+    return probe
+
+
+def test_a_later_step_that_clips_by_hand_is_caught_through_the_versions_of_the_first_micro_batchs_tensors():
+    """In the lazy mode a micro-batch's backward notes only the versions of the gradients an
+    earlier backward of the step left (it accumulated into them in place): a change by hand
+    after the last one still shows, and every backward is measured from then on."""
+    model, opt = mlp()
+    probe = lazy_probe_after_one_step(model, opt)
+    for n in (1, 2, 3):
+        probe.begin()
+        loss, want = step(model, opt, micro_batches(n), "hand" if n >= 2 else "norm")
+        health = probe.end(loss).result()
+        got = torch.from_numpy(health.param_grad_norm).float()
+        if n == 3:  # measured at each backward's end since step 2: before the clip by hand
+            assert torch.allclose(got, want, rtol=1e-6, atol=0) and health.grad_norm > 1e-3
+        if n == 1:
+            assert probe.grad_mode == "lazy" and probe._reuse
+    assert probe.grad_mode == "eager"
+    probe.close()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_that_makes_new_gradient_tensors_is_measured_right_and_read_whole_from_then_on():
+    """`create_graph=True` accumulates out of place: each backward leaves new tensors, so the
+    note of an earlier micro-batch's tensors is stale. The measuring point sees other tensors,
+    the step is measured as it stands (before the clip), and the probe learns again, reading
+    each backward's gradients from then on."""
+    model, opt = mlp()
+    probe = lazy_probe_after_one_step(model, opt)
+    for n in range(1, 5):
+        probe.begin()
+        opt.zero_grad(set_to_none=True)
+        for x, y in micro_batches(n):
+            (nn.functional.mse_loss(model(x), y) / MICRO).backward(create_graph=True)
+        want = pre_clip(model).detach()
+        clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+        health = probe.end(torch.tensor(0.0)).result()
+        got = torch.from_numpy(health.param_grad_norm).float()
+        assert torch.allclose(got, want, rtol=1e-6, atol=0), n
+    assert probe.grad_mode == "lazy" and not probe._reuse
+    for p in model.parameters():  # (create_graph: the gradients hold their graph)
+        p.grad = None
+    probe.close()
+
+
+def test_a_parameter_first_given_a_gradient_by_a_later_micro_batch_is_measured():
+    """A micro-batch that does not reach a parameter (an unused expert) leaves it no gradient:
+    that note is not reused, and the parameter's gradient from a later micro-batch counts."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 4), nn.Linear(8, 4)
+    model = nn.ModuleList([first, second])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = StepProbe(model, opt)
+    x = torch.randn(4, 8)
+    for n in range(3):
+        probe.begin()
+        opt.zero_grad(set_to_none=True)
+        first(x).square().mean().backward()  # no gradient for `second` yet
+        (second(x) * (n + 1)).square().mean().backward()
+        first(x).square().mean().backward()  # (accumulates; `second` unchanged)
+        want = pre_clip(model)
+        clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+        health = probe.end(torch.tensor(0.0)).result()
+        assert torch.allclose(torch.from_numpy(health.param_grad_norm).float(), want, rtol=1e-6, atol=0), n
+    assert probe.grad_mode == "lazy" and probe._reuse  # (a note with a parameter missing is not reused)
+    probe.close()
