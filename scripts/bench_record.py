@@ -80,6 +80,7 @@ from ckptlab.run import records
 from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import LiveLog
+from ckptlab.training import probe as probe_module
 from ckptlab.training.probe import PendingHealth, StepProbe, accumulating
 
 
@@ -123,7 +124,7 @@ PHASES = {
         (StepProbe, "end"),
     ],
     "probe: read the health (host arithmetic)": [(PendingHealth, "result")],
-    "update-ratio sample + norms": [(StepProbe, "_on_pre_step"), (StepProbe, "_update_norms")],
+    "update-ratio sample + norms": [(StepProbe, "_on_pre_step"), (probe_module, "_update_norms")],
     "step record (health, anomalies)": [
         (records, "encode_step"),
         (RunWriter, "append_step"),
