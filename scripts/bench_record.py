@@ -476,19 +476,30 @@ def case_g(args, tmp: Path) -> dict:
     return {"g_bare_ms": bare * 1e3, "g_ratio": 1 + statistics.median(res["recorded, default"]["wall"]) / bare}
 
 
-WITHOUT = ("step-record", "batch")
+WITHOUT = ("step-record", "batch", "encoding")
 
 
 def leave_out(rec, parts: str) -> None:
     """An experiment, not a mode of the Recorder: `rec` skips these parts of its step, recording
     nothing for them, to measure what is left (what any design that moved them off the
     training thread could at best reach). "step-record": the health read, the anomaly rules
-    and the step record; "batch": the batch record."""
+    and the step record; "batch": the batch record; "encoding": both, but each still makes its
+    one write(2) a step, of a record's usual size, at the same moment (what the crash-safety
+    promise keeps on the training thread in any design that writes with write(2))."""
     for part in filter(None, parts.split(",")):
         if part == "step-record":
             rec._health.settle = lambda keep=0, *, raise_nonfinite=True, _q=rec._health._queue: _q.clear()
         elif part == "batch":
             rec._batches.append = lambda n, batch, sample_ids, _log=rec._batches: _log.drop()
+        elif part == "encoding":
+            fd = os.open(rec.run_dir / "scratch-writes", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            q, log, step_bytes, batch_bytes = rec._health._queue, rec._batches, bytes(768), bytes(512)
+            rec._health.settle = lambda keep=0, *, raise_nonfinite=True, _q=q, _fd=fd, _b=step_bytes: (
+                _q.clear() or os.write(_fd, _b) and None
+            )
+            rec._batches.append = lambda n, batch, sample_ids, _log=log, _fd=fd, _b=batch_bytes: (
+                _log.drop() or os.write(_fd, _b) and None
+            )
         else:
             raise SystemExit(f"--c-without: unknown part {part!r} (known: {', '.join(WITHOUT)})")
 
@@ -740,8 +751,9 @@ def main() -> None:
         action="append",
         default=[],
         metavar="PARTS",
-        help="(c) also measure the default mode leaving out these parts (step-record, batch, or both "
-        '"step-record,batch"; repeatable): an experiment measuring what is left',
+        help="(c) also measure the default mode leaving out these parts (step-record, batch, both "
+        '"step-record,batch", or "encoding": both but their two writes; repeatable): an experiment '
+        "measuring what is left",
     )
     ap.add_argument("--worker", choices=("bare", "recorded"), help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)

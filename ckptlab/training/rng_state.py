@@ -42,12 +42,14 @@ class _PythonRandomState:
 
     def __init__(self) -> None:
         self._ok: bool | None = None
-        self._at: tuple[Any, memoryview] | None = None  # (random._inst, a view of its state)
+        self._at: tuple[Any, memoryview] | None = None  # (the instance read, a view of its state)
 
     def fingerprint(self):
         if self._ok is None:
             self._ok = self._check()
-        inst = random._inst if self._ok else None
+        # The instance the module's functions draw from (and `capture_rng`'s getstate reads),
+        # even where `random._inst` was rebound since.
+        inst = getattr(random.getstate, "__self__", None) if self._ok else None
         if type(inst) is not random.Random:
             return random.getstate()
         if self._at is None or self._at[0] is not inst:
@@ -56,8 +58,6 @@ class _PythonRandomState:
 
     def _check(self) -> bool:
         try:
-            if getattr(random.getstate, "__self__", None) is not random._inst:  # the module's functions are its methods
-                return False
             r = random.Random(12345)
             # (gauss's mu and sigma are given: they have no defaults in Python 3.10)
             for draw in (None, r.random, lambda: r.gauss(0.0, 1.0), lambda: r.getrandbits(20000)):
@@ -91,7 +91,8 @@ class _NumpyLegacyState:
     def fingerprint(self):
         if self._offset is False:
             self._offset = self._locate()
-        rs = np.random.mtrand._rand if self._offset is not None else None
+        # (the RandomState np.random's functions draw from, as `capture_rng`'s get_state reads)
+        rs = getattr(np.random.get_state, "__self__", None) if self._offset is not None else None
         bits = getattr(rs, "_bit_generator", None)
         at = self._at
         if at is None or at[0] is not rs or at[1] is not bits:
@@ -113,8 +114,6 @@ class _NumpyLegacyState:
         then `aug_bitgen_t {bitgen_t *bit_generator; int has_gauss; double gauss}`, whose
         first field points at that copy: both pointers are searched for, then checked."""
         try:
-            if getattr(np.random.get_state, "__self__", None) is not np.random.mtrand._rand:  # the global RandomState
-                return None
             cls = np.random.RandomState
             rs = cls(12345)
             size = cls.__basicsize__

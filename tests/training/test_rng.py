@@ -117,3 +117,18 @@ def test_a_loop_that_uses_numpys_cached_gaussian_gets_its_states_recorded(tmp_pa
         got, want = recorded[s]["numpy"], states[s]
         assert want[3] == 0 and got[3] == 0  # the cache was used up: only has_gauss tells
         assert got[0] == want[0] and np.array_equal(got[1], want[1]) and tuple(got[2:]) == tuple(want[2:])
+
+
+def test_the_fingerprints_follow_the_generator_the_module_functions_draw_from(monkeypatch):
+    """`random.random()` and `np.random.random()` draw from the instances their module
+    functions were bound to at import (what `capture_rng` reads): rebinding `random._inst` or
+    numpy's `mtrand._rand` alone must not hide their draws."""
+    monkeypatch.setattr(random, "_inst", random.Random(1))
+    monkeypatch.setattr(np.random.mtrand, "_rand", np.random.RandomState(1))
+    before = rng_fingerprint()
+    random.random()
+    after_python = rng_fingerprint()
+    assert after_python[0] != before[0]
+    np.random.random()
+    assert rng_fingerprint()[1] != after_python[1]
+    assert rng_equal(capture_rng(), capture_rng())  # (and the capture reads those same instances)
