@@ -109,7 +109,7 @@ class Recorder:
             )
             self._health.resume(session.progress)
             self._batches = BatchLog(self.writer, self.run_dir, batch_fn, config.batch_ref_bytes)
-            self._snaps = Snapshots(self.writer, world, config, training, self._health)
+            self._snaps = Snapshots(self.writer, world, config, training, self._health, self.runner.probe)
             self._snaps.steps = list(session.checkpoints)  # committed ones are never written again
             for step, value in session.validation(config.val_metric):
                 self._snaps.new_best(step, value)

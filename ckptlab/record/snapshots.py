@@ -24,6 +24,7 @@ from ckptlab.record.health import HealthLog
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter
+from ckptlab.training.probe import StepProbe, learned
 from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
 from ckptlab.training.state import capture_train_state, snapshot
 from ckptlab.training.world import World
@@ -36,12 +37,15 @@ class Snapshots:
     sharded one still being committed, and `wait`: the seconds the running step waited for
     checkpoints (its record's `ckpt_wait`). `training`: (model, optimizer, scheduler, scaler)."""
 
-    def __init__(self, writer: RunWriter, world: World, config: RecordConfig, training: tuple, health: HealthLog):
+    def __init__(
+        self, writer: RunWriter, world: World, config: RecordConfig, training: tuple, health: HealthLog, probe=None
+    ):
         self.writer, self.world, self.config = writer, world, config
         model, optimizer, scheduler, self.scaler = training
         # (the torch objects inside a framework's wrappers: their hooks and state are the ones)
         self.model, self.optimizer, self.scheduler = model, torch_optimizer(optimizer), torch_scheduler(scheduler)
         self.health = health
+        self.probe: StepProbe | None = probe  # the recording's: what it learned goes with each checkpoint
         self.run_dir: Path = writer.run_dir
         self.steps: list[int] = []
         self.best: tuple[int, float] | None = None
@@ -82,6 +86,8 @@ class Snapshots:
         """Checkpoint the current state as the state at `step`; the seconds the step waited."""
         a = self.health.first_anomaly
         info = {"session": session, "reason": reason, "healthy": a is None, "first_anomaly": a}
+        if self.probe is not None:  # what a replay from here takes up (training/probe.py `learned`)
+            info["probe"] = learned(self.probe)
         if self.best is not None and self.best[0] == step:
             info["validation"] = {self.config.val_metric: self.best[1]}
         self.steps.append(step)

@@ -26,6 +26,7 @@ from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
 from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
+from ckptlab.training.probe import resume_learned
 from ckptlab.training.sharded import full_snapshot
 from ckptlab.training.state import (
     apply_env,
@@ -171,6 +172,7 @@ class Replayer:
                 hint="replay with the code the run was recorded with",
             ) from None
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
+        resume_learned(t.probe, ckpt.commit.get("probe"))  # measure as the recording did from here
         self.follow_lr(t.optimizer, step)
 
     def batch(self, step: int):

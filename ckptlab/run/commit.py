@@ -127,6 +127,7 @@ def _check_info(commit: dict) -> None:
             lambda x: isinstance(x, dict) and all(is_number(v) for v in x.values()),
             "an object of numbers",
         ),
+        ("probe", lambda x: isinstance(x, dict), "an object"),
     ):
         if commit.get(key) is not None and not ok(commit[key]):
             raise ValueError(f"{COMMIT}'s {key!r} is not {what}")

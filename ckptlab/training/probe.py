@@ -29,8 +29,9 @@ Where each number is computed, and why there:
   the measuring point; only a loop that left the gradients as its backward did is measured
   lazily from its second step on. A later step that changes them anyway is measured after
   the change (once) and the probe measures every backward from then on. The values are the
-  same bits either way (the same tensors, unchanged, in the same call), so a replay that
-  starts at any step, with a fresh probe, compares bit for bit. `accumulating(optimizer, on)`
+  same bits either way (the same tensors, unchanged, in the same call); a replay's probe takes
+  up what the recording's had learned at its checkpoint (`learned`), so that one step too
+  compares bit for bit. `accumulating(optimizer, on)`
   (the Lightning and Hugging Face integrations call it) still skips the backward passes that
   a loop knows are not its last.
 - learning rates, the norms of the pre-update weights and (for ||dw||, every `health_every`
@@ -71,7 +72,6 @@ import operator
 import time
 import weakref
 
-import numpy as np
 import torch
 
 from ckptlab.errors import RecordError
@@ -81,7 +81,7 @@ from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.health import CommonHealth, StepHealth, read_common, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.state import unwrap
-from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample
+from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample, update_scales
 from ckptlab.training.world import World, is_sharded, local
 
 
@@ -130,14 +130,6 @@ def scale_now(scaler) -> torch.Tensor | None:
     if scale is None:  # not yet created (before the first scale()) or an old scaler
         return torch.tensor(float(scaler.get_scale()))
     return scale.detach().reshape(()).float().clone()
-
-
-def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
-    """What turns the squared update norm of each sample into the whole tensor's."""
-    if mode == "exact":
-        return np.ones(n)
-    assert plans is not None, "made by _take, for the sample in _before"
-    return np.array([plan.scale for plan in plans], dtype=np.float64)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -335,13 +327,10 @@ class StepProbe:
 
     def _on_backward_end(self) -> None:
         """A backward pass ended: note the gradients it left (and in the "learn" and "eager"
-        modes, measure them now).
-
-        Right after a backward, reading each parameter's gradient costs ~1 us (cold): in the
-        lazy mode, a backward after one that left every gradient (a micro-batch loop's) reads
-        only the versions of the tensors that one left, into which this one accumulated in
-        place. A backward that makes new tensors (`create_graph=True`) shows at the measuring
-        point as tensors other than the note's; the probe then reads every backward's."""
+        modes, measure them now). In the lazy mode, a backward after one that left every
+        gradient (micro-batches) notes only the versions of those tensors, into which it
+        accumulated in place (each `p.grad` costs ~1 us right after a backward). One that made
+        new tensors (`create_graph=True`) shows at the measuring point: the probe learns again."""
         self._queued = False
         if not self._active:
             return
@@ -549,6 +538,22 @@ def _update_norms(probe: StepProbe, weights: list[torch.Tensor]) -> list[torch.T
         return [torch.linalg.vector_norm(a - b, dtype=torch.float32) for a, b in zip(weights, before)]
     assert probe._plans is not None, "made by _take, for the sample in _before"
     return batched_norms(list(torch._foreach_sub([take_sample(w, p) for w, p in zip(weights, probe._plans)], before)))
+
+
+GRAD_MODES = ("learn", "lazy", "eager")
+
+
+def learned(probe: StepProbe) -> dict:
+    """What the probe has learned of the loop, saved with each checkpoint: a replay from it
+    measures as the recording did (a fresh probe, learning, measures the first step that
+    changes its gradients after its backward before the change; a lazy one after it)."""
+    return {"grad_mode": probe.grad_mode, "reuse": probe._reuse}
+
+
+def resume_learned(probe: StepProbe, info: dict | None) -> None:
+    """Take up what `learned` saved (None, or a checkpoint from before it was saved: learn)."""
+    if isinstance(info, dict) and info.get("grad_mode") in GRAD_MODES and isinstance(info.get("reuse"), bool):
+        probe.grad_mode, probe._reuse = info["grad_mode"], info["reuse"]
 
 
 def _watched(probe: StepProbe, add, meta: dict) -> None:

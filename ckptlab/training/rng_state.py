@@ -31,6 +31,12 @@ def rng_fingerprint() -> tuple:
     return fp
 
 
+def _bound_to(fn, kind: type, otherwise):
+    """The `kind` instance `fn` is a method of, or `otherwise`."""
+    inst = getattr(fn, "__self__", None)
+    return inst if type(inst) is kind else otherwise
+
+
 class _PythonRandomState:
     """Python's global `random` read without `random.getstate()`, which builds a tuple of 625
     ints (~10 us, and as long to compare): the Mersenne Twister's C struct (`int index;
@@ -48,8 +54,9 @@ class _PythonRandomState:
         if self._ok is None:
             self._ok = self._check()
         # The instance the module's functions draw from (and `capture_rng`'s getstate reads),
-        # even where `random._inst` was rebound since.
-        inst = getattr(random.getstate, "__self__", None) if self._ok else None
+        # even where `random._inst` was rebound since; the module's own where getstate was
+        # wrapped (no `__self__`): a wrapper reads it, presumably.
+        inst = _bound_to(random.getstate, random.Random, random._inst) if self._ok else None
         if type(inst) is not random.Random:
             return random.getstate()
         if self._at is None or self._at[0] is not inst:
@@ -92,7 +99,8 @@ class _NumpyLegacyState:
         if self._offset is False:
             self._offset = self._locate()
         # (the RandomState np.random's functions draw from, as `capture_rng`'s get_state reads)
-        rs = getattr(np.random.get_state, "__self__", None) if self._offset is not None else None
+        rs = _bound_to(np.random.get_state, np.random.RandomState, np.random.mtrand._rand)
+        rs = rs if self._offset is not None else None
         bits = getattr(rs, "_bit_generator", None)
         at = self._at
         if at is None or at[0] is not rs or at[1] is not bits:

@@ -59,3 +59,12 @@ def _prime_at_most(n: int) -> int:
         if all(c % d for d in range(2, int(c**0.5) + 1)):
             return c
     return 1
+
+
+def update_scales(mode: str, plans: list | None, n: int) -> np.ndarray:
+    """What turns the squared update norm of each sample into the whole tensor's (`mode`:
+    "exact" or "sampled"; `plans`: the sample's, from `sample_plans`)."""
+    if mode == "exact":
+        return np.ones(n)
+    assert plans is not None, "made with the sample"
+    return np.array([plan.scale for plan in plans], dtype=np.float64)
