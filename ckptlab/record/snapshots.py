@@ -38,14 +38,20 @@ class Snapshots:
     checkpoints (its record's `ckpt_wait`). `training`: (model, optimizer, scheduler, scaler)."""
 
     def __init__(
-        self, writer: RunWriter, world: World, config: RecordConfig, training: tuple, health: HealthLog, probe=None
+        self,
+        writer: RunWriter,
+        world: World,
+        config: RecordConfig,
+        training: tuple,
+        health: HealthLog,
+        probe: StepProbe | None = None,
     ):
         self.writer, self.world, self.config = writer, world, config
         model, optimizer, scheduler, self.scaler = training
         # (the torch objects inside a framework's wrappers: their hooks and state are the ones)
         self.model, self.optimizer, self.scheduler = model, torch_optimizer(optimizer), torch_scheduler(scheduler)
         self.health = health
-        self.probe: StepProbe | None = probe  # the recording's: what it learned goes with each checkpoint
+        self.probe = probe  # the recording's: what it learned goes with each checkpoint
         self.run_dir: Path = writer.run_dir
         self.steps: list[int] = []
         self.best: tuple[int, float] | None = None

@@ -99,8 +99,8 @@ class _NumpyLegacyState:
         if self._offset is False:
             self._offset = self._locate()
         # (the RandomState np.random's functions draw from, as `capture_rng`'s get_state reads)
-        rs = _bound_to(np.random.get_state, np.random.RandomState, np.random.mtrand._rand)
-        rs = rs if self._offset is not None else None
+        located = self._offset is not None
+        rs = _bound_to(np.random.get_state, np.random.RandomState, np.random.mtrand._rand) if located else None
         bits = getattr(rs, "_bit_generator", None)
         at = self._at
         if at is None or at[0] is not rs or at[1] is not bits:
