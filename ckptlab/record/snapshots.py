@@ -24,6 +24,7 @@ from ckptlab.record.health import HealthLog
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter
+from ckptlab.training.crash import call_through
 from ckptlab.training.probe import StepProbe, learned
 from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
 from ckptlab.training.state import capture_train_state, snapshot
@@ -243,7 +244,7 @@ class AwaitLiveBytes(TorchFunctionMode):
                 t0 = time.perf_counter()
                 captured.wait_copied(ptrs)
                 self.waited += time.perf_counter() - t0
-        return func(*args, **kwargs)
+        return call_through(func, *args, **kwargs)
 
     def close(self) -> None:
         self.captured = None

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ckptlab.training.crash import call_through
 from ckptlab.training.state import unwrap
 
 REDUCED = (torch.float16, torch.bfloat16)
@@ -44,7 +45,7 @@ class _Float32Only(TorchFunctionMode):
         if func in _NARROWING:
             return args[0].float() if args[0].is_floating_point() else args[0]
         args, kwargs = tree_map(_widen_dtype, (args, kwargs))
-        return func(*args, **kwargs)
+        return call_through(func, *args, **kwargs)
 
 
 def _widen_dtype(x):

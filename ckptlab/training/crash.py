@@ -29,6 +29,17 @@ def ours(filename: str) -> bool:
     return filename.startswith(CKPTLAB_DIR) and not filename.startswith(EXAMPLES_DIR)
 
 
+def call_through(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, called by a ckptlab wrapper that stands between the user's code and
+    the function it wraps (the probe's wrappers of torch's clipping, the per-op trace's dispatch
+    modes, a closure handed on to the user's optimizer). An exception `fn` raises is the step's
+    own, as it would be without the wrapper (`clip_grad_norm_(..., error_if_nonfinite=True)` on a
+    NaN gradient, a shape error in the user's model while traced): `is_step_error` does not count
+    this frame, nor the wrapper's that called it, as ckptlab's. An exception of the wrapper's
+    own code (outside this call) stays ckptlab's."""
+    return fn(*args, **kwargs)
+
+
 def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
     out = []
     while tb is not None:
@@ -42,9 +53,16 @@ def is_step_error(exc: BaseException) -> bool:
     ckptlab: once its traceback leaves ckptlab's code it does not come back into it."""
     if isinstance(exc, CkptlabError) or not isinstance(exc, Exception):
         return False
+    frames = _frames(exc.__traceback__)
+    mine = [ours(os.path.abspath(f.f_code.co_filename)) for f in frames]
+    for i, f in enumerate(frames):  # a wrapper calling through to what it wraps: not ckptlab's
+        if f.f_code is call_through.__code__:
+            mine[i] = False
+            if i:
+                mine[i - 1] = False
     left = False
-    for f in _frames(exc.__traceback__):
-        if not ours(os.path.abspath(f.f_code.co_filename)):
+    for m in mine:
+        if not m:
             left = True
         elif left:
             return False

@@ -29,6 +29,8 @@ import operator
 
 import torch
 
+from ckptlab.training.crash import call_through
+
 _PLAIN, _FLOAT32 = {torch.Tensor}, {torch.float32}
 _DTYPE, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
 
@@ -62,7 +64,7 @@ def _measuring_first(fn):
     def wrapper(*args, **kwargs):
         if LIVE:
             before_grads_change()
-        return fn(*args, **kwargs)
+        return call_through(fn, *args, **kwargs)
 
     setattr(wrapper, _MARK, True)
     return wrapper
@@ -81,9 +83,9 @@ def _total_norm_reusing(fn):
                     with torch.no_grad():
                         total = torch.linalg.vector_norm(norms, 2.0)
                     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-                        return fn(tensors, norm_type, error_if_nonfinite, foreach)  # (torch's own error)
+                        return call_through(fn, tensors, norm_type, error_if_nonfinite, foreach)  # torch's own error
                     return total
-        return fn(tensors, norm_type, error_if_nonfinite, foreach)
+        return call_through(fn, tensors, norm_type, error_if_nonfinite, foreach)
 
     setattr(wrapper, _MARK, True)
     return wrapper
