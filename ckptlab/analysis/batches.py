@@ -146,8 +146,10 @@ def batch_rows(batch, ids) -> int | None:
 
 
 def select_rows(obj, rows: list[int], n: int):
-    """The batch restricted to `rows` (every leaf whose first dimension is the batch's; in an
-    accumulated step's batch, the micro-batches that keep a row, each restricted to its rows)."""
+    """The batch restricted to `rows` (every leaf whose first dimension is the batch's, the
+    columns of a sequence-first `(T, n, ...)` leaf, and the elements of a flattened `(T*n,)`
+    leaf that are those rows' (`flat_rows`); in an accumulated step's batch, the micro-batches
+    that keep a row, each restricted to its rows)."""
     sizes = micro_rows(obj, n)
     if sizes is not None and sum(sizes) == n:
         parts, kept = [], []
@@ -157,20 +159,54 @@ def select_rows(obj, rows: list[int], n: int):
                 parts.append(select_rows(part, mine, k))
                 kept.append(len(mine))
         return {**obj, MICRO_BATCHES: parts, MICRO_ROWS: kept} if isinstance(obj, dict) else type(obj)(parts)
+    return _select(obj, rows, n, flat_layouts(obj, n))
+
+
+def _select(obj, rows: list[int], n: int, flat: dict[int, tuple[str, int]]):
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         dim = row_dim(obj.shape, n)
         if dim is None:
-            return obj
+            index = flat_rows(flat.get(obj.shape[0]) if obj.ndim else None, rows, n)
+            return obj if index is None else obj[index]
         return obj[rows] if dim == 0 else obj[:, rows]
     if isinstance(obj, dict):
-        return {k: select_rows(v, rows, n) for k, v in obj.items()}
+        return {k: _select(v, rows, n, flat) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-        return type(obj)(*[select_rows(v, rows, n) for v in obj])
+        return type(obj)(*[_select(v, rows, n, flat) for v in obj])
     if isinstance(obj, (list, tuple)):
         if len(obj) == n and not any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in obj):
             return type(obj)(obj[i] for i in rows)  # a per-row list (e.g. texts)
-        return type(obj)(select_rows(v, rows, n) for v in obj)
+        return type(obj)(_select(v, rows, n, flat) for v in obj)
     return obj
+
+
+def flat_layouts(batch, n: int) -> dict[int, tuple[str, int]]:
+    """The lengths a leaf of `batch` has when it is another leaf's rows flattened, each with how
+    it was laid out: `("seq", T)` for a sequence-first `(T, n)` leaf flattened (element
+    `t * n + row`, as `targets.view(-1)` of a word-level language model's chunk), `("batch", T)`
+    for a `(n, T)` leaf flattened (element `row * T + t`). A length that both layouts would give
+    is left out: which rows its elements hold cannot be told."""
+    found: dict[int, set[tuple[str, int]]] = {}
+    for _, leaf in python_leaves(batch):
+        if not isinstance(leaf, (torch.Tensor, np.ndarray)) or leaf.ndim < 2:
+            continue
+        first, second = int(leaf.shape[0]), int(leaf.shape[1])
+        if first == n and second not in (1, n):
+            found.setdefault(n * second, set()).add(("batch", second))
+        elif second == n and first not in (1, n):
+            found.setdefault(first * n, set()).add(("seq", first))
+    return {length: next(iter(ways)) for length, ways in found.items() if len(ways) == 1 and length != n}
+
+
+def flat_rows(layout: tuple[str, int] | None, rows: list[int], n: int) -> list[int] | None:
+    """The elements of a flattened leaf (`flat_layouts`) that hold `rows`, in the order the
+    same leaf of the selected rows flattens to; None for a leaf that is not one."""
+    if layout is None:
+        return None
+    how, t = layout
+    if how == "seq":
+        return [i * n + r for i in range(t) for r in rows]
+    return [r * t + i for r in rows for i in range(t)]
 
 
 def micro_list(batch, n: int | None) -> list[int] | None:
@@ -243,11 +279,20 @@ def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
     """`dst` (a batch of n_dst rows) with its rows `rows` replaced by the n_src = len(rows) rows
     of `src`, in order. ValueError when a row leaf's shape or type differs between the two."""
 
+    flat = flat_layouts(dst, n_dst)
+
     def put(d, s):
         if isinstance(d, (torch.Tensor, np.ndarray)):
             dim = row_dim(d.shape, n_dst)
             if dim is None:
-                return d
+                index = flat_rows(flat.get(d.shape[0]) if d.ndim else None, rows, n_dst)
+                if index is None:
+                    return d
+                if type(s) is not type(d) or s.shape[1:] != d.shape[1:] or s.shape[0] != len(index):
+                    raise ValueError(f"a flattened field has {s.shape[0]} elements here for {len(index)} there")
+                out = d.clone() if isinstance(d, torch.Tensor) else d.copy()
+                out[index] = s.to(d.dtype) if isinstance(d, torch.Tensor) else s.astype(d.dtype)
+                return out
             if dim == 1:  # sequence-first: rows are columns; the same code, transposed
                 return put(d.swapaxes(0, 1), s.swapaxes(0, 1)).swapaxes(0, 1)
             if type(s) is not type(d) or s.ndim != d.ndim or s.shape[0] != n_src or s.shape[1:] != d.shape[1:]:

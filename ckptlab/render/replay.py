@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ckptlab.numbers import human_bytes, ranges, short_number, value
 from ckptlab.render.text import safe
+from ckptlab.replayer.counterfactuals import NOT_RUN
 
 
 def render(r, term) -> None:
@@ -54,10 +55,18 @@ def render(r, term) -> None:
         _samples(r.samples, term)
     if r.parameters:
         _parameters(r, term)
+    if r.nonfinite_buffers:
+        bad = ", ".join(f"{safe(b['buffer'])} ({b['count']} non-finite)" for b in r.nonfinite_buffers)
+        term.field("buffers", f"[yellow]left non-finite[/yellow] by step {r.root_step}: {bad}")
     for c in r.counterfactuals:
+        if c.fault is None and c.detail.startswith(NOT_RUN):
+            continue  # (the "not run" line names it, with the error)
         mark = "[red]fault[/red]" if c.fault else ("[green]no fault[/green]" if c.fault is False else "n/a")
         term.field("evidence", f"{safe(c.question)} {mark}: {safe(c.detail)}")
     _searches(r, term)
+    for f in r.failed_experiments:
+        at = f" at {safe(f['source'])}" if f.get("source") else ""
+        term.field("not run", f"{safe(f['experiment'])}: [yellow]the step raised[/yellow] {safe(f['error'])}{at}")
     if r.dump is not None:
         render_dump_line(r.dump, term)
 

@@ -172,7 +172,7 @@ def attribute_rows(
             inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code)
             root = RootStep(inv, inv.root_at(step))
             try:
-                rows = per_row(root)
+                rows = root.attempt("rows alone", per_row, root, default={})
             finally:
                 root.close()
     finally:

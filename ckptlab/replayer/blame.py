@@ -20,8 +20,8 @@ from ckptlab.analysis.batches import micro_row, select_rows
 from ckptlab.numbers import same
 from ckptlab.replayer.counterfactuals import counterfactuals
 from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame
-from ckptlab.replayer.origin import origin
-from ckptlab.replayer.parameters import parameters
+from ckptlab.replayer.origin import nonfinite_origin, origin
+from ckptlab.replayer.parameters import nonfinite_buffers, parameters
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.rows import data_rows, per_row
 from ckptlab.replayer.search import search
@@ -35,12 +35,13 @@ def explain(root: RootStep, rep: ReplayReport, do_trace: bool, do_counterfactual
     once the verdict is said (None without a dump)."""
     root.report = rep
     t0 = time.perf_counter()
-    tracer = _trace(root, rep) if do_trace else None
+    tracer = root.attempt("per-op trace", _trace, root, rep) if do_trace else None
     base = root.base = root.step()  # the root step as replayed, for parameter blame
+    rep.nonfinite_buffers = _buffers_gone_bad(root)
     content = data_rows(root)
     if root.rows and root.rows > 1:
         root.inv.log(f"replaying each of the {root.rows} rows of step {root.root} alone")
-    rows = per_row(root) if root.rows and root.rows > 1 else {}
+    rows = root.attempt("rows alone", per_row, root, default={}) if root.rows and root.rows > 1 else {}
     rep.parameters = parameters(root, base)
     rep.origin, rep.samples = origin(root, tracer, base, content, rows)
     if do_counterfactuals:
@@ -53,8 +54,10 @@ def explain(root: RootStep, rep: ReplayReport, do_trace: bool, do_counterfactual
 
         t1 = time.perf_counter()
         root.inv.log(f"copying the tensors of step {root.root} for {dump.path}")
-        captured = capture_root_step(root, tracer.origin if tracer is not None else None, dump)
+        origin_op = tracer.origin if tracer is not None else None
+        captured = root.attempt("dump", capture_root_step, root, origin_op, dump)
         root.inv.timing["dump_capture_s"] = time.perf_counter() - t1
+    rep.failed_experiments = root.failed
     root.close()
     root.inv.timing["blame_s"] = time.perf_counter() - t0
     return captured
@@ -80,14 +83,23 @@ def _trace(root: RootStep, rep: ReplayReport) -> Tracer:
 # --- a root step that raised ----------------------------------------------------------------------
 
 
-def explain_crash(root: RootStep, rep: ReplayReport, crash: dict) -> None:
-    """The root step raised (`crash`: training/crash.py's description): the origin is the
-    exception where the user's code raised it; a row is blamed when its content is wrong
-    (empty, token ids out of range, non-finite) or when it raises the same exception
-    alone through the step; then: does the step run without the blamed rows?"""
+def explain_crash(root: RootStep, rep: ReplayReport, crash: dict, do_trace: bool = True) -> None:
+    """The root step raised (`crash`: training/crash.py's description). When a value went
+    non-finite before it raised (traced per op up to the raise), the origin is where that
+    value came from, as for a NaN loss, with the exception as `origin.raised`; else the origin
+    is the exception where the user's code raised it. A row is blamed when its content is
+    wrong (empty, token ids out of range, non-finite), when the first non-finite values are
+    its, or when it raises the same exception alone through the step; then: does the step run
+    without the blamed rows?"""
     root.report = rep
     t0 = time.perf_counter()
-    rep.origin = Origin(
+    tracer = root.attempt("per-op trace", _trace_to_the_raise, root, rep) if do_trace else None
+    samples: dict[int, SampleBlame] = {}
+    content = data_rows(root)
+    went_nonfinite = nonfinite_origin(root, tracer, content, {}, samples)
+    if went_nonfinite is not None:
+        went_nonfinite.raised = {k: crash[k] for k in ("error", "source", "call") if crash.get(k) is not None}
+    rep.origin = went_nonfinite or Origin(
         "exception",
         crash.get("phase"),
         crash.get("module"),
@@ -97,8 +109,6 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict) -> None:
         call=crash.get("call"),
         detail=crash.get("message"),
     )
-    samples: dict[int, SampleBlame] = {}
-    content = data_rows(root)
     for category in ("out_of_range", "empty", "nonfinite", "absurd"):
         for r, why in content[category].items():
             samples.setdefault(r, SampleBlame(r, root.sample_id(r), why, batch_row=r))
@@ -110,8 +120,31 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict) -> None:
     # (samples is keyed by each blamed row's batch row)
     rep.samples = [samples[r] for r in sorted(samples, key=lambda r: (not alone.get(r, False), r))]
     rep.counterfactuals.extend(_runs_without_blamed(root, rep.samples, crash))
+    rep.failed_experiments = root.failed
     root.close()
     root.inv.timing["blame_s"] = time.perf_counter() - t0
+
+
+def _buffers_gone_bad(root: RootStep) -> list[dict]:
+    """The buffers the root step (just replayed) left non-finite that were finite before it."""
+    after = nonfinite_buffers(root.runner.model)
+    if not after:
+        return []
+    root.fresh()
+    before = nonfinite_buffers(root.runner.model)
+    return [{"buffer": name, "count": n} for name, n in after.items() if name not in before]
+
+
+def _trace_to_the_raise(root: RootStep, rep: ReplayReport) -> Tracer:
+    """The root step traced per op up to where it raised: what went non-finite before it."""
+    tracer = Tracer(root.runner.model, root.runner.optimizer, rows=root.rows, batch=root.rec.batch)
+    try:
+        root.step(tracer=tracer)
+    except Exception as e:  # noqa: BLE001 - the step's own exception is what is traced up to
+        if not is_step_error(e):
+            raise
+    rep.chain = [e.to_json() for e in tracer.chain()]
+    return tracer
 
 
 def _rows_raising_alone(

@@ -27,17 +27,30 @@ from ckptlab.training.state import restore_snapshot
 # The anomalies of a step that its own update causes (spikes of its loss and gradient come
 # before the update).
 AFTER_AN_UPDATE = ("update_explosion", "nonfinite_weight")
+NOT_RUN = "could not run"  # how a counterfactual the user's code refused begins its detail
 
 
 def counterfactuals(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:
-    """Each counterfactual the origin and the blamed rows call for, in the report's order."""
+    """Each counterfactual the origin and the blamed rows call for, in the report's order; one
+    that the user's code refuses (it raises) is listed as not runnable, and the others go on."""
     return (
-        _without_rows(root, samples)
-        + _recent_learning_rate(root)
-        + _in_float32(root, root.report.origin)
-        + _second_moment_in_tune(root)
-        + _older_state(root, samples)
+        _guarded(root, "without the blamed rows", _without_rows, samples)
+        + _guarded(root, "with its recent learning rate", _recent_learning_rate)
+        + _guarded(root, "in float32", _in_float32, root.report.origin)
+        + _guarded(root, "with the second moment in tune", _second_moment_in_tune)
+        + _guarded(root, "from an older model state", _older_state, samples)
     )
+
+
+def _guarded(root: RootStep, name: str, fn, *args) -> list[Counterfactual]:
+    """`fn(root, *args)` through `root.attempt`: when the user's code raised in it, a
+    counterfactual that says it could not run (fault None), and why."""
+    out = root.attempt(name, fn, root, *args)
+    if out is not None:
+        return out
+    failed = root.failed[-1]
+    at = f" at {failed['source']}" if failed.get("source") else ""
+    return [Counterfactual(f"step {root.root} {name}?", None, f"{NOT_RUN}: the step raised {failed['error']}{at}")]
 
 
 def _without_rows(root: RootStep, samples: list[SampleBlame]) -> list[Counterfactual]:

@@ -52,6 +52,10 @@ class Origin:
     # kind "precision": the module that, run in float32, makes the root step healthy ("" the
     # whole model); None when neither was enough or it was not tried
     float32_module: str | None = None
+    # The root step raised after a value went non-finite (a loss that checks its input's range,
+    # `clip_grad_norm_(..., error_if_nonfinite=True)`): the origin is where that value came
+    # from, and this is the exception, {"error": "Type: message", "source", "call"}.
+    raised: dict | None = None
 
 
 @dataclass
@@ -245,6 +249,12 @@ class ReplayReport:
     # second moment (exp_avg_sq all zero, or no state yet) that moved it by more than half its
     # norm is listed here, in step order (optstate.py).
     first_updates: list[FirstUpdate] = field(default_factory=list)
+    # The experiments the user's code refused (rootstep.py's `attempt`): [{"experiment", "error",
+    # "source"}], e.g. the step without the blamed rows, when the loss cannot take fewer rows.
+    failed_experiments: list[dict] = field(default_factory=list)
+    # The buffers the root step left non-finite that were finite before it (BatchNorm's running
+    # statistics): lasting damage, [{"buffer", "count"}] (parameters.py's `nonfinite_buffers`).
+    nonfinite_buffers: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""

@@ -209,9 +209,9 @@ class Investigation:
         r.close(t)
         replayed = {c.step: c.anomalies for c in checks if c.anomalies}
         last = checks[-1].step if checks else self.step  # the requested step, or one that raised
+        # The first anomalous step of the episode, whatever the symptom: a step that raised
+        # after an update exploded is the explosion's symptom, not its root.
         root = episode_start(replayed, last) if last in replayed else None
-        if crash is not None:  # a crash is its own root: what came before did not raise
-            root = crash["step"]
         snap, dets_before = kept.get(root, (None, None)) if root is not None else (None, None)
         return Window(k, checks, root, snap, dets_before, crash, bad, firsts)
 
@@ -336,7 +336,7 @@ class Investigation:
         report.start_state, report.first_updates = _start_state(self, report, window), window.first_updates
         captured = self.blame_root(report, window, trace, counterfactuals) if root is not None else None
         report.verdict = verdict(report)
-        if self.dump is not None and window.crash is None:
+        if self.dump is not None and not _raised_at_root(window):
             self.write_dump(report, captured)
         self.timing["total_s"] = time.perf_counter() - self.t0
         report.timing = self.timing
@@ -360,13 +360,18 @@ class Investigation:
         """blame.py's stages over the root step; what the dump will hold (None: no dump).
         Not bit-exact: first, does the fault survive ulp-level noise (agreement.py)?"""
         root = RootStep(self, window)
-        if window.crash is None:
+        if window.crash is None or not _raised_at_root(window):
             survives_noise(root, report)
             return explain(root, report, trace, counterfactuals, dump=self.dump)
         if self.dump is not None:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
-        explain_crash(root, report, window.crash)
+        explain_crash(root, report, window.crash, trace)
         return None
+
+
+def _raised_at_root(window: Window) -> bool:
+    """The root step itself raised (not a later step of its episode)."""
+    return window.crash is not None and window.crash["step"] == window.root
 
 
 def measured_exactly(r: Replayer, t: StepRunner) -> StepRunner:

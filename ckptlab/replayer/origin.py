@@ -39,14 +39,29 @@ def origin(
     """The origin of the fault and the blamed rows, most to blame first. `h`: the root step
     replayed; `data_rows`: rows.data_rows; `rows`: rows.per_row (empty for a single row)."""
     samples: Samples = {}
-    ev: OpEvent | None = tracer.origin if tracer is not None else None
-    if data_rows["nonfinite"]:
-        o = _nonfinite_batch(root, tracer, data_rows["nonfinite"], samples)
-    elif ev is not None:
-        o = _first_nonfinite_op(root, ev, data_rows["absurd"], nonfinite_alone(rows), samples)
-    else:
+    o = nonfinite_origin(root, tracer, data_rows, rows, samples)
+    if o is None:
         o = _finite_explosion(root, h, data_rows["absurd"], rows, samples)
     return o, _ranked(root, samples, data_rows, rows)
+
+
+def nonfinite_origin(
+    root: RootStep,
+    tracer: Tracer | None,
+    data_rows: dict[str, dict[int, str]],
+    rows: dict[int, StepHealth],
+    samples: Samples,
+) -> Origin | None:
+    """Where the root step's first non-finite value came from (the batch, or the first op that
+    produced one), its rows blamed into `samples`; None when nothing went non-finite. Also the
+    origin of a step that raised because a value went non-finite (a loss that checks its
+    input's range, an `assert torch.isfinite`, clipping with `error_if_nonfinite`)."""
+    ev: OpEvent | None = tracer.origin if tracer is not None else None
+    if data_rows["nonfinite"]:
+        return _nonfinite_batch(root, tracer, data_rows["nonfinite"], samples)
+    if ev is not None:
+        return _first_nonfinite_op(root, ev, data_rows["absurd"], nonfinite_alone(rows), samples)
+    return None
 
 
 RECENT_LR = 8  # steps
@@ -185,11 +200,27 @@ def _finite_explosion(
             if jump
             else "the update exploded without a gradient explosion"
         )
-        return Origin("optimizer", "optimizer", None, None, param, None, detail=detail)
+        return Origin(
+            "optimizer",
+            "optimizer",
+            None,
+            None,
+            most_moved(root.inv.metrics.param_names, h) or param,
+            None,
+            detail=detail,
+        )
     if root.report.parameters:
         detail = "gradients exploded with no single row to blame"
         return Origin("numeric", "backward", None, None, param, None, detail=detail)
     return Origin("none", None, None, None, None, None)
+
+
+def most_moved(names: list[str], h: StepHealth) -> str | None:
+    """The parameter whose update moved it most against its own norm (the largest finite
+    update ratio): the worst of an optimizer fault, whose gradients may be ordinary."""
+    ratios = [] if h.update_ratio is None else [float(r) for r in h.update_ratio]
+    finite = [(r, i) for i, r in enumerate(ratios) if math.isfinite(r) and i < len(names)]
+    return names[max(finite)[1]] if finite else None
 
 
 def _second_moment_gaps(root: RootStep, h: StepHealth) -> list[SecondMomentGap]:

@@ -3,6 +3,7 @@ are out of line with their recorded history, and the weight that is out of scale
 
     blamed = parameters(root, h)             # ParameterBlame, the most to blame first
     outsized_weight(model, "blocks.3.attn")  # (parameter, why) or None
+    nonfinite_buffers(model)                 # {"bn.running_var": 32}: buffers that hold NaN/Inf
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ckptlab.replayer.rootstep import RootStep
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
+from ckptlab.training.state import unwrap
 
 # A weight this many times its peers' RMS (the same parameter in sibling modules: heads.0.fc.weight
 # for heads.2.fc.weight), or with no peers this many times the RMS of PyTorch's default init
@@ -70,6 +72,20 @@ def parameters(root: RootStep, h: StepHealth) -> list[ParameterBlame]:
             -(p.update_ratio or 0),
         )
     )
+    return out
+
+
+def nonfinite_buffers(model) -> dict[str, int]:
+    """The model's floating buffers (BatchNorm's running statistics, a carried state) that hold
+    non-finite values, with how many: damage that outlives the step, since later steps and
+    evaluation read them and no optimizer step repairs them."""
+    out = {}
+    with torch.no_grad():
+        for name, b in unwrap(model).named_buffers():
+            if b.is_floating_point() and b.numel():
+                bad = int((~torch.isfinite(b)).sum())
+                if bad:
+                    out[name] = bad
     return out
 
 

@@ -203,12 +203,19 @@ def _name_step(root: RootStep, budget, found: EarlierCause, faults, step: int) -
     found.step = step
     rec = root.replayer.batch(step)
     n = batch_rows(rec.batch, rec.sample_ids)
-    if n and n > 1:
-        rows, complete = ddmin(list(range(n)), lambda d: negate(faults(drop=(step, d)) if len(d) < n else False))
-        found.complete = found.complete and complete
-        found.rows = rows
-        ids = rec.sample_ids
-        found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
+    if n and n > 1:  # (the user's code may refuse a batch with rows dropped: the step stands alone then)
+        shrunk = root.attempt(
+            "earlier cause's rows",
+            ddmin,
+            list(range(n)),
+            lambda d: negate(faults(drop=(step, d)) if len(d) < n else False),
+        )
+        if shrunk is not None:
+            rows, complete = shrunk
+            found.complete = found.complete and complete
+            found.rows = rows
+            ids = rec.sample_ids
+            found.sample_ids = [ids[x] if ids is not None and x < len(ids) else None for x in rows]
     partial = found.rows and len(found.rows) < (n or 0)
     who = ", ".join(f"{where(rec.batch, x, n)} (sample {i})" for x, i in zip(found.rows, found.sample_ids))
     localize(found, rec.batch, n)

@@ -4,11 +4,18 @@
     h = root.step()                          # the root step again, from the state it started in
     h = root.step(batch, tracer=tracer)      # with another batch (some rows), traced per op
     root.fault(h)                            # the anomalies that replay shows
+    rows = root.attempt("rows alone", per_row, root, default={})   # an experiment the user's code may refuse
     root.close()
 
 The stages of blame.py (rows.py, parameters.py, origin.py, counterfactuals.py, search.py) are
 plain functions of this one object: it holds what they share (the recorded batch and its rows,
 the replay handle, the report being written, the replays' findings that later stages read).
+
+Every experiment that runs the user's step on something the record never ran (some rows, an
+older state, another learning rate, float32) goes through `attempt`: the user's code may refuse
+it (a batch with rows removed that its loss cannot take, a model that needs more than one row),
+and then that experiment failed, is listed in `failed` (the report's `failed_experiments`), and
+the investigation goes on without it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import copy
 from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import batch_rows
 from ckptlab.replayer.findings import ReplayReport
+from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 from ckptlab.training.state import restore_snapshot
 
@@ -44,6 +52,7 @@ class RootStep:
         self._report = None
         self._base = None
         self.older_fault = None
+        self.failed: list[dict] = []  # the experiments the user's code refused (`attempt`)
 
     @property
     def report(self) -> ReplayReport:
@@ -88,6 +97,21 @@ class RootStep:
         (a first update with an empty second moment that exploded among them, as the window
         judged it: the probe flags it on every step that measures its update)."""
         return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
+
+    def attempt(self, experiment: str, fn, *args, default=None):
+        """`fn(*args)`, one experiment of the investigation. When the user's code raises in it
+        (training/crash.py's `is_step_error`), the experiment failed: `failed` gets
+        {"experiment", "error", "source"} and `default` comes back; ckptlab's own errors stay
+        errors."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if not is_step_error(e):
+                raise
+            d = describe(e, self.runner.model)
+            self.failed.append({"experiment": experiment, "error": d["error"], "source": d.get("source")})
+            self.inv.log(f"{experiment} could not run: {d['error']}")
+            return default
 
     def sample_id(self, row: int):
         return self.ids[row] if self.ids is not None and row < len(self.ids) else None

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from ckptlab.analysis.batches import batch_rows, python_leaves, row_groups, select_rows
+from ckptlab.analysis.batches import batch_rows, flat_layouts, python_leaves, row_dim, row_groups, select_rows
 from ckptlab.errors import CkptlabError
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.run.reader import Run
@@ -70,14 +70,10 @@ def data_rows(root: RootStep) -> dict[str, dict[int, str]]:
 
 
 def per_row(root: RootStep) -> dict[int, StepHealth]:
-    """Each row alone through the step: its own loss and gradient norm."""
-    out = {}
-    for row in range(root.rows):
-        try:
-            out[row] = root.step(select_rows(root.rec.batch, [row], root.rows))
-        except Exception:  # noqa: BLE001 - a model that cannot take one row (BatchNorm...)
-            return {}
-    return out
+    """Each row alone through the step: its own loss and gradient norm. The user's code may
+    refuse one row (BatchNorm in training mode needs two): callers run it through
+    `root.attempt`, which reports that."""
+    return {row: root.step(select_rows(root.rec.batch, [row], root.rows)) for row in range(root.rows)}
 
 
 def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str, float]:
@@ -100,14 +96,25 @@ def _typical_row_absmax(run: Run, step: int, max_batches: int = 32) -> dict[str,
 
 def _row_leaves(batch, rows: int | None, *, of_any_rows: bool = False):
     """(first row, path, tensor as (rows, -1)) for each non-boolean tensor leaf with one entry
-    per row (`of_any_rows`: of any first dimension), micro-batch by micro-batch when the batch
-    records an accumulated step; paths are within the micro-batch."""
+    per row (`of_any_rows`: of any first dimension): along dimension 0, or 1 for a
+    sequence-first `(T, n, ...)` leaf, or flattened from one (analysis/batches.py's
+    `flat_layouts`); micro-batch by micro-batch when the batch records an accumulated step;
+    paths are within the micro-batch."""
     for first, part, n in row_groups(batch, rows):
+        flat = flat_layouts(part, n) if n and not of_any_rows else {}
         for path, leaf in python_leaves(part):
             if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.dtype == torch.bool:
                 continue
-            if of_any_rows or leaf.shape[0] == n:
-                yield first, path, leaf.detach().reshape(leaf.shape[0], -1)
+            leaf = leaf.detach()
+            dim = row_dim(tuple(leaf.shape), n) if n else None
+            if of_any_rows or dim == 0:
+                yield first, path, leaf.reshape(leaf.shape[0], -1)
+            elif dim == 1 and n:
+                yield first, path, leaf.movedim(1, 0).reshape(n, -1)
+            elif n and leaf.shape[0] in flat:
+                how, t = flat[leaf.shape[0]]
+                rows_first = leaf.reshape(t, n, -1).movedim(1, 0) if how == "seq" else leaf.reshape(n, t, -1)
+                yield first, path, rows_first.reshape(n, -1)
 
 
 def dominant_rows(rows: dict[int, StepHealth]) -> dict[int, float]:

@@ -37,6 +37,7 @@ from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rewind import earlier_cause
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.shrink import Budget, ddmin, localize, same_fault, where
+from ckptlab.training.crash import is_step_error
 
 __all__ = ["DEFAULT_BUDGET", "Budget", "ddmin", "faults_again", "minimal_culprit", "same_fault", "search"]
 
@@ -63,20 +64,40 @@ def minimal_culprit(root: RootStep, budget: Budget) -> Culprit | None:
     if not blamed:
         return None
     again = faults_again(root)
+    refused: list[Exception] = []  # the user's code raised on these rows (BatchNorm needs two)
+    ran = [0]
 
     def faults(rows: list[int], batch=None) -> bool | None:
         if not budget.take("culprit"):
             return None
         try:
             h = root.step(batch if batch is not None else select_rows(root.rec.batch, rows, n))
-        except Exception:  # noqa: BLE001 - a model that cannot take this many rows (BatchNorm...)
-            return False
+        except Exception as e:
+            if not is_step_error(e):
+                raise
+            refused.append(e)
+            return False  # counted as not the fault; said in the culprit's detail
+        ran[0] += 1
         return again(root.fault(h))
 
-    start = blamed
     alone = faults(blamed) if len(blamed) < n else True
     if alone is None:
         return None
+    culprit = _shrunk(root, budget, blamed, alone, faults)
+    if refused and not ran[0]:  # nothing it tried could run: the experiment failed
+        raise refused[0]
+    if culprit is not None and refused:
+        culprit.detail += f" ({len(refused)} of its replays raised {_error(refused[0])}: counted as not faulting)"
+    return culprit
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__qualname__}: {' '.join(str(e).split())[:200]}"
+
+
+def _shrunk(root: RootStep, budget: Budget, blamed: list[int], alone: bool, faults) -> Culprit | None:
+    """The culprit once the blamed rows alone were tried (`alone`: they fault alone)."""
+    n, start = root.rows, blamed
     if not alone:
         if len(blamed) < n:
             return localize(
@@ -191,11 +212,9 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
             continue
         if not budget.take("transplant"):
             return
-        try:
-            culprit.transplant_fault = faults_again(root)(root.fault(root.step(batch)))
-        except Exception:  # noqa: BLE001
-            return
-        culprit.transplant_step = s
+        again = root.attempt("transplant", lambda b: faults_again(root)(root.fault(root.step(b))), batch)
+        if again is not None:  # (None: the user's code refused the mixed batch: root.failed says so)
+            culprit.transplant_fault, culprit.transplant_step = again, s
         return
 
 
@@ -237,7 +256,7 @@ def search(root: RootStep, rep: ReplayReport) -> None:
         return
     t0 = time.perf_counter()
     inv.log(f"searching for the minimal culprit of step {root.root}")
-    rep.culprit = minimal_culprit(root, budget)
+    rep.culprit = root.attempt("minimal culprit", minimal_culprit, root, budget)
     # an optimizer origin already explained: a learning-rate jump, or its own state
     explained = rep.origin.kind == "optimizer" and (
         rep.origin.state is not None or lr_jump(inv.metrics, root.root, root.base) is not None
@@ -245,6 +264,6 @@ def search(root: RootStep, rep: ReplayReport) -> None:
     doomed = root.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
     if doomed and inv.run.world_size == 1:  # (one process replays one rank: no window)
         inv.log(f"looking for an earlier step that doomed step {root.root}")
-        rep.rewind = earlier_cause(root, budget)
+        rep.rewind = root.attempt("earlier cause", earlier_cause, root, budget)
     rep.budget = budget.to_json()
     inv.timing["search_s"] = time.perf_counter() - t0

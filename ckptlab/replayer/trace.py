@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
 from ckptlab.replayer.lineage import Lineage, pick_origin, row_counts, writes
-from ckptlab.training.crash import TORCH_DIR, ours
+from ckptlab.training.crash import TORCH_DIR, call_through, ours
 from ckptlab.training.world import local
 
 _STAMP = "ckptlab"
@@ -243,13 +243,13 @@ class _FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         tr = self.tracer
         if tr.paused:
-            return func(*args, **kwargs)
+            return call_through(func, *args, **kwargs)
         outer = tr._call
         name = getattr(func, "__name__", None) or str(func)
         short, full = user_source()
         tr._call = (name, short, full)
         try:
-            out = func(*args, **kwargs)
+            out = call_through(func, *args, **kwargs)
         finally:
             tr._call = outer
         tr._stamp(out, (name, tr.current_module(), short))
@@ -271,7 +271,7 @@ class _DispatchMode(TorchDispatchMode):
         before = tr.lineage.before(flat_in, inputs) if record else []
         if record and tr.watch is not None:
             tr.watch.before_op(len(tr.events), name, flat_in)
-        out = func(*args, **kwargs)
+        out = call_through(func, *args, **kwargs)
         if name == "aten.detach.default" and not tr.paused and args:
             tr.lineage.alias(out, args[0])  # not an op of the step, but its values go on
         if record:
@@ -413,7 +413,7 @@ class Tracer:
         def closure_outside_the_update(*a, **k):
             self._in_optimizer = False
             try:
-                return closure(*a, **k)
+                return call_through(closure, *a, **k)
             finally:
                 self._in_optimizer = True
 

@@ -160,12 +160,44 @@ def _why_not_reproduced(d: DivergenceCheck | None) -> str:
 
 
 def _reproduced(r: ReplayReport) -> str:
-    s = _cause(r, _lead(r), _rows(r))
+    s = _cause(r, _lead(r), _rows(r)) + _raised(r) + _buffers(r)
     if r.samples and r.counterfactuals and r.counterfactuals[0].fault is False and r.origin.kind != "exception":
         # (a crash's verdict says it its own way: "Without those rows the step runs")
         s += " Without those rows the step is healthy: skip them and resume from a checkpoint before it."
-    s += _searches(r)
+    s += _searches(r) + _not_run(r)
     return s + _agreement(r)
+
+
+def _raised(r: ReplayReport) -> str:
+    """The exception the fault ended in, when it is not the origin itself: the root step's own
+    (it raised once a value went non-finite), or a later step's of the episode."""
+    o = r.origin
+    if o.raised is not None:
+        at = f" at {o.raised['source']}" if o.raised.get("source") else ""
+        return f" The step then raised {o.raised['error']}{at}."
+    later = next((c for c in r.steps if c.error and r.root_step is not None and c.step > r.root_step), None)
+    return f" Step {later.step} then raised {later.error}." if later is not None else ""
+
+
+def _buffers(r: ReplayReport) -> str:
+    """Buffers the root step left non-finite: damage no optimizer step repairs."""
+    if not r.nonfinite_buffers:
+        return ""
+    names = ", ".join(f"`{b['buffer']}`" for b in r.nonfinite_buffers[:3])
+    more = f" and {len(r.nonfinite_buffers) - 3} more" if len(r.nonfinite_buffers) > 3 else ""
+    return (
+        f" It left {names}{more} non-finite: lasting damage that every later step and evaluation read "
+        "(restore them from a checkpoint before it)."
+    )
+
+
+def _not_run(r: ReplayReport) -> str:
+    """The experiments the user's code refused, with the first error."""
+    if not r.failed_experiments:
+        return ""
+    names = ", ".join(dict.fromkeys(f["experiment"] for f in r.failed_experiments))
+    kinds = ", ".join(dict.fromkeys(f["error"].split(":", 1)[0] for f in r.failed_experiments))
+    return f" Not run (the step raised {kinds} on them): {names}."
 
 
 def _agreement(r: ReplayReport) -> str:
