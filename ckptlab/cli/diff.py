@@ -80,10 +80,10 @@ def command(a, b, select, hist_name, plot_path, show_all, sequential, no_verify,
     \b
     Per tensor: NaN/Inf counts, mean, std, extremes, norms of A, B and B-A, the update ratio
     ||B-A||/||A||, cosine, the share unchanged, the largest change and where, quantiles and
-    the Wasserstein-1 distance. Ranked: non-finite, exploded, drifted (an update ratio far from
-    the same parameter's in other layers), dead, frozen; a tensor whose shape changed is the
-    headline before them. --json prints the findings (keys a, b,
-    verdict, ranked, missing, unexpected, mismatched). Exits 0 when done, whatever was found.
+    the Wasserstein-1 distance. Ranked: non-finite, exploded, jumped (a matrix that moved >= 10x
+    its own norm), drifted (an update ratio far from the same parameter's in other layers), dead,
+    frozen; a shape change is the headline before them. --json prints the findings (keys a,
+    b, verdict, ranked, missing, unexpected, mismatched). Exits 0 when done, whatever was found.
     """
     from ckptlab.analysis.diff import diff
     from ckptlab.io import open_checkpoint

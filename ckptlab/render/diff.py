@@ -17,7 +17,7 @@ from ckptlab.numbers import human_bytes, short_number
 from ckptlab.render.text import safe
 from ckptlab.stats.histogram import DECADES, HIST_EDGES
 
-TIER_STYLE = {0: "bold red", 1: "red", 2: "yellow", 3: "magenta", 4: "cyan"}
+TIER_STYLE = {0: "bold red", 1: "red", 2: "dark_orange", 3: "yellow", 4: "magenta", 5: "cyan"}
 DEFAULT_ROWS = 40  # beyond this many tensors, the table shows flagged layers and the top of the ranking
 TOP_UNFLAGGED = 10
 BAR = 28  # characters per histogram bar

@@ -77,20 +77,64 @@ def _resolve(obj, qualname: str):
     return obj
 
 
+# What a training loop calls, by the name of the function or method: loss.backward(),
+# fabric.backward(loss), optimizer.step(), rec.step(batch), trainer.fit(model), trainer.train().
+TRAINING_CALLS = frozenset({"backward", "step", "fit", "train"})
+
+
 def _warn_unguarded(path: Path, source: bytes) -> None:
-    """Replay imports the script; a training loop at its top level would start training."""
+    """Replay imports the script; a training loop at its top level would start training.
+
+    Warns for the first top-level `for`, `while` or `with` whose body calls, at any depth, a
+    function or method named backward, step, fit or train (TRAINING_CALLS), or one the script
+    itself defines that does (train_one_epoch() calling loss.backward()). A loop over sys.path
+    or a `with open(...)` that reads a config trains nothing, and is left alone."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return
+    trains = _training_functions(tree)
     for node in tree.body:
         if isinstance(node, (ast.For, ast.While, ast.With, ast.AsyncFor, ast.AsyncWith)):
+            call = _training_call([*node.body, *getattr(node, "orelse", [])], trains)
+            if call is None:
+                continue
+            what = "`with` block" if isinstance(node, (ast.With, ast.AsyncWith)) else "loop"
             warnings.warn(
-                f"{path.name}:{node.lineno}: top-level loop; replay imports this script, so put the "
-                'training loop under `if __name__ == "__main__":`',
+                f"{path.name}:{node.lineno}: top-level {what} that trains (it calls {call}()); replay "
+                'imports this script, so put the training loop under `if __name__ == "__main__":`',
                 stacklevel=4,
             )
             return
+
+
+def _training_functions(tree: ast.Module) -> set[str]:
+    """The names of the functions and methods the script defines that train: that call a
+    TRAINING_CALLS name or, in turn, one of them."""
+    defs = [d for d in ast.walk(tree) if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    trains: set[str] = set()
+    while True:
+        more = {d.name for d in defs if d.name not in trains and _training_call(d.body, trains) is not None}
+        if not more:
+            return trains
+        trains |= more
+
+
+def _training_call(body: list[ast.stmt], trains: set[str]) -> str | None:
+    """The first call in `body` (at any depth) of a training function, as written
+    (`rec.step`, `.backward` on an expression, `train_one_epoch`); None when there is none."""
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name in TRAINING_CALLS or name in trains:
+                if isinstance(func, ast.Attribute):
+                    owner = func.value.id if isinstance(func.value, ast.Name) else ""
+                    return f"{owner}.{name}"
+                return name
+    return None
 
 
 _loaded_scripts: dict[Path, object] = {}

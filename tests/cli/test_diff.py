@@ -8,7 +8,7 @@ import torch
 
 from ckptlab.cli import main
 from tests import models
-from tests.io.checkpoints import planted_faults, toy_state, write
+from tests.io.checkpoints import planted_faults, toy_state, untied, write
 
 
 def run(capsys, *args):
@@ -46,6 +46,55 @@ def test_terminal_report_names_the_offending_parameter(capsys, pair, monkeypatch
     assert "values of blocks.2.attn.weight in A (█) and B (█)" in out
     assert "B: 1 NaN, 0 +Inf, 0 -Inf (not binned)" in out
     assert "model weights taken from checkpoint['model']" in err  # notes go to stderr
+
+
+@pytest.fixture(scope="module")
+def lm_head_jump(tmp_path_factory):
+    """A, a healthy B, and a B whose lone lm_head.weight moved 15x its norm (an LR fault on a
+    litgpt-style GPT): safetensors files. Two blocks, so no parameter has the 3 peers `drifted`
+    needs; lm_head starts at std 0.02, so its max |B| stays under 10x the model's median max |A|
+    and `exploded` does not hold. In both B's two vectors move far more than their norm, as a
+    bias that starts at zero does in healthy training: the zero bias and a zero-initialised
+    matrix (LoRA's B; infinite ratios), and a shift 50x its norm."""
+    g = torch.Generator().manual_seed(3)
+    a = untied(toy_state(blocks=2))
+    a["lm_head.weight"] = 0.02 * torch.randn(32, 16, generator=g)
+    a["lm_head.bias"] = torch.zeros(32)
+    a["adapter.weight"] = torch.zeros(16, 4)
+    healthy = {k: v + 1e-3 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in a.items()}
+    healthy["lm_head.bias"] = 0.01 * torch.randn(32, generator=g)
+    healthy["adapter.weight"] = 0.01 * torch.randn(16, 4, generator=g)
+    shift = a["blocks.0.ln.bias"]
+    healthy["blocks.0.ln.bias"] = shift + 50 * shift.norm() * _unit(shift.shape, g)
+    faulty = dict(healthy)
+    head = a["lm_head.weight"]
+    faulty["lm_head.weight"] = head + 15 * head.norm() * _unit(head.shape, g)
+    folder = tmp_path_factory.mktemp("jump")
+    return [write(folder / name, sd, "safetensors") for name, sd in (("a", a), ("ok", healthy), ("b", faulty))]
+
+
+def _unit(shape, g):
+    x = torch.randn(shape, generator=g)
+    return x / x.norm()
+
+
+def test_a_lone_matrix_that_moved_15x_its_norm_is_the_verdict(capsys, lm_head_jump, monkeypatch):
+    a, healthy, faulty = lm_head_jump
+    code, out, _ = run(capsys, a, faulty, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"]["parameter"] == "lm_head.weight", doc["verdict"]
+    assert doc["verdict"]["module"] == "lm_head" and doc["verdict"]["kind"] == "flagged"
+    assert doc["verdict"]["reason"].startswith("moved 15x its own norm (||B-A|| = "), doc["verdict"]
+    assert [(r["name"], r["flags"]) for r in doc["ranked"] if r["flags"]] == [("lm_head.weight", ["jumped"])]
+    assert doc["summary"]["flagged"] == 1
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run(capsys, a, faulty)
+    assert "offending parameter: lm_head.weight (module lm_head): moved 15x its own norm" in out
+    assert any(line.strip().startswith("weight") and "jumped" in line for line in out.splitlines())
+    code, out, _ = run(capsys, a, healthy, "--json")
+    assert code == 0 and json.loads(out)["verdict"] is None
+    code, out, _ = run(capsys, a, healthy)
+    assert "nothing wrong found: 16 tensors compared; largest update ratio 50 (blocks.0.ln.bias)" in out
 
 
 def test_wide_terminal_adds_columns(capsys, pair, monkeypatch):

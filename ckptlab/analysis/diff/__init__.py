@@ -14,11 +14,14 @@ pair at a time as they stream from disk, then ranked:
   1     exploded            ||B|| or max|B| grew >= 10x over A, and max|B| is >= 10x the
                             model's typical max|A| (a zero-initialised bias that learns is not
                             an explosion)
-  2     drifted / stalled   the update ratio ||B-A||/||A|| is an outlier among parameters of
+  2     jumped              a matrix (2+ dims) that moved >= 10x its own norm, ||B-A||/||A||,
+                            without exploding (vectors are left out: a bias that starts at
+                            zero moves many times its early norm in healthy training)
+  3     drifted / stalled   the update ratio ||B-A||/||A|| is an outlier among parameters of
                             the same role across >= 3 layers (blocks.*.mlp.fc.weight): robust
                             z-score >= 3.5 and >= 3x off their median
-  3     dead                a matrix that became all zeros
-  4     frozen              B == A bit for bit while most of the model changed
+  4     dead                a matrix that became all zeros
+  5     frozen              B == A bit for bit while most of the model changed
 A tensor whose shape changed (in `mismatched`, not compared) is the verdict before any flag.
 A checkpoint alone is ranked by: nonfinite, extreme (max |w| >= 100x the model's typical and
 >= 10, or near its dtype's overflow), dead (an all-zero or constant matrix).

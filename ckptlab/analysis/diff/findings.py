@@ -15,7 +15,7 @@ from ckptlab.jsonable import NOT_IN_JSON
 from ckptlab.stats.histogram import QUANTILES
 from ckptlab.stats.results import PairStats, TensorStats
 
-UNFLAGGED = 9  # the tier of a tensor no flag applies to (flags rank 0..4: ranking.TIERS)
+UNFLAGGED = 9  # the tier of a tensor no flag applies to (flags rank 0..5: ranking.TIERS)
 QUANTILE_KEYS = tuple(f"p{q * 100:g}" for q in QUANTILES)  # p0.1, p1, ..., p99.9
 
 
