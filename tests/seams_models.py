@@ -198,6 +198,50 @@ def record_bn_nan(run_dir) -> Expected:
     return Expected(12, last, [12001])
 
 
+# --- clipping that refuses a non-finite norm (Lightning Fabric's clip_gradients default) --------
+
+
+class SmallMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def build_clipped():
+    torch.manual_seed(0)
+    model = SmallMLP()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step_clipped(model, optimizer, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def record_clip_error(run_dir) -> Expected:
+    """An Inf feature in row 2 of step 9: the gradients go non-finite and clipping raises on
+    their norm before the optimizer steps."""
+
+    def batches():
+        g = torch.Generator().manual_seed(5)
+        for s in range(12):
+            x = torch.randn(4, 8, generator=g)
+            if s == 9:
+                x[2, 3] = float("inf")
+            yield (x, x[:, :1]), [100 * s + r for r in range(4)]
+
+    return Expected(9, record(run_dir, build_clipped, step_clipped, batches()), [902])
+
+
 # --- what the tests expect ----------------------------------------------------------------------
 
 

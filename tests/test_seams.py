@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import ckptlab
 from ckptlab.replayer.investigation import Investigation
@@ -20,7 +18,6 @@ from ckptlab.replayer.search import Budget, _transplant
 from ckptlab.run.reader import open_run
 from ckptlab.training.crash import call_through, is_step_error
 from tests import seams_models as sm
-from tests.models import MLP
 
 
 @pytest.fixture(scope="module")
@@ -139,41 +136,17 @@ def test_a_buffer_left_nonfinite_is_lasting_damage_the_verdict_names(runs, cli):
 # --- torch's own checks raising through ckptlab's wrappers --------------------------------------
 
 
-def build_clipped():
-    torch.manual_seed(0)
-    model = MLP()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def step_clipped(model, optimizer, batch):
-    x, y = batch
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)  # Fabric's default
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 def test_clipping_with_error_if_nonfinite_is_the_users_step_raising(tmp_path, cli, caplog):
-    def batches():
-        g = torch.Generator().manual_seed(5)
-        for s in range(12):
-            x = torch.randn(4, 8, generator=g)
-            if s == 9:
-                x[2, 3] = float("inf")
-            yield (x, x[:, :1]), [100 * s + r for r in range(4)]
-
     with caplog.at_level(logging.WARNING, logger="ckptlab"):
-        last = sm.record(tmp_path / "run", build_clipped, step_clipped, batches())
-    assert last == 9
+        exp = sm.record_clip_error(tmp_path / "run")
+    assert exp.symptom == exp.step
     (event,) = open_run(tmp_path / "run").events()
-    assert event["step"] == 9 and event["kind"] == "exception" and "total norm of order 2.0" in event["error"]
-    assert any("step 9" in r.getMessage() for r in caplog.records)  # the alert is this step's
-    doc = replay_json(cli, tmp_path / "run", 9)
-    assert doc["root_step"] == 9 and doc["origin"]["kind"] == "data"
+    assert event["step"] == exp.step and event["kind"] == "exception" and "total norm of order 2.0" in event["error"]
+    assert any(f"step {exp.step}" in r.getMessage() for r in caplog.records)  # the alert is this step's
+    doc = replay_json(cli, tmp_path / "run", exp.step)
+    assert doc["root_step"] == exp.step and doc["origin"]["kind"] == "data"
     assert doc["origin"]["raised"]["error"].startswith("RuntimeError: The total norm of order 2.0")
-    assert [s["sample_id"] for s in doc["samples"]] == [902]
+    assert [s["sample_id"] for s in doc["samples"]] == exp.sample_ids
 
 
 def test_an_error_through_a_wrapper_is_the_steps_own():
