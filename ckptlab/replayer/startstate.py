@@ -4,6 +4,7 @@ window). Their `nonfinite_weight` is then no new anomaly: the fault is the first
 computation reads them, and the rows to name are those that first used them.
 
     bad = nonfinite_params(model)                   # after loading the start checkpoint
+    found = new_anomalies(kinds, bad)               # a replayed step's anomalies, less theirs
     report.start_state = describe(run, k, bad, rec) # rec: the root step's BatchRecord
 """
 
@@ -31,6 +32,13 @@ def nonfinite_params(model: torch.nn.Module) -> list[dict]:
             rows = torch.nonzero(bad.reshape(bad.shape[0], -1).any(1)).flatten().tolist() if p.dim() >= 2 else []
             out.append({"parameter": name, "count": count, "rows": rows[:MAX_ROWS], "embedding": name in tables})
     return out
+
+
+def new_anomalies(kinds: list[str], bad: list | bool) -> list[str]:
+    """A replayed step's anomalies (their kinds) that are news when the replay began from `bad`
+    weights: not their non-finite norms, which every step from that state shows, faulty or not
+    (the fault is a non-finite loss or gradient: the weights' NaN reached the computation)."""
+    return [k for k in kinds if not (bad and k == "nonfinite_weight")]
 
 
 def describe(run: Run, k: int, bad: list[dict], batch, sample_ids) -> dict:
