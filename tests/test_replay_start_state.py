@@ -28,7 +28,7 @@ def test_a_state_already_bad_is_named_with_the_rows_that_first_used_it(recorded,
     assert start["checkpoint"] == doc["start_checkpoint"]
     assert start["nonfinite"] == [{"parameter": "emb.weight", "count": bm.D, "rows": [bm.BAD_TOKEN]}]
     assert start["first_recorded"] == 0  # the record saw it from the first step
-    assert start["used_by"] == [{"row": bm.ROW, "sample_id": 100 * bm.FIRST_USE + bm.ROW}]
+    assert start["used_by"] == [{"row": bm.ROW, "sample_id": 100 * bm.FIRST_USE + bm.ROW, "micro_batch": None}]
     assert doc["verdict"].startswith(
         f"The state was already bad when the replay began: checkpoint {start['checkpoint']}"
     )

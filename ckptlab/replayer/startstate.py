@@ -5,14 +5,14 @@ computation reads them, and the rows to name are those that first used them.
 
     bad = nonfinite_params(model)                   # after loading the start checkpoint
     found = new_anomalies(kinds, bad)               # a replayed step's anomalies, less theirs
-    report.start_state = describe(run, k, bad, rec) # rec: the root step's BatchRecord
+    report.start_state = describe(run, k, bad, batch, sample_ids)  # of the root step
 """
 
 from __future__ import annotations
 
 import torch
 
-from ckptlab.analysis.batches import python_leaves, row_dim
+from ckptlab.analysis.batches import batch_rows, micro_row, python_leaves, row_dim, row_groups
 from ckptlab.run.reader import Run
 
 MAX_ROWS = 8  # rows of a table named per parameter
@@ -59,19 +59,27 @@ def first_recorded(run: Run, k: int) -> int | None:
 
 
 def used_by(bad: list[dict], batch, sample_ids) -> list[dict]:
-    """The batch rows whose integer ids index a bad row of an embedding table."""
+    """The batch rows whose integer ids index a bad row of an embedding table, as replay's
+    `samples` name them: [{"row", "sample_id", "micro_batch"}]. In a step recorded as
+    micro-batches (analysis/batches.py) each micro-batch's leaves hold its own rows: `row` is
+    the row within `micro_batch` (None for a plain batch)."""
     rows_bad = {r for b in bad if b["embedding"] for r in b["rows"]}
-    n = len(sample_ids) if sample_ids is not None else None
+    n = batch_rows(batch, sample_ids)
     if not rows_bad or not n:
         return []
     hit: set[int] = set()
-    for _, leaf in python_leaves(batch):
-        if not isinstance(leaf, torch.Tensor) or leaf.is_floating_point() or leaf.dtype == torch.bool:
-            continue
-        dim = row_dim(tuple(leaf.shape), n)
-        if dim is None:
-            continue
-        uses = torch.isin(leaf, torch.tensor(sorted(rows_bad), dtype=leaf.dtype))
-        per_row = uses.movedim(dim, 0).reshape(n, -1).any(1)
-        hit |= set(torch.nonzero(per_row).flatten().tolist())
-    return [{"row": r, "sample_id": sample_ids[r]} for r in sorted(hit)]
+    for first, part, k in row_groups(batch, n):
+        for _, leaf in python_leaves(part):
+            if not isinstance(leaf, torch.Tensor) or leaf.is_floating_point() or leaf.dtype == torch.bool:
+                continue
+            dim = row_dim(tuple(leaf.shape), k)
+            if dim is None:
+                continue
+            uses = torch.isin(leaf, torch.tensor(sorted(rows_bad), dtype=leaf.dtype))
+            per_row = uses.movedim(dim, 0).reshape(k, -1).any(1)
+            hit |= {first + r for r in torch.nonzero(per_row).flatten().tolist()}
+    out = []
+    for r in sorted(hit):
+        m, row = micro_row(batch, r, n) or (None, r)
+        out.append({"row": row, "sample_id": sample_ids[r] if sample_ids is not None else None, "micro_batch": m})
+    return out
