@@ -10,9 +10,11 @@ computation reads them, and the rows to name are those that first used them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ckptlab.analysis.batches import batch_rows, micro_row, python_leaves, row_dim, row_groups
+from ckptlab.analysis.batches import batch_rows, leaves, micro_row, row_dim, row_groups
+from ckptlab.analysis.dirty.fields import is_mask
 from ckptlab.run.reader import Run
 
 MAX_ROWS = 8  # rows of a table named per parameter
@@ -62,22 +64,20 @@ def used_by(bad: list[dict], batch, sample_ids) -> list[dict]:
     """The batch rows whose integer ids index a bad row of an embedding table, as replay's
     `samples` name them: [{"row", "sample_id", "micro_batch"}]. In a step recorded as
     micro-batches (analysis/batches.py) each micro-batch's leaves hold its own rows: `row` is
-    the row within `micro_batch` (None for a plain batch)."""
-    rows_bad = {r for b in bad if b["embedding"] for r in b["rows"]}
+    the row within `micro_batch` (None for a plain batch). A mask field (named so, as dirty
+    reads masks) holds no ids: its 0s and 1s would name every padded row for a bad row 0 or 1."""
+    rows_bad = sorted({r for b in bad if b["embedding"] for r in b["rows"]})
     n = batch_rows(batch, sample_ids)
     if not rows_bad or not n:
         return []
     hit: set[int] = set()
     for first, part, k in row_groups(batch, n):
-        for _, leaf in python_leaves(part):
-            if not isinstance(leaf, torch.Tensor) or leaf.is_floating_point() or leaf.dtype == torch.bool:
+        for path, a in leaves(part):
+            dim = row_dim(a.shape, k) if isinstance(a, np.ndarray) and a.dtype.kind in "iu" else None
+            if dim is None or is_mask(path):
                 continue
-            dim = row_dim(tuple(leaf.shape), k)
-            if dim is None:
-                continue
-            uses = torch.isin(leaf, torch.tensor(sorted(rows_bad), dtype=leaf.dtype))
-            per_row = uses.movedim(dim, 0).reshape(k, -1).any(1)
-            hit |= {first + r for r in torch.nonzero(per_row).flatten().tolist()}
+            per_row = np.isin(a, rows_bad).swapaxes(0, dim).reshape(k, -1).any(1)
+            hit |= {first + int(r) for r in np.flatnonzero(per_row)}
     out = []
     for r in sorted(hit):
         m, row = micro_row(batch, r, n) or (None, r)
