@@ -4,6 +4,7 @@ transplant into a healthy batch, the earlier step that doomed the root step, and
 import ckptlab
 from ckptlab.replayer.search import Budget, ddmin
 from tests import fault_models as fm
+from tests import padding_models as pm
 
 
 def test_ddmin_finds_a_one_minimal_subset_within_its_budget():
@@ -85,3 +86,14 @@ def test_a_half_module_that_hands_float16_on_needs_the_whole_model_in_float32(ru
     asked = {c.question.split(" with ")[1]: c.fault for c in report.counterfactuals if "in float32?" in c.question}
     assert asked == {"`half_block.proj` in float32?": True, "the whole model in float32?": False}
     assert "whole model in float32 the step stays finite" in report.verdict
+
+
+def test_the_culprit_positions_never_take_a_padded_healthy_row(run_dir):
+    """x[3, 6] is NaN, at a real position; row 0, the first healthy row, is padding there, and
+    the model clears padding. Row 1, padded nowhere, stands in for the culprit's other
+    positions: it needs x alone at position 6 (with row 0's mask there, its NaN would be
+    cleared, and the search would say it needs the mask too)."""
+    pm.record(run_dir)
+    c = ckptlab.replay(run_dir, pm.BAD_STEP).to_json()["culprit"]
+    assert c["rows"] == [pm.BAD_ROW] and c["minimal"]
+    assert (c["positions"], c["fields"]) == ([pm.BAD_POSITION], ["['x']"])

@@ -4,13 +4,15 @@ dirty, report and replay's blame share.
     for path, values in leaves(batch): ...          # "inputs.ids", numpy array
     n = batch_rows(batch, sample_ids)               # how many rows the batch has
     sub = select_rows(batch, [3, 5], n)             # the batch restricted to rows 3 and 5
+    new = replace_rows(batch, n, [3], row_batch(other, 0, m), 1)  # row 3 <- row 0 of `other`
     vocab = embedding_tables(run.manifest)          # rows of each embedding-like table
 
 A step with gradient accumulation is recorded as its micro-batches together,
 `{"micro_batches": [mb0, mb1, ...], "micro_rows": [rows of mb0, ...], ...}`, or is a plain
 list of them that `step_fn` loops over, `[(x0, y0), (x1, y1), ...]`; either way its rows (and
 sample ids) are numbered across the micro-batches in order: `row_groups` and `micro_row` map
-between the two, and `batch_rows` / `select_rows` count and select across them. A plain list
+between the two, `batch_rows` / `select_rows` count and select across them, and `row_batch` /
+`replace_rows` take a row out of its micro-batch and put one into it. A plain list
 is read so only when the step's row count (its sample ids) says so (`micro_list`): an ordinary
 `(x, y)` batch is never taken for two micro-batches.
 """
@@ -275,9 +277,22 @@ def zip_leaves(fn, a, b):
     return a
 
 
+def row_batch(batch, row: int, n: int):
+    """Row `row` of a batch of `n` rows as a batch of its own, of one row; of an accumulated
+    step's batch, taken out of its micro-batch (a plain batch built as that micro-batch is)."""
+    for first, part, k in row_groups(batch, n):
+        if first <= row < first + k:
+            return select_rows(part, [row - first], k)
+    raise IndexError(f"row {row} is not in a batch of {n} rows")
+
+
 def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
     """`dst` (a batch of n_dst rows) with its rows `rows` replaced by the n_src = len(rows) rows
-    of `src`, in order. ValueError when a row leaf's shape or type differs between the two."""
+    of `src`, in order. In an accumulated step's batch (either one) rows are counted across
+    the micro-batches, and each is put into its own micro-batch (`row_batch`). ValueError when
+    a row leaf's shape or type differs between the two."""
+    if micro_rows(dst, n_dst) is not None or micro_rows(src, n_src) is not None:
+        return _replace_across(dst, n_dst, rows, src, n_src)
 
     flat = flat_layouts(dst, n_dst)
 
@@ -308,3 +323,17 @@ def replace_rows(dst, n_dst: int, rows: list[int], src, n_src: int):
         return type(d)(out)
 
     return zip_leaves(put, dst, src)
+
+
+def _replace_across(dst, n_dst: int, rows: list[int], src, n_src: int):
+    """replace_rows, row by row, where either batch records an accumulated step."""
+    sizes = micro_rows(dst, n_dst)
+    parts = []
+    for first, part, k in row_groups(dst, n_dst):
+        for i, r in enumerate(rows):
+            if first <= r < first + k:
+                part = replace_rows(part, k, [r - first], row_batch(src, i, n_src), 1)
+        parts.append(part)
+    if sizes is None:  # a plain dst: one part, the batch itself
+        return parts[0]
+    return {**dst, MICRO_BATCHES: parts} if isinstance(dst, dict) else type(dst)(parts)

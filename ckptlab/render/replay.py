@@ -9,6 +9,7 @@ from rich.table import Table
 from ckptlab.numbers import human_bytes, ranges, short_number, value
 from ckptlab.render.text import safe
 from ckptlab.replayer.counterfactuals import NOT_RUN
+from ckptlab.replayer.findings import place
 
 
 def render(r, term) -> None:
@@ -28,7 +29,9 @@ def render(r, term) -> None:
             for b in st["nonfinite"]
         )
         since = f"; in the record since step {st['first_recorded']}" if st.get("first_recorded") is not None else ""
-        users = ", ".join(f"row {u['row']} (sample {safe(u['sample_id'])})" for u in st["used_by"])
+        users = ", ".join(
+            f"{place(u['row'], u.get('micro_batch'))} (sample {safe(u['sample_id'])})" for u in st["used_by"]
+        )
         term.field(
             "state",
             f"[yellow]already bad[/yellow] in checkpoint {st['checkpoint']}: {bad}{since}"

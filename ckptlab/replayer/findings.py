@@ -58,6 +58,12 @@ class Origin:
     raised: dict | None = None
 
 
+def place(row: int, micro_batch: int | None = None) -> str:
+    """Where a row of a step's batch is, as replay names it: `row 5`, or `micro-batch 2 row 1`
+    (`row` within its micro-batch) in a step recorded as several micro-batches."""
+    return f"row {row}" if micro_batch is None else f"micro-batch {micro_batch} row {row}"
+
+
 @dataclass
 class SampleBlame:
     row: int  # the row in the batch; in a step of several recorded micro-batches, in its micro-batch
@@ -70,7 +76,7 @@ class SampleBlame:
 
     def where(self) -> str:
         """Where the row is: `row 5`, or `micro-batch 2 row 1` in a step of recorded micro-batches."""
-        return f"row {self.row}" if self.micro_batch is None else f"micro-batch {self.micro_batch} row {self.row}"
+        return place(self.row, self.micro_batch)
 
 
 @dataclass
@@ -243,7 +249,8 @@ class ReplayReport:
     run_to_run_without_deterministic: DivergenceCheck | None = None  # --device cuda: the same, without them
     noise_check: NoiseCheck | None = None  # reproduced, not bit-exact: does the fault survive ulp noise?
     # Weights already non-finite in the start checkpoint (startstate.py): {"checkpoint", "nonfinite":
-    # [{"parameter", "count", "rows"}], "first_recorded" (step), "used_by": [{"row", "sample_id"}]}
+    # [{"parameter", "count", "rows"}], "first_recorded" (step), "used_by": [{"row", "sample_id",
+    # "micro_batch"}]}
     start_state: dict | None = None
     # Every replayed step measures its update exactly; a parameter's first update with an empty
     # second moment (exp_avg_sq all zero, or no state yet) that moved it by more than half its

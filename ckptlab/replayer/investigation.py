@@ -36,7 +36,7 @@ from ckptlab.replayer.optstate import first_updates
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.replayer.startstate import describe as describe_start
-from ckptlab.replayer.startstate import nonfinite_params
+from ckptlab.replayer.startstate import new_anomalies, nonfinite_params
 from ckptlab.replayer.verdict import verdict
 from ckptlab.run.layout import batches_root
 from ckptlab.run.reader import Metrics, Run
@@ -198,7 +198,7 @@ class Investigation:
                 checks.append(self.crashed(s, crash))
                 kept[s] = (snap, dets_before)
                 break
-            found = [f for f in self.anomalies(h, dets) if not (bad and f == "nonfinite_weight")]
+            found = new_anomalies(self.anomalies(h, dets), bad)
             firsts += first  # (found has them as `first_update`: the step whose update exploded)
             error = self.recorded_error(s) if self.metrics.index(s) is None else None
             checks.append(compare(self.metrics, s, h, found, error))

@@ -25,6 +25,7 @@ import copy
 from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import batch_rows
 from ckptlab.replayer.findings import ReplayReport
+from ckptlab.replayer.startstate import new_anomalies
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 from ckptlab.training.state import restore_snapshot
@@ -44,6 +45,7 @@ class RootStep:
         started in."""
         self.inv, self.root, self.start = inv, window.root, window.start
         self.snap, self.dets = window.root_state, window.root_detectors
+        self.bad_start = window.bad_start  # weights non-finite before the window: no new anomaly
         self.replayer = inv.replayer
         self.rec = self.replayer.batch(self.root)
         self.ids = self.rec.sample_ids
@@ -95,8 +97,10 @@ class RootStep:
     def fault(self, h: StepHealth) -> list[str]:
         """The anomalies of a replay of the root step, judged by the detectors it started with
         (a first update with an empty second moment that exploded among them, as the window
-        judged it: the probe flags it on every step that measures its update)."""
-        return [e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))]
+        judged it: the probe flags it on every step that measures its update), less the
+        non-finite norms of weights that were so before the window began (startstate.py): every
+        replay from that state shows them, whatever its batch."""
+        return new_anomalies([e["kind"] for e in step_anomalies(h, copy.deepcopy(self.dets))], self.bad_start)
 
     def attempt(self, experiment: str, fn, *args, default=None):
         """`fn(*args)`, one experiment of the investigation. When the user's code raises in it

@@ -22,21 +22,27 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ckptlab.analysis.batches import (
-    micro_rows,
+    batch_rows,
+    leaves,
     python_leaves,
     replace_rows,
+    row_batch,
     select_rows,
     zip_leaves,
 )
+from ckptlab.analysis.dirty.fields import is_mask
 from ckptlab.numbers import ranges
 from ckptlab.replayer.findings import Culprit, ReplayReport
 from ckptlab.replayer.origin import lr_jump
 from ckptlab.replayer.rewind import earlier_cause
 from ckptlab.replayer.rootstep import RootStep
+from ckptlab.replayer.rows import IGNORE_INDEX
 from ckptlab.replayer.shrink import Budget, ddmin, localize, same_fault, where
+from ckptlab.replayer.startstate import new_anomalies
 from ckptlab.training.crash import is_step_error
 
 __all__ = ["DEFAULT_BUDGET", "Budget", "ddmin", "faults_again", "minimal_culprit", "same_fault", "search"]
@@ -141,36 +147,27 @@ def _sequence_length(batch, rows: int) -> int | None:
 
 
 def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
-    """Which positions of the culprit rows the fault needs: the others come from a healthy row
-    (a row of the same batch that is not blamed), field by field along dimension 1; then,
-    of several such fields, the fewest whose values at those positions it needs."""
-    healthy = [r for r in range(n) if r not in set(map(_batch_row, root.report.samples))]
-    T = _sequence_length(root.rec.batch, n)
-    if not healthy or T is None:
+    """Which positions of the culprit rows the fault needs: the others come from each row's
+    donor (`_donors`: a healthy row of the batch, padded nowhere the culprit row is not), field
+    by field along dimension 1; then, of several such fields, the fewest whose values at those
+    positions it needs. Each row is mixed alone, out of its own micro-batch when the step was
+    recorded as micro-batches (`row_batch`), and put back in its place (`replace_rows`): the
+    rows of different micro-batches stay in theirs, and each keeps its own sequence length."""
+    batch = root.rec.batch
+    own = {r: row_batch(batch, r, n) for r in culprit.rows}
+    lengths = {r: _sequence_length(own[r], 1) for r in culprit.rows}
+    donors = _donors(root, own, n)
+    if donors is None or any(t is None for t in lengths.values()):
         return
-    k = len(culprit.rows)
-    bad = select_rows(root.rec.batch, culprit.rows, n)
-    donor = select_rows(root.rec.batch, [healthy[0]] * k, n)
-    fields = [
-        path
-        for path, leaf in python_leaves(bad)
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == k and leaf.shape[1] == T
-    ]
+    fields = list(
+        dict.fromkeys(path for r in culprit.rows for path, leaf in python_leaves(own[r]) if _along(leaf, lengths[r]))
+    )
 
     def keeping(positions: list[int], only: list[str] = fields):
-        kept = {id(leaf) for path, leaf in python_leaves(bad) if path in only}
-
-        def mix(b, d):
-            if not isinstance(b, torch.Tensor) or b.dim() < 2 or b.shape[0] != k or b.shape[1] != T:
-                return b
-            if b.dtype == torch.bool:
-                return b
-            out = d.clone()
-            if id(b) in kept:
-                out[:, positions] = b[:, positions]
-            return out
-
-        return zip_leaves(mix, bad, donor)
+        mixed = batch
+        for r in culprit.rows:
+            mixed = replace_rows(mixed, n, [r], _mix(own[r], donors[r], lengths[r], positions, only), 1)
+        return select_rows(mixed, culprit.rows, n)
 
     none_needed = faults(culprit.rows, keeping([]))
     if none_needed is None:
@@ -179,6 +176,7 @@ def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
     if none_needed:
         culprit.fields, culprit.positions = fields, []
         return
+    T = max(t for t in lengths.values() if t is not None)
     positions, complete = ddmin(list(range(T)), lambda p: faults(culprit.rows, keeping(p)))
     if complete and len(fields) > 1:
         fields, complete = ddmin(fields, lambda fs: faults(culprit.rows, keeping(positions, fs)))
@@ -186,14 +184,93 @@ def _positions(root: RootStep, culprit: Culprit, faults, n: int) -> None:
     culprit.minimal = complete
 
 
+def _along(leaf, length: int | None) -> bool:
+    """A leaf of a one-row batch that runs along its sequence: (1, length, ...), not a boolean
+    mask (a mask stays the culprit row's whole)."""
+    return (
+        isinstance(leaf, torch.Tensor)
+        and leaf.dim() >= 2
+        and leaf.shape[0] == 1
+        and leaf.shape[1] == length
+        and leaf.dtype != torch.bool
+    )
+
+
+def _mix(row, donor, length: int | None, positions: list[int], only: list[str]):
+    """One culprit row (a one-row batch) with the donor's values but at `positions` of the
+    fields `only`."""
+    kept = {id(leaf) for path, leaf in python_leaves(row) if path in only}
+    at = [p for p in positions if length is not None and p < length]
+
+    def mix(b, d):
+        if not _along(b, length):
+            return b
+        out = d.clone()
+        if id(b) in kept:
+            out[:, at] = b[:, at]
+        return out
+
+    return zip_leaves(mix, row, donor)
+
+
+def _donors(root: RootStep, own: dict, n: int) -> dict | None:
+    """For each culprit row (`own`: row -> its one-row batch), the one-row batch whose values
+    stand in at the positions not kept: the first row of the batch that is not blamed, built
+    as the culprit row is (the same fields and shapes: with padding to each micro-batch's
+    longest row, one of the same length), and padding nowhere the culprit row is not. A donor's
+    padding would switch a position off instead of giving it healthy values, and the fault
+    could vanish (or appear: an all-padding row's 0/0 loss) for that reason rather than for
+    the culprit's values. None when a culprit row has no such donor: positions not searched."""
+    batch, blamed = root.rec.batch, set(map(_batch_row, root.report.samples))
+    info = root.inv.run.manifest.get("data_info") or {}
+    seen: dict[int, tuple] = {}  # healthy row -> (its one-row batch, layout, padding), as looked at
+
+    def healthy(h: int) -> tuple:
+        if h not in seen:
+            d = row_batch(batch, h, n)
+            seen[h] = (d, _layout(d), _padding(d, info))
+        return seen[h]
+
+    out = {}
+    for r, row in own.items():
+        shape, off = _layout(row), _padding(row, info)
+        fits = (healthy(h)[0] for h in range(n) if h not in blamed and healthy(h)[1] == shape and healthy(h)[2] <= off)
+        found = next(fits, None)
+        if found is None:
+            return None
+        out[r] = found
+    return out
+
+
+def _layout(row) -> list[tuple]:
+    """How a one-row batch is built: its leaves' paths, and its tensors' shapes and dtypes."""
+    return [
+        (p, tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else (p,) for p, leaf in python_leaves(row)
+    ]
+
+
+def _padding(row, info: dict) -> set[int]:
+    """The positions of a one-row batch that are padding: where an integer field of it holds
+    the ignore_index (-100, the labels' padding, unless data_info names another), data_info's
+    pad_id, or, in a mask field (named so, as dirty reads masks), 0."""
+    ignore, pad = info.get("ignore_index", IGNORE_INDEX), info.get("pad_id")
+    off: set[int] = set()
+    for path, a in leaves(row):
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.shape[0] != 1 or a.dtype.kind not in "iu":
+            continue
+        hit = (a[0] == ignore) | (a[0] == pad if pad is not None else False) | (a[0] == 0 if is_mask(path) else False)
+        off.update(np.flatnonzero(hit).tolist())
+    return off
+
+
 def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
     """Put the culprit rows into the batch of the nearest healthy earlier step, in place of
-    the same rows, and run it from the root step's state: does the fault follow the rows?"""
+    the same rows (in their micro-batches, for a step recorded as micro-batches), and run it
+    from the root step's state: does the fault follow the rows?"""
     run, n = root.inv.run, root.rows
     m = root.inv.metrics
-    if micro_rows(root.rec.batch, n) is not None:  # recorded micro-batches: not transplanted (yet)
-        return
-    recorded_faults = {int(e["step"]) for e in run.events()}
+    # (a weight non-finite before the window shows in every step's events: no fault of a batch)
+    recorded_faults = {int(e["step"]) for e in run.events() if new_anomalies([e["kind"]], root.bad_start)}
     for s in sorted((s for s in run.steps if s < root.root), reverse=True)[:8]:
         i = m.index(s)
         if s in recorded_faults or i is None or not math.isfinite(float(m.loss[i])):
@@ -202,12 +279,12 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
             other = root.replayer.batch(s)
         except Exception:  # noqa: BLE001 - a damaged or foreign batch: try the one before
             continue
-        if other.sample_ids is not None and len(other.sample_ids) != n:
+        if batch_rows(other.batch, other.sample_ids) != n:
             continue
         try:
-            batch = replace_rows(
-                other.batch, n, culprit.rows, select_rows(root.rec.batch, culprit.rows, n), len(culprit.rows)
-            )
+            batch = other.batch
+            for r in culprit.rows:
+                batch = replace_rows(batch, n, [r], row_batch(root.rec.batch, r, n), 1)
         except ValueError:
             continue
         if not budget.take("transplant"):

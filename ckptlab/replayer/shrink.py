@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptlab.analysis.batches import micro_row
+from ckptlab.replayer.findings import place
 
 
 class Budget:
@@ -59,7 +60,7 @@ def where(batch, row: int, n: int | None = None) -> str:
     """'row 5', or 'micro-batch 1 row 2' for a row counted across a step's micro-batches (of
     `n` rows in all: a plain list of micro-batches is told apart by it)."""
     w = micro_row(batch, row, n)
-    return f"row {row}" if w is None else f"micro-batch {w[0]} row {w[1]}"
+    return place(row) if w is None else place(w[1], w[0])
 
 
 def localize(found, batch, n: int | None = None):

@@ -4,14 +4,17 @@ window). Their `nonfinite_weight` is then no new anomaly: the fault is the first
 computation reads them, and the rows to name are those that first used them.
 
     bad = nonfinite_params(model)                   # after loading the start checkpoint
-    report.start_state = describe(run, k, bad, rec) # rec: the root step's BatchRecord
+    found = new_anomalies(kinds, bad)               # a replayed step's anomalies, less theirs
+    report.start_state = describe(run, k, bad, batch, sample_ids)  # of the root step
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ckptlab.analysis.batches import python_leaves, row_dim
+from ckptlab.analysis.batches import batch_rows, leaves, micro_row, row_dim, row_groups
+from ckptlab.analysis.dirty.fields import is_mask
 from ckptlab.run.reader import Run
 
 MAX_ROWS = 8  # rows of a table named per parameter
@@ -33,6 +36,13 @@ def nonfinite_params(model: torch.nn.Module) -> list[dict]:
     return out
 
 
+def new_anomalies(kinds: list[str], bad: list | bool) -> list[str]:
+    """A replayed step's anomalies (their kinds) that are news when the replay began from `bad`
+    weights: not their non-finite norms, which every step from that state shows, faulty or not
+    (the fault is a non-finite loss or gradient: the weights' NaN reached the computation)."""
+    return [k for k in kinds if not (bad and k == "nonfinite_weight")]
+
+
 def describe(run: Run, k: int, bad: list[dict], batch, sample_ids) -> dict:
     """What the report says of a start state with `bad` weights (see the module doc)."""
     return {
@@ -51,19 +61,25 @@ def first_recorded(run: Run, k: int) -> int | None:
 
 
 def used_by(bad: list[dict], batch, sample_ids) -> list[dict]:
-    """The batch rows whose integer ids index a bad row of an embedding table."""
-    rows_bad = {r for b in bad if b["embedding"] for r in b["rows"]}
-    n = len(sample_ids) if sample_ids is not None else None
+    """The batch rows whose integer ids index a bad row of an embedding table, as replay's
+    `samples` name them: [{"row", "sample_id", "micro_batch"}]. In a step recorded as
+    micro-batches (analysis/batches.py) each micro-batch's leaves hold its own rows: `row` is
+    the row within `micro_batch` (None for a plain batch). A mask field (named so, as dirty
+    reads masks) holds no ids: its 0s and 1s would name every padded row for a bad row 0 or 1."""
+    rows_bad = sorted({r for b in bad if b["embedding"] for r in b["rows"]})
+    n = batch_rows(batch, sample_ids)
     if not rows_bad or not n:
         return []
     hit: set[int] = set()
-    for _, leaf in python_leaves(batch):
-        if not isinstance(leaf, torch.Tensor) or leaf.is_floating_point() or leaf.dtype == torch.bool:
-            continue
-        dim = row_dim(tuple(leaf.shape), n)
-        if dim is None:
-            continue
-        uses = torch.isin(leaf, torch.tensor(sorted(rows_bad), dtype=leaf.dtype))
-        per_row = uses.movedim(dim, 0).reshape(n, -1).any(1)
-        hit |= set(torch.nonzero(per_row).flatten().tolist())
-    return [{"row": r, "sample_id": sample_ids[r]} for r in sorted(hit)]
+    for first, part, k in row_groups(batch, n):
+        for path, a in leaves(part):
+            dim = row_dim(a.shape, k) if isinstance(a, np.ndarray) and a.dtype.kind in "iu" else None
+            if dim is None or is_mask(path):
+                continue
+            per_row = np.isin(a, rows_bad).swapaxes(0, dim).reshape(k, -1).any(1)
+            hit |= {first + int(r) for r in np.flatnonzero(per_row)}
+    out = []
+    for r in sorted(hit):
+        m, row = micro_row(batch, r, n) or (None, r)
+        out.append({"row": row, "sample_id": sample_ids[r] if sample_ids is not None else None, "micro_batch": m})
+    return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ckptlab.analysis.anomalies import is_record_warning
 from ckptlab.numbers import precise, ranges, short_number
-from ckptlab.replayer.findings import FIRST_UPDATE, DivergenceCheck, Origin, ReplayReport
+from ckptlab.replayer.findings import FIRST_UPDATE, DivergenceCheck, Origin, ReplayReport, place
 
 # A culprit's `cause` (search.py), as the sentence says it.
 CAUSES = {
@@ -46,7 +46,9 @@ def _start_state(r: ReplayReport) -> str:
     since = (
         f", non-finite in the record since step {st['first_recorded']}" if st.get("first_recorded") is not None else ""
     )
-    users = ", ".join(f"row {u['row']} (sample {u['sample_id']})" for u in st.get("used_by", [])[:4])
+    users = ", ".join(
+        f"{place(u['row'], u.get('micro_batch'))} (sample {u['sample_id']})" for u in st.get("used_by", [])[:4]
+    )
     first = f" The first to use it: {users}." if users else ""
     return (
         f"The state was already bad when the replay began: checkpoint {st['checkpoint']} holds non-finite "

@@ -3,7 +3,7 @@ rows numbered across its micro-batches."""
 
 import torch
 
-from ckptlab.analysis.batches import batch_rows, micro_row, row_groups, select_rows
+from ckptlab.analysis.batches import batch_rows, micro_row, replace_rows, row_batch, row_groups, select_rows
 
 
 def accumulated():
@@ -28,3 +28,27 @@ def test_select_rows_keeps_the_micro_batches_that_keep_a_row():
     assert picked["micro_rows"] == [1, 2] and picked["how"] == {"k": 3}
     assert [p["batch_idx"] for p in picked["micro_batches"]] == [0, 1]  # micro-batch 2 had none
     assert [p["x"][:, 0].tolist() for p in picked["micro_batches"]] == [[1.0], [3.0, 4.0]]
+
+
+def test_rows_are_taken_out_of_and_put_back_into_their_micro_batches():
+    """The minimal culprit's rows, from different micro-batches, into another step's batch
+    recorded as micro-batches of other sizes (or a plain one): each goes into the micro-batch
+    that holds its row number."""
+    root, other = accumulated(), accumulated()
+    for part in other["micro_batches"]:
+        part["x"] = part["x"] + 10  # row r of `other` holds r + 10
+    one = row_batch(root, 3, 6)
+    assert one["x"].tolist() == [[3.0] * 4] and one["batch_idx"] == 1  # micro-batch 1's row 1, alone
+    rows = [1, 5]  # micro-batches 0 and 2
+    moved = other
+    for r in rows:
+        moved = replace_rows(moved, 6, [r], row_batch(root, r, 6), 1)
+    assert moved["micro_rows"] == [2, 3, 1] and moved["how"] == {"k": 3}
+    assert [p["x"][:, 0].tolist() for p in moved["micro_batches"]] == [[10.0, 1.0], [12.0, 13.0, 14.0], [5.0]]
+    assert other["micro_batches"][0]["x"][1, 0] == 11.0  # `other` itself is left as it was
+    # the rows of two micro-batches at once, taken from a batch selected across them
+    both = replace_rows(other, 6, rows, select_rows(root, rows, 6), 2)
+    assert [p["x"][:, 0].tolist() for p in both["micro_batches"]] == [[10.0, 1.0], [12.0, 13.0, 14.0], [5.0]]
+    plain = {"x": torch.arange(6.0)[:, None].repeat(1, 4) + 20, "batch_idx": 0}  # built as a micro-batch is
+    into_plain = replace_rows(plain, 6, rows, select_rows(root, rows, 6), 2)
+    assert into_plain["x"][:, 0].tolist() == [20.0, 1.0, 22.0, 23.0, 24.0, 5.0]
