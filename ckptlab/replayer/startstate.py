@@ -13,6 +13,7 @@ import torch
 
 from ckptlab.analysis.batches import python_leaves, row_dim
 from ckptlab.run.reader import Run
+from ckptlab.training.wrappers import unwrap
 
 MAX_ROWS = 8  # rows of a table named per parameter
 
@@ -20,6 +21,7 @@ MAX_ROWS = 8  # rows of a table named per parameter
 def nonfinite_params(model: torch.nn.Module) -> list[dict]:
     """[{"parameter", "count", "rows", "embedding"}] for every parameter holding NaN/Inf
     (rows: the first dimension's indices that hold them, for a table of two or more dims)."""
+    model = unwrap(model)  # the model's own names
     tables = {f"{n}.weight" if n else "weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     out = []
     with torch.no_grad():
