@@ -56,11 +56,11 @@ from collections.abc import Callable
 import torch
 
 from ckptlab.analysis.batches import MICRO_BATCHES
-from ckptlab.errors import RecordError
+from ckptlab.errors import RecordError, ReplayError
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.probe import accumulating
-from ckptlab.training.wrappers import torch_optimizer
+from ckptlab.training.wrappers import module_chain, torch_optimizer
 
 BUILD_HINT = "return ckptlab.integrations.fabric.build(fabric, body, model, optimizer) from build_fn"
 KEY = "fabric"  # how the step ends, in its recorded batch
@@ -75,6 +75,12 @@ def build(fabric, body: Callable, model: torch.nn.Module, optimizer) -> tuple:
     a group of one where the root step is explained): Fabric joins it. Its launcher would
     start the other ranks by running this process's command again, unless LOCAL_RANK says the
     processes were made for it, so that is said while it launches."""
+    if any(type(m).__name__ == "_FabricModule" for m in module_chain(model)):
+        raise ReplayError(
+            "build(fabric, body, model, optimizer) got a model that fabric.setup already set up",
+            hint="make the model and optimizer in build_fn and pass them as made: build calls fabric.launch() "
+            "and fabric.setup(model, optimizer) itself",
+        )
     _launch(fabric)
     model, optimizer = fabric.setup(model, optimizer)
     _common.register(optimizer, fabric=fabric, body=body)

@@ -92,7 +92,7 @@ def test_a_hand_set_learning_rate_fault_is_named_at_its_step_as_diff_names_the_w
     assert exploded & {p["name"] for p in doc["parameters"]}  # the weights replay blames, by the same names
 
 
-def test_a_body_that_returns_no_loss_is_refused_and_a_build_fn_without_build_is_named(tmp_path):
+def test_a_body_that_returns_no_loss_and_a_build_fn_that_misuses_build_are_named(tmp_path):
     fabric = fm.fabric_for()
     model, optimizer = fabric.setup(*fm.made())
     rec = ckf.record(tmp_path / "run", fabric, model, optimizer, body=_no_loss, build_fn=fm.build)
@@ -102,6 +102,9 @@ def test_a_body_that_returns_no_loss_is_refused_and_a_build_fn_without_build_is_
     with pytest.raises(ReplayError, match="needs the fabric that build") as e:
         ckf.training_step(model, optimizer, batch)  # build_fn made its objects without ckf.build
     assert "ckptlab.integrations.fabric.build" in e.value.hint
+    with pytest.raises(ReplayError, match="already set up") as e:
+        ckf.build(fm.fabric_for(), fm.train_step, model, optimizer)  # what fabric.setup returned
+    assert "pass them as made" in e.value.hint
 
 
 def _no_loss(fabric, model, optimizer, batch, is_accumulating):
