@@ -112,9 +112,14 @@ class MicroBatches:
             self.loss = add_losses(self.loss, loss.detach())
         self._rng_after = capture_rng()
 
-    def record(self, rec, extra: dict) -> None:
-        """`rec.record_batch` with the micro-batches so far and `extra` (how the step ends)."""
-        rec.record_batch({MICRO_BATCHES: self.parts, MICRO_ROWS: self.rows, **extra}, self.ids)
+    def record(self, rec, extra: dict, *, alone: bool = False) -> None:
+        """`rec.record_batch` with the micro-batches so far and `extra` (how the step ends).
+        `alone`: the step is one batch, without accumulation: recorded as `{"batch": ...,
+        **extra}`, the layout of a framework's step without micro-batches."""
+        if alone:
+            rec.record_batch({**self.parts[0], **extra}, self.ids)
+        else:
+            rec.record_batch({MICRO_BATCHES: self.parts, MICRO_ROWS: self.rows, **extra}, self.ids)
         self.recorded = True
 
 

@@ -248,11 +248,7 @@ def _syncs_next(accelerator) -> tuple[bool, int]:
 
 def _record(rec: Recorder, micro: _common.MicroBatches, how: dict) -> None:
     """The step's batch: its micro-batches, or without accumulation the one batch."""
-    if how[KEY]["gradient_accumulation_steps"] == 1 and len(micro.parts) == 1:
-        rec.record_batch({**micro.parts[0], **how}, micro.ids)
-        micro.recorded = True
-    else:
-        micro.record(rec, how)
+    micro.record(rec, how, alone=how[KEY]["gradient_accumulation_steps"] == 1 and len(micro.parts) == 1)
 
 
 def _pop_ids(batch, key: str):

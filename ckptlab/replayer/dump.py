@@ -32,6 +32,7 @@ from ckptlab.replayer.findings import DumpInfo, ReplayReport
 from ckptlab.replayer.trace import OpEvent, Tracer, user_source
 from ckptlab.run.dumpfile import DEFAULT_MAX_BYTES, DumpEntry, write_dump
 from ckptlab.training.world import local
+from ckptlab.training.wrappers import unwrap
 
 # The first non-finite elements of a tensor worth listing (row-major order), and those of the
 # origin's outputs whose input elements are traced back.
@@ -55,7 +56,7 @@ class Capture:
     """The tracer's watcher during the dump run: copies tensors, within a byte budget."""
 
     def __init__(self, model: torch.nn.Module, origin: OpEvent | None, request: DumpRequest):
-        self.model, self.origin, self.request = model, origin, request
+        self.model, self.origin, self.request = unwrap(model), origin, request  # the model's own module names
         self.tracer: Tracer | None = None
         self.captured = 0  # bytes copied so far
         self.origin_inputs: list[DumpEntry] = []

@@ -43,6 +43,7 @@ from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 from ckptlab.training.step import StepRunner
+from ckptlab.training.wrappers import unwrap
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Investigation:
             except Exception as e:
                 if not is_step_error(e):
                     raise
-                crash = {"step": s, **describe(e, t.model)}
+                crash = {"step": s, **describe(e, unwrap(t.model))}  # the model's own module names
                 checks.append(self.crashed(s, crash))
                 kept[s] = (snap, dets_before)
                 break

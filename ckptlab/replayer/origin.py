@@ -24,7 +24,7 @@ from ckptlab.replayer.rows import dominant_rows, nonfinite_alone, repeated_sampl
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
-from ckptlab.training.state import unwrap
+from ckptlab.training.wrappers import unwrap
 
 Samples = dict[int, SampleBlame]  # the blamed rows, by row across the step's micro-batches
 

@@ -21,7 +21,7 @@ from ckptlab.replayer.rootstep import RootStep
 from ckptlab.run.records import NO_GRAD
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
-from ckptlab.training.state import unwrap
+from ckptlab.training.wrappers import unwrap
 
 # A weight this many times its peers' RMS (the same parameter in sibling modules: heads.0.fc.weight
 # for heads.2.fc.weight), or with no peers this many times the RMS of PyTorch's default init

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from ckptlab.training.crash import call_through
-from ckptlab.training.state import unwrap
+from ckptlab.training.wrappers import unwrap
 
 REDUCED = (torch.float16, torch.bfloat16)
 _NARROWING = {torch.Tensor.half, torch.Tensor.bfloat16}

@@ -16,6 +16,7 @@ import torch
 from ckptlab.analysis.batches import batch_rows, leaves, micro_row, row_dim, row_groups
 from ckptlab.analysis.dirty.fields import is_mask
 from ckptlab.run.reader import Run
+from ckptlab.training.wrappers import unwrap
 
 MAX_ROWS = 8  # rows of a table named per parameter
 
@@ -23,6 +24,7 @@ MAX_ROWS = 8  # rows of a table named per parameter
 def nonfinite_params(model: torch.nn.Module) -> list[dict]:
     """[{"parameter", "count", "rows", "embedding"}] for every parameter holding NaN/Inf
     (rows: the first dimension's indices that hold them, for a table of two or more dims)."""
+    model = unwrap(model)  # the model's own names
     tables = {f"{n}.weight" if n else "weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     out = []
     with torch.no_grad():

@@ -318,7 +318,7 @@ class Tracer:
         max_events: int = 200_000,
         watch=None,
     ):
-        from ckptlab.training.state import unwrap
+        from ckptlab.training.wrappers import unwrap
 
         self.model = unwrap(model)
         self.optimizer = optimizer

@@ -80,9 +80,9 @@ from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.health import CommonHealth, StepHealth, read_common, read_health
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
-from ckptlab.training.state import unwrap
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample, update_scales
 from ckptlab.training.world import World, is_sharded, local
+from ckptlab.training.wrappers import unwrap
 
 
 def loss_tensor(loss) -> torch.Tensor:

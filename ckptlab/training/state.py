@@ -1,8 +1,9 @@
 """Training state: what a checkpoint holds, and how it goes back in.
 
 A checkpoint at step k is the state in which step k starts:
-- the model's state dict (tied weights stored once, with an alias map; `_orig_mod.`/`module.`
-  wrappers unwrapped so names match an uncompiled model),
+- the model's state dict (tied weights stored once, with an alias map; taken from the user's
+  module inside torch.compile / DDP / Fabric wrappers, training/wrappers.py `unwrap`, so its
+  names are the model's own),
 - optimizer, LR scheduler and grad scaler state (of the torch objects inside a framework's
   wrappers: training/wrappers.py),
 - every RNG that changes bits (python `random`, numpy's global RNG, torch CPU and CUDA),
@@ -26,38 +27,19 @@ from ckptlab.io.base import expand_aliases, split_tied
 from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.training.sharded import load_sharded, set_full
-from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside torch.compile / DDP wrappers (their names carry no prefix)."""
-    seen = 0
-    while seen < 4:
-        inner = None
-        if type(model).__name__ == "OptimizedModule":
-            inner = getattr(model, "_orig_mod", None)
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model, seen = inner, seen + 1
-    return model
+from ckptlab.training.wrappers import module_chain, torch_optimizer, torch_scheduler, unwrap
 
 
 def is_compiled(model) -> bool:
     """The model runs through torch.compile: wrapped (`torch.compile(model)`, an
-    OptimizedModule, possibly inside DDP) or compiled in place (`model.compile()`); or, for a
-    function (a step_fn), it is the `torch.compile`d one."""
+    OptimizedModule, possibly inside DDP or Fabric's module) or compiled in place
+    (`model.compile()`); or, for a function (a step_fn), it is the `torch.compile`d one."""
     if not isinstance(model, torch.nn.Module):
         return getattr(model, "_torchdynamo_orig_callable", None) is not None
-    for _ in range(4):
-        if type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None:
-            return True
-        inner = getattr(model, "module", None)  # DDP / DataParallel
-        if not isinstance(inner, torch.nn.Module):
-            return False
-        model = inner
-    return False
+    return any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module_chain(model)
+    )
 
 
 def is_grad_scaler(obj) -> bool:

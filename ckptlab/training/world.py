@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptlab.training.wrappers import module_chain, unwrap
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (a shard), or the tensor itself."""
@@ -189,11 +191,14 @@ def unsupported(model: Any) -> str | None:
     or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
     or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1's
     wrapper, a DTensor parameter on a mesh of more than one dimension or outside FSDP2 (tensor
-    parallelism)."""
-    names = {f"{c.__module__}.{c.__qualname__}" for c in type(model).__mro__}
-    if any(n.startswith("deepspeed.") for n in names):
+    parallelism). A framework's wrapper (Fabric's module around a DeepSpeed engine) is looked
+    through; parameters are named as the model names them (training/wrappers.py `unwrap`)."""
+    chain = module_chain(model) if isinstance(model, torch.nn.Module) else [model]
+    engine = next((m for m in chain if any(c.__module__.startswith("deepspeed.") for c in type(m).__mro__)), None)
+    names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
+    if engine is not None:
         return (
-            f"cannot record a DeepSpeed model ({type(model).__name__}): ckptlab records DDP and FSDP2, "
+            f"cannot record a DeepSpeed model ({type(engine).__name__}): ckptlab records DDP and FSDP2, "
             "not ZeRO's partitioned parameters and optimizer state; train under DDP or FSDP2's fully_shard to record"
         )
     if any(n.startswith("torch.distributed.pipelining.") for n in names):
@@ -210,6 +215,7 @@ def unsupported(model: Any) -> str | None:
             "(FullyShardedDataParallel), whose flat parameter shards neither layout describes; "
             "ckptlab records FSDP2: shard with torch.distributed.fsdp.fully_shard"
         )
+    model = unwrap(model)
     for name, p in model.named_parameters():
         if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
             return (

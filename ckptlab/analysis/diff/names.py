@@ -1,6 +1,8 @@
 """Which tensor of A is which of B: names matched after removing wrapper prefixes (`module.`
-from DDP, `_orig_mod.` from torch.compile, a prefix one whole side shares such as Lightning's
-`model.`), tied weights compared once, shapes that differ set aside (`align`)."""
+from DDP, `_orig_mod.` from torch.compile, `_forward_module.`/`_original_module.` from Lightning
+Fabric's module, a prefix one whole side shares such as Lightning's `model.`), tied weights
+compared once, shapes that differ set aside (`align`). The names are then the model's own, as
+ckptlab names parameters everywhere (training/wrappers.py `unwrap`, on live modules)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,16 @@ class Plan:
     notes: list[str]
 
 
+# Components only a wrapper names (torch.compile's; Fabric's, which registers the model under both
+# when nothing wraps it in between): removed wherever they are. DDP's `module.` is also a name
+# models use, so only leading ones go.
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_forward_module", "_original_module"})
+
+
 def canonical(name: str) -> str:
-    """The name without wrapper components: `module.` in front, `_orig_mod.` anywhere."""
-    parts = [p for p in name.split(".") if p != "_orig_mod"]
+    """The name without wrapper components: `module.` in front, `_orig_mod.`,
+    `_forward_module.` and `_original_module.` anywhere."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_COMPONENTS]
     while len(parts) > 1 and parts[0] == "module":
         parts = parts[1:]
     return ".".join(parts)
@@ -61,7 +70,7 @@ def align(sd_a: LazyStateDict, sd_b: LazyStateDict, pattern=None) -> Plan:
     notes = []
     wrapped = [side for side, sd in (("A", sd_a), ("B", sd_b)) if any(canonical(n) != n for n in sd)]
     if wrapped:
-        notes.append(f"aligned names: removed module./_orig_mod. wrappers from {' and '.join(wrapped)}")
+        notes.append(f"aligned names: removed wrapper prefixes (module., _orig_mod., ...) from {' and '.join(wrapped)}")
     best: tuple[int, dict[str, str], dict[str, str], str | None] = (len(na.keys() & nb.keys()), na, nb, None)
     for side, sd in (("A", sd_a), ("B", sd_b)):
         prefix = _shared_first(_names(sd))
