@@ -12,7 +12,8 @@ micro-batch j (counting from 0 over the iterations) holds samples BATCH * j .. B
 cycle over the dataset later.
 
 The clipping passes `error_if_nonfinite=False`: Fabric's default (True) makes torch raise on
-the NaN step inside the clipping, which is a crash, not the NaN this fixture plants. The
+the NaN step inside the clipping (`train_step_default_clip`, the same loop with the default: a
+step that raised, which replay traces to the NaN as well). The
 samples carry float embeddings rather than token ids (litgpt's `wte` is an Embedding; here a
 Linear of them), so that a NaN can be planted in one sample's input. `train_step` and `build`
 live at module level: replay imports them.
@@ -148,6 +149,21 @@ def train_step(fabric, model, optimizer, batch, is_accumulating):
     return loss
 
 
+def train_step_default_clip(fabric, model, optimizer, batch, is_accumulating):
+    """`train_step` clipping with Fabric's default, `error_if_nonfinite=True`: torch raises on
+    the NaN step, inside the clipping (the step's own exception, traced to where the NaN came
+    from)."""
+    input_ids, targets = batch
+    with fabric.no_backward_sync(model, enabled=is_accumulating):
+        loss = chunked_cross_entropy(model(input_ids), targets)
+        fabric.backward(loss / ACCUM)
+    if not is_accumulating:
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def made():
     """The model and optimizer, made as the script makes them."""
     model = GPT()
@@ -163,6 +179,10 @@ def fabric_for(devices: int = 1):
 def build():
     fabric = fabric_for()
     return ckf.build(fabric, train_step, *made())
+
+
+def build_default_clip():
+    return ckf.build(fabric_for(), train_step_default_clip, *made())
 
 
 def fit(fabric, rec, model, optimizer, loader, *, max_steps: int, lr_fault: bool = False) -> None:
@@ -186,9 +206,12 @@ def fit(fabric, rec, model, optimizer, loader, *, max_steps: int, lr_fault: bool
                 state["step_count"] += 1
 
 
-def main(run_dir, *, nan: bool = False, lr_fault: bool = False, max_steps: int = 8, **options) -> None:
+def main(
+    run_dir, *, nan: bool = False, lr_fault: bool = False, max_steps: int = 8, default_clip: bool = False, **options
+) -> None:
     """The script's main(), recorded on one process. `nan`: a NaN in sample FAULT_SAMPLE's
-    input; `lr_fault`: step LR_FAULT_STEP's learning rate multiplied by LR_FAULT."""
+    input; `lr_fault`: step LR_FAULT_STEP's learning rate multiplied by LR_FAULT;
+    `default_clip`: Fabric's default clipping (`train_step_default_clip`)."""
     fabric = fabric_for()
     fabric.launch()
     fabric.seed_everything(SEED)  # the same initial weights on every rank
@@ -197,5 +220,6 @@ def main(run_dir, *, nan: bool = False, lr_fault: bool = False, max_steps: int =
     loader = fabric.setup_dataloaders(
         torch.utils.data.DataLoader(ckptlab.with_sample_ids(data), batch_size=BATCH, shuffle=False)
     )
-    with ckf.record(run_dir, fabric, model, optimizer, body=train_step, build_fn=build, **options) as rec:
+    body, build_fn = (train_step_default_clip, build_default_clip) if default_clip else (train_step, build)
+    with ckf.record(run_dir, fabric, model, optimizer, body=body, build_fn=build_fn, **options) as rec:
         fit(fabric, rec, model, optimizer, loader, max_steps=max_steps, lr_fault=lr_fault)

@@ -109,3 +109,21 @@ def test_a_body_that_returns_no_loss_and_a_build_fn_that_misuses_build_are_named
 
 def _no_loss(fabric, model, optimizer, batch, is_accumulating):
     fm.train_step(fabric, model, optimizer, batch, is_accumulating)
+
+
+def test_fabrics_default_clipping_raising_on_the_nan_is_the_steps_exception_traced_to_the_sample(tmp_path, cli):
+    """`fabric.clip_gradients` raises on a non-finite norm by default (torch's RuntimeError, through
+    ckptlab's clipping wrapper): recorded as the step's exception, and replayed to the sample."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fm.main(run_dir, nan=True, ckpt_every=3, default_clip=True)
+    (event,) = ckptlab.open_run(run_dir).events()
+    assert event["step"] == fm.FAULT_STEP and event["kind"] == "exception"
+    done = cli("replay", "--run", run_dir, "--step", fm.FAULT_STEP, "--json")
+    assert done.code == 0, done.err
+    doc = done.json()
+    assert doc["root_step"] == fm.FAULT_STEP and doc["origin"]["kind"] == "data"
+    assert doc["origin"]["raised"]["error"].startswith("RuntimeError: The total norm of order 2.0")
+    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (fm.FAULT_MICRO, fm.FAULT_ROW, fm.FAULT_SAMPLE)
+    ]
