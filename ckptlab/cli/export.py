@@ -73,9 +73,9 @@ def command(
     Per step: train/loss, train/grad_norm (before clipping), train/lr, train/update_ratio,
     train/step_time, train/nonfinite_grads; per parameter grad_norm/<param>,
     update_ratio/<param>, weight_norm/<param>; val/<metric> at each validation; anomaly/<kind>
-    and one alert line per anomaly episode (with the replay command). Per checkpoint: a
-    histogram of every weight tensor and, with --grads (default), of the gradients of the
-    step that starts there. MLflow and W&B also get the run's versions and config as params
+    and an alert line per anomaly episode and per worse kind in it (with the replay
+    command). Per checkpoint: a histogram of every weight tensor and, with --grads
+    (default), of the gradients of the step that starts there. MLflow and W&B also get the run's versions and config as params
     and the report page (--html). Exporting to MLflow or W&B again sends only what is new, and
     an export that was stopped (even killed) is finished by running it again: every point once.
     Needs the viewer's extra: pip install -e ".[tensorboard]" / ".[mlflow]" / ".[wandb]". A folder
