@@ -71,15 +71,15 @@ def command(
 
     \b
     Per step: train/loss, train/grad_norm (before clipping), train/lr, train/update_ratio,
-    train/step_time, train/nonfinite_grads; per parameter grad_norm/<param>,
-    update_ratio/<param>, weight_norm/<param>; val/<metric> at each validation; anomaly/<kind>
-    and one alert line per anomaly episode (with the replay command). Per checkpoint: a
-    histogram of every weight tensor and, with --grads (default), of the gradients of the
-    step that starts there. MLflow and W&B also get the run's versions and config as params
-    and the report page (--html). Exporting to MLflow or W&B again sends only what is new, and
-    an export that was stopped (even killed) is finished by running it again: every point once.
-    Needs the viewer's extra: pip install -e ".[tensorboard]" / ".[mlflow]" / ".[wandb]". A folder
-    is MLflow's file store: reading it back needs MLFLOW_ALLOW_FILE_STORE=true (sqlite: does not).
+    train/step_time, train/nonfinite_grads; per parameter grad_norm/<param>, update_ratio/<param>,
+    weight_norm/<param>; val/<metric> at each validation; anomaly/<kind> and an alert line per
+    anomaly episode and per worse kind in it (with the replay command). Per checkpoint: a histogram
+    of every weight tensor and, with --grads (default), of the gradients of the step that starts
+    there. MLflow and W&B also get the run's versions and config as params and the report page
+    (--html). Exporting to MLflow or W&B again sends only what is new, and an export that was
+    stopped (even killed) is finished by running it again: every point once. Needs the viewer's
+    extra: pip install -e ".[tensorboard]" / ".[mlflow]" / ".[wandb]". A folder is MLflow's file
+    store: reading it back needs MLFLOW_ALLOW_FILE_STORE=true (sqlite: does not).
     """
     chosen = [t for t in (tb_dir, mlflow_uri, wandb_dir) if t is not None]
     if len(chosen) != 1:

@@ -59,11 +59,12 @@ class RecordConfig:
             the next step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
-            (default) logs one warning per anomaly episode naming the replay command (logger
+            (default) logs one warning per anomaly episode naming the replay command, and
+            another when a worse kind joins it (a NaN after a spike: docs/alerts.md; logger
             `ckptlab.record.health`: on stderr unless logging is configured otherwise);
             None is silent. Events are recorded either way.
         trackers: MLflow / W&B runs that receive the health as it is recorded, batched off
-            the training thread, with an alert per anomaly episode: a list of
+            the training thread, with the warning's alerts: a list of
             `ckptlab.trackers.MLflow(...)` / `WandB(...)` (or wandb runs), or "auto" (the
             W&B / MLflow run already active in this process; the callbacks add the trainer's
             loggers). See docs/integrations.md.

@@ -7,7 +7,8 @@ step waits for the GPU. Either way the steps that ran wait in a queue until `set
 and records them (and raises NonFiniteLoss for a non-finite loss among them, when asked to).
 
 The default alert (`on_anomaly="warn"`) is a WARNING on this module's logger, a child of the
-`ckptlab` logger: with no logging configured, Python prints it on stderr.
+`ckptlab` logger: with no logging configured, Python prints it on stderr. It is raised when an
+anomaly episode starts and when a worse kind joins it (trackers/points.py `AlertEpisodes`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ckptlab.record.precursors import Precursors
 from ckptlab.run import framelog, records
 from ckptlab.run.reader import Progress
 from ckptlab.run.writer import RunWriter
-from ckptlab.trackers.points import ALERT_GAP, alert_text
+from ckptlab.trackers.points import AlertEpisodes, alert_text
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import CommonHealth, StepHealth
 from ckptlab.training.probe import PendingHealth
@@ -213,14 +214,13 @@ class HealthLog:
 
 
 def _warn_anomaly(run_dir: str) -> Alert:
-    """The default alert: one warning per anomaly episode (steps more than ALERT_GAP apart
-    start a new one), naming what happened and the command that explains it."""
-    last = [-(10**9)]
+    """The default alert: a warning when an anomaly episode starts, and again when a worse
+    kind of anomaly joins it (trackers/points.py `AlertEpisodes`), naming what happened and
+    the command that explains it."""
+    episodes = AlertEpisodes()
 
     def warn(step: int, events: list[dict]) -> None:
-        quiet = step - last[0] <= ALERT_GAP
-        last[0] = step
-        if not quiet:
+        if episodes.due(step, events):
             log.warning("ckptlab: %s", alert_text(run_dir, step, events))
 
     return warn

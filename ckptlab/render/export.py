@@ -4,12 +4,13 @@
 
 `rows(run, ...)` lays the run out as one `Row` per step, in step order (a W&B run takes steps
 in increasing order only): the step's health (trackers/points.py names it), its validation
-metrics, the anomalies recorded there (`anomaly/<kind>` points, and one alert per episode:
-the one-line verdict and the replay command), and at each checkpoint the histograms of every
-weight tensor and, with `gradients`, of the gradients of the step that starts there. An
-`ExportSink` (render/tensorboard.py's TensorBoardSink, trackers.MLflow, trackers.WandB) writes
-rows; exports that can be resumed keep a cursor (how far each stream was sent), so exporting twice sends every point
-once, and exporting a run that went on sends only what is new.
+metrics, the anomalies recorded there (`anomaly/<kind>` points, and an alert where an episode
+starts or a worse kind joins it, trackers/points.py `AlertEpisodes`: the one-line verdict and
+the replay command), and at each checkpoint the histograms of every weight tensor and, with
+`gradients`, of the gradients of the step that starts there. An `ExportSink`
+(render/tensorboard.py's TensorBoardSink, trackers.MLflow, trackers.WandB) writes rows;
+exports that can be resumed keep a cursor (how far each stream was sent), so exporting twice
+sends every point once, and exporting a run that went on sends only what is new.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from ckptlab.io.base import expand_aliases
 from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Run
 from ckptlab.trackers.points import (
-    ALERT_GAP,
     MAX_PARAM_SCALARS,
+    AlertEpisodes,
     Row,
     alert,
     anomaly_points,
@@ -112,13 +113,13 @@ def rows(
     for v in run.validation():
         if v["step"] > last["validation"]:
             validation.setdefault(int(v["step"]), {}).update(v.get("metrics", {}))
-    events: dict[int, list[dict]] = {}
-    for e in run.events():
-        if e["step"] > last["events"]:
-            events.setdefault(int(e["step"]), []).append(e)
+    every = _by_step(run.events())
+    events = {s: e for s, e in every.items() if s > last["events"]}
     checkpoints = [c for c in run.checkpoints if c > last["checkpoints"]]
     keys = ("param_grad_norm", "update_ratio", "weight_norm")
-    previous_anomaly = max((e["step"] for e in run.events() if e["step"] <= last["events"]), default=-(10**9))
+    episodes = AlertEpisodes()  # which steps alert, taken up where the last export left it
+    for step in sorted(s for s in every if s <= last["events"]):
+        episodes.due(step, every[step])
     done = 0
     for step in sorted({*health, *validation, *events, *checkpoints}):
         row = Row(step)
@@ -135,10 +136,9 @@ def rows(
             last["validation"] = step
         if step in events:
             row.scalars.update(anomaly_points(events[step]))
-            if step - previous_anomaly > ALERT_GAP:
+            if episodes.due(step, events[step]):
                 row.alerts.append(alert(str(run.path), step, events[step]))
                 out.alerts += 1
-            previous_anomaly = step
             last["events"] = step
         if step in checkpoints:
             _checkpoint(run, step, row, gradients, out)
@@ -149,6 +149,13 @@ def rows(
         out.scalars += len(row.scalars)
         out.histograms += len(row.histograms)
         yield row, dict(last)
+
+
+def _by_step(events) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for e in events:
+        out.setdefault(int(e["step"]), []).append(e)
+    return out
 
 
 def _checkpoint(run: Run, step: int, row: Row, gradients, out: ExportSummary) -> None:

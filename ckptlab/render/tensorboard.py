@@ -7,7 +7,8 @@ The rows are render/export.py's, as for MLflow and W&B (x axis: the ckptlab step
 checkpoint "at step k" is the state step k starts in): the names of trackers/points.py as
 scalars (train/*, grad_norm/<param>, update_ratio/<param>, weight_norm/<param>, val/<metric>,
 anomaly/<kind>, nonfinite/weights/<param>); weights/<param> and grads/<param> as histograms
-at each checkpoint; each anomaly episode's alert line as the text `anomalies`.
+at each checkpoint; each alert line (an anomaly episode's, and a worse kind's in it) as the
+text `anomalies`.
 """
 
 from __future__ import annotations

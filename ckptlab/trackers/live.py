@@ -22,7 +22,16 @@ from collections import deque
 
 import numpy as np
 
-from ckptlab.trackers.points import ALERT_GAP, Row, alert, anomaly_points, health_points, run_params, validation_points
+from ckptlab.trackers.points import (
+    ALERT_GAP,
+    AlertEpisodes,
+    Row,
+    alert,
+    anomaly_points,
+    health_points,
+    run_params,
+    validation_points,
+)
 from ckptlab.trackers.tracker import Tracker
 
 FLUSH_S = 2.0  # W&B and MLflow servers take batches well; a point is on screen within seconds
@@ -45,11 +54,11 @@ class LiveLog:
         max_pending: int = MAX_PENDING,
     ):
         self.trackers = list(trackers)
-        self.run_dir, self.param_names, self.episode_gap = run_dir, list(param_names), episode_gap
+        self.run_dir, self.param_names = run_dir, list(param_names)
         self.flush_s = FLUSH_S if flush_s is None else flush_s
         self._queue: deque = deque(maxlen=max_pending)
         self._dropped = 0
-        self._last_anomaly = -(10**9)
+        self._episodes = AlertEpisodes(episode_gap)  # which anomalous steps alert
         self._failed: dict[int, str] = {}  # id(tracker) -> why it stopped
         self._wake = threading.Event()
         self._stop = False
@@ -123,9 +132,8 @@ class LiveLog:
                 row.scalars.update(health_points(scalars, arrays, self.param_names))
                 if events:
                     row.scalars.update(anomaly_points(events))
-                    if step - self._last_anomaly > self.episode_gap:  # one alert per episode
+                    if self._episodes.due(step, events):  # an episode's start, or a worse kind in it
                         row.alerts.append(alert(self.run_dir, step, events))
-                    self._last_anomaly = step
         if self._dropped:
             log.warning("ckptlab: trackers fell behind: %d steps were not sent", self._dropped)
             self._dropped = 0

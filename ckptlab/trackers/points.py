@@ -2,6 +2,7 @@
 
     row = health_points(scalars, arrays, param_names)   # {"train/loss": 2.3, "grad_norm/fc.weight": 0.4, ...}
     text = alert_text("runs/exp1", 9, events)           # "step 9: nonfinite loss; explain it with ckptlab replay ..."
+    episodes = AlertEpisodes()                           # episodes.due(9, events): does step 9 alert?
 
 The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export --tensorboard
 / --mlflow / --wandb`) name points here, so a curve has one name wherever it is shown:
@@ -34,9 +35,23 @@ from ckptlab.run.records import NO_GRAD
 # name in their UI, and a 7B model has ~300 parameter tensors.
 MAX_PARAM_SCALARS = 512
 PER_PARAM = ("grad_norm", "update_ratio", "weight_norm")
-# Anomalous steps at most this far apart are one episode, alerted once: a NaN that persists,
-# or a burst of spikes, pages once, not once per step.
+# Anomalous steps at most this far apart are one episode: a NaN that persists, or a burst of
+# spikes, pages once, not once per step (`AlertEpisodes`).
 ALERT_GAP = 16
+# How bad each anomaly kind is, for alerting: a worse kind inside an episode alerts again
+# (`AlertEpisodes`). 1: a finite number far off its trend, which training often survives;
+# 2: an update that moved the weights by over half their norm; 3: a number that is no longer
+# one (NaN/Inf), or a step that raised. A kind not named here (a newer one) counts as 1.
+SEVERITY = {
+    "loss_spike": 1,
+    "grad_spike": 1,
+    "update_explosion": 2,
+    "first_update": 2,
+    "nonfinite_loss": 3,
+    "nonfinite_grad": 3,
+    "nonfinite_weight": 3,
+    "exception": 3,
+}
 
 
 @dataclass
@@ -128,6 +143,30 @@ def replay_command(run_dir: str, step: int) -> str:
 
 def alert(run_dir: str, step: int, events: list[dict]) -> Alert:
     return Alert(step, [e["kind"] for e in events], alert_text(run_dir, step, events))
+
+
+class AlertEpisodes:
+    """Which anomalous steps alert, shared by the Recorder's warning, the live trackers and
+    every export: a step alerts when it starts an episode (more than `gap` steps after the
+    last anomalous step), or when one of its kinds is more severe (SEVERITY) than every kind
+    that alerted earlier in its episode. A NaN at every step pages once, a burst of spikes
+    once, but a NaN ten steps after a loss spike pages again: it is a new, worse fact."""
+
+    def __init__(self, gap: int = ALERT_GAP):
+        self.gap = gap
+        self._last = -(10**9)  # the last anomalous step
+        self._worst = 0  # the most severe kind alerted in its episode
+
+    def due(self, step: int, events: list[dict]) -> bool:
+        """Whether step `step`, with these events (at least one), alerts; steps come in order."""
+        if step - self._last > self.gap:
+            self._worst = 0
+        self._last = step
+        severity = max(SEVERITY.get(e["kind"], 1) for e in events)
+        if severity <= self._worst:
+            return False
+        self._worst = severity
+        return True
 
 
 def histogram(values, bins: int = 64) -> tuple[Hist | None, int]:
