@@ -52,6 +52,11 @@ class Origin:
     # kind "precision": the module that, run in float32, makes the root step healthy ("" the
     # whole model); None when neither was enough or it was not tried
     float32_module: str | None = None
+    # kind "optimizer": which optimizer (its key: its index in the list, its key in the dict the
+    # Recorder was given; None for one given alone) and which of its parameter groups (index
+    # into its param_groups; the group whose learning rate jumped most, else `parameter`'s)
+    optimizer: int | str | None = None
+    param_group: int | None = None
 
 
 @dataclass
