@@ -3,11 +3,13 @@ learning rate of every parameter group, and a scheduler the loop steps itself.
 
 Models: tests/optimizer_models.py."""
 
+import json
 import math
 import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import ckptlab
 from ckptlab.replayer.driver import Replayer
@@ -70,6 +72,16 @@ def test_every_optimizer_is_named_in_the_manifest_and_checkpointed(gan_run):
     assert sorted(state["optimizer"]) == ["d", "g"] and state["optimizer"]["g"]["state"][0]["step"] == 16
     assert list(state["scheduler"]) == ["g"] and state["scheduler"]["g"]["last_epoch"] == 16
     assert run.metrics().lr.shape[1] == 2  # every optimizer's groups, in order
+
+
+def test_rollback_to_a_folder_exports_each_optimizers_state_under_its_key(gan_run, cli, tmp_path):
+    r = cli("rollback", "--run", gan_run, "--to", tmp_path / "best", "--json")
+    assert r.code == 0, r.err
+    states = torch.load(tmp_path / "best" / "optimizer.pt", weights_only=True)
+    model, opts, _ = om.build()
+    for key, opt in opts.items():
+        opt.load_state_dict(states[key])  # as export.json says to
+    assert "opt.load_state_dict(states[key])" in json.loads((tmp_path / "best" / "export.json").read_text())["load"]
 
 
 def test_the_list_form_restores_each_optimizer_and_scheduler_from_a_mid_run_checkpoint(gan_list_run):
