@@ -38,7 +38,9 @@ Other multi-process strategies (FSDP, DeepSpeed) are not recorded: a warning, no
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
 optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss
-scaling) for one batch, or for the k micro-batches of an accumulated step. docs/integrations.md lists what replays exactly.
+scaling) for one batch, or for the k micro-batches of an accumulated step; under manual
+optimization the module's own training_step, which drives every optimizer the callback
+recorded (lightning_manual.py). docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
