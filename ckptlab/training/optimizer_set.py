@@ -159,9 +159,7 @@ class SchedulerSet:
     def __init__(self, given, optimizers: OptimizerSet):
         entries = _entries(given)
         keys = [k for k, _ in entries]
-        if type(given) is not type(optimizers.given) and not (
-            isinstance(given, (list, tuple)) and isinstance(optimizers.given, (list, tuple))
-        ):
+        if isinstance(given, dict) != isinstance(optimizers.given, dict):
             raise RecordError(
                 f"scheduler= is a {type(given).__name__} and optimizer= a {type(optimizers.given).__name__}: "
                 "give the schedulers in the optimizers' shape (None where one has none)"
