@@ -216,3 +216,10 @@ def test_a_build_fn_that_returns_one_optimizer_for_a_run_of_two_is_refused(gan_r
     replayer.build_fn = om.build_d_only
     with warnings.catch_warnings(), pytest.raises(ckptlab.ReplayError, match=r"recorded with optimizers \['d', 'g'\]"):
         replayer.build()
+
+
+def test_a_trackers_lr_curve_keeps_its_group_number_when_an_earlier_groups_rate_is_unknown():
+    from ckptlab.trackers.points import health_points
+
+    points = health_points({"loss": 1.0, "lr": [math.nan, 0.1]}, {}, [])
+    assert {k: v for k, v in points.items() if k.startswith("train/lr")} == {"train/lr/group1": 0.1}
