@@ -13,6 +13,7 @@ import torch
 
 import ckptlab
 from ckptlab.replayer.driver import Replayer
+from ckptlab.trackers.points import health_points
 from ckptlab.training.step import StepRunner
 from tests import optimizer_models as om
 
@@ -219,7 +220,5 @@ def test_a_build_fn_that_returns_one_optimizer_for_a_run_of_two_is_refused(gan_r
 
 
 def test_a_trackers_lr_curve_keeps_its_group_number_when_an_earlier_groups_rate_is_unknown():
-    from ckptlab.trackers.points import health_points
-
     points = health_points({"loss": 1.0, "lr": [math.nan, 0.1]}, {}, [])
     assert {k: v for k, v in points.items() if k.startswith("train/lr")} == {"train/lr/group1": 0.1}
