@@ -71,7 +71,7 @@ def rerun(run, last: int, around_step):
         for s in range(start, last + 1):
             batch = replayer.batch(s).batch
             with around_step(t.model, s) as flagged:
-                replayer.step_fn(t.model, t.optimizer, batch)
+                replayer.step_fn(t.model, t.step_optimizer, batch)
             if flagged:
                 return flagged
             if t.scheduler is not None:

@@ -81,7 +81,8 @@ from ckptlab.run.layout import dir_size
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import LiveLog
 from ckptlab.training import probe as probe_module
-from ckptlab.training.probe import PendingHealth, StepProbe, accumulating
+from ckptlab.training.pending import PendingHealth
+from ckptlab.training.probe import StepProbe, accumulating
 
 
 def steady_malloc() -> None:

@@ -42,7 +42,8 @@ from ckptlab.record import health as record_health
 from ckptlab.run import batch_fast, framelog, records
 from ckptlab.run.writer import RunWriter
 from ckptlab.training import probe
-from ckptlab.training.probe import PendingHealth, StepProbe
+from ckptlab.training.pending import PendingHealth
+from ckptlab.training.probe import StepProbe
 from ckptlab.training.step import StepRunner
 
 # phase -> the functions whose own time it is (owner, attribute name)

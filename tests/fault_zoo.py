@@ -1,5 +1,5 @@
-"""The fault zoo: every planted-fault scenario (tests/fault_models.py, tests/zoo_models.py and
-tests/first_update_models.py) with its ground truth, for tests/test_fault_zoo.py and
+"""The fault zoo: every planted-fault scenario (tests/fault_models.py, tests/zoo_models.py,
+tests/first_update_models.py and tests/optimizer_models.py) with its ground truth, for tests/test_fault_zoo.py and
 scripts/bench_accuracy.py.
 
 Ground truth per scenario: the root step (the first step that went wrong; for a transient, the
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tests import fault_models as fm
 from tests import first_update_models as fu
+from tests import optimizer_models as om
 from tests import zoo_models as zm
 
 
@@ -83,6 +84,10 @@ SCENARIOS: list[Scenario] = [
     # there (health_every 10), and the loss explodes a step or three later
     _s("adam_first_update", fu, 38, 37, "optimizer", None, parameter="block.out.weight", new=True),
     _s("hidden_update_explosion", fu, 38, 35, "optimizer", None, new=True),
+    # tests/optimizer_models.py: a GAN (D and G, an Adam each, given as a dict); G's scheduler
+    # multiplies its learning rate by 1e4 at step 21 (replay names optimizer `g`, group 0:
+    # asserted by test_multi_optimizer.py)
+    _s("gan_lr_jump", om, 22, 21, "optimizer", None),
 ]
 
 BY_NAME = {s.name: s for s in SCENARIOS}

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, Spike, SpikeDetector, SpikeRule
-from ckptlab.run.records import IDLE_OPTIMIZER, RECORD_WARNINGS  # noqa: F401 (their home for readers)
+from ckptlab.run.records import IDLE_OPTIMIZER, OUTSIDE_OPTIMIZER, RECORD_WARNINGS  # noqa: F401 (their home for readers)
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
 # (healthy training moves ~1e-3..1e-2 of it per step; see report's update-ratio band).
@@ -172,8 +172,9 @@ def episode_start(anomalies: dict[int, list[str]], step: int) -> int:
 # --- what the Recorder says about its own record ---------------------------------------------------
 
 # Recorded as an event, but no fault of a step: the optimizer the Recorder was given never
-# stepped in a session's first steps while the weights changed (record/health.py), so the
-# record misses the updates. Replay does not look for it as a fault; it gives it as the reason
+# stepped in a session's first steps while the weights changed (IDLE_OPTIMIZER), or parameters
+# that no optimizer given holds had a gradient and changed (OUTSIDE_OPTIMIZER: another optimizer
+# trains them) (record/health.py), so the record misses updates, or their optimizer's state. Replay does not look for it as a fault; it gives it as the reason
 # a replay leaves the record.
 # (The kinds are the run format's: run/records.py, which read_progress also needs.)
 _WARNED = "the Recorder warned at step"
@@ -185,6 +186,17 @@ def idle_optimizer_text(steps: int) -> str:
         f"the optimizer given to the Recorder did not step in the first {steps} steps, yet the weights changed: "
         "it is not the one that trains them (a trainer that made its own?), so the record misses their updates; "
         "give the Recorder the optimizer that steps (optimizer=None for a loop that updates the weights by hand)"
+    )
+
+
+def outside_optimizer_text(names: list[str]) -> str:
+    """What an OUTSIDE_OPTIMIZER event says of the parameters `names`, and what to do."""
+    few = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"{few} had a gradient and changed, though no optimizer given to the Recorder holds "
+        f"{'them' if len(names) > 1 else 'it'}: another optimizer trains {'them' if len(names) > 1 else 'it'} "
+        "(a second one the Recorder was not told about?), whose state the checkpoints miss, so replay will not "
+        "follow the run; give the Recorder every optimizer, as a list or a dict (optimizer=[opt_d, opt_g])"
     )
 
 

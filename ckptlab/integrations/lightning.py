@@ -38,7 +38,9 @@ Other multi-process strategies (FSDP, DeepSpeed) are not recorded: a warning, no
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
 optimizer step, scheduler step; under bf16-mixed / 16-mixed autocast, with 16-mixed's loss
-scaling) for one batch, or for the k micro-batches of an accumulated step. docs/integrations.md lists what replays exactly.
+scaling) for one batch, or for the k micro-batches of an accumulated step; under manual
+optimization the module's own training_step, which drives every optimizer the callback
+recorded (lightning_manual.py). docs/integrations.md lists what replays exactly.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import torch
 from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
+from ckptlab.integrations.lightning_manual import ReplayedTrainer, as_list
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.probe import accumulating
 
@@ -125,14 +128,14 @@ class CkptlabCallback(pl.Callback):
                 "replay will not be exact)",
                 stacklevel=2,
             )
-        configs = trainer.lr_scheduler_configs
+        optimizer, scheduler = _recorded_optimizers(trainer, pl_module)
         self.rec = Recorder(
             self.run_dir,
             pl_module,
-            trainer.optimizers[0],
+            optimizer,
             step_fn=training_step,
             build_fn=self.build_fn,
-            scheduler=configs[0].scheduler if configs else None,
+            scheduler=scheduler,
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             config=_common.with_trackers(self.config, trainer.loggers),
         )
@@ -163,8 +166,10 @@ class CkptlabCallback(pl.Callback):
             micro.record(self.rec, {"lightning": self._config(trainer, batch_idx, k)})
 
     def _config(self, trainer, batch_idx: int, accumulate: int = 1) -> dict:
-        """How the trainer finishes the step whose last batch is `batch_idx`."""
-        scheduler = _scheduler_steps(trainer, batch_idx)
+        """How the trainer finishes the step whose last batch is `batch_idx` (under manual
+        optimization: the step's own code steps the optimizers and schedulers)."""
+        manual = not trainer.lightning_module.automatic_optimization
+        scheduler = not manual and _scheduler_steps(trainer, batch_idx)
         self._scheduler_count = _scheduler_count(trainer)
         self._predicted_scheduler_step = scheduler
         algorithm, clip_val = trainer.gradient_clip_algorithm, trainer.gradient_clip_val
@@ -178,6 +183,8 @@ class CkptlabCallback(pl.Callback):
         }
         if accumulate != 1:
             config["accumulate_grad_batches"] = accumulate
+        if manual:
+            config["manual"] = True
         if _is_ddp(trainer.model):
             config["strategy"] = "ddp"
             config["ddp"] = _ddp_kwargs(trainer.strategy)
@@ -201,7 +208,10 @@ class CkptlabCallback(pl.Callback):
         _common.end_step(self.rec, loss)
 
     def _check_scheduler(self, trainer) -> None:
-        """The scheduler step predicted at batch start must be what the trainer did."""
+        """The scheduler step predicted at batch start must be what the trainer did (under
+        manual optimization, training_step steps them: replay runs it)."""
+        if not trainer.lightning_module.automatic_optimization:
+            return
         count = _scheduler_count(trainer)
         stepped = count is not None and self._scheduler_count is not None and count != self._scheduler_count
         if stepped != self._predicted_scheduler_step and not self._warned_scheduler:
@@ -244,14 +254,25 @@ def build(module, optimizer=None, scheduler=None, *, precision: str | None = Non
     """`(module, optimizer[, scheduler][, scaler])` for build_fn, from
     `module.configure_optimizers()` (the same parsing the trainer does) unless you pass them.
     Registers the scheduler, which `training_step` steps where the recorded trainer did.
+    Under manual optimization (`module.automatic_optimization = False`) with several
+    optimizers: `(module, [optimizers], [each one's scheduler or None])`, as the callback
+    records them; the schedulers are registered for `self.lr_schedulers()`.
 
     `precision="16-mixed"`, as the trainer was given it (or its MixedPrecision plugin): also a
     GradScaler, as Lightning makes one; its scale and settings come from the checkpoint."""
     if optimizer is None:
         parse = importlib.import_module(f"{pl.__name__}.core.optimizer")._configure_optimizers  # the trainer's parser
         optimizers, schedulers, _ = parse(module.configure_optimizers())
+        found = [c["scheduler"] if isinstance(c, dict) else c for c in schedulers]
+        if not module.automatic_optimization and len(optimizers) > 1:  # training_step drives them
+            for opt in optimizers:
+                _common.register(opt, lr_schedulers=found)  # (for self.lr_schedulers())
+            return module, optimizers, _per_optimizer(optimizers, found)
         if len(optimizers) != 1:
-            raise RecordError(f"configure_optimizers returned {len(optimizers)} optimizers; ckptlab replays one")
+            raise RecordError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; ckptlab replays several under "
+                "manual optimization (automatic_optimization = False), as Lightning runs them"
+            )
         optimizer = optimizers[0]
         if schedulers:
             first = schedulers[0]
@@ -259,7 +280,7 @@ def build(module, optimizer=None, scheduler=None, *, precision: str | None = Non
     scaler = None
     if precision is not None and str(precision) in ("16-mixed", "16"):  # 16: the older spelling
         scaler = torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu")
-    _common.register(optimizer, scheduler=scheduler, scaler=scaler)
+    _common.register(optimizer, scheduler=scheduler, scaler=scaler, lr_schedulers=[scheduler] if scheduler else [])
     return (module, optimizer, *(x for x in (scheduler, scaler) if x is not None))
 
 
@@ -279,6 +300,8 @@ def training_step(model, optimizer, batch):
     sum of the micro-batches' losses).
     """
     cfg = batch["lightning"]
+    if cfg.get("manual"):
+        return _manual_step(model, optimizer, batch, cfg)
     parts = batch.get(MICRO_BATCHES) or [{"batch": batch["batch"], "batch_idx": batch["batch_idx"]}]
     k = cfg.get("accumulate_grad_batches", 1)
     steps = cfg.get("optimizer_step", True)  # False: a step recorded as it crashed, before its last micro-batch
@@ -306,6 +329,20 @@ def training_step(model, optimizer, batch):
         scheduler = _common.registered(optimizer, "scheduler", required=True, hint=BUILD_HINT)
         model.lr_scheduler_step(scheduler, None)
     return total
+
+
+def _manual_step(model, optimizers, batch, cfg: dict):
+    """One step of manual optimization: the module's training_step, which drives its
+    optimizers through what `ReplayedTrainer` (lightning_manual.py) gives it, under the
+    precision's autocast. Returns the loss it returned."""
+    given = as_list(optimizers)
+    schedulers = _common.registered(given[0], "lr_schedulers", required=False, hint=BUILD_HINT) or []
+    wrap = importlib.import_module(f"{pl.__name__}.core.optimizer").LightningOptimizer
+    trainer = ReplayedTrainer(model, given, schedulers, wrap)
+    args = (batch["batch"], batch["batch_idx"]) if _takes_batch_idx(model) else (batch["batch"],)
+    with trainer.attached(), _autocast(model, cfg["precision"]), _quiet_log():
+        result = model.training_step(*args)
+    return result.get("loss") if isinstance(result, dict) else result
 
 
 def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, last: bool, scaler=None, ddp=None):
@@ -505,20 +542,43 @@ def _scheduler_count(trainer) -> int | None:
     return getattr(configs[0].scheduler, "last_epoch", None) if configs else None
 
 
+def _recorded_optimizers(trainer, module):
+    """(optimizer, scheduler) for the Recorder: the trainer's optimizer and first scheduler;
+    under manual optimization with several optimizers, all of them as a list, with each one's
+    scheduler (training_step steps them, so each one's state is what a checkpoint needs)."""
+    configs = trainer.lr_scheduler_configs
+    found = [c.scheduler for c in configs]
+    if module.automatic_optimization or len(trainer.optimizers) == 1:
+        return trainer.optimizers[0], found[0] if found else None
+    return list(trainer.optimizers), _per_optimizer(trainer.optimizers, found)
+
+
+def _per_optimizer(optimizers, schedulers) -> list:
+    """Each optimizer's scheduler (the first whose `.optimizer` it is), or None."""
+    return [next((s for s in schedulers if getattr(s, "optimizer", None) is o), None) for o in optimizers]
+
+
 def _replay_limits(trainer, module) -> list[str]:
     """What keeps replay from being exact in this trainer's configuration."""
     problems = []
-    if not module.automatic_optimization:
-        problems.append("manual optimization: the training_step drives the optimizers through the trainer")
+    manual = not module.automatic_optimization
+    if manual and (str(trainer.precision) in ("16-mixed", "16") or trainer.world_size > 1):
+        problems.append(
+            "manual optimization with 16-mixed or several processes: replay runs training_step without "
+            "the trainer's loss scaling and gradient all-reduce"
+        )
     if str(trainer.precision) not in EXACT_PRECISIONS:
         problems.append(
             f"precision={trainer.precision!s} is not replayed (exact: {', '.join(sorted(EXACT_PRECISIONS))})"
         )
-    if len(trainer.lr_scheduler_configs) > 1:
+    per_optimizer = len(trainer.optimizers) if manual else 1  # (manual: one scheduler each is checkpointed)
+    if len(trainer.lr_scheduler_configs) > per_optimizer:
         problems.append(
-            f"{len(trainer.lr_scheduler_configs)} LR schedulers: only the first is checkpointed and replayed"
+            f"{len(trainer.lr_scheduler_configs)} LR schedulers: only "
+            + ("one per optimizer is" if manual else "the first is")
+            + " checkpointed and replayed"
         )
-    if len(trainer.optimizers) > 1:
+    if len(trainer.optimizers) > 1 and not manual:
         problems.append(f"{len(trainer.optimizers)} optimizers: only the first is checkpointed")
     strategy = trainer.strategy
     if getattr(strategy, "_ddp_comm_hook", None) is not None or getattr(strategy, "_model_averaging_period", None):

@@ -21,8 +21,10 @@ from collections.abc import Callable
 
 from ckptlab.analysis.anomalies import (
     IDLE_OPTIMIZER,
+    OUTSIDE_OPTIMIZER,
     detectors,
     idle_optimizer_text,
+    outside_optimizer_text,
     spike_events,
     step_anomalies,
     update_events,
@@ -36,15 +38,16 @@ from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.points import AlertEpisodes, alert_text
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import CommonHealth, StepHealth
-from ckptlab.training.probe import PendingHealth
+from ckptlab.training.pending import PendingHealth
 from ckptlab.training.world import World
 from ckptlab.training.wrappers import unwrap
 
 log = logging.getLogger(__name__)
 
-# The first steps of a session on which the Recorder checks that its optimizer is the one that
-# trains: the weights' norms at the step's start and end, when the optimizer did not step
-# (training/probe.py `StepProbe.watch`; nothing is measured for it after them).
+# The first steps of a session on which the Recorder checks that its optimizers are the ones
+# that train: the weights' norms at the step's start and end, when no optimizer stepped, and
+# those of the parameters no optimizer given holds (training/probe.py `StepProbe.watch`;
+# nothing is measured for it after them).
 WATCHED_STEPS = 3
 
 Alert = Callable[[int, list[dict]], None]
@@ -66,6 +69,7 @@ class HealthLog:
         names: list[str] | None = None,
     ):
         self.writer, self.world, self.config = writer, world, config
+        self.names = names or []
         self._precursors = Precursors(names) if names is not None else None
         self.deferred, self.live = deferred, live
         self.run_dir = writer.run_dir
@@ -77,6 +81,7 @@ class HealthLog:
         self.first_anomaly: int | None = None
         self._queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
         self._watched: list[str] | None = []  # what the watched steps saw (None: judged)
+        self._outside_said = False  # parameters moved outside every optimizer: warned (once a session)
 
     def resume(self, progress: Progress | None) -> None:
         """Continue a run: its first anomaly, and spikes judged against the run so far, not a blank."""
@@ -110,7 +115,7 @@ class HealthLog:
                 health = self._record_common(n, common, wait, t)
             else:
                 health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
-            self._judge_optimizer(n, pending.watched)
+            self._judge_optimizer(n, pending)
             if bad is None and not health.loss_finite:
                 bad = (n, health.loss)
         if bad is not None and raise_nonfinite and self.config.on_nonfinite == "raise":
@@ -174,10 +179,20 @@ class HealthLog:
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
 
-    def _judge_optimizer(self, n: int, watched: str | None) -> None:
+    def _judge_optimizer(self, n: int, pending: PendingHealth) -> None:
         """After the first WATCHED_STEPS steps: if the optimizer never stepped while the
         weights moved, it is not the one that trains (a trainer that made its own): a warning
-        and an IDLE_OPTIMIZER event (docs/alerts.md). Once a session."""
+        and an IDLE_OPTIMIZER event. On a watched step, parameters that no optimizer given
+        holds had a gradient and moved: another optimizer trains them (a second one the
+        Recorder was not told about): a warning and an OUTSIDE_OPTIMIZER event
+        (docs/alerts.md). Each once a session."""
+        if pending.moved_outside and not self._outside_said:
+            self._outside_said = True
+            names = [self.names[i] if i < len(self.names) else str(i) for i in pending.moved_outside]
+            self._warn_record(
+                n, {"kind": OUTSIDE_OPTIMIZER, "value": len(names), "detail": outside_optimizer_text(names)}
+            )
+        watched = pending.watched
         if watched is None or self._watched is None:
             return
         self._watched.append(watched)
@@ -188,10 +203,13 @@ class HealthLog:
         seen, self._watched = self._watched, None
         if "moved" not in seen:
             return
-        event = {"kind": IDLE_OPTIMIZER, "value": len(seen), "detail": idle_optimizer_text(len(seen))}
+        self._warn_record(n, {"kind": IDLE_OPTIMIZER, "value": len(seen), "detail": idle_optimizer_text(len(seen))})
+
+    def _warn_record(self, n: int, event: dict) -> None:
+        """A warning about the record itself (no fault of a step): an event, and a UserWarning."""
         if self.world.is_main:
             self.writer.append_json(framelog.EVENT, n, event)
-            warnings.warn(f"ckptlab: step {n}: {event['detail']}", stacklevel=4)
+            warnings.warn(f"ckptlab: step {n}: {event['detail']}", stacklevel=5)
 
     def record_error(self, n: int, error: BaseException, model) -> None:
         """Step n raised: an `exception` event (what, and where in the user's code), when its

@@ -30,6 +30,7 @@ from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
 from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
+from ckptlab.training.optimizer_set import combined, given_several
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.step import StepRunner, scaler_argument
 from ckptlab.training.world import World
@@ -40,7 +41,11 @@ class Recorder:
 
     Args:
         run_dir: the run directory (created; must not already hold a run unless `resume`).
-        model, optimizer: what `step_fn` trains. `optimizer=None`: a loop that updates the
+        model, optimizer: what `step_fn` trains; the model must hold every trained parameter
+            (several models, e.g. a GAN's D and G: one container module). Several optimizers
+            as a list or a dict (`[opt_d, opt_g]`, `{"d": opt_d, "g": opt_g}`): `step_fn` gets
+            them as given, each one's state is checkpointed (`rec.optimizer` is their
+            training/optimizer_set.py OptimizerSet). `optimizer=None`: a loop that updates the
             weights by hand (`p.data.add_(p.grad, alpha=-lr)`): the Recorder makes a
             `ckptlab.HandUpdate` holding the learning rate `lr` (`rec.optimizer`), which
             `step_fn` gets as its `optimizer` and must read its learning rate from
@@ -49,8 +54,11 @@ class Recorder:
             it is recorded as unknown (NaN) and `rec.optimizer.lr` raises until it is set.
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
         build_fn: module-level `build_fn() -> (model, optimizer[, scheduler])`, fresh and seeded;
-            for a hand-written update `build_fn() -> model` (or `(model, None)`).
-        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step.
+            for a hand-written update `build_fn() -> model` (or `(model, None)`); for several
+            optimizers `(model, optimizers[, schedulers])`, in the shapes given here.
+        scheduler: an LR scheduler; ckptlab calls `scheduler.step()` after each step (unless
+            step_scheduler=False; a scheduler that the loop steps too is an error, at once).
+            Several optimizers: one per optimizer in their shape, None where one has none.
         scaler: a `torch.amp.GradScaler`, if `step_fn` uses one: its state is checkpointed, a
             `step_fn` with a `scaler` parameter is handed it, steps it skips are recorded as
             `scaler_skipped`; `build_fn` must return it too (after model and optimizer).
@@ -67,7 +75,7 @@ class Recorder:
         self,
         run_dir: str | os.PathLike,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer | list | tuple | dict | None,
         *,
         step_fn: Callable,
         build_fn: Callable,
@@ -78,7 +86,7 @@ class Recorder:
         config: RecordConfig | None = None,
         **options,
     ):
-        optimizer = _optimizer(optimizer, model, lr, run_dir)  # before anything is written
+        optimizer, scheduler = _optimizer(optimizer, scheduler, model, lr, run_dir)  # before anything is written
         self.config = config = _config(RecordConfig.of(config, **options), optimizer)
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
@@ -98,9 +106,8 @@ class Recorder:
         try:
             self.next_step = session.start_step
             self.restored_step = session.restored_step
-            self.runner = StepRunner(
-                *training, step_scheduler=config.step_scheduler, world=world, update_ratio=config.update_ratio
-            )
+            steps: dict[str, Any] = {"step_scheduler": config.step_scheduler, "update_ratio": config.update_ratio}
+            self.runner = StepRunner(*training, world=world, guard_scheduler=True, **steps)  # (_check_scheduler)
             self.runner.probe.watch = WATCHED_STEPS  # an optimizer that does not train: health.py
             self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
             self.live = live_log(stores, str(self.run_dir), session.manifest) if world.is_main else None
@@ -206,6 +213,7 @@ class Recorder:
             raise RecordError("the Recorder is closed", path=self.run_dir)
         if self._in_step:
             raise RecordError("begin_step called twice without end_step", path=self.run_dir)
+        self._check_scheduler()
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         snaps = self._snaps
         snaps.await_write()
@@ -231,7 +239,22 @@ class Recorder:
         self._snaps.await_write()
         self._batches.step_ended()
         self.next_step = n + 1
-        return self._health.queue(n, pending, self._snaps.wait, want=want)
+        health = self._health.queue(n, pending, self._snaps.wait, want=want)
+        self._check_scheduler()
+        return health
+
+    def _check_scheduler(self) -> None:
+        """A scheduler the Recorder steps after every step, stepped by the loop too (once an
+        epoch, say): its learning rate would move faster than the loop means, so the recording
+        stops here, at the first step that shows it, with what to change."""
+        moved = self.runner.scheduler_moved()
+        if moved is not None:
+            raise RecordError(
+                f"before step {self.next_step}: {moved}",
+                path=self.run_dir,
+                hint="pass step_scheduler=False to let the loop step it (replay follows the learning rate "
+                "recorded for every step), or stop stepping it in the loop",
+            )
 
     def _fail(self, error: BaseException | None) -> None:
         """The running step failed: the live checkpoint's write finished, the health still
@@ -309,14 +332,22 @@ class Recorder:
         self.close()
 
 
-def _optimizer(optimizer, model, lr, run_dir) -> torch.optim.Optimizer:
-    """The optimizer to record: the one given, or for `None` (a hand-written update) a
+def _optimizer(optimizer, scheduler, model, lr, run_dir) -> tuple[Any, Any]:
+    """The optimizer and scheduler to record: the ones given, several as one OptimizerSet and
+    SchedulerSet (training/optimizer_set.py), or for `None` (a hand-written update) a
     HandUpdate on the model's parameters holding `lr`."""
+    if given_several(optimizer) or given_several(scheduler):
+        if lr is not None:
+            raise RecordError("lr= is for a loop that updates the weights by hand (optimizer=None)", path=run_dir)
+        try:
+            return combined(optimizer, scheduler)
+        except RecordError as e:
+            raise RecordError(e.problem, path=run_dir, hint=e.hint) from None
     if optimizer is None:
         if not any(True for _ in model.parameters()):
             raise RecordError("the model has no parameters: there is nothing to update", path=run_dir)
         try:
-            return HandUpdate(model.parameters(), lr=lr)
+            return HandUpdate(model.parameters(), lr=lr), scheduler
         except RecordError as e:
             raise RecordError(e.problem, path=run_dir, hint=e.hint) from None
     if lr is not None:
@@ -337,10 +368,10 @@ def _optimizer(optimizer, model, lr, run_dir) -> torch.optim.Optimizer:
         raise RecordError(
             f"optimizer is {type(optimizer).__name__}, not a torch.optim.Optimizer",
             path=run_dir,
-            hint="pass the torch optimizer that steps the weights, or optimizer=None (with lr=) for a loop "
-            "that updates them by hand",
+            hint="pass the torch optimizer that steps the weights (several as a list or a dict), or "
+            "optimizer=None (with lr=) for a loop that updates them by hand",
         )
-    return optimizer
+    return optimizer, scheduler
 
 
 def _config(config: RecordConfig, optimizer) -> RecordConfig:

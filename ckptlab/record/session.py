@@ -34,6 +34,7 @@ from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import Progress, read_progress
 from ckptlab.run.writer import io_error
 from ckptlab.training import userfns
+from ckptlab.training.optimizer_set import describe
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
 from ckptlab.training.world import World
@@ -51,7 +52,7 @@ class Session:
         run_dir: Path,
         world: World,
         config: RecordConfig,
-        training: tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any],
+        training: tuple[torch.nn.Module, Any, Any, Any],
         fns: dict[str, Callable | None],
         *,
         deferred: bool,
@@ -160,6 +161,8 @@ class Session:
         model, optimizer, scheduler, scaler = self.training
         params = named_parameters(model)
         first = params[0][1] if params else None
+        # (one group each for its parameters, and with several optimizers whose groups are whose)
+        optimizers, groups = describe(optimizer, [p for _, p in params]) if optimizer is not None else ([], [])
         keys = ("ckpt_every", "health_every", "keep_last", "on_nonfinite", "val_metric", "val_mode")
         return new_manifest(
             device=str(first.device) if first is not None else "cpu",
@@ -182,10 +185,12 @@ class Session:
                     "shape": list(p.shape),
                     "dtype": codec.dtype_name(p.dtype),
                     "requires_grad": p.requires_grad,
+                    "group": group,
                 }
-                for n, p in params
+                for (n, p), group in zip(params, groups or [None] * len(params))
             ],
             param_groups=len(torch_optimizer(optimizer).param_groups) if optimizer is not None else 0,
+            optimizers=optimizers,
             data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,

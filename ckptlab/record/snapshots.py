@@ -19,12 +19,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from ckptlab.errors import RecordError
 from ckptlab.record.config import RecordConfig
 from ckptlab.record.health import HealthLog
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter
 from ckptlab.training.crash import call_through
+from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.probe import StepProbe, learned
 from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
 from ckptlab.training.state import capture_train_state, snapshot
@@ -51,6 +53,8 @@ class Snapshots:
         model, optimizer, scheduler, self.scaler = training
         # (the torch objects inside a framework's wrappers: their hooks and state are the ones)
         self.model, self.optimizer, self.scheduler = model, torch_optimizer(optimizer), torch_scheduler(scheduler)
+        if world.sharded and isinstance(self.optimizer, OptimizerSet):  # (DCP's state dicts take one)
+            raise RecordError("several optimizers are not recorded under FSDP2 (a sharded model) yet")
         self.health = health
         self.probe = probe  # the recording's: what it learned goes with each checkpoint
         self.run_dir: Path = writer.run_dir

@@ -16,7 +16,7 @@ from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import select_rows
 from ckptlab.replayer.findings import Counterfactual, Origin, SampleBlame
 from ckptlab.replayer.optstate import in_tune
-from ckptlab.replayer.origin import lr_jump
+from ckptlab.replayer.origin import group_text, lr_jumps
 from ckptlab.replayer.precision import in_float32
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import faults_again
@@ -80,21 +80,37 @@ def _others(found: list[str]) -> str:
 
 
 def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
-    """An optimizer origin with a learning-rate jump: the step with the recent learning rate."""
-    lr = lr_jump(root.inv.metrics, root.root, root.base) if root.report.origin.kind == "optimizer" else None
-    if lr is None:
+    """An optimizer origin with a learning-rate jump: the step with each jumped group's own
+    recent learning rate (the groups whose rate did not jump keep theirs)."""
+    jumps = lr_jumps(root.inv.metrics, root.root, root.base) if root.report.origin.kind == "optimizer" else []
+    if not jumps:
         return []
-    typical = lr[1] / lr[0]
     root.fresh()
-    for g in root.runner.optimizer.param_groups:
-        g["lr"] = typical
+    groups = root.runner.optimizer.param_groups
+    for j in jumps:
+        groups[j.group]["lr"] = j.typical
     h = root.replayer.run_step(root.runner, root.rec)
     found = root.fault(h)
+    every = len(groups)
+    if len(jumps) == 1:
+        j = jumps[0]
+        where = group_text(root.optimizers, j.group, every)
+        what = f"its recent learning rate {j.typical:.3g} instead of {j.lr:.3g}" + (f" ({where})" if where else "")
+        lrs = f"lr {j.typical:.3g}"
+    else:
+        what = (
+            "each jumped group's recent learning rate ("
+            + "; ".join(
+                f"{group_text(root.optimizers, j.group, every)}: {j.typical:.3g} instead of {j.lr:.3g}" for j in jumps
+            )
+            + ")"
+        )
+        lrs = "the recent learning rates"
     return [
         Counterfactual(
-            f"does step {root.root} still fail with its recent learning rate {typical:.3g} instead of {lr[1]:.3g}?",
+            f"does step {root.root} still fail with {what}?",
             bool(found),
-            f"with lr {typical:.3g}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
+            f"with {lrs}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
             + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
         )
     ]

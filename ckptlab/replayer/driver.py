@@ -20,12 +20,14 @@ from typing import cast
 import torch
 
 from ckptlab.analysis.anomalies import RECORD_WARNINGS, record_warning_note
-from ckptlab.errors import CorruptFileError, IntegrityError, ReplayError
+from ckptlab.errors import CorruptFileError, IntegrityError, RecordError, ReplayError
+from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.run.reader import Run
 from ckptlab.run.records import batch_digest
 from ckptlab.training import userfns
 from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
+from ckptlab.training.optimizer_set import given_several
 from ckptlab.training.probe import resume_learned
 from ckptlab.training.sharded import full_snapshot
 from ckptlab.training.state import (
@@ -122,6 +124,7 @@ class Replayer:
         model, optimizer = built[0], built[1]
         if optimizer is None:  # its learning rate comes from the checkpoint, then from the record
             optimizer = HandUpdate(model.parameters())
+        self._check_optimizers(optimizer)
         # After them, in any order: an LR scheduler and a GradScaler (told apart by type).
         extras = [x for x in built[2:] if x is not None]
         scaler = next((x for x in extras if is_grad_scaler(x)), None)
@@ -143,14 +146,32 @@ class Replayer:
         if self.world is None:  # once: in a distributed replay, detecting creates a group
             self.world = World.detect(model)  # (`--rank R` of an FSDP2 run: a group of one, sharded)
         self.compiled = is_compiled(model) or is_compiled(self.step_fn)
-        return StepRunner(
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-            step_scheduler=self.step_scheduler,
-            world=self.world,
-            update_ratio=self.update_ratio,
+        try:
+            return StepRunner(
+                model,
+                optimizer,
+                scheduler,
+                scaler,
+                step_scheduler=self.step_scheduler,
+                world=self.world,
+                update_ratio=self.update_ratio,
+            )
+        except RecordError as e:  # (optimizers and schedulers in shapes that do not match)
+            raise ReplayError(f"build_fn returns {e.problem}", path=self.run.path, hint=e.hint) from None
+
+    def _check_optimizers(self, optimizer) -> None:
+        """build_fn returns the optimizers the run was recorded with: one alone, or several in
+        a list or a dict with the recorded keys (training/optimizer_set.py)."""
+        recorded = OptimizerGroups.of(self.run.manifest)
+        several = given_several(optimizer)
+        keys = list(optimizer) if isinstance(optimizer, dict) else list(range(len(optimizer))) if several else [None]
+        if recorded.several == several and (not several or keys == recorded.keys):
+            return
+        said = f"optimizers {recorded.keys}" if recorded.several else "one optimizer"
+        raise ReplayError(
+            f"the run was recorded with {said}, but build_fn returns " + (f"optimizers {keys}" if several else "one"),
+            path=self.run.path,
+            hint="return the optimizers as the Recorder was given them: (model, optimizers[, schedulers])",
         )
 
     def load_checkpoint(self, t: StepRunner, step: int) -> None:

@@ -56,6 +56,11 @@ class Origin:
     # `clip_grad_norm_(..., error_if_nonfinite=True)`): the origin is where that value came
     # from, and this is the exception, {"error": "Type: message", "source", "call"}.
     raised: dict | None = None
+    # kind "optimizer": which optimizer (its key: its index in the list, its key in the dict the
+    # Recorder was given; None for one given alone) and which of its parameter groups (index
+    # into its param_groups; the group whose learning rate jumped most, else `parameter`'s)
+    optimizer: int | str | None = None
+    param_group: int | None = None
 
 
 def place(row: int, micro_batch: int | None = None) -> str:

@@ -12,6 +12,7 @@ a learning-rate jump, or gradients that exploded with no row to blame).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +23,9 @@ from ckptlab.replayer.parameters import outsized_weight
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.rows import dominant_rows, nonfinite_alone, repeated_sample
 from ckptlab.replayer.trace import OpEvent, Tracer
+from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.training.health import StepHealth
+from ckptlab.training.optimizer_set import key_text
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.wrappers import unwrap
 
@@ -42,6 +45,8 @@ def origin(
     o = nonfinite_origin(root, tracer, data_rows, rows, samples)
     if o is None:
         o = _finite_explosion(root, h, data_rows["absurd"], rows, samples)
+    if o.kind == "optimizer" and o.param_group is None:
+        o.optimizer, o.param_group = root.optimizers.where(root.optimizers.of_parameter.get(o.parameter or ""))
     return o, _ranked(root, samples, data_rows, rows)
 
 
@@ -67,22 +72,53 @@ def nonfinite_origin(
 RECENT_LR = 8  # steps
 
 
-def lr_jump(m, root: int, h: StepHealth) -> tuple[float, float] | None:
-    """(how many times its recent value, the learning rate) when the root step's learning rate
-    jumped more than tenfold over the recorded steps just before it (their median: the last
+@dataclass
+class LrJump:
+    group: int  # the parameter group: its index in every step's `lr` (every optimizer's groups in order)
+    factor: float  # how many times its recent value
+    lr: float  # the root step's learning rate
+    typical: float  # its recent value
+
+
+def lr_jumps(m, root: int, h: StepHealth) -> list[LrJump]:
+    """The parameter groups (of every optimizer) whose learning rate at the root step jumped
+    more than tenfold over the recorded steps just before it (their median: the last
     RECENT_LR; a schedule restarted on resume jumps back to a rate the run had long before, so
-    a longer history would hide it)."""
+    a longer history would hide it), the largest jump first."""
     hist = m.window(max(0, root - RECENT_LR), root - 1)
     if hist.stop <= hist.start or not h.lr:
-        return None
-    recent = m.lr[hist, 0]
-    if np.isnan(recent).all():  # a loop whose learning rate is unknown (a hand-written update without lr=)
-        return None
-    typical = float(np.nanmedian(recent))
-    lr = float(h.lr[0])
-    if typical > 0 and lr > 10 * typical:
-        return lr / typical, lr
-    return None
+        return []
+    out = []
+    for g, lr in enumerate(h.lr[: m.lr.shape[1]]):
+        recent = m.lr[hist, g]
+        if np.isnan(recent).all():  # a loop whose learning rate is unknown (a hand-written update without lr=)
+            continue
+        typical = float(np.nanmedian(recent))
+        if typical > 0 and float(lr) > 10 * typical:
+            out.append(LrJump(g, float(lr) / typical, float(lr), typical))
+    return sorted(out, key=lambda j: -j.factor)
+
+
+def group_text(groups: OptimizerGroups, group: int, groups_in_all: int) -> str:
+    """A parameter group as a sentence names it: "optimizer `g`, group 0" (several
+    optimizers), "group 1" (one optimizer with several groups), "" (the only group)."""
+    key, local = groups.where(group)
+    if key is not None:
+        return f"optimizer {key_text(key)}, group {local}"
+    return f"group {group}" if groups_in_all > 1 else ""
+
+
+def lr_jump_text(groups: OptimizerGroups, jumps: list[LrJump], groups_in_all: int) -> str:
+    """The jumps as the origin's detail says them, the largest first."""
+    first, *rest = jumps
+    where = group_text(groups, first.group, groups_in_all)
+    text = (
+        f"the learning rate of {where}, {first.lr:.3g}, is {first.factor:.0f}x its recent value"
+        if where
+        else f"learning rate {first.lr:.3g} is {first.factor:.0f}x its recent value"
+    )
+    also = "; ".join(f"{group_text(groups, j.group, groups_in_all)}: {j.factor:.0f}x" for j in rest[:3])
+    return text + (f" (also {also})" if also else "")
 
 
 def _blame(root: RootStep, samples: Samples, row: int, reason: str) -> None:
@@ -92,9 +128,12 @@ def _blame(root: RootStep, samples: Samples, row: int, reason: str) -> None:
         samples[row] = SampleBlame(row, root.sample_id(row), reason, batch_row=row)
 
 
-def _top_parameter(root: RootStep) -> str | None:
-    """The parameter parameters.py blames most, if any."""
-    return root.report.parameters[0].name if root.report.parameters else None
+def _top_parameter(root: RootStep, in_group: int | None = None) -> str | None:
+    """The parameter parameters.py blames most (of the parameter group `in_group`, when
+    given and the run says which parameters are whose), if any."""
+    of = root.optimizers.of_parameter
+    blamed = [p.name for p in root.report.parameters if in_group is None or of.get(p.name) == in_group]
+    return blamed[0] if blamed else None
 
 
 def _nonfinite_batch(root: RootStep, tracer: Tracer | None, nonfinite: dict[int, str], samples: Samples) -> Origin:
@@ -166,7 +205,7 @@ def _finite_explosion(
     """Nothing went non-finite in the root step itself: an explosion (finite) that breaks
     later. The rows that explain it, else the optimizer (its state, its learning rate), else
     the gradients with no row to blame."""
-    jump = lr_jump(root.inv.metrics, root.root, h)
+    jumps = lr_jumps(root.inv.metrics, root.root, h)
     alone, dominant = nonfinite_alone(rows), dominant_rows(rows)
     for r, why in absurd.items():
         _blame(root, samples, r, why)
@@ -175,7 +214,7 @@ def _finite_explosion(
     for r, ratio in dominant.items():
         if r not in alone:
             _blame(root, samples, r, f"its gradient norm is {ratio:.3g}x the median row's")
-    repeated = {} if samples or jump else repeated_sample(root.ids, root.rows)
+    repeated = {} if samples or jumps else repeated_sample(root.ids, root.rows)
     for r, why in repeated.items():
         _blame(root, samples, r, why)
     param = _top_parameter(root)
@@ -191,23 +230,22 @@ def _finite_explosion(
         )
         phase = None if alone and not (absurd or dominant) else "backward"
         return Origin("data", phase, None, None, param, None, detail=detail)
-    if jump is None and (gaps := _second_moment_gaps(root, h)):
+    if not jumps and (gaps := _second_moment_gaps(root, h)):
         g = gaps[0]
         return Origin("optimizer", "optimizer", None, None, g.name, None, detail=g.describe(), state="exp_avg_sq")
-    if jump is not None or "update_explosion" in root.fault(h):
-        detail = (
-            f"learning rate {jump[1]:.3g} is {jump[0]:.0f}x its recent value"
-            if jump
-            else "the update exploded without a gradient explosion"
-        )
+    if jumps:  # the group whose learning rate jumped most is the one to name
+        key, local = root.optimizers.where(jumps[0].group)
+        detail = lr_jump_text(root.optimizers, jumps, len(h.lr))
+        param = most_moved(root, h, in_group=jumps[0].group) or _top_parameter(root, in_group=jumps[0].group) or param
         return Origin(
-            "optimizer",
-            "optimizer",
-            None,
-            None,
-            most_moved(root.inv.metrics.param_names, h) or param,
-            None,
-            detail=detail,
+            "optimizer", "optimizer", None, None, param, None, detail=detail, optimizer=key, param_group=local
+        )
+    if "update_explosion" in root.fault(h):
+        detail = "the update exploded without a gradient explosion"
+        param = most_moved(root, h) or param
+        key, local = root.optimizers.where(root.optimizers.of_parameter.get(param)) if param else (None, None)
+        return Origin(
+            "optimizer", "optimizer", None, None, param, None, detail=detail, optimizer=key, param_group=local
         )
     if root.report.parameters:
         detail = "gradients exploded with no single row to blame"
@@ -215,11 +253,17 @@ def _finite_explosion(
     return Origin("none", None, None, None, None, None)
 
 
-def most_moved(names: list[str], h: StepHealth) -> str | None:
+def most_moved(root: RootStep, h: StepHealth, in_group: int | None = None) -> str | None:
     """The parameter whose update moved it most against its own norm (the largest finite
-    update ratio): the worst of an optimizer fault, whose gradients may be ordinary."""
+    update ratio; of the parameter group `in_group`, when given and the run says which
+    parameters are whose): the worst of an optimizer fault, whose gradients may be ordinary."""
+    names, of = root.inv.metrics.param_names, root.optimizers.of_parameter
     ratios = [] if h.update_ratio is None else [float(r) for r in h.update_ratio]
-    finite = [(r, i) for i, r in enumerate(ratios) if math.isfinite(r) and i < len(names)]
+    finite = [
+        (r, i)
+        for i, r in enumerate(ratios)
+        if math.isfinite(r) and i < len(names) and (in_group is None or of.get(names[i], in_group) == in_group)
+    ]
     return names[max(finite)[1]] if finite else None
 
 

@@ -26,6 +26,7 @@ from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import batch_rows
 from ckptlab.replayer.findings import ReplayReport
 from ckptlab.replayer.startstate import new_anomalies
+from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 from ckptlab.training.state import restore_snapshot
@@ -51,6 +52,8 @@ class RootStep:
         self.ids = self.rec.sample_ids
         self.rows = batch_rows(self.rec.batch, self.ids)
         self.runner = self.replayer.build()
+        # whose each parameter group is, and which group each parameter is in (the manifest's)
+        self.optimizers = OptimizerGroups.of(inv.run.manifest)
         self._report = None
         self._base = None
         self.older_fault = None

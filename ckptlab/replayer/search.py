@@ -37,7 +37,7 @@ from ckptlab.analysis.batches import (
 from ckptlab.analysis.dirty.fields import is_mask
 from ckptlab.numbers import ranges
 from ckptlab.replayer.findings import Culprit, ReplayReport
-from ckptlab.replayer.origin import lr_jump
+from ckptlab.replayer.origin import lr_jumps
 from ckptlab.replayer.rewind import earlier_cause
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.rows import IGNORE_INDEX
@@ -336,7 +336,7 @@ def search(root: RootStep, rep: ReplayReport) -> None:
     rep.culprit = root.attempt("minimal culprit", minimal_culprit, root, budget)
     # an optimizer origin already explained: a learning-rate jump, or its own state
     explained = rep.origin.kind == "optimizer" and (
-        rep.origin.state is not None or lr_jump(inv.metrics, root.root, root.base) is not None
+        rep.origin.state is not None or bool(lr_jumps(inv.metrics, root.root, root.base))
     )
     doomed = root.older_fault is False or (not rep.samples and rep.origin.kind != "none" and not explained)
     if doomed and inv.run.world_size == 1:  # (one process replays one rank: no window)

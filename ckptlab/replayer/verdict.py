@@ -375,16 +375,18 @@ def _precision(r: ReplayReport, lead: str, rows: str) -> str:
 def _optimizer(r: ReplayReport, lead: str) -> str:
     o = r.origin
     if not o.state:
+        named = o.optimizer is not None and not (o.detail or "").startswith("the learning rate of optimizer")
         return (
-            f"{lead}: the optimizer update blew the weights up"
+            f"{lead}: {f'the update of {_whose(o)}' if named else 'the optimizer update'} blew the weights up"
             + (f" ({o.detail})" if o.detail else "")
             + (f", worst in `{o.parameter}`" if o.parameter else "")
             + "; no sample is to blame."
         )
     proven = any("second moment" in c.question and c.fault is False for c in r.counterfactuals)
     first = (o.detail or "").startswith(FIRST_UPDATE)
+    owner = _whose(o) if o.optimizer is not None else "the optimizer"
     return (
-        (f"{lead}: the optimizer's {o.detail}" if first else f"{lead}: the optimizer's own state blew the weights up")
+        (f"{lead}: {owner}'s {o.detail}" if first else f"{lead}: {owner}'s own state blew the weights up")
         + ("" if first else f": {o.detail}" if o.detail else f" ({o.state} of `{o.parameter}`)")
         + "; no sample is to blame"
         + (", and with that second moment in tune with its gradient the fault vanishes" if proven else "")
@@ -394,6 +396,12 @@ def _optimizer(r: ReplayReport, lead: str) -> str:
             else " (remedies: warm the learning rate up again, clip updates, a larger eps)."
         )
     )
+
+
+def _whose(o: Origin) -> str:
+    """One of several optimizers, as the verdict names it: "optimizer `g` (group 0)"."""
+    group = f" (group {o.param_group})" if o.param_group is not None else ""
+    return f"optimizer `{o.optimizer}`{group}"
 
 
 def _searches(r: ReplayReport) -> str:

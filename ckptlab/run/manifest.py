@@ -3,7 +3,8 @@
 Keys (format_version 2, as in 1): format, format_version, created, versions{ckptlab, torch, numpy,
 python, platform, cuda}, host, device, world_size, config{ckpt_every, health_every, keep_last,
 ...}, functions{build_fn, step_fn} (module, qualname, file, file_rel, sha256, source_file),
-parameters[{name, shape, dtype, requires_grad}], param_groups, data_info, env (the execution
+parameters[{name, shape, dtype, requires_grad, group}], param_groups, optimizers[{key, class,
+groups}] (`OptimizerGroups` reads the two), data_info, env (the execution
 settings at the start), environment (where it was recorded: CPU, ATen's CPU capability, torch build,
 GPU, deterministic flags; run/environment.py), sessions[{session, start_step, started, pid, host, restored_from}],
 rollback (null, or the step a rollback rewound the run to).
@@ -121,6 +122,7 @@ def _check_types(manifest: dict, path: Path) -> None:
             raise bad(f"session {sess['session']}'s start_step is not an integer")
         if sess.get("closed") is not None and not is_number(sess["closed"]):
             raise bad("a session's 'closed' time is not a number")
+    _check_optimizers(manifest, bad)
     if "world_size" in manifest and not (is_int(manifest["world_size"]) and manifest["world_size"] >= 1):
         raise bad("'world_size' is not a positive integer")
     created = manifest.get("created")
@@ -145,6 +147,59 @@ def _check_types(manifest: dict, path: Path) -> None:
                 raise bad(f"data_info.{key} is not an integer")
         if info.get("vocab_size") is not None and info["vocab_size"] < 1:
             raise bad("data_info.vocab_size is not positive")
+
+
+def _check_optimizers(manifest: dict, bad) -> None:
+    """`optimizers` and each parameter's `group` (runs recorded before them have neither)."""
+    optimizers = manifest.get("optimizers", [])
+    if not isinstance(optimizers, list):
+        raise bad("'optimizers' is not a list")
+    for o in optimizers:
+        if not isinstance(o, dict) or not (o.get("key") is None or isinstance(o["key"], str) or is_int(o["key"])):
+            raise bad("an optimizer whose key is not a string, an integer or null")
+        if not (isinstance(o.get("groups"), list) and all(is_int(g) and g >= 0 for g in o["groups"])):
+            raise bad(f"optimizer {o['key']!r} has malformed groups")
+    for p in manifest.get("parameters", []):
+        if p.get("group") is not None and not (is_int(p["group"]) and p["group"] >= 0):
+            raise bad(f"parameter {p['name']!r} has a malformed group")
+
+
+@dataclass(frozen=True)
+class OptimizerGroups:
+    """Which optimizer each parameter group belongs to, and which group each parameter is in,
+    as the manifest says (runs recorded before it said so: one optimizer, groups unknown).
+    A group `g` is an index into every step's `lr` list: the optimizers' groups in order."""
+
+    keys: list  # each optimizer's key: its index in a list, its key in a dict; [None]: one alone
+    classes: list[str]
+    groups: list[list[int]]  # each optimizer's groups
+    of_parameter: dict[str, int]  # parameter name -> its group
+
+    @classmethod
+    def of(cls, manifest: dict) -> OptimizerGroups:
+        found = manifest.get("optimizers") or [{"key": None, "class": "", "groups": []}]
+        of_parameter = {p["name"]: p["group"] for p in manifest.get("parameters", []) if p.get("group") is not None}
+        return cls(
+            [o.get("key") for o in found],
+            [str(o.get("class", "")) for o in found],
+            [o["groups"] for o in found],
+            of_parameter,
+        )
+
+    @property
+    def several(self) -> bool:
+        """The optimizers were given as a list or a dict (of any length)."""
+        return self.keys != [None]
+
+    def where(self, group: int | None) -> tuple:
+        """(the optimizer's key, the group's index in that optimizer) of group `group`: the
+        key None for one optimizer alone; (None, None) when not known."""
+        if group is None:
+            return None, None
+        for key, groups in zip(self.keys, self.groups):
+            if group in groups:
+                return key, groups.index(group)
+        return (None, group) if not self.several else (None, None)
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:

@@ -2,7 +2,8 @@
 
     export_checkpoint(run.checkpoint(120), "best/")
     # best/model.safetensors   every state-dict name (tied ones as copies): load_state_dict works strictly
-    # best/optimizer.pt        optimizer.state_dict()  (torch.load(..., weights_only=True))
+    # best/optimizer.pt        optimizer.state_dict()  (torch.load(..., weights_only=True));
+    #                          several optimizers: {key: its state_dict()}, keyed as the Recorder got them
     # best/scheduler.pt        scheduler.state_dict(), if the run had one (likewise scaler.pt)
     # best/export.json         where it came from, each file's sha256, and how to load it
 
@@ -31,6 +32,13 @@ from ckptlab.run.layout import MODEL_FILE
 LOAD_HINT = (
     "model.load_state_dict(safetensors.torch.load_file('model.safetensors')); "
     "optimizer.load_state_dict(torch.load('optimizer.pt', weights_only=True))"
+)
+# Several optimizers (a list or a dict given to the Recorder): optimizer.pt and scheduler.pt hold
+# one state dict per optimizer, keyed by its key (docs/run-format.md, "Several optimizers").
+SEVERAL_LOAD_HINT = (
+    "model.load_state_dict(safetensors.torch.load_file('model.safetensors')); "
+    "states = torch.load('optimizer.pt', weights_only=True); "
+    "for key, opt in optimizers.items(): opt.load_state_dict(states[key])  (a list: enumerate(optimizers))"
 )
 # A sharded (FSDP) run's optimizer state is keyed by parameter name: DCP's state-dict API
 # loads it into a sharded or a plain model alike.
@@ -82,7 +90,7 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
             "created": time.time(),
             "tied": aliases,
             "files": files,
-            "load": SHARDED_LOAD_HINT if ckpt.sharded else LOAD_HINT,
+            "load": SHARDED_LOAD_HINT if ckpt.sharded else SEVERAL_LOAD_HINT if _several(state) else LOAD_HINT,
         }
         write_json_atomic(tmp / "export.json", info)
         fsync_path(tmp)
@@ -93,3 +101,9 @@ def export_checkpoint(ckpt: Checkpoint, dest: str | os.PathLike, *, run: str | N
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return info
+
+
+def _several(state: dict) -> bool:
+    """The checkpoint holds several optimizers' states (keyed by theirs), not one state dict."""
+    optimizer = state.get("optimizer")
+    return isinstance(optimizer, dict) and not {"state", "param_groups"} <= set(optimizer)

@@ -32,7 +32,8 @@ NO_GRAD = -1.0
 # Events that are no anomaly of a step: what the Recorder warns of about its own record
 # (analysis/anomalies.py says what each means). Readers skip them where they look for faults.
 IDLE_OPTIMIZER = "idle_optimizer"
-RECORD_WARNINGS = (IDLE_OPTIMIZER,)
+OUTSIDE_OPTIMIZER = "outside_optimizer"
+RECORD_WARNINGS = (IDLE_OPTIMIZER, OUTSIDE_OPTIMIZER)
 
 
 def pack(meta: dict, tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:

@@ -8,7 +8,8 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
 / --mlflow / --wandb`) name points here, so a curve has one name wherever it is shown:
 
     train/loss, train/grad_norm (before clipping), train/lr (train/lr/group{i} with several
-    parameter groups), train/step_time, train/nonfinite_grads, train/update_ratio
+    parameter groups: i counts every optimizer's groups, in the manifest's `optimizers`
+    order), train/step_time, train/nonfinite_grads, train/update_ratio
     grad_norm/<param>, update_ratio/<param>, weight_norm/<param>     per parameter
     val/<metric>                                                       validation
     anomaly/<kind>                                                     an anomaly's value
@@ -93,9 +94,10 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
         "train/step_time": _f(scalars.get("step_time")),
         "train/nonfinite_grads": _f(scalars.get("nonfinite_grads", 0)),
     }
-    lr = [x for x in scalars.get("lr", []) if x is not None and not math.isnan(x)]
-    for g, value in enumerate(lr):
-        out["train/lr" if len(lr) == 1 else f"train/lr/group{g}"] = float(value)
+    lrs = scalars.get("lr", [])
+    for g, value in enumerate(lrs):  # (a group's number is its place among all: one unknown renumbers none)
+        if value is not None and not math.isnan(value):
+            out["train/lr" if len(lrs) == 1 else f"train/lr/group{g}"] = float(value)
     if scalars.get("update_ratio_global") is not None:
         out["train/update_ratio"] = float(scalars["update_ratio_global"])
     if per_param is None:

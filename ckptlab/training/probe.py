@@ -49,7 +49,12 @@ Where each number is computed, and why there:
   moved would cost a pass over them every step).
 - on the first `watch` steps of a probe (the Recorder's first steps of a session), the norms of
   the weights at `begin` and at `end`, when a torch optimizer's step never ran: weights that
-  moved without it say the optimizer given is not the one that trains (`PendingHealth.watched`).
+  moved without it say the optimizer given is not the one that trains (`PendingHealth.watched`);
+  and whatever ran, those of the parameters that no optimizer given holds: one that had a
+  gradient and moved says another optimizer trains it (`PendingHealth.moved_outside`).
+- several optimizers (an OptimizerSet: training/optimizer_set.py): each one's parameters'
+  gradient norms as its own step found them, its groups' learning rates at its step, the
+  weights before the update at the first of their steps (training/member_steps.py).
 - a GradScaler's scale at `begin` and at `end`, as device tensors: hook gradients are
   scaled; norms are divided by it when read. A step the scaler skipped (non-finite
   gradients: the optimizer did not step, or a fused optimizer that the scaler hands its
@@ -78,8 +83,10 @@ from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
-from ckptlab.training.health import CommonHealth, StepHealth, read_common, read_health
+from ckptlab.training.member_steps import MemberSteps, outside_optimizer, pinned_norms
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
+from ckptlab.training.optimizer_set import OptimizerSet
+from ckptlab.training.pending import PendingHealth
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample, update_scales
 from ckptlab.training.world import World, is_sharded, local
 from ckptlab.training.wrappers import unwrap
@@ -153,68 +160,6 @@ def detached(grads: list[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
     return [local(g) for g in grads] if sharded else grads
 
 
-class PendingHealth:
-    """One step's measurements, on their way to the host. `result()` waits for the copy (on
-    CUDA: an event recorded after it, normally long done a step later) and turns the numbers
-    into a StepHealth."""
-
-    def __init__(
-        self, probe: StepProbe, values: torch.Tensor | tuple[float, torch.Tensor], event, parts: dict, meta: dict
-    ):
-        self._probe, self._event, self._parts, self._meta = probe, event, parts, meta
-        # The numbers: one vector, or on the usual CPU step (StepProbe.end) the loss as a float
-        # and the gradient norms' vector, kept apart until read. None once read.
-        self._values: torch.Tensor | tuple[float, torch.Tensor] | None = values
-        self._health: StepHealth | None = None
-        self._common: CommonHealth | None = None  # read by common()
-        # A watched step (StepProbe.watch): "stepped" (the optimizer did), else once read
-        # "moved" (the weights moved all the same) or "still"; None on the other steps.
-        self.watched: str | None = meta.pop("watched", None)
-
-    def common(self) -> CommonHealth | None:
-        """The usual step's health in plain Python numbers (training/health.py `read_common`:
-        cheap right after a step), or None for any other step (read it with `result()`).
-        One rank, on the CPU."""
-        if self._health is not None or self._event is not None or self._probe.world.distributed:
-            return None
-        values = self._values
-        assert values is not None, "let go only once read into _health"
-        numbers = [values[0], *values[1].tolist()] if isinstance(values, tuple) else values.tolist()
-        common = read_common(numbers, self._parts, self._meta, len(self._probe.params))
-        if common is not None:
-            self._common, self._values = common, None
-        return common
-
-    def result(self, *, grads_live: bool = False) -> StepHealth:
-        """`grads_live`: the step's gradients are still on the parameters (read right after
-        the step), so a GPU run can count the non-finite elements of a non-finite norm."""
-        if self._health is None and self._common is not None:
-            self._health = self._common.health()
-        if self._health is None:
-            assert self._values is not None, "let go only once read into _health"
-            if self._event is not None and not self._event.query():
-                self._event.synchronize()  # the device is behind by more than a step: wait
-            probe = self._probe
-            if isinstance(self._values, tuple):  # (the loss and the norms, as to_host joins them)
-                loss, norms = self._values
-                self._values = torch.cat([torch.tensor([loss], dtype=torch.float32), norms])
-            values = self._values.numpy()
-            if "w0" in self._parts:
-                moved = (values[self._parts["w0"]] != values[self._parts["w1"]]).any()
-                self.watched = "moved" if moved else "still"
-            self._health = read_health(
-                values,
-                self._parts,
-                self._meta,
-                params=probe.params,
-                world=probe.world,
-                optimizer=probe.optimizer,
-                grads_live=grads_live,
-            )
-            self._values = self._event = None
-        return self._health
-
-
 # The live probe on each optimizer: a step function that accumulates gradients reaches it here.
 _PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -259,6 +204,11 @@ class StepProbe:
         self.update_mode = update_ratio
         self.hand = is_hand_update(optimizer)  # a hand-written update (module docstring)
         self.watch = 0  # steps left whose weights are compared at begin and end (module docstring)
+        # Several optimizers: each one's part of a step (training/member_steps.py); and the
+        # parameters none holds, watched on the watched steps.
+        self._members = MemberSteps(optimizer, self.params) if isinstance(optimizer, OptimizerSet) else None
+        self._outside = () if self.hand else tuple(outside_optimizer(optimizer, self.params))
+        self._pinned: dict[int, tuple] = {}  # several optimizers: see _reset
         self._active = False
         self._queued = False
         self._plans: list | None = None
@@ -307,6 +257,8 @@ class StepProbe:
         self._empty: torch.Tensor | None = None  # second moments empty before the update (first_update.py)
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
+        if self._members is not None:  # several optimizers: (norm, non-finite count) as each one stepped
+            self._pinned = {}
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
         # The gradients the last noted backward left: (tensors, versions, whether every
@@ -402,6 +354,8 @@ class StepProbe:
             self._measure_point()
         if self.hand:  # (a HandUpdate's step does nothing: its lr and weights were taken at begin)
             return
+        if self._members is not None:  # one of several optimizers: its own part (member_steps.py)
+            return self._members.pre_step(self, optimizer)
         self._lr = group_lrs(optimizer)
         if self._measure_update:
             self._take_before()
@@ -461,7 +415,7 @@ class StepProbe:
         self._active = False
         grad_points.leave(self)
         step_time = time.perf_counter() - self._t0  # host time: the device may still be working
-        idx, grad_norms = self._gradient_norms()
+        idx, grad_norms = _gradient_norms(self)
         if plain and _usual(self):  # the loss and the gradient norms only: no vector made here
             usual = {"loss": slice(0, 1), "grad": slice(1, 1 + len(idx))}
             plain_meta = _step_meta(self, idx, self._stepped, step_time)
@@ -510,23 +464,27 @@ class StepProbe:
         values, event = to_host(pieces)
         return PendingHealth(self, values, event, parts, meta | _step_meta(self, idx, stepped, step_time))
 
-    def _gradient_norms(self) -> tuple[list[int], torch.Tensor]:
-        """The parameters with a gradient (ascending) and its norm, as one vector: those the
-        last backward measured, and any gradient that arrived without a backward (e.g.
-        assigned by hand), read as it is now."""
-        idx, norms = self._grad_idx, self._grad_norms
-        measured = set(idx)
-        late = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None and i not in measured]
-        if not late:
-            return idx, norms if norms is not None else torch.zeros(0)
-        by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
-        by_index.update(zip([i for i, _ in late], batched_norms(detached([g for _, g in late], self._sharded))))
-        idx = sorted(by_index)
-        return idx, self._stack([by_index[i] for i in idx])
-
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
         return torch.stack(scalars if self._one_device else on_one_device(scalars))
+
+
+def _gradient_norms(probe: StepProbe) -> tuple[list[int], torch.Tensor]:
+    """The parameters with a gradient (ascending) and its norm, as one vector: those the last
+    backward measured (with several optimizers, each one's parameters as its step found them:
+    training/member_steps.py), and any gradient that arrived without a backward (e.g. assigned
+    by hand), read as it is now."""
+    idx, norms = probe._grad_idx, probe._grad_norms
+    if probe._pinned:
+        idx, norms = pinned_norms(probe, idx, norms)
+    measured = set(idx)
+    late = [(i, p.grad) for i, p in enumerate(probe.params) if p.grad is not None and i not in measured]
+    if not late:
+        return idx, norms if norms is not None else torch.zeros(0)
+    by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
+    by_index.update(zip([i for i, _ in late], batched_norms(detached([g for _, g in late], probe._sharded))))
+    idx = sorted(by_index)
+    return idx, probe._stack([by_index[i] for i in idx])
 
 
 def _update_norms(probe: StepProbe, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -565,6 +523,12 @@ def _watched(probe: StepProbe, add, meta: dict) -> None:
         assert probe._begin_norms is not None, "taken at begin on a watched step"
         add("w0", probe._begin_norms)
         add("w1", probe._weight_norms())
+    if probe._outside:  # parameters in no optimizer given: did they move? (PendingHealth.moved_outside)
+        assert probe._begin_norms is not None, "taken at begin on a watched step"
+        meta["outside"] = probe._outside
+        add("o0", [probe._begin_norms[i] for i in probe._outside])
+        with torch.no_grad():
+            add("o1", batched_norms([local(probe.params[i].detach()) for i in probe._outside]))
 
 
 def _usual(probe: StepProbe) -> bool:
@@ -576,7 +540,7 @@ def _usual(probe: StepProbe) -> bool:
         and probe._empty is None
         and probe._before_norms is None
         and not probe.hand
-        and (probe.watch <= 0 or probe._stepped)
+        and (probe.watch <= 0 or (probe._stepped and not probe._outside))
     )
 
 

@@ -21,6 +21,12 @@ quiet, also when the step raised; the LR scheduler steps, unless `step_scheduler
 (the framework steps it). Read at once or a step later, the numbers are the same: replay
 reads at once and compares with what the Recorder read later. RNG states are the caller's
 business: the Recorder captures them before the step, replay restores them before the step.
+
+Optimizers given as a list or a dict (training/optimizer_set.py) stay so for `step_fn`; the
+probe, the checkpoints and replay hold them as one OptimizerSet (and their schedulers as one
+SchedulerSet). With `guard_scheduler` (the Recorder's) a scheduler that something else stepped
+too between two of the runner's own steps (a loop that steps it once an epoch) is caught:
+`scheduler_moved()` says so, and the runner no longer steps it over the loop's step.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import torch
 
 from ckptlab.errors import RecordError
 from ckptlab.training.health import StepHealth
-from ckptlab.training.probe import PendingHealth, StepProbe
+from ckptlab.training.optimizer_set import OptimizerSet, combined, key_text, schedulers_of
+from ckptlab.training.pending import PendingHealth
+from ckptlab.training.probe import StepProbe
 from ckptlab.training.world import World
 from ckptlab.training.wrappers import torch_optimizer
 
@@ -43,23 +51,34 @@ from ckptlab.training.wrappers import torch_optimizer
 @dataclass
 class StepRunner:
     """The live training objects (what `build_fn` returns) and the probe on them. The optimizer
-    may be given as a framework's wrapper (accelerate's, Lightning's): `step_fn` receives it as
-    given (`step_optimizer`), while `optimizer` is the torch optimizer inside it, the one whose
-    hooks, state and parameter groups the probe and replay use (training/wrappers.py)."""
+    may be given as a framework's wrapper (accelerate's, Lightning's), or several as a list or
+    a dict: `step_fn` receives it as given (`step_optimizer`), while `optimizer` is the torch
+    optimizer inside it (training/wrappers.py), or the OptimizerSet of several, the one whose
+    hooks, state and parameter groups the probe and replay use."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # given: the user's; then a torch.optim.Optimizer, or an OptimizerSet of several
     scheduler: Any = None
     scaler: Any = None
     step_scheduler: bool = True  # call scheduler.step() after each step
     world: World | None = None
     update_ratio: str = "sampled"  # how the probe measures ||dw|| (training/probe.py)
+    guard_scheduler: bool = False  # catch a scheduler stepped outside the runner (the Recorder's)
     probe: StepProbe = field(init=False)
     step_optimizer: Any = field(init=False)  # the optimizer as given: what step_fn receives
     _extra: tuple = field(init=False, default=(None, None, {}))  # (step_fn, scaler, scaler_argument): once
+    # The schedulers' step counts after the runner's last own step (guard_scheduler), and what
+    # stepped one outside it, once caught (`scheduler_moved`).
+    _counts: tuple | None = field(init=False, default=None)
+    _moved: str | None = field(init=False, default=None)
+    _schedulers: list = field(init=False, default_factory=list)  # (key, torch scheduler) of each
 
     def __post_init__(self) -> None:
-        self.step_optimizer, self.optimizer = self.optimizer, torch_optimizer(self.optimizer)
+        given = self.optimizer
+        optimizer, self.scheduler = combined(given, self.scheduler)
+        self.step_optimizer = optimizer.given if isinstance(optimizer, OptimizerSet) else given
+        self.optimizer = torch_optimizer(optimizer)
+        self._schedulers = schedulers_of(self.scheduler)
         self.probe = StepProbe(self.model, self.optimizer, self.scaler, self.world, update_ratio=self.update_ratio)
 
     def begin(self, *, measure_update: bool) -> None:
@@ -88,8 +107,34 @@ class StepRunner:
             self.probe.abort()
 
     def _step_scheduler(self) -> None:
-        if self.scheduler is not None and self.step_scheduler:
+        if self.scheduler is None or not self.step_scheduler:
+            return
+        if self.guard_scheduler:
+            if self.scheduler_moved() is not None:
+                return  # the loop steps it: stepping it again would change its training
             self.scheduler.step()
+            self._counts = _step_counts(self._schedulers)
+            return
+        self.scheduler.step()
+
+    def scheduler_moved(self) -> str | None:
+        """With `guard_scheduler`: what says that a scheduler the runner steps after every step
+        was also stepped by something else since the runner's last step of it (its
+        `last_epoch` moved: e.g. a loop that steps it once an epoch, or step_fn), else None.
+        From then on the runner leaves it to that other stepping."""
+        if self._moved is None and self._counts is not None:
+            now = _step_counts(self._schedulers)
+            if now != self._counts:
+                key, sched, before, after = next(
+                    (k, s, b, a) for (k, s), b, a in zip(self._schedulers, self._counts, now) if a != b
+                )
+                which = f" of optimizer {key_text(key)}" if key is not None else ""
+                self._moved = (
+                    f"the LR scheduler{which} ({type(sched).__name__}) was stepped outside ckptlab (its last_epoch "
+                    f"went from {before} to {after} since ckptlab stepped it), while the Recorder steps it after "
+                    "every step too (step_scheduler=True): its learning rate would move faster than the loop means"
+                )
+        return self._moved
 
     def abort(self) -> None:
         """The step begun by `begin` failed: stop measuring."""
@@ -115,6 +160,12 @@ class StepRunner:
 
     def close(self) -> None:
         self.probe.close()
+
+
+def _step_counts(schedulers: list) -> tuple:
+    """Each scheduler's `last_epoch` (how often it was stepped): `schedulers` as schedulers_of
+    gives them."""
+    return tuple(getattr(s, "last_epoch", None) for _, s in schedulers)
 
 
 def scaler_argument(step_fn: Callable, scaler) -> dict:

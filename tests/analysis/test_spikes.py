@@ -67,7 +67,7 @@ def test_a_negative_loss_rises_by_its_magnitude():
 
 
 def _health(loss=1.0, grad=1.0, *, norms=(1.0, 1.0), nonfinite=0, skipped=False, weights=None, ratio=None):
-    from ckptlab.training.probe import StepHealth
+    from ckptlab.training.health import StepHealth
 
     return StepHealth(
         loss=loss,

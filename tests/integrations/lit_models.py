@@ -129,3 +129,54 @@ def fp16_plugin():
     from lightning.pytorch.plugins import MixedPrecision
 
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE))
+
+
+# --- manual optimization: a GAN, D then G, each with its own optimizer --------------------------------
+
+
+class LitGAN(pl.LightningModule):
+    """pytorch/examples' DCGAN step, written for Lightning's manual optimization; G's learning
+    rate jumps GAN_JUMP-fold at step GAN_FAULT (its scheduler, stepped by training_step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Dropout(0.1), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        opt_d, opt_g = self.optimizers()
+        real = batch["x"]
+        noise = torch.randn(len(real), 4)  # the RNG: replay must restore it bit for bit
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        fake = self.G(noise)
+        self.toggle_optimizer(opt_d)
+        loss_d = F.binary_cross_entropy_with_logits(self.D(real), ones)
+        loss_d = loss_d + F.binary_cross_entropy_with_logits(self.D(fake.detach()), zeros)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        loss_g = F.binary_cross_entropy_with_logits(self.D(fake), ones)
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.lr_schedulers().step()
+        self.log("loss_g", loss_g)
+        return loss_d.detach() + loss_g.detach()
+
+    def configure_optimizers(self):
+        opt_d = torch.optim.Adam(self.D.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        opt_g = torch.optim.Adam(self.G.parameters(), lr=2e-3, betas=(0.5, 0.999))
+        sched_g = torch.optim.lr_scheduler.LambdaLR(opt_g, lambda s: GAN_JUMP if s == GAN_FAULT else 1.0)
+        return [opt_d, opt_g], [sched_g]
+
+
+GAN_FAULT, GAN_JUMP = 9, 1e4
+
+
+def build_gan():
+    torch.manual_seed(0)
+    return ckl.build(LitGAN())

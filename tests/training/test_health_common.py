@@ -15,7 +15,7 @@ import ckptlab
 from ckptlab.run import records
 from ckptlab.training import health as health_mod
 from ckptlab.training.health import read_common, read_health
-from ckptlab.training.probe import PendingHealth
+from ckptlab.training.pending import PendingHealth
 from ckptlab.training.world import World
 from tests.models import build_mlp, mlp_batches, step_mlp
 

@@ -35,6 +35,11 @@ class RunData:
         return {p["name"]: tuple(p.get("shape", ())) for p in self.run.manifest.get("parameters", [])}
 
     @cached_property
+    def groups(self) -> dict[str, int]:
+        """Each parameter's group (its column of `m.lr`), where the run says (manifest)."""
+        return {p["name"]: p["group"] for p in self.run.manifest.get("parameters", []) if p.get("group") is not None}
+
+    @cached_property
     def trainable(self) -> dict[str, bool]:
         return {p["name"]: p.get("requires_grad", True) for p in self.run.manifest.get("parameters", [])}
 

@@ -193,23 +193,36 @@ def requires_grad_false(d: RunData, rules: HealthRules) -> list[Finding]:
 # --- the update-ratio band --------------------------------------------------------------------------
 
 
+def _main_phase(m, measured: np.ndarray, group: int | None) -> np.ndarray:
+    """The measured rows of the main LR phase of parameter group `group` (its learning rate
+    >= half its peak), or with `group` None (not known) of the largest rate of every group."""
+    if group is not None and group < m.lr.shape[1]:
+        lr = m.lr[:, group]
+    else:
+        lr = np.fmax.reduce(m.lr, axis=1) if m.lr.size else np.ones(len(m))  # (NaN where none is known)
+    peak = np.nanmax(lr) if np.isfinite(lr).any() else 1.0
+    main = measured[np.nan_to_num(lr[measured], nan=peak) >= 0.5 * peak]
+    return main if len(main) >= 2 else measured
+
+
 def _main_phase_ratios(d: RunData, rules: HealthRules) -> tuple[np.ndarray, dict, dict]:
     """(rows of the main LR phase, {name: median ratio} above the band, ... below it), over the
     weight matrices that are not frozen. The main phase: steps with the LR >= half its peak
-    (warm-up and final decay legitimately move the ratio out of the band)."""
+    (warm-up and final decay legitimately move the ratio out of the band), each parameter's
+    by its own group's learning rate (groups, and several optimizers, warm up and decay on
+    their own schedules), where the run says which group holds it."""
     m, (measured, ur) = d.m, d.update_ratios
-    lr = np.fmax.reduce(m.lr, axis=1) if m.lr.size else np.ones(len(m))  # (NaN where none is known)
-    peak = np.nanmax(lr) if np.isfinite(lr).any() else 1.0
-    main = measured[np.nan_to_num(lr[measured], nan=peak) >= 0.5 * peak]
-    if len(main) < 2:
-        main = measured
-    rows = np.isin(measured, main)
+    main = _main_phase(m, measured, None)
     lo, hi = rules.update_ratio_band
     frozen_cols, low, high = _frozen(d), {}, {}
+    phases: dict[int | None, np.ndarray] = {}  # group -> its main phase's rows among `measured`
     for j, name in enumerate(m.param_names):
         if j in frozen_cols or len(d.shapes.get(name, ())) < 2:
             continue
-        col = ur[rows, j]
+        group = d.groups.get(name)
+        if group not in phases:
+            phases[group] = np.isin(measured, _main_phase(m, measured, group))
+        col = ur[phases[group], j]
         col = col[np.isfinite(col)]
         med = float(np.median(col)) if len(col) else math.nan
         if med > hi:
