@@ -34,6 +34,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -57,12 +58,23 @@ NOT_CLAIMED = object()
 # --- re-running the recorded training (the baselines' view) ---------------------------------------
 
 
+class Raised(list):
+    """A re-run whose step raised before anything was flagged: the step, and what a person
+    reads off the traceback (the module of the forward call in it, the exception)."""
+
+    def __init__(self, step: int, module: str | None, error: BaseException):
+        super().__init__([step])
+        self.step, self.module, self.error = step, module, error
+
+
 def rerun(run, last: int, around_step):
     """Re-run the recorded training from the run's oldest retained checkpoint (step 0 unless
-    retention pruned it) to `last`: the recorded build_fn, step_fn, scheduler and batches, the
-    state restored by ckptlab's Replayer (the same restoration replay gets). Each step runs
-    inside `around_step(model, step)`, a context manager that returns a list: the first step
-    that leaves something in it ends the re-run, and that list is returned."""
+    retention pruned it) to `last`: the recorded build_fn, step_fn, scheduler and batches, and
+    the learning rate each step ran with (as the recorded loop set it, a schedule by hand
+    included), the state restored by ckptlab's Replayer (the same restoration replay gets).
+    Each step runs inside `around_step(model, step)`, a context manager that returns a list:
+    the first step that leaves something in it ends the re-run, and that list is returned; a
+    step that raises first ends it with a `Raised`."""
     replayer = Replayer(run)
     t = replayer.build()
     start = min(run.checkpoints)
@@ -70,8 +82,16 @@ def rerun(run, last: int, around_step):
     try:
         for s in range(start, last + 1):
             batch = replayer.batch(s).batch
-            with around_step(t.model, s) as flagged:
-                replayer.step_fn(t.model, t.step_optimizer, batch)
+            replayer.follow_lr(t.optimizer, s)
+            flagged: list = []
+            try:
+                with around_step(t.model, s) as flagged:
+                    replayer.step_fn(t.model, t.step_optimizer, batch)
+            except Exception as e:  # noqa: BLE001 - the user's step raised: what a person sees
+                if flagged:
+                    return flagged
+                frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(e.__traceback__)]
+                return Raised(s, module_from_traceback(t.model, frames), e)
             if flagged:
                 return flagged
             if t.scheduler is not None:
@@ -79,6 +99,15 @@ def rerun(run, last: int, around_step):
         return None
     finally:
         replayer.close(t)
+
+
+def _raised_claims(r: Raised) -> dict:
+    return {
+        "root_step": r.step,
+        "module": r.module,
+        "reproduced": True,
+        "detail": f"step {r.step} raised {type(r.error).__name__}: {' '.join(str(r.error).split())[:80]}",
+    }
 
 
 class _Flag(list):
@@ -159,7 +188,9 @@ def detect_anomaly_claims(run, symptom: int) -> dict:
                 return True
             return False
 
-    rerun(run, symptom, Watch)
+    raised = rerun(run, symptom, Watch)
+    if isinstance(raised, Raised):
+        return _raised_claims(raised)
     if not found:
         return {"root_step": None, "reproduced": False, "detail": "never raised"}
     return {"root_step": found["step"], "module": found["module"], "reproduced": True, "detail": found["detail"]}
@@ -202,6 +233,8 @@ def nan_hooks_claims(run, symptom: int) -> dict:
             return False
 
     flagged = rerun(run, symptom, Hooks)
+    if isinstance(flagged, Raised):
+        return _raised_claims(flagged)
     if not flagged:
         return {"root_step": None, "reproduced": False, "detail": "nothing non-finite"}
     step, phase, name = flagged[0]

@@ -1,5 +1,6 @@
 """The fault zoo: every planted-fault scenario (tests/fault_models.py, tests/zoo_models.py,
-tests/first_update_models.py and tests/optimizer_models.py) with its ground truth, for tests/test_fault_zoo.py and
+tests/first_update_models.py, tests/optimizer_models.py and tests/seams_models.py) with its
+ground truth, for tests/test_fault_zoo.py and
 scripts/bench_accuracy.py.
 
 Ground truth per scenario: the root step (the first step that went wrong; for a transient, the
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from tests import fault_models as fm
 from tests import first_update_models as fu
 from tests import optimizer_models as om
+from tests import seams_models as sm
 from tests import zoo_models as zm
 
 
@@ -88,6 +90,19 @@ SCENARIOS: list[Scenario] = [
     # multiplies its learning rate by 1e4 at step 21 (replay names optimizer `g`, group 0:
     # asserted by test_multi_optimizer.py)
     _s("gan_lr_jump", om, 22, 21, "optimizer", None),
+    # tests/seams_models.py, the shapes at the seams with the user's code (asserted by
+    # test_seams.py): a word-level LSTM LM whose targets are the (bptt, B) chunk flattened, a
+    # NaN in one column of the hidden state carried in the batch (a data fault: no module);
+    _s("word_lm", sm, 23, 23, "data", None, samples=["chunk23/col2"]),
+    # a VAE whose corrupt condition feature makes exp(0.5 * logvar) overflow in reparameterize
+    # (a method of the root model: module ""), and binary cross-entropy then raises on the NaN;
+    _s("vae_overflow", sm, 17, 17, "data", "", samples=["img17-4"]),
+    # Adam's learning rate x1e13 at step 14 (set by the loop); step 15 raises on its Inf loss;
+    _s("vae_lr_explosion", sm, 15, 14, "optimizer", None),
+    # a NaN sample through BatchNorm (its running statistics go NaN: lasting damage);
+    _s("batchnorm_nan", sm, 12, 12, "data", None, samples=[12001]),
+    # clip_grad_norm_(..., error_if_nonfinite=True) raises on an Inf feature's gradients.
+    _s("clip_error_if_nonfinite", sm, 9, 9, "data", None, samples=[902]),
 ]
 
 BY_NAME = {s.name: s for s in SCENARIOS}

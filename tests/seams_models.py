@@ -185,7 +185,7 @@ def step_bn(model, optimizer, batch):
     return loss
 
 
-def record_bn_nan(run_dir) -> Expected:
+def record_batchnorm_nan(run_dir) -> Expected:
     def batches():
         g = torch.Generator().manual_seed(3)
         for s in range(16):
@@ -227,7 +227,7 @@ def step_clipped(model, optimizer, batch):
     return loss
 
 
-def record_clip_error(run_dir) -> Expected:
+def record_clip_error_if_nonfinite(run_dir) -> Expected:
     """An Inf feature in row 2 of step 9: the gradients go non-finite and clipping raises on
     their norm before the optimizer steps."""
 
@@ -272,7 +272,7 @@ def record(run_dir, build, step_fn, batches, *, lr_at: dict[int, float] | None =
     return n
 
 
-def record_lm(run_dir, *, checksum: bool = False) -> Expected:
+def record_word_lm(run_dir, *, checksum: bool = False) -> Expected:
     step = step_lm_whole_batches_only if checksum else step_lm
     last = record(run_dir, build_lm, step, lm_chunks(30, bad_step=23, bad_col=2, checksum=checksum))
     return Expected(23, last, ["chunk23/col2"])

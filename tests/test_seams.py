@@ -24,11 +24,11 @@ from tests import seams_models as sm
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("seams")
     return {
-        "lm": (root / "lm", sm.record_lm(root / "lm")),
-        "strict": (root / "strict", sm.record_lm(root / "strict", checksum=True)),
+        "lm": (root / "lm", sm.record_word_lm(root / "lm")),
+        "strict": (root / "strict", sm.record_word_lm(root / "strict", checksum=True)),
         "vae": (root / "vae", sm.record_vae_overflow(root / "vae")),
         "vae_lr": (root / "vae_lr", sm.record_vae_lr_explosion(root / "vae_lr")),
-        "bn": (root / "bn", sm.record_bn_nan(root / "bn")),
+        "bn": (root / "bn", sm.record_batchnorm_nan(root / "bn")),
     }
 
 
@@ -138,7 +138,7 @@ def test_a_buffer_left_nonfinite_is_lasting_damage_the_verdict_names(runs, cli):
 
 def test_clipping_with_error_if_nonfinite_is_the_users_step_raising(tmp_path, cli, caplog):
     with caplog.at_level(logging.WARNING, logger="ckptlab"):
-        exp = sm.record_clip_error(tmp_path / "run")
+        exp = sm.record_clip_error_if_nonfinite(tmp_path / "run")
     assert exp.symptom == exp.step
     (event,) = open_run(tmp_path / "run").events()
     assert event["step"] == exp.step and event["kind"] == "exception" and "total norm of order 2.0" in event["error"]
