@@ -242,6 +242,56 @@ def record_clip_error_if_nonfinite(run_dir) -> Expected:
     return Expected(9, record(run_dir, build_clipped, step_clipped, batches()), [902])
 
 
+# --- a spike that recovers, then an unrelated step that raises ------------------------------------
+
+
+class TokenRegressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, ids, x):
+        return self.fc(torch.cat([self.emb(ids).mean(1), x], dim=1))
+
+
+def build_tokens():
+    torch.manual_seed(0)
+    model = TokenRegressor()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def step_tokens(model, optimizer, batch):
+    ids, x, y = batch
+    loss = F.mse_loss(model(ids, x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the spike's update stays bounded
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def record_spike_then_crash(run_dir) -> Expected:
+    """Step 18: an absurd target (a loss and gradient spike, clipped: nothing lasting); step 20:
+    row 2 holds a token id outside the 20-entry vocabulary, and the embedding raises (row 0's
+    NaN feature is never read: the step raises first). The crash is its own root: the spike two
+    steps before it is over."""
+
+    def batches():
+        g = torch.Generator().manual_seed(9)
+        for s in range(24):
+            ids, x = torch.randint(0, 20, (4, 5), generator=g), torch.randn(4, 8, generator=g)
+            y = x[:, :1] * 0.5
+            if s == 18:
+                y[1] = 1e4
+            if s == 20:
+                ids[2, 3] = 25
+                x[0, 0] = float("nan")  # never reached: the embedding raises before x is read
+            yield (ids, x, y), [100 * s + r for r in range(4)]
+
+    return Expected(20, record(run_dir, build_tokens, step_tokens, batches()), [2002])
+
+
 # --- what the tests expect ----------------------------------------------------------------------
 
 

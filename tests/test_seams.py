@@ -123,6 +123,22 @@ def test_the_root_is_the_update_explosion_not_the_exception_after_it(runs, cli):
     assert f"Step {exp.symptom} then raised FloatingPointError: loss is inf" in doc["verdict"]
 
 
+def test_a_spike_that_recovered_is_no_root_of_a_later_unrelated_exception(tmp_path, cli):
+    """A clipped loss spike two steps before a step that raises on an out-of-range token: the
+    crash is its own root, blamed on its row, and no verdict says anything went non-finite
+    (another row's NaN feature, which the step never read before it raised, is no cause)."""
+    exp = sm.record_spike_then_crash(tmp_path / "run")
+    kinds = {(e["step"], e["kind"]) for e in open_run(tmp_path / "run").events()}
+    assert (exp.step, "exception") in kinds and any(s == 18 and "spike" in k for s, k in kinds)
+    doc = replay_json(cli, tmp_path / "run", exp.symptom)
+    assert doc["root_step"] == exp.step and doc["origin"]["kind"] == "exception"
+    assert doc["origin"]["op"] == "IndexError" and doc["origin"]["module"] == "emb"
+    assert (
+        doc["samples"][0]["sample_id"] == exp.sample_ids[0] and "raises IndexError alone" in doc["samples"][0]["reason"]
+    )
+    assert "go non-finite" not in doc["verdict"] and "alone makes the step non-finite" not in doc["verdict"]
+
+
 def test_a_buffer_left_nonfinite_is_lasting_damage_the_verdict_names(runs, cli):
     run_dir, exp = runs["bn"]
     doc = replay_json(cli, run_dir, exp.symptom)

@@ -183,14 +183,14 @@ def _select(obj, rows: list[int], n: int, flat: dict[int, tuple[str, int]]):
 
 
 def flat_layouts(batch, n: int) -> dict[int, tuple[str, int]]:
-    """The lengths a leaf of `batch` has when it is another leaf's rows flattened, each with how
-    it was laid out: `("seq", T)` for a sequence-first `(T, n)` leaf flattened (element
+    """The lengths a leaf of `batch` has when it is another, 2-D, leaf's rows flattened, each
+    with how it was laid out: `("seq", T)` for a sequence-first `(T, n)` leaf flattened (element
     `t * n + row`, as `targets.view(-1)` of a word-level language model's chunk), `("batch", T)`
     for a `(n, T)` leaf flattened (element `row * T + t`). A length that both layouts would give
     is left out: which rows its elements hold cannot be told."""
     found: dict[int, set[tuple[str, int]]] = {}
-    for _, leaf in python_leaves(batch):
-        if not isinstance(leaf, (torch.Tensor, np.ndarray)) or leaf.ndim < 2:
+    for _, leaf in python_leaves(batch):  # (2-D leaves only: an image's (n, 3, H, W) flattens no target)
+        if not isinstance(leaf, (torch.Tensor, np.ndarray)) or leaf.ndim != 2:
             continue
         first, second = int(leaf.shape[0]), int(leaf.shape[1])
         if first == n and second not in (1, n):

@@ -40,7 +40,6 @@ from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import CommonHealth, StepHealth
 from ckptlab.training.pending import PendingHealth
 from ckptlab.training.world import World
-from ckptlab.training.wrappers import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +216,7 @@ class HealthLog:
         on its way."""
         if not is_step_error(error):
             return
-        event = {"kind": "exception", **describe(error, unwrap(model))}  # the model's own module names
+        event = {"kind": "exception", **describe(error, model)}
         if self.world.distributed:
             event["rank"] = self.world.rank
         with contextlib.suppress(Exception):

@@ -96,7 +96,9 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict, do_trace: bool
     tracer = root.attempt("per-op trace", _trace_to_the_raise, root, rep) if do_trace else None
     samples: dict[int, SampleBlame] = {}
     content = data_rows(root)
-    went_nonfinite = nonfinite_origin(root, tracer, content, {}, samples)
+    # (only when a non-finite value reached an op before the raise: a NaN in a field the step
+    # never read is no cause of its exception)
+    went_nonfinite = nonfinite_origin(root, tracer, content, {}, samples) if _saw_nonfinite(tracer) else None
     if went_nonfinite is not None:
         went_nonfinite.raised = {k: crash[k] for k in ("error", "source", "call") if crash.get(k) is not None}
     rep.origin = went_nonfinite or Origin(
@@ -123,6 +125,11 @@ def explain_crash(root: RootStep, rep: ReplayReport, crash: dict, do_trace: bool
     rep.failed_experiments = root.failed
     root.close()
     root.inv.timing["blame_s"] = time.perf_counter() - t0
+
+
+def _saw_nonfinite(tracer: Tracer | None) -> bool:
+    """The traced step ran an op on (or producing) a non-finite value."""
+    return tracer is not None and any(not x.finite for e in tracer.events for x in (*e.inputs, *e.outputs))
 
 
 def _buffers_gone_bad(root: RootStep) -> list[dict]:

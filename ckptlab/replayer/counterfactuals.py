@@ -133,17 +133,13 @@ def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
         return out
     for path in dict.fromkeys([o.module, ""]):
         what = f"`{path}`" if path else "the whole model"
-        t = root.replayer.build()
-        try:
-            restore_snapshot(root.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=root.replayer.rank)
-            with in_float32(t.model, path):
-                h = root.replayer.run_step(t, root.rec)
-            found = root.fault(h)
-        except Exception as e:  # noqa: BLE001 - a model that cannot run this part in float32
-            out.append(Counterfactual(f"does step {root.root} still fail with {what} in float32?", None, str(e)))
+        h = root.attempt(f"in float32 ({what})", _step_in_float32, root, path)
+        if h is None:  # the user's code refused this part in float32: root.failed says why
+            failed = root.failed[-1]
+            question = f"does step {root.root} still fail with {what} in float32?"
+            out.append(Counterfactual(question, None, f"{NOT_RUN}: the step raised {failed['error']}"))
             continue
-        finally:
-            root.replayer.close(t)
+        found = root.fault(h)
         # The fault here is the non-finite value; a spike that remains in float32 is an
         # outlier's, which float32 survives.
         nonfinite = [k for k in found if k.startswith("nonfinite")]
@@ -164,6 +160,17 @@ def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
             o.float32_module = path
             break
     return out
+
+
+def _step_in_float32(root: RootStep, path: str) -> StepHealth:
+    """The root step, from the state it started in, with `path` ("" the whole model) in float32."""
+    t = root.replayer.build()
+    try:
+        restore_snapshot(root.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=root.replayer.rank)
+        with in_float32(t.model, path):
+            return root.replayer.run_step(t, root.rec)
+    finally:
+        root.replayer.close(t)
 
 
 def _second_moment_in_tune(root: RootStep) -> list[Counterfactual]:

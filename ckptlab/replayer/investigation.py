@@ -43,7 +43,6 @@ from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
 from ckptlab.training.step import StepRunner
-from ckptlab.training.wrappers import unwrap
 
 
 @dataclass
@@ -195,7 +194,7 @@ class Investigation:
             except Exception as e:
                 if not is_step_error(e):
                     raise
-                crash = {"step": s, **describe(e, unwrap(t.model))}  # the model's own module names
+                crash = {"step": s, **describe(e, t.model)}
                 checks.append(self.crashed(s, crash))
                 kept[s] = (snap, dets_before)
                 break
@@ -208,11 +207,8 @@ class Investigation:
                 for old in [x for x in kept if x < s - 16 * EPISODE_GAP]:
                     del kept[old]  # bounded memory: only the recent episode matters
         r.close(t)
-        replayed = {c.step: c.anomalies for c in checks if c.anomalies}
         last = checks[-1].step if checks else self.step  # the requested step, or one that raised
-        # The first anomalous step of the episode, whatever the symptom: a step that raised
-        # after an update exploded is the explosion's symptom, not its root.
-        root = episode_start(replayed, last) if last in replayed else None
+        root = _root_of(checks, last, crash)
         snap, dets_before = kept.get(root, (None, None)) if root is not None else (None, None)
         return Window(k, checks, root, snap, dets_before, crash, bad, firsts)
 
@@ -368,6 +364,25 @@ class Investigation:
             report.notes.append("no dump: the step raised before its tensors could be followed to a fault")
         explain_crash(root, report, window.crash, trace)
         return None
+
+
+# The anomalies that leave the training state damaged (weights moved too far or non-finite,
+# a non-finite gradient or loss on its way into them): a later step that raises may be their
+# symptom. A loss or gradient spike alone leaves nothing behind.
+LASTING_DAMAGE = {"update_explosion", "first_update", "nonfinite_weight", "nonfinite_grad", "nonfinite_loss"}
+
+
+def _root_of(checks: list[StepCheck], last: int, crash: dict | None) -> int | None:
+    """The root of the replayed window's fault: the first anomalous step of the episode that
+    ends at `last`, whatever the symptom (a step that raised after an update exploded is the
+    explosion's symptom, not its root), but only after damage that lasts: a spike that
+    recovered is no cause of a later step's exception, which is then its own root."""
+    replayed = {c.step: c.anomalies for c in checks if c.anomalies}
+    root = episode_start(replayed, last) if last in replayed else None
+    if crash is None or root is None or root == crash["step"]:
+        return root
+    before = {k for s, kinds in replayed.items() if root <= s < crash["step"] for k in kinds}
+    return root if before & LASTING_DAMAGE else crash["step"]
 
 
 def _raised_at_root(window: Window) -> bool:

@@ -81,7 +81,7 @@ def in_float32(model: torch.nn.Module, path: str):
         )
         with torch.autocast(device, enabled=False), _Float32Only():
             args, kwargs = tree_map(_widen, (args, kwargs))
-            out = forward(*args, **kwargs)
+            out = call_through(forward, *args, **kwargs)  # (the user's forward: its exception is its own)
         if narrow is None or not path:
             return out
         # A module inside a reduced-precision model hands its outputs on in the dtype it was

@@ -331,7 +331,11 @@ def _data(r: ReplayReport, lead: str, rows: str) -> str:
         + (f" ({first})" if first.strip() else "")
         + ", so the gradients explode"
         + (f" (worst: `{o.parameter}`)" if o.parameter else "")
-        + (f" and the weights go non-finite at step {r.requested_step}" if _root(r) != r.requested_step else "")
+        + (
+            f" and the weights go non-finite at step {r.requested_step}"
+            if _root(r) != r.requested_step and not any(c.error for c in r.steps)
+            else ""
+        )
         + "."
     )
 

@@ -16,6 +16,7 @@ import types
 import torch
 
 from ckptlab.errors import CkptlabError
+from ckptlab.training.wrappers import unwrap
 
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 CKPTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
@@ -72,7 +73,8 @@ def is_step_error(exc: BaseException) -> bool:
 def describe(exc: BaseException, model: torch.nn.Module | None = None) -> dict:
     """{"error": "Type: message", "type", "message", "source": "file.py:line" (the innermost
     frame in the user's code), "call": its function, "module": the model's submodule whose
-    forward was running (by name; "" the model itself), "phase": forward, backward or
+    forward was running (by the model's own name, its wrappers unwrapped; "" the model
+    itself), "phase": forward, backward or
     optimizer when the traceback tells}. Only the keys that are known."""
     message = " ".join(str(exc).split())[:MAX_MESSAGE]
     name = type(exc).__qualname__
@@ -84,7 +86,7 @@ def describe(exc: BaseException, model: torch.nn.Module | None = None) -> dict:
             out["source"] = f"{os.path.basename(fn)}:{f.f_lineno}"
             out["call"] = f.f_code.co_name
             break
-    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    names = {id(m): n for n, m in unwrap(model).named_modules()} if model is not None else {}  # its own names
     for f in reversed(frames):
         module = f.f_locals.get("self") if f.f_code.co_name != "<module>" else None
         if isinstance(module, torch.nn.Module) and id(module) in names:

@@ -1,5 +1,5 @@
 """analysis/batches.py: a step recorded as micro-batches is counted, split and selected by the
-rows numbered across its micro-batches."""
+rows numbered across its micro-batches; a flattened (T*B,) target by the rows of its data."""
 
 import torch
 
@@ -52,3 +52,27 @@ def test_rows_are_taken_out_of_and_put_back_into_their_micro_batches():
     plain = {"x": torch.arange(6.0)[:, None].repeat(1, 4) + 20, "batch_idx": 0}  # built as a micro-batch is
     into_plain = replace_rows(plain, 6, rows, select_rows(root, rows, 6), 2)
     assert into_plain["x"][:, 0].tolist() == [20.0, 1.0, 22.0, 23.0, 24.0, 5.0]
+
+
+def test_a_flattened_target_loses_the_same_rows_as_the_data_it_was_flattened_from():
+    """The word-level LM's `targets = source[i+1:i+1+bptt].view(-1)` beside `data` (bptt, B): a
+    row is a column of data and every B-th element of targets; a batch-first (B, T) leaf's
+    flattening gives each row T consecutive elements."""
+    T, B = 5, 4
+    data = torch.arange(T * B).view(T, B)
+    hidden = torch.randn(2, B, 3)
+    kept = select_rows((data, (data + 100).view(-1), hidden), [1, 3], B)
+    assert torch.equal(kept[1], (kept[0] + 100).reshape(-1)) and kept[2].shape == (2, 2, 3)
+    x = torch.arange(B * T).view(B, T)
+    kept = select_rows({"x": x, "y": (x + 100).view(-1)}, [2], B)
+    assert torch.equal(kept["y"], kept["x"].reshape(-1) + 100)
+    donor = select_rows((data, (data + 100).view(-1), hidden), [1], B)
+    mixed = replace_rows((data, (data + 100).view(-1), hidden), B, [2], (-donor[0], -donor[1], donor[2]), 1)
+    assert torch.equal(mixed[1].view(T, B)[:, 2], -(data[:, 1] + 100)) and torch.equal(mixed[0][:, 2], -data[:, 1])
+
+
+def test_an_image_batch_flattens_no_target():
+    """(B, 3, H, W) images are no (B, T) leaf: a 1-D per-class weight of length 3 * B stays whole."""
+    B = 4
+    images, weights = torch.randn(B, 3, 2, 2), torch.ones(3 * B)
+    assert select_rows((images, weights), [0, 1], B)[1].shape == (3 * B,)
