@@ -11,6 +11,7 @@ import ckptlab
 from ckptlab.render.export import ExportSummary, rows
 from ckptlab.trackers.live import LiveLog
 from tests import digits_models as dm
+from tests import optimizer_models as om
 
 SPIKE, NAN, STEPS = 140, 150, 160
 
@@ -83,10 +84,13 @@ class _Tracker:
 
     def __init__(self):
         self.alerts: list[tuple[int, list[str]]] = []
+        self.points: dict[int, dict[str, float]] = {}  # step -> the points sent for it
         self.done = threading.Event()
 
     def log_rows(self, rows):
         self.alerts += [(a.step, a.kinds) for row in rows for a in row.alerts]
+        for row in rows:
+            self.points.setdefault(row.step, {}).update(row.scalars)
 
     def log_params(self, params):
         pass
@@ -113,3 +117,67 @@ def test_the_live_trackers_alert_by_the_same_rule():
     live.close()
     assert tracker.done.is_set()
     assert [step for step, _ in tracker.alerts] == [5, 12, 15, 50]
+
+
+# --- a run with a warning about its record, a spike and a step that raised ----------------------------
+
+GRAD_AT, RAISED_AT = 16, 30  # (16: inside the episode a warning at step 0 would start: ALERT_GAP)
+
+
+def gan_batches():
+    """The GAN's batches (tests/optimizer_models.py); at GRAD_AT the real rows are -1000x
+    themselves (D calls them fake with a logit in the thousands: its gradient explodes); at
+    RAISED_AT they are one column short (D raises)."""
+    for s in range(RAISED_AT + 1):
+        real, noise = om.batch(s)
+        if s == GRAD_AT:
+            real = real * -1000
+        if s == RAISED_AT:
+            real = real[:, :-1]
+        yield s, (real, noise)
+
+
+@pytest.fixture(scope="module")
+def warned_spiked_raised(tmp_path_factory):
+    """The Recorder given D's optimizer only (G's: an `outside_optimizer` warning at step 0),
+    a gradient spike at GRAD_AT, an exception at RAISED_AT; a live tracker and the default
+    warning. Returns (run, the warnings' steps, the tracker)."""
+    run_dir = tmp_path_factory.mktemp("warned") / "run"
+    tracker, seen = _Tracker(), _Records()
+    logging.getLogger("ckptlab").addHandler(seen)
+    model, opt_d = om.build_d_only()
+    try:
+        with pytest.warns(UserWarning, match="no optimizer given"):
+            with ckptlab.Recorder(
+                run_dir, model, opt_d, step_fn=om.step_d_only, build_fn=om.build_d_only, trackers=[tracker]
+            ) as rec:
+                for s, batch in gan_batches():
+                    if s == RAISED_AT:
+                        with pytest.raises(RuntimeError):
+                            rec.step(batch, sample_ids=om.ids(s))
+                    else:
+                        rec.step(batch, sample_ids=om.ids(s))
+    finally:
+        logging.getLogger("ckptlab").removeHandler(seen)
+    warned = [int(r.getMessage().split()[2].rstrip(":")) for r in seen.records if r.name == "ckptlab.record.health"]
+    return ckptlab.open_run(run_dir), warned, tracker
+
+
+def test_the_warning_the_trackers_and_an_export_alert_at_the_same_steps(warned_spiked_raised):
+    """The step that raised alerts in the live tracker too; the warning about the record at
+    step 0 (no fault of a step) alerts nowhere and does not take the spike's episode."""
+    run, warned, tracker = warned_spiked_raised
+    kinds = {e["step"]: e["kind"] for e in run.events()}
+    assert kinds[0] == "outside_optimizer" and kinds[RAISED_AT] == "exception"
+    assert "grad_spike" in {e["kind"] for e in run.events() if e["step"] == GRAD_AT}
+    out = ExportSummary(target="", steps=0, scalars=0, histograms=0, checkpoints=[], gradient_checkpoints=[])
+    exported = list(rows(run, out))
+    alerts = {"warning": warned, "live": [s for s, _ in tracker.alerts]}
+    alerts["export"] = [a.step for row, _ in exported for a in row.alerts]
+    assert alerts == dict.fromkeys(alerts, [GRAD_AT, RAISED_AT]) and out.alerts == 2
+    assert tracker.alerts[-1] == (RAISED_AT, ["exception"])
+    # The warning is sent and exported as what it is: a point of its own, not an anomaly's.
+    first = next(row for row, _ in exported if row.step == 0)
+    for points in (first.scalars, tracker.points[0]):
+        assert points["warning/outside_optimizer"] == 4 and not any(k.startswith("anomaly/") for k in points)
+    assert "anomaly/exception" in tracker.points[RAISED_AT]

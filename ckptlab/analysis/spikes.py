@@ -12,25 +12,34 @@ Defaults follow practice: OLMo flags 6 sigma over 128 steps;
 Megatron treats 10x the running level as an explosion. The first `min_points` values only
 fill the window (no baseline yet).
 
-A spike must also rise `tail` (2) times as far above the median as the window's highest value
-does. Small-batch losses are right-skewed: at batch 8, a batch holding one hard example is
-routinely 10-20x the median (an MNIST-like CNN's cross-entropy: median 0.11, 99th percentile
-1.0, highest 1.5), which the MAD, a measure of the window's middle, cannot know: the z rule
-alone called 8 of every 1000 healthy steps of such a run a spike. Against the window's own top
-they are ordinary, and a real jump still stands out. On normal noise the highest of 128
-values lies ~2.6 sigma above the median, so this bar (~5.2 sigma) sits under the z bar, and a
-well-behaved curve gets the z rule's verdicts as before. scripts/bench_spikes.py measures it
-(docs/performance.md): false alarms per 1000 healthy steps, batches 4-32, 8.3 -> 0 at batch 8
-(CNN), 0.7-224 -> 0-6 over every variant (CNN, MLP, 1% flipped labels); every planted loss 5x
-the window's highest caught, before and after; the lowest loss flagged at batch 8 went from
-~8x to ~16x the median. A loss 5x the median is inside a batch-8 curve's healthy range: the z
-rule caught none of them there either. Gradient norms take the same bar (GRAD_RULE: false
-alarms 0-220 -> 0-5.7 per 1000 on the same runs).
+A spike must also rise `tail` (2) times as far above the median as the window's values rose
+above their own level: each value's rise over the median of the `level` (8) values before it,
+the largest of them in the window. Small-batch losses are right-skewed: at batch 8, a batch
+holding one hard example is routinely 10-20x the median (an MNIST-like CNN's cross-entropy:
+median 0.11, 99th percentile 1.0, highest 1.5), which the MAD, a measure of the window's middle,
+cannot know: the z rule alone called 8 of every 1000 healthy steps of such a run a spike.
+Against the window's largest rise they are ordinary, and a real jump still stands out. A rise
+is measured from the level just before the value, so a falling curve leaves no stale bar: the
+bar's first version measured from the window's highest value, which on a loss decaying from
+10 to 2 (tau 25 steps, 5% noise) is one of its first values, ~7 at step 140 over a median of
+~2.1, and a 3x spike there stood under a bar measured from it. On normal noise the largest
+rise of 128 values is ~2.7 sigma (their highest: ~2.5 above the median), so this bar (~5.4
+sigma) sits under the z bar, and a well-behaved curve gets the z rule's verdicts.
+scripts/bench_spikes.py measures it (docs/performance.md):
+false alarms per 1000 healthy steps, batches 4-32, 8.3 -> 0 at batch 8 (CNN), 0.7-224 -> 0-7
+over every variant (CNN, MLP, 1% flipped labels; the highest as the bar: 0-6); every planted
+loss 5x the window's highest caught; on decaying curves (tau 10-200 steps) every planted spike
+the z rule alone catches (2x / 3x / 5x the curve's level: 123 / 219 / 253 of 255; the highest
+as the bar: 107 / 205 / 249). The lowest loss flagged at batch 8 went from ~8x to ~16x the
+median. A loss 5x the median is inside a batch-8 curve's healthy range: the z rule caught none
+of them there either. Gradient norms take the same bar (GRAD_RULE: false alarms 0-220 -> 0-5.7
+per 1000 on the same runs).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -44,7 +53,8 @@ class SpikeRule:
     z: float = 6.0
     min_ratio: float = 1.2  # and x >= min_ratio * median
     min_points: int = 16
-    tail: float = 2.0  # and x - median >= tail * (the window's highest value - median); 0: no such bar
+    tail: float = 2.0  # and x - median >= tail * (the window's largest rise); 0: no such bar
+    level: int = 8  # (>= 1) a value's rise: over the median of this many values before it
 
 
 LOSS_RULE = SpikeRule(min_ratio=1.2)
@@ -73,6 +83,16 @@ class SpikeDetector:
         self.rule = rule
         self._window: deque[float] = deque(maxlen=rule.window)
         self._sorted: list[float] = []  # the window's values in order: its median costs nothing
+        # The window's values and the `level` before its first: the values rises are measured from.
+        self._recent: deque[float] = deque(maxlen=rule.window + rule.level)
+        # The window's rises (a value's excess over its level), largest first, as (its number
+        # among the values added, rise): each is dropped once a larger one follows it or it
+        # leaves the window, so the window's largest rise is the first (a monotonic queue).
+        # They are computed when a value needs the bar, for the values added since: on a
+        # calm curve, whose values stop at min_ratio, almost never (`_largest_rise`).
+        self._rises: deque[tuple[int, float]] = deque()
+        self._added = self._risen = 0  # values added; values whose rise is in _rises
+        self._before: list[float] = []
 
     def check(self, value: float) -> Spike | None:
         """Test `value` against the window, then add it (spikes are kept out of the window)."""
@@ -81,8 +101,8 @@ class SpikeDetector:
         spike = None
         # The median first: most values are below min_ratio x median, and need no MAD (the
         # Recorder runs this twice a step; np.median twice per check cost ~40 us). The tail
-        # bar, from the sorted copy too, stops a small batch's routine hard example before the
-        # MAD: 9 -> 0.6 us a check on a batch-8 curve, where the z rule alone computed it often.
+        # bar, from the window's rises, stops a small batch's routine hard example before the
+        # MAD: 9 -> 1.2 us a check on a batch-8 curve, where the z rule alone computed it often.
         if len(self._window) >= self.rule.min_points and self._clears_bars(value, self._median()):
             arr = np.fromiter(self._window, dtype=np.float64)
             med = float(np.median(arr))
@@ -99,15 +119,40 @@ class SpikeDetector:
                 del self._sorted[bisect.bisect_left(self._sorted, self._window[0])]
             self._window.append(value)
             bisect.insort(self._sorted, value)
+            self._recent.append(value)
+            self._added += 1
         return spike
+
+    def _largest_rise(self) -> float:
+        """The window's largest rise: each value's excess over the median of the `level`
+        values added before it (what there is of them, for the first values of a series)."""
+        rises, recent, added, k = self._rises, self._recent, self._added, self.rule.level
+        start = added - len(self._window)  # the number of the window's first value
+        before = self._before  # the `level` values before value number _risen, sorted
+        if self._risen < start:  # values that left the window unjudged: none needs a rise
+            self._risen = start
+            before[:] = sorted(itertools.islice(reversed(recent), added - start, added - start + k))
+        for back in range(added - self._risen, 0, -1):  # the values added since, oldest first
+            value, n = recent[-back], len(before)
+            rise = value - (before[n // 2] if n % 2 else (before[n // 2 - 1] + before[n // 2]) / 2) if n else 0.0
+            while rises and rises[-1][1] <= rise:
+                rises.pop()
+            rises.append((added - back, rise))
+            if n == k:
+                del before[bisect.bisect_left(before, recent[-back - k])]
+            bisect.insort(before, value)
+        self._risen = added
+        while rises[0][0] < start:
+            rises.popleft()
+        return rises[0][1]
 
     def _clears_bars(self, value: float, median: float) -> bool:
         """`value` >= min_ratio x `median`, counted from the median's magnitude (the same test
         for a positive median), and it rises `tail` times as far above the median as the
-        window's highest value does (the second test runs only for the few values that pass
-        the first)."""
+        window's largest rise (the second test runs only for the few values that pass the
+        first)."""
         rise = value - median
-        return rise >= (self.rule.min_ratio - 1) * abs(median) and rise >= self.rule.tail * (self._sorted[-1] - median)
+        return rise >= (self.rule.min_ratio - 1) * abs(median) and rise >= self.rule.tail * self._largest_rise()
 
     def _median(self) -> float:
         """np.median of the window, from the sorted copy (the same float: the middle value, or

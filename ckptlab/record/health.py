@@ -205,9 +205,12 @@ class HealthLog:
         self._warn_record(n, {"kind": IDLE_OPTIMIZER, "value": len(seen), "detail": idle_optimizer_text(len(seen))})
 
     def _warn_record(self, n: int, event: dict) -> None:
-        """A warning about the record itself (no fault of a step): an event, and a UserWarning."""
+        """A warning about the record itself (no fault of a step): an event (a `warning/<kind>`
+        point for the trackers, no alert), and a UserWarning."""
         if self.world.is_main:
             self.writer.append_json(framelog.EVENT, n, event)
+            if self.live is not None:
+                self.live.events(n, [event])
             warnings.warn(f"ckptlab: step {n}: {event['detail']}", stacklevel=5)
 
     def record_error(self, n: int, error: BaseException, model) -> None:
@@ -226,6 +229,8 @@ class HealthLog:
                 self.writer.append_json(framelog.EVENT, n, event)
             else:  # (a peer's collective then fails too: rank 0 records that error, not this one)
                 self.writer.append_rank_event(n, event)
+            if self.live is not None:  # (rank 0's: the trackers alert where the warning does)
+                self.live.events(n, [event])
             if self.on_anomaly is not None:
                 self.on_anomaly(n, [event])
 
@@ -237,7 +242,8 @@ def _warn_anomaly(run_dir: str) -> Alert:
     episodes = AlertEpisodes()
 
     def warn(step: int, events: list[dict]) -> None:
-        if episodes.due(step, events):
-            log.warning("ckptlab: %s", alert_text(run_dir, step, events))
+        alerting = episodes.due(step, events)
+        if alerting:
+            log.warning("ckptlab: %s", alert_text(run_dir, step, alerting))
 
     return warn

@@ -4,9 +4,9 @@
 
 `rows(run, ...)` lays the run out as one `Row` per step, in step order (a W&B run takes steps
 in increasing order only): the step's health (trackers/points.py names it), its validation
-metrics, the anomalies recorded there (`anomaly/<kind>` points, and an alert where an episode
+metrics, the events recorded there (`anomaly/<kind>` points, and an alert where an episode
 starts or a worse kind joins it, trackers/points.py `AlertEpisodes`: the one-line verdict and
-the replay command), and at each checkpoint the histograms of every weight tensor and, with
+the replay command; the Recorder's warnings about its record as `warning/<kind>`, no alert), and at each checkpoint the histograms of every weight tensor and, with
 `gradients`, of the gradients of the step that starts there. An `ExportSink`
 (render/tensorboard.py's TensorBoardSink, trackers.MLflow, trackers.WandB) writes rows;
 exports that can be resumed keep a cursor (how far each stream was sent), so exporting twice
@@ -32,8 +32,7 @@ from ckptlab.trackers.points import (
     MAX_PARAM_SCALARS,
     AlertEpisodes,
     Row,
-    alert,
-    anomaly_points,
+    add_events,
     health_points,
     histogram,
     validation_points,
@@ -135,10 +134,7 @@ def rows(
             row.scalars.update(validation_points(validation[step]))
             last["validation"] = step
         if step in events:
-            row.scalars.update(anomaly_points(events[step]))
-            if episodes.due(step, events[step]):
-                row.alerts.append(alert(str(run.path), step, events[step]))
-                out.alerts += 1
+            out.alerts += add_events(row, events[step], episodes, str(run.path))
             last["events"] = step
         if step in checkpoints:
             _checkpoint(run, step, row, gradients, out)

@@ -4,6 +4,7 @@ training thread.
     live = LiveLog(trackers, run_dir="runs/exp1", param_names=names, params=params)
     live.step(n, scalars, arrays, events)    # training thread: appends to a queue, returns
     live.validation(n, {"val_loss": 0.3})
+    live.events(n, [event])                  # a step that raised; a warning about the record
     live.close()                             # sends what is left, ends the trackers' runs
 
 A background thread wakes every `flush_s` seconds, names the queued steps' points
@@ -26,8 +27,7 @@ from ckptlab.trackers.points import (
     ALERT_GAP,
     AlertEpisodes,
     Row,
-    alert,
-    anomaly_points,
+    add_events,
     health_points,
     run_params,
     validation_points,
@@ -74,6 +74,11 @@ class LiveLog:
 
     def validation(self, step: int, metrics: dict) -> None:
         self._put(("validation", step, dict(metrics)))
+
+    def events(self, step: int, events: list[dict]) -> None:
+        """Events of step `step` that come without its health: the exception of a step that
+        raised (it has none), the Recorder's warnings about its record."""
+        self._put(("events", step, list(events)))
 
     def _put(self, item) -> None:
         if len(self._queue) == self._queue.maxlen:
@@ -125,15 +130,16 @@ class LiveLog:
             elif item[0] == "validation":
                 _, step, metrics = item
                 rows.setdefault(step, Row(step)).scalars.update(validation_points(metrics))
+            elif item[0] == "events":
+                _, step, events = item
+                add_events(rows.setdefault(step, Row(step)), events, self._episodes, self.run_dir)
             else:
                 _, step, scalars, arrays, events = item
                 row = rows.setdefault(step, Row(step))
                 row.time = scalars.get("time")
                 row.scalars.update(health_points(scalars, arrays, self.param_names))
-                if events:
-                    row.scalars.update(anomaly_points(events))
-                    if self._episodes.due(step, events):  # an episode's start, or a worse kind in it
-                        row.alerts.append(alert(self.run_dir, step, events))
+                if events:  # an episode's start, or a worse kind in it, alerts
+                    add_events(row, events, self._episodes, self.run_dir)
         if self._dropped:
             log.warning("ckptlab: trackers fell behind: %d steps were not sent", self._dropped)
             self._dropped = 0

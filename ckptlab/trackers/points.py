@@ -2,7 +2,8 @@
 
     row = health_points(scalars, arrays, param_names)   # {"train/loss": 2.3, "grad_norm/fc.weight": 0.4, ...}
     text = alert_text("runs/exp1", 9, events)           # "step 9: nonfinite loss; explain it with ckptlab replay ..."
-    episodes = AlertEpisodes()                           # episodes.due(9, events): does step 9 alert?
+    episodes = AlertEpisodes()                           # episodes.due(9, events): the events step 9 alerts with
+    add_events(row, events, episodes, "runs/exp1")       # the step's events into its row: points, the alert
 
 The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export --tensorboard
 / --mlflow / --wandb`) name points here, so a curve has one name wherever it is shown:
@@ -13,12 +14,15 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
     grad_norm/<param>, update_ratio/<param>, weight_norm/<param>     per parameter
     val/<metric>                                                       validation
     anomaly/<kind>                                                     an anomaly's value
+    warning/<kind>                                                     a warning about the record
     weights/<param>, grads/<param>                                     histograms (exports)
 
 `scalars` and `arrays` are what the Recorder stores for a step (`StepHealth.scalars()` /
 `.arrays()`, or a row of `Run.metrics()`). A per-parameter NaN is not sent: it marks a value
 not measured that step, or one that was not finite (a NaN gradient or update), which the
-step's anomaly alert reports.
+step's anomaly alert reports. The Recorder's warnings about its own record (an optimizer it
+was not given, or one that did not step: RECORD_WARNINGS) are events too, but no fault of a
+step: they are points of their own (`warning/<kind>`) and never alert.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ckptlab.run.records import NO_GRAD
+from ckptlab.run.records import NO_GRAD, RECORD_WARNINGS
 
 # Per-parameter curves multiply the point count by the parameter count; past this many
 # parameter tensors only the global curves (and the histograms) are sent: trackers list every
@@ -126,7 +130,27 @@ def validation_points(metrics: dict) -> dict:
 
 
 def anomaly_points(events: list[dict]) -> dict:
-    return {f"anomaly/{e['kind']}": _f(e.get("value")) for e in events}
+    """`anomaly/<kind>` of each fault; `warning/<kind>` of each warning about the record."""
+    return {
+        f"{'warning' if e['kind'] in RECORD_WARNINGS else 'anomaly'}/{e['kind']}": _f(e.get("value")) for e in events
+    }
+
+
+def faults(events: list[dict]) -> list[dict]:
+    """The events that are a fault of their step: all but the Recorder's warnings about its own
+    record (RECORD_WARNINGS), which say nothing about the step they were recorded at."""
+    return [e for e in events if e["kind"] not in RECORD_WARNINGS]
+
+
+def add_events(row: Row, events: list[dict], episodes: AlertEpisodes, run_dir: str) -> bool:
+    """The events recorded at `row.step`, into its row: a point each (`anomaly_points`), and
+    the alert when `episodes` says the step alerts. Returns whether it does. The live trackers
+    and every export fill their rows with this, so they alert where the warning does."""
+    row.scalars.update(anomaly_points(events))
+    alerting = episodes.due(row.step, events)
+    if alerting:
+        row.alerts.append(alert(run_dir, row.step, alerting))
+    return bool(alerting)
 
 
 def alert_text(run_dir: str, step: int, events: list[dict]) -> str:
@@ -152,23 +176,28 @@ class AlertEpisodes:
     every export: a step alerts when it starts an episode (more than `gap` steps after the
     last anomalous step), or when one of its kinds is more severe (SEVERITY) than every kind
     that alerted earlier in its episode. A NaN at every step pages once, a burst of spikes
-    once, but a NaN ten steps after a loss spike pages again: it is a new, worse fact."""
+    once, but a NaN ten steps after a loss spike pages again: it is a new, worse fact. Only
+    faults count (`faults`): a warning about the record neither alerts nor starts an episode."""
 
     def __init__(self, gap: int = ALERT_GAP):
         self.gap = gap
         self._last = -(10**9)  # the last anomalous step
         self._worst = 0  # the most severe kind alerted in its episode
 
-    def due(self, step: int, events: list[dict]) -> bool:
-        """Whether step `step`, with these events (at least one), alerts; steps come in order."""
+    def due(self, step: int, events: list[dict]) -> list[dict]:
+        """The events step `step` alerts with (its faults), or [] when it does not alert (no
+        fault, or none worse than its episode already alerted of); steps come in order."""
+        alerting = faults(events)
+        if not alerting:
+            return []
         if step - self._last > self.gap:
             self._worst = 0
         self._last = step
-        severity = max(SEVERITY.get(e["kind"], 1) for e in events)
+        severity = max(SEVERITY.get(e["kind"], 1) for e in alerting)
         if severity <= self._worst:
-            return False
+            return []
         self._worst = severity
-        return True
+        return alerting
 
 
 def histogram(values, bins: int = 64) -> tuple[Hist | None, int]:

@@ -42,6 +42,22 @@ def test_a_noisy_small_batch_loss_flags_no_healthy_step_but_a_real_spike():
     assert spike_steps(loss) == [300, 350]
 
 
+def test_a_spike_on_a_decaying_loss_is_caught():
+    """A loss falling from 10 to 2 (2 + 8 exp(-t/25), 5% noise): at steps 140-160 the window
+    still holds the fall's first values (~7, at its oldest end) over a median of ~2.1. A 3x
+    spike there (~6) is caught, as the z rule alone catches it: the tail bar is the window's
+    largest rise of a value over the 8 before it (the noise's), where the window's highest
+    value as the bar put it at ~2.1 + 2 x 4.9 = 12, over the spike."""
+    rng = np.random.default_rng(0)
+    level = 2 + 8 * np.exp(-np.arange(300) / 25)
+    loss = level * np.exp(0.05 * rng.standard_normal(300))
+    assert spike_steps(loss) == []
+    for k in (140, 150, 160):
+        planted = loss[: k + 1].copy()
+        planted[k] = 3 * level[k]
+        assert spike_steps(planted) == spike_steps(planted, replace(LOSS_RULE, tail=0)) == [k]
+
+
 def test_a_loss_that_is_zero_on_most_batches():
     """A hinge or margin loss: 0 on most batches (MAD 0), ordinary positive values now and
     then, which are not each an infinitely large spike; a real jump still is."""
