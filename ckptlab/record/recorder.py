@@ -140,6 +140,8 @@ class Recorder:
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
             loss, pending = self.runner.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
+            if loss is None:  # (a framework's step without a loss comes through end_step(None))
+                raise RecordError("step_fn must return the loss (a scalar tensor), got NoneType", path=self.run_dir)
         except BaseException as e:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
             self._fail(e, written=True)
@@ -184,8 +186,9 @@ class Recorder:
 
     def end_step(self, loss) -> StepHealth | None:
         """Finish the step begun by `begin_step`: record its health (and any anomaly), step
-        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to.
-        Returns the step's health, or None when it is read later (`health_read`)."""
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to. `loss`
+        None: the step returned none (recorded as not known). Returns the step's health, or
+        None when it is read later (`health_read`)."""
         if not self._in_step:
             raise RecordError("end_step called without begin_step", path=self.run_dir)
         if not self._batches.written:

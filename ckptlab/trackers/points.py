@@ -89,11 +89,12 @@ class Row:
 def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_param: bool | None = None) -> dict:
     """The named points of one recorded step (see the module docstring)."""
     out = {
-        "train/loss": _f(scalars.get("loss")),
         "train/grad_norm": _f(scalars.get("grad_norm")),
         "train/step_time": _f(scalars.get("step_time")),
         "train/nonfinite_grads": _f(scalars.get("nonfinite_grads", 0)),
     }
+    if scalars.get("loss") is not None:  # (null: the step returned no loss; not a NaN to plot)
+        out = {"train/loss": float(scalars["loss"]), **out}
     lrs = scalars.get("lr", [])
     for g, value in enumerate(lrs):  # (a group's number is its place among all: one unknown renumbers none)
         if value is not None and not math.isnan(value):

@@ -94,7 +94,11 @@ from ckptlab.training.wrappers import unwrap
 
 def loss_tensor(loss) -> torch.Tensor:
     """What `step_fn` returned as a 1-element float32 tensor on its device (no device sync);
-    a clear error for anything but a scalar."""
+    a clear error for anything but a scalar. None, a step that returned no loss (a Lightning
+    step under manual optimization, which steps its optimizers and returns nothing): NaN in
+    the vector the probe copies, recorded as not known (`StepProbe.end`)."""
+    if loss is None:
+        return torch.full((1,), math.nan)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise RecordError(f"step_fn returned a tensor of shape {tuple(loss.shape)}; return the scalar loss")
@@ -423,7 +427,7 @@ class StepProbe:
             return PendingHealth(self, (loss.item(), grad_norms), None, usual, plain_meta)
         if value is None:
             value = loss_tensor(loss)
-        meta: dict = {}
+        meta: dict = {"no_loss": True} if loss is None else {}  # (not known, which NaN would not say: health.py)
         parts: dict[str, slice] = {}  # name -> where its numbers sit in the one vector copied
         pieces: list[torch.Tensor] = []
 
