@@ -315,7 +315,7 @@ def quiet_gan_run(tmp_path_factory):
 
 def test_a_manual_step_that_returns_nothing_is_recorded_with_its_loss_not_known(quiet_gan_run, capsys):
     """Every step is recorded (its optimizers stepped), its loss null: not a NaN, so neither the
-    Recorder nor report calls it a non-finite loss, and report says so."""
+    Recorder nor report calls it a non-finite loss, and report and info say so."""
     from ckptlab.analysis.health import diagnose
     from ckptlab.cli import main
 
@@ -332,6 +332,9 @@ def test_a_manual_step_that_returns_nothing_is_recorded_with_its_loss_not_known(
         main(["report", "--run", str(quiet_gan_run)])
     out = capsys.readouterr().out
     assert "loss        not known: the steps returned none" in out and "!" not in out.split("\n")[1]
+    with pytest.raises(SystemExit):
+        main(["info", "--run", str(quiet_gan_run), "--json", "--no-verify"])
+    assert json.loads(capsys.readouterr().out)["steps"]["loss_not_known"] == [[0, 13]]
 
 
 def test_a_manual_step_that_returns_nothing_replays_bit_exactly_and_its_fault_is_found(quiet_gan_run, capsys):
