@@ -95,8 +95,8 @@ from ckptlab.training.wrappers import unwrap
 def loss_tensor(loss) -> torch.Tensor:
     """What `step_fn` returned as a 1-element float32 tensor on its device (no device sync);
     a clear error for anything but a scalar. None, a step that returned no loss (a Lightning
-    step under manual optimization, which steps its optimizers and returns nothing): NaN in
-    the vector the probe copies, recorded as not known (`StepProbe.end`)."""
+    `training_step` that returns nothing): NaN in the vector the probe copies, the step's
+    health saying "not known" (`StepProbe.end`, training/health.py)."""
     if loss is None:
         return torch.full((1,), math.nan)
     if isinstance(loss, torch.Tensor):
