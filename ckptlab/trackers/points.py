@@ -18,7 +18,8 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
 `scalars` and `arrays` are what the Recorder stores for a step (`StepHealth.scalars()` /
 `.arrays()`, or a row of `Run.metrics()`). A per-parameter NaN is not sent: it marks a value
 not measured that step, or one that was not finite (a NaN gradient or update), which the
-step's anomaly alert reports.
+step's anomaly alert reports. Nor is `train/loss` of a step whose loss is not known (null: it
+returned none), which a NaN would call a fault.
 """
 
 from __future__ import annotations
