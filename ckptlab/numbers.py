@@ -10,7 +10,9 @@ is one way a number is said; pick by what the number is, not by how it should lo
     human_bytes(3 << 20)    "3.0 MB"
     ranges([2, 3, 4, 7])    "2-4, 7"
 
+    precise(None, LOSS_NOT_KNOWN)  "not known"  a loss the step did not return (recorded null)
     same(nan, nan)          True         bit for bit as the record compares (NaN is NaN)
+    same_loss(None, None)   True         two losses not known agree; `same` otherwise
     absdiff(1.0, None)      None         |a - b| when both are finite
 """
 
@@ -19,6 +21,10 @@ from __future__ import annotations
 import math
 
 # --- writing ------------------------------------------------------------------------------------
+
+# How a loss that is not known (a step that returned none: recorded null) is said; never "nan",
+# which is a fault.
+LOSS_NOT_KNOWN = "not known"
 
 
 def value(x, missing: str = "-") -> str:
@@ -87,6 +93,12 @@ def same(a: float | None, b: float | None) -> bool:
     if math.isnan(a) and math.isnan(b):
         return True
     return a == b
+
+
+def same_loss(a: float | None, b: float | None) -> bool:
+    """Two losses as a replay is checked against its record (`same`), where None is a loss not
+    known (the step returned none): two such agree."""
+    return same(a, b) or (a is None and b is None)
 
 
 def absdiff(a, b) -> float | None:

@@ -13,6 +13,7 @@ import torch
 
 import ckptlab
 from ckptlab.replayer.driver import Replayer
+from ckptlab.run.records import NO_GRAD
 from ckptlab.trackers.points import health_points
 from ckptlab.training.step import StepRunner
 from tests import optimizer_models as om
@@ -133,6 +134,60 @@ def test_each_optimizer_is_measured_at_its_own_step():
     d_now = [float(p.grad.norm()) for p in model.D.parameters()]  # D's gradients after G's backward too
     assert not np.allclose(h.param_grad_norm[[i for i, n in enumerate(names) if n.startswith("D.")]], d_now)
     assert h.lr == [2e-3, 2e-3]
+    runner.close()
+
+
+class Critic(torch.nn.Module):
+    """D with a head only its first pass uses, G, and a frozen embedding (no gradient ever)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = torch.nn.Linear(om.DIM, om.DIM).requires_grad_(False)
+        self.D, self.head = torch.nn.Linear(om.DIM, 1), torch.nn.Linear(om.DIM, 1)
+        self.G = torch.nn.Linear(om.LATENT, om.DIM)
+
+
+def critic_step(model, opts, batch):
+    """Two critic steps (the head in the first only), then G's, whose backward adds to D's."""
+    for critic in range(2):
+        opts["d"].zero_grad()
+        x = model.frozen(batch["x"])
+        (model.D(x).mean() + (model.head(x).mean() if critic == 0 else 0)).backward()
+        opts["d"].step()
+    opts["g"].zero_grad()
+    loss = model.D(model.G(batch["z"])).square().mean()
+    loss.backward()
+    opts["g"].step()
+    return loss
+
+
+def test_a_frozen_parameter_and_a_critic_stepped_twice_keep_each_optimizers_own_norms():
+    """Each parameter's norm is the gradient its optimizer's last step that had one stepped
+    with: D's from the second critic step (not with G's loss added), the head's from the first
+    (the second had no gradient for it), G's at its step; the frozen weights have none."""
+    model = Critic()
+    opts = {"d": torch.optim.SGD([*model.D.parameters(), *model.head.parameters()], lr=0.1)}
+    opts["g"] = torch.optim.SGD(model.G.parameters(), lr=0.1)
+    seen = {}
+
+    def before(opt, *_):
+        seen.update({id(p): float(p.grad.norm()) for g in opt.param_groups for p in g["params"] if p.grad is not None})
+
+    hooks = [o.register_step_pre_hook(before) for o in opts.values()]
+    runner = StepRunner(model, opts)
+    for s in range(2):  # (the second step: the probe measures lazily, as it learned)
+        seen.clear()
+        batch = {"x": torch.randn(om.B, om.DIM), "z": torch.randn(om.B, om.LATENT)}
+        _, h = runner.run_step(critic_step, batch, measure_update=False)
+        expected = [seen.get(id(p), NO_GRAD) for p in runner.probe.params]
+        assert np.allclose(h.param_grad_norm, expected, rtol=1e-6), s
+    names = runner.probe.names
+    assert [n for n, v in zip(names, h.param_grad_norm) if v == NO_GRAD] == ["frozen.weight", "frozen.bias"]
+    d_now = float(model.D.weight.grad.norm())  # after G's backward added to it
+    assert not np.isclose(h.param_grad_norm[names.index("D.weight")], d_now)
+    for hook in hooks:
+        hook.remove()
     runner.close()
 
 

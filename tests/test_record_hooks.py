@@ -136,3 +136,29 @@ def test_a_checkpoint_before_record_batch_gives_the_batch_the_states_its_step_be
     assert 2 in run.checkpoints
     assert run.batch_record(1).rng is None  # unchanged since step 0 ended: nothing recorded
     assert torch.equal(run.batch_record(2).rng["torch"], began)
+
+
+def test_a_loop_that_goes_on_after_abort_step_records_its_next_steps_cleanly(run_dir):
+    """A step aborted at a checkpoint's step, with its batch recorded, keeps its number (a step
+    that never returned, as a resumed session counts it): the next opens after it. One aborted
+    before its batch was recorded begins again under its number, in the segments already open.
+    Neither writes a second batch under one number, nor fails to open a segment twice."""
+    model, opt = models.build_mlp()
+    batches = list(models.mlp_batches(4))
+    with ckptlab.Recorder(run_dir, model, opt, step_fn=models.step_mlp, build_fn=models.build_mlp, ckpt_every=2) as rec:
+        rec.begin_step(*batches[0])
+        try:
+            raise RuntimeError("a bad batch")  # (the loop's own, caught: it goes on)
+        except RuntimeError:
+            rec.abort_step()  # step 0: its batch stays
+        for n, (batch, ids) in enumerate(batches[1:], 1):
+            if n == 2:  # a checkpoint's step, aborted before its batch came
+                rec.begin_step()
+                rec.abort_step()
+            assert rec.begin_step(batch, ids) == n
+            rec.end_step(models.step_mlp(model, opt, batch))
+    run = ckptlab.open_run(run_dir)
+    assert run.steps == [0, 1, 2, 3] and run.metrics().step.tolist() == [1, 2, 3]
+    assert [run.batch(s)[1] for s in run.steps] == [ids for _, ids in batches]
+    assert [(e["step"], e["error"]) for e in run.events()] == [(0, "RuntimeError: a bad batch")]
+    assert run.checkpoints == [0, 2] and run.problems == []

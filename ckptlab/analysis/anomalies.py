@@ -3,7 +3,8 @@ training), replay (finding the root step) and report (its per-step findings), so
 the same steps anomalous.
 
 A step is anomalous when
-- `nonfinite_loss`: its loss is NaN/Inf;
+- `nonfinite_loss`: its loss is NaN/Inf (a loss not known, of a step that returned none, is
+  no fault: recorded null, NaN in `Metrics.loss` where `Metrics.loss_known` is False);
 - `nonfinite_grad`: a gradient element, or a parameter's gradient norm, is NaN/Inf -- except on a
   step a GradScaler skipped (`scaler_skipped`: its gradients overflowed, the update was not
   applied and the scale backed off: that is how float16 training finds its scale);
@@ -46,10 +47,13 @@ EPISODE_GAP = 3
 # --- the definitions -------------------------------------------------------------------------------
 
 
-def nonfinite_loss(loss):
+def nonfinite_loss(loss, known=True):
     """The loss is NaN/Inf (a scaler skip does not excuse it: backing off the scale cannot fix a
-    forward pass that overflows). A bool, or a bool array for a series."""
-    return ~np.isfinite(loss)
+    forward pass that overflows). A bool, or a bool array for a series. Not where it is not
+    known: a step's loss None, or a series' rows where `known` (`Metrics.loss_known`) is False."""
+    if loss is None:
+        return False
+    return ~np.isfinite(loss) & np.asarray(known, dtype=bool)
 
 
 def nonfinite_grad(nonfinite_grads, param_grad_norm, scaler_skipped):
@@ -122,12 +126,12 @@ def step_anomalies(h, dets: dict[str, SpikeDetector]) -> list[dict]:
     return events
 
 
-def spike_events(loss: float, grad_norm: float, dets: dict[str, SpikeDetector]) -> list[dict]:
+def spike_events(loss: float | None, grad_norm: float, dets: dict[str, SpikeDetector]) -> list[dict]:
     """A step's loss and gradient-norm spikes, as events (the whole of `step_anomalies` for a
     step whose numbers are all finite and whose update was not measured); feeds both to the
-    detectors."""
+    detectors (a loss not known, None, to neither)."""
     events = []
-    spike = dets["loss"].check(loss)
+    spike = dets["loss"].check(loss) if loss is not None else None
     if spike is not None:
         events.append({"kind": "loss_spike", "value": loss, "median": spike.median, "z": spike.z})
     spike = dets["grad"].check(grad_norm)

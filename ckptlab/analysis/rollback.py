@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ckptlab.analysis.anomalies import nonfinite_loss
 from ckptlab.analysis.health import EarlyStop, early_stopping, validation_series
 from ckptlab.errors import CkptlabError, RetiredError
 from ckptlab.run.reader import Run
@@ -59,7 +60,7 @@ def first_anomaly(run: Run) -> dict | None:
     """The earliest recorded anomaly, or a non-finite loss in the per-step health."""
     found = [{"step": int(e["step"]), "kind": e.get("kind", "anomaly")} for e in run.events()]
     m = run.metrics()
-    bad = np.flatnonzero(~np.isfinite(m.loss))
+    bad = np.flatnonzero(nonfinite_loss(m.loss, m.loss_known))
     if len(bad):
         found.append({"step": int(m.step[bad[0]]), "kind": "nonfinite_loss"})
     return min(found, key=lambda e: e["step"]) if found else None

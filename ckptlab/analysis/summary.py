@@ -72,6 +72,8 @@ def summarize(run: Run, *, verify: bool = True) -> RunSummary:
         "batch_ranges": _ranges(batch_steps),  # retention leaves gaps (e.g. around an anomaly)
         # batch recorded, step never returned
         "incomplete": [s for s in batch_steps if s not in done and (last_done is None or s < last_done)],
+        # steps that returned no loss (recorded as not known: docs/run-format.md), as ranges
+        "loss_not_known": _ranges(m.step[~m.loss_known].tolist()),
     }
     if run.world_size > 1:  # each rank's own batch log
         steps["ranks"] = {r: _ranges(run.steps_of(r)) for r in run.ranks}

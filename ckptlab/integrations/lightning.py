@@ -25,7 +25,8 @@ What is recorded from which hook:
   it, and its micro-batches are recorded together before the last one runs;
 - `on_train_batch_end`: `end_step` with the loss `training_step` returned (with accumulation,
   after the last micro-batch, the sum of theirs) (health, anomalies, `on_anomaly` alerts,
-  NonFiniteLoss);
+  NonFiniteLoss); a `training_step` that returned nothing is a step all the same, its loss
+  recorded as not known;
 - `on_validation_end`: `log_validation` with the trainer's metrics whose names start with
   `val_prefix` (not during the sanity check);
 - `on_train_end` / `on_exception`: close.
@@ -201,9 +202,11 @@ class CkptlabCallback(pl.Callback):
             if not micro.recorded:
                 return  # more micro-batches to come
             loss = micro.loss
-        if loss is None:  # training_step returned None: Lightning skipped backward
-            self.rec.abort_step()
-            return
+        # loss None: training_step returned nothing. Under manual optimization its optimizers
+        # stepped all the same; under automatic optimization Lightning ran no backward, and the
+        # optimizer's step found no gradient (yet the RNG draws of the forward and the
+        # scheduler's step are the step's). Either way it is a step: recorded with its loss
+        # not known, so that replay goes through it as the trainer did.
         self._check_scheduler(trainer)
         _common.end_step(self.rec, loss)
 

@@ -5,7 +5,7 @@ the module's own `training_step` drives its optimizers, as a GAN's does:
         opt_d, opt_g = self.optimizers()
         ...; opt_d.zero_grad(); self.manual_backward(loss_d); opt_d.step()
         ...; opt_g.zero_grad(); self.manual_backward(loss_g); opt_g.step()
-        return loss_d + loss_g              # the step's loss, as ckptlab records it
+        return loss_d + loss_g              # the step's loss, as ckptlab records it (or nothing: not known)
 
 Replay has no Trainer. What training_step asks of it goes through the module's own seam for
 running without one, `LightningModule._fabric` (the hook Lightning gives Fabric), held by

@@ -115,7 +115,8 @@ class HealthLog:
             else:
                 health = self._record(n, pending.result(grads_live=not self.deferred), wait, t)
             self._judge_optimizer(n, pending)
-            if bad is None and not health.loss_finite:
+            if bad is None and health.loss_nonfinite:
+                assert health.loss is not None, "loss_nonfinite: a loss was returned"
                 bad = (n, health.loss)
         if bad is not None and raise_nonfinite and self.config.on_nonfinite == "raise":
             self.settle(0, raise_nonfinite=False)

@@ -140,9 +140,11 @@ class Recorder:
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
             loss, pending = self.runner.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
+            if loss is None:  # (a framework's step without a loss comes through end_step(None))
+                raise RecordError("step_fn must return the loss (a scalar tensor), got NoneType", path=self.run_dir)
         except BaseException as e:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed
-            self._fail(e)
+            self._fail(e, written=True)
             raise
         self._in_step = False
         self._after_step(pending, want=False)
@@ -173,20 +175,20 @@ class Recorder:
         self._batches.append(self.next_step, batch, sample_ids)
 
     def abort_step(self, error: BaseException | None = None) -> None:
-        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded
-        (a batch not yet given to `record_batch` is not recorded). `error`: the exception
-        (default: the one being handled), recorded as an `exception` event when the step's
-        own code raised it."""
+        """The step begun by `begin_step` failed: stop measuring; its batch stays recorded (a batch not yet
+        given to `record_batch` is not: the step begins again). `error`: the exception (default: the one
+        being handled), recorded as an `exception` event when the step's own code raised it."""
         written = self._batches.written
         self.runner.abort()
         self._in_step = False
         self._batches.drop()
-        self._fail((error if error is not None else sys.exc_info()[1]) if written else None)
+        self._fail((error if error is not None else sys.exc_info()[1]) if written else None, written=written)
 
     def end_step(self, loss) -> StepHealth | None:
         """Finish the step begun by `begin_step`: record its health (and any anomaly), step
-        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to.
-        Returns the step's health, or None when it is read later (`health_read`)."""
+        the scheduler (unless step_scheduler=False), raise NonFiniteLoss if asked to. `loss`
+        None: the step returned none (recorded as not known). Returns the step's health, or
+        None when it is read later (`health_read`)."""
         if not self._in_step:
             raise RecordError("end_step called without begin_step", path=self.run_dir)
         if not self._batches.written:
@@ -256,13 +258,17 @@ class Recorder:
                 "recorded for every step), or stop stepping it in the loop",
             )
 
-    def _fail(self, error: BaseException | None) -> None:
-        """The running step failed: the live checkpoint's write finished, the health still
-        pending recorded, and the step's own error (when given) as an `exception` event."""
+    def _fail(self, error: BaseException | None, *, written: bool) -> None:
+        """The running step failed: the live checkpoint's write finished, the health still pending recorded, its
+        own error (when given) an `exception` event. With its batch `written` it keeps its number (a step that
+        never returned, as a resumed session counts it): a loop that goes on records its next step after it."""
         self._snaps.await_write()
         self._health.settle_quietly()
         if error is not None:
             self._health.record_error(self.next_step, error, self.model)
+        if written:
+            self._batches.step_ended()
+            self.next_step += 1
 
     # --- between steps ----------------------------------------------------------------------
 

@@ -125,8 +125,8 @@ def _markers(p: PlotData) -> list[svg.Marker]:
 
 def _loss_chart(r: HealthReport, p: PlotData) -> str:
     series = [
-        svg.Series("loss", p.steps, p.loss, color="#9ecae1"),
-        svg.Series("EMA", p.steps, p.loss_ema, color="#08519c", width=2),
+        svg.Series("loss", p.loss_steps, p.loss, color="#9ecae1"),
+        svg.Series("EMA", p.loss_steps, p.loss_ema, color="#08519c", width=2),
     ]
     if p.val_steps:
         series.append(svg.Series(p.val_metric, p.val_steps, p.val_values, color="#ff7f0e", dots=True))
@@ -142,7 +142,7 @@ def _perplexity_chart(p: PlotData) -> str:
     with np.errstate(over="ignore"):
         ppl = np.exp(np.minimum(p.loss_ema, 700))
     return svg.line_chart(
-        [svg.Series("perplexity (EMA)", p.steps, ppl, color="#6a51a3", width=2)],
+        [svg.Series("perplexity (EMA)", p.loss_steps, ppl, color="#6a51a3", width=2)],
         title="perplexity = exp(loss), smoothed",
         log_y=True,
     )

@@ -72,6 +72,8 @@ def _steps(s, term) -> None:
             f"{s.world_size} ({s.layout}): "
             + "; ".join(f"rank {r} batches {_spans(v)}" for r, v in st["ranks"].items()),
         )
+    if st.get("loss_not_known"):
+        term.field("loss", f"not known at steps {_spans(st['loss_not_known'])}: they returned none (no NaN)")
     if st["incomplete"]:
         term.field(
             "[yellow]incomplete[/yellow]",

@@ -6,7 +6,7 @@ import math
 
 from rich.table import Table
 
-from ckptlab.numbers import human_bytes, ranges, short_number, value
+from ckptlab.numbers import LOSS_NOT_KNOWN, human_bytes, ranges, short_number, value
 from ckptlab.render.text import safe
 from ckptlab.replayer.counterfactuals import NOT_RUN
 from ckptlab.replayer.findings import place
@@ -126,11 +126,16 @@ def _diverged(d: dict) -> str:
         else ""
     )
     what = (
-        f"loss {d['loss']!r} vs recorded {d['recorded_loss']!r}"
+        f"loss {_loss(d['loss'])} vs recorded {_loss(d['recorded_loss'])}"
         if d.get("loss") != d.get("recorded_loss")
         else f"grad norm {d['grad_norm']!r} vs recorded {d['recorded_grad_norm']!r}"
     )
     return f"[yellow]diverged[/yellow] at step {d['step']}: {what}{scale}"
+
+
+def _loss(x) -> str:
+    """A loss to full precision; one the step did not return, as not known."""
+    return LOSS_NOT_KNOWN if x is None else repr(x)
 
 
 def _root_step(r, term) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ckptlab.numbers import value
+from ckptlab.numbers import LOSS_NOT_KNOWN, value
 from ckptlab.render.text import safe, sparkline
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
@@ -19,17 +19,20 @@ def render(r, run, term) -> None:
         term.print(f"[bold]{r.run}[/bold]: no steps recorded yet")
         return
     term.print(f"[bold]{r.run}[/bold]  steps {st['first']}..{st['last']} ({st['recorded']} recorded)")
+    loss = m.loss[m.loss_known]  # (a step that returned no loss has no point: not a NaN's "!")
     term.field(
         "loss",
-        f"{sparkline(m.loss)}  {value(c.first)} -> {value(c.last)} (best {value(c.best)} at step {c.best_step})  "
+        f"{sparkline(loss)}  {value(c.first)} -> {value(c.last)} (best {value(c.best)} at step {c.best_step})  "
         f"[bold]{c.kind.replace('_', ' ')}[/bold]"
-        + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else ""),
+        + (f" (shape: {c.shape.replace('_', ' ')})" if c.kind != c.shape else "")
+        if len(loss)
+        else f"{LOSS_NOT_KNOWN}: the steps returned none",
         width=LABEL,
     )
     if r.perplexity:
         p = r.perplexity
         with np.errstate(over="ignore"):
-            ppl = np.exp(np.minimum(m.loss, 700))
+            ppl = np.exp(np.minimum(loss, 700))
         term.field(
             "perplexity",
             f"{sparkline(ppl)}  {value(p.first)} -> {value(p.last)} (best {value(p.best)} at step {p.best_step})"

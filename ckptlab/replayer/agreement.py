@@ -62,10 +62,9 @@ def rel_deviation(a: float | None, b: float | None) -> float:
 
 
 def _values(c: StepCheck) -> list[tuple[str, float | None, float | None]]:
-    out: list[tuple[str, float | None, float | None]] = [
-        ("loss", c.loss, c.recorded_loss),
-        ("grad_norm", c.grad_norm, c.recorded_grad_norm),
-    ]
+    out: list[tuple[str, float | None, float | None]] = [("grad_norm", c.grad_norm, c.recorded_grad_norm)]
+    if c.loss is not None or c.recorded_loss is not None:  # (two losses not known: nothing to compare)
+        out.insert(0, ("loss", c.loss, c.recorded_loss))
     if c.grad_scale is not None or c.recorded_grad_scale is not None:
         out.append(("grad_scale", c.grad_scale, c.recorded_grad_scale))
     if c.rank_loss is not None:

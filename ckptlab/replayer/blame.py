@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from ckptlab.analysis.batches import micro_row, select_rows
-from ckptlab.numbers import same
+from ckptlab.numbers import same_loss
 from ckptlab.replayer.counterfactuals import counterfactuals
 from ckptlab.replayer.findings import Counterfactual, Origin, ReplayReport, SampleBlame
 from ckptlab.replayer.origin import nonfinite_origin, origin
@@ -73,7 +73,7 @@ def _trace(root: RootStep, rep: ReplayReport) -> Tracer:
     if root.replayer.compiled:  # the Tracer ran it with torch.compile off
         rep.trace_eager = True
         rep.notes.append("the per-op trace ran eagerly: its dispatch modes cannot see inside torch.compile's graphs")
-    if not same(traced.loss, rep.steps[root.root - rep.start_checkpoint].loss):
+    if not same_loss(traced.loss, rep.steps[root.root - rep.start_checkpoint].loss):
         rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
     rep.chain = [e.to_json() for e in tracer.chain()]
     root.inv.timing["trace_s"] = time.perf_counter() - t0

@@ -14,6 +14,7 @@ import copy
 
 from ckptlab.analysis.anomalies import step_anomalies
 from ckptlab.analysis.batches import select_rows
+from ckptlab.numbers import LOSS_NOT_KNOWN, precise
 from ckptlab.replayer.findings import Counterfactual, Origin, SampleBlame
 from ckptlab.replayer.optstate import in_tune
 from ckptlab.replayer.origin import group_text, lr_jumps
@@ -68,7 +69,7 @@ def _without_rows(root: RootStep, samples: list[SampleBlame]) -> list[Counterfac
         Counterfactual(
             f"does step {root.root} still fail without the blamed rows ({ids})?",
             still,
-            f"without them: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+            f"without them: loss {precise(h.loss, LOSS_NOT_KNOWN)}, grad norm {h.grad_norm:.4g}"
             + (f" -> still {', '.join(found)}" if still else " -> the fault vanishes" + _others(found)),
         )
     ]
@@ -110,7 +111,7 @@ def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
         Counterfactual(
             f"does step {root.root} still fail with {what}?",
             bool(found),
-            f"with {lrs}: loss {h.loss:.6g}, update ratio {h.update_ratio_global or 0:.3g}"
+            f"with {lrs}: loss {precise(h.loss, LOSS_NOT_KNOWN)}, update ratio {h.update_ratio_global or 0:.3g}"
             + (f" -> still {', '.join(found)}" if found else " -> no fault: the learning rate is the cause"),
         )
     ]
@@ -147,7 +148,7 @@ def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
             Counterfactual(
                 f"does step {root.root} still go non-finite with {what} in float32?",
                 bool(nonfinite),
-                f"in float32: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+                f"in float32: loss {precise(h.loss, LOSS_NOT_KNOWN)}, grad norm {h.grad_norm:.4g}"
                 + (
                     f" -> still {', '.join(nonfinite)}"
                     if nonfinite
@@ -239,16 +240,16 @@ def _older_state(root: RootStep, samples: list[SampleBlame]) -> list[Counterfact
                 Counterfactual(
                     f"does the same batch fail from the older model states at steps {first[0]} and {c}?",
                     False,
-                    f"from checkpoint {first[0]}: loss {first[1].loss:.6g} -> fails too; from checkpoint {c}: loss "
-                    f"{h.loss:.6g}, grad norm {h.grad_norm:.4g} -> no fault: it needs a model state reached after "
-                    f"step {c}" + _others(found),
+                    f"from checkpoint {first[0]}: loss {precise(first[1].loss, LOSS_NOT_KNOWN)} -> fails too; from "
+                    f"checkpoint {c}: loss {precise(h.loss, LOSS_NOT_KNOWN)}, grad norm {h.grad_norm:.4g} -> no "
+                    f"fault: it needs a model state reached after step {c}" + _others(found),
                 )
             ]
     return [
         Counterfactual(
             f"does the same batch fail from the older model state at step {c}?",
             root.older_fault,
-            f"from checkpoint {c}: loss {h.loss:.6g}, grad norm {h.grad_norm:.4g}"
+            f"from checkpoint {c}: loss {precise(h.loss, LOSS_NOT_KNOWN)}, grad norm {h.grad_norm:.4g}"
             + (
                 " -> fails too: the data alone triggers it"
                 if root.older_fault

@@ -25,7 +25,7 @@ import hashlib
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ckptlab.numbers import same
+from ckptlab.numbers import LOSS_NOT_KNOWN, precise, same, same_loss
 from ckptlab.replayer.findings import DivergenceCheck
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.trace import OpEvent, Tracer
@@ -80,10 +80,10 @@ def check_divergence(inv, step: int) -> DivergenceCheck:
     i = first_difference(t1.events, d1, t2.events, d2)
     m = inv.metrics
     k = m.index(step)
-    recorded = float(m.loss[k]) if k is not None else None
+    recorded = m.loss_at(k)
     check = DivergenceCheck(
         step=step,
-        replays_agree=i is None and same(h1.loss, h2.loss) and same(h1.grad_norm, h2.grad_norm),
+        replays_agree=i is None and same_loss(h1.loss, h2.loss) and same(h1.grad_norm, h2.grad_norm),
         ops_compared=min(len(d1), len(d2)),
         losses=[h1.loss, h2.loss],
         recorded_loss=recorded,
@@ -113,7 +113,8 @@ def check_divergence(inv, step: int) -> DivergenceCheck:
     else:
         check.detail = (
             f"both replays agree op for op ({check.ops_compared} ops, bit for bit) but not with the record "
-            f"(loss {h1.loss:.6g}, recorded {recorded if recorded is not None else 'n/a'})"
+            f"(loss {precise(h1.loss, LOSS_NOT_KNOWN)}, recorded "
+            f"{'n/a' if k is None else LOSS_NOT_KNOWN if recorded is None else recorded})"
         )
     if t1.truncated:
         check.detail += f"; only the first {t1.max_events} ops were compared"

@@ -20,8 +20,8 @@ FIRST_UPDATE = "first update with an empty second moment"
 @dataclass
 class StepCheck:
     step: int
-    loss: float
-    recorded_loss: float | None
+    loss: float | None  # None: not known (the step returned no loss), replayed ...
+    recorded_loss: float | None  # ... and recorded (None too where the record has no health)
     grad_norm: float
     recorded_grad_norm: float | None
     match: bool  # loss and grad norm (and every rank's loss) equal to the record, bit for bit
@@ -175,7 +175,7 @@ class DivergenceCheck:
     step: int  # the step replayed twice: left_record_step
     replays_agree: bool  # the two replays match op for op, bit for bit
     ops_compared: int
-    losses: list[float]  # the two replays' losses
+    losses: list[float | None]  # the two replays' losses (None: not known)
     recorded_loss: float | None
     # The first op whose output (or name) differs between the replays: {"index", "op",
     # "phase", "module", "call", "source"}; None when they agree.

@@ -23,10 +23,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptlab.analysis.anomalies import EPISODE_GAP, RECORD_WARNINGS, detectors, episode_start, step_anomalies
+from ckptlab.analysis.anomalies import (
+    EPISODE_GAP,
+    RECORD_WARNINGS,
+    detectors,
+    episode_start,
+    nonfinite_loss,
+    step_anomalies,
+)
 from ckptlab.analysis.spikes import LOSS_RULE, SpikeDetector
 from ckptlab.errors import ReplayError, RetiredError
-from ckptlab.numbers import absdiff, ranges, same
+from ckptlab.numbers import absdiff, ranges, same, same_loss
 from ckptlab.replayer.agreement import judge, survives_noise, why_bits_differ
 from ckptlab.replayer.blame import explain, explain_crash
 from ckptlab.replayer.divergence import check_divergence
@@ -94,7 +101,7 @@ class Investigation:
             if e["kind"] not in RECORD_WARNINGS:  # (no fault of a step: the driver's note)
                 out.setdefault(int(e["step"]), []).append(e["kind"])
         i = self.metrics.index(self.step)
-        if i is not None and not math.isfinite(self.metrics.loss[i]):
+        if i is not None and nonfinite_loss(self.metrics.loss[i], self.metrics.loss_known[i]):
             out.setdefault(self.step, []).append("nonfinite_loss")
         return out
 
@@ -243,7 +250,7 @@ class Investigation:
         return StepCheck(
             s,
             math.nan,
-            float(self.metrics.loss[i]) if i is not None else None,
+            self.metrics.loss_at(i),
             math.nan,
             float(self.metrics.grad_norm[i]) if i is not None else None,
             i is None and same_error,
@@ -485,9 +492,9 @@ def compare(m: Metrics, s: int, h: StepHealth, found: list[str], recorded_error:
     GradScaler scale and per-rank losses, bit for bit. `recorded_error`: the exception the
     record has for a step it has no health for."""
     i = m.index(s)
-    rec_loss = float(m.loss[i]) if i is not None else None
+    rec_loss = m.loss_at(i)
     rec_grad = float(m.grad_norm[i]) if i is not None else None
-    match = i is not None and same(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
+    match = i is not None and same_loss(h.loss, rec_loss) and same(h.grad_norm, rec_grad)
     rec_ranks = m.scalars[i].get("rank_loss") if i is not None else None
     rec_scale = m.scalars[i].get("grad_scale") if i is not None else None
     if rec_scale is not None or h.grad_scale is not None:  # the GradScaler's state replays too

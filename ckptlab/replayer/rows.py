@@ -17,6 +17,7 @@ import torch
 
 from ckptlab.analysis.batches import batch_rows, flat_layouts, python_leaves, row_dim, row_groups, select_rows
 from ckptlab.errors import CkptlabError
+from ckptlab.numbers import LOSS_NOT_KNOWN, value
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.run.reader import Run
 from ckptlab.training.health import StepHealth
@@ -147,11 +148,11 @@ def repeated_sample(ids, rows: int | None) -> dict[int, str]:
 def nonfinite_alone(rows: dict[int, StepHealth]) -> dict[int, str]:
     """The rows whose step alone has a non-finite loss or gradient norm while most rows' is
     finite: the culprits, however `step_fn` splits or reduces the batch."""
-    bad = {r: h for r, h in rows.items() if not (math.isfinite(h.loss) and math.isfinite(h.grad_norm))}
+    bad = {r: h for r, h in rows.items() if h.loss_nonfinite or not math.isfinite(h.grad_norm)}
     if not bad or len(bad) > len(rows) // 2:
         return {}
     return {
-        r: f"alone through the step, its loss is {h.loss:.4g} and gradient norm {h.grad_norm:.4g} "
-        "(the other rows' are finite)"
+        r: f"alone through the step, its loss is {value(h.loss, LOSS_NOT_KNOWN)} and gradient norm "
+        f"{value(h.grad_norm)} (the other rows' are finite)"
         for r, h in bad.items()
     }

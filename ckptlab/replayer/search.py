@@ -17,7 +17,6 @@ and says so. The report holds the earlier cause under `rewind` (and a budget spe
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ckptlab.analysis.anomalies import nonfinite_loss
 from ckptlab.analysis.batches import (
     batch_rows,
     leaves,
@@ -273,7 +273,7 @@ def _transplant(root: RootStep, culprit: Culprit, budget: Budget) -> None:
     recorded_faults = {int(e["step"]) for e in run.events() if new_anomalies([e["kind"]], root.bad_start)}
     for s in sorted((s for s in run.steps if s < root.root), reverse=True)[:8]:
         i = m.index(s)
-        if s in recorded_faults or i is None or not math.isfinite(float(m.loss[i])):
+        if s in recorded_faults or i is None or nonfinite_loss(m.loss[i], m.loss_known[i]):
             continue
         try:
             other = root.replayer.batch(s)

@@ -14,7 +14,7 @@ followed by the counterfactual proof, the deeper searches and a note when replay
 from __future__ import annotations
 
 from ckptlab.analysis.anomalies import is_record_warning
-from ckptlab.numbers import precise, ranges, short_number
+from ckptlab.numbers import LOSS_NOT_KNOWN, precise, ranges, short_number
 from ckptlab.replayer.findings import FIRST_UPDATE, DivergenceCheck, Origin, ReplayReport, place
 
 # A culprit's `cause` (search.py), as the sentence says it.
@@ -89,7 +89,7 @@ def _healthy(r: ReplayReport) -> str:
 def _crash_not_reproduced(r: ReplayReport) -> str:
     div = _divergence_step(r)
     last = r.steps[-1] if r.steps else None
-    ran = f" (loss {precise(last.loss)})" if last is not None and last.error is None else ""
+    ran = f" (loss {precise(last.loss, LOSS_NOT_KNOWN)})" if last is not None and last.error is None else ""
     det = (
         "every replayed step before it matched the record bit for bit"
         if r.deterministic
@@ -129,7 +129,7 @@ def _fault_not_reproduced(r: ReplayReport) -> str:
         left += f"; {r.origin.detail}"
     head = (
         f"The fault did not reproduce{began}: replaying step {r.requested_step} from checkpoint {r.start_checkpoint} "
-        f"gives loss {precise(got)} (recorded {precise(rec)}); {where}{left}."
+        f"gives loss {precise(got, LOSS_NOT_KNOWN)} (recorded {precise(rec, LOSS_NOT_KNOWN)}); {where}{left}."
     )
     return head + " " + _why_not_reproduced(r.divergence)
 

@@ -171,7 +171,6 @@ class OptimizerGroups:
     A group `g` is an index into every step's `lr` list: the optimizers' groups in order."""
 
     keys: list  # each optimizer's key: its index in a list, its key in a dict; [None]: one alone
-    classes: list[str]
     groups: list[list[int]]  # each optimizer's groups
     of_parameter: dict[str, int]  # parameter name -> its group
 
@@ -181,7 +180,6 @@ class OptimizerGroups:
         of_parameter = {p["name"]: p["group"] for p in manifest.get("parameters", []) if p.get("group") is not None}
         return cls(
             [o.get("key") for o in found],
-            [str(o.get("class", "")) for o in found],
             [o["groups"] for o in found],
             of_parameter,
         )

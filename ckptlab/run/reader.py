@@ -43,7 +43,10 @@ class Metrics:
 
     param_names: list[str]
     step: np.ndarray  # int64[S]
-    loss: np.ndarray  # float64[S]
+    loss: np.ndarray  # float64[S]; NaN where not known too (`loss_known`)
+    # bool[S]: False where the step returned no loss (recorded null: a Lightning step under
+    # manual optimization that returns nothing), which is no NaN loss
+    loss_known: np.ndarray
     grad_norm: np.ndarray  # float64[S], before clipping
     lr: np.ndarray  # float64[S, G]
     step_time: np.ndarray  # float64[S], seconds
@@ -61,6 +64,10 @@ class Metrics:
 
     def __len__(self) -> int:
         return len(self.step)
+
+    def loss_at(self, i: int | None) -> float | None:
+        """Row i's loss; None where there is no row or its loss is not known (`loss_known`)."""
+        return float(self.loss[i]) if i is not None and self.loss_known[i] else None
 
     def index(self, step: int) -> int | None:
         i = int(np.searchsorted(self.step, step))
@@ -380,6 +387,7 @@ def _metrics(names: list[str], rows: list) -> Metrics:
         param_names=names,
         step=np.array([s for s, _ in rows], dtype=np.int64),
         loss=np.array([_f(r[0].get("loss")) for _, r in rows], dtype=np.float64),
+        loss_known=np.array([r[0].get("loss") is not None for _, r in rows], dtype=bool),
         grad_norm=np.array([_f(r[0].get("grad_norm")) for _, r in rows], dtype=np.float64),
         lr=np.full((n, groups), np.nan),
         step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),

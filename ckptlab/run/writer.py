@@ -69,6 +69,7 @@ class RunWriter:
         self._write_journal = journal
         self._batches: framelog.FrameWriter | None = None
         self._journal: framelog.FrameWriter | None = None
+        self._first_step: int | None = None  # where the open segments start
         self._batch_compress = records.Compressor()
         self._jobs: queue.Queue = queue.Queue()
         self._ckpt_slot = threading.Semaphore(1)  # at most one checkpoint in flight
@@ -80,13 +81,18 @@ class RunWriter:
     # --- segments (training thread) ------------------------------------------------------
 
     def roll(self, first_step: int) -> None:
-        """Start new segment files at `first_step` (a checkpoint or session start)."""
+        """Start new segment files at `first_step` (a checkpoint or session start). Again at
+        the same step (a step that failed before its batch was recorded begins again): the
+        segments open are those, already."""
+        if first_step == self._first_step:
+            return
         old = [w for w in (self._batches, self._journal) if w is not None]
         folders = [batches_dir(self.run_dir, self.rank)] + ([journal_dir(self.run_dir)] if self._write_journal else [])
         created = [new for folder in folders for new in _make_dirs(folder)]
         self._batches = self._open(folders[0] / segment_name(self.session, first_step))
         if self._write_journal:
             self._journal = self._open(folders[1] / segment_name(self.session, first_step))
+        self._first_step = first_step
         for w in old:  # their fsync is durability for power loss; a kill cannot lose them
             self._submit(("close", w))
         # The new files' and folders' names are durable only once their parent folder is synced.

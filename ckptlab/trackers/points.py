@@ -20,9 +20,10 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
 `scalars` and `arrays` are what the Recorder stores for a step (`StepHealth.scalars()` /
 `.arrays()`, or a row of `Run.metrics()`). A per-parameter NaN is not sent: it marks a value
 not measured that step, or one that was not finite (a NaN gradient or update), which the
-step's anomaly alert reports. The Recorder's warnings about its own record (an optimizer it
-was not given, or one that did not step: RECORD_WARNINGS) are events too, but no fault of a
-step: they are points of their own (`warning/<kind>`) and never alert.
+step's anomaly alert reports. Nor is `train/loss` of a step whose loss is not known (null: it
+returned none), which a NaN would call a fault. The Recorder's warnings about its own record
+(an optimizer it was not given, or one that did not step: RECORD_WARNINGS) are events too, but
+no fault of a step: they are points of their own (`warning/<kind>`) and never alert.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ class Row:
 def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_param: bool | None = None) -> dict:
     """The named points of one recorded step (see the module docstring)."""
     out = {
-        "train/loss": _f(scalars.get("loss")),
         "train/grad_norm": _f(scalars.get("grad_norm")),
         "train/step_time": _f(scalars.get("step_time")),
         "train/nonfinite_grads": _f(scalars.get("nonfinite_grads", 0)),
     }
+    if scalars.get("loss") is not None:  # (null: the step returned no loss; not a NaN to plot)
+        out = {"train/loss": float(scalars["loss"]), **out}
     lrs = scalars.get("lr", [])
     for g, value in enumerate(lrs):  # (a group's number is its place among all: one unknown renumbers none)
         if value is not None and not math.isnan(value):

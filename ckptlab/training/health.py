@@ -20,7 +20,7 @@ from ckptlab.training.world import World, local
 
 @dataclass
 class StepHealth:
-    loss: float
+    loss: float | None  # None: not known (the step returned no loss; recorded as null)
     grad_norm: float  # global L2 norm over all parameters, before clipping, unscaled
     param_grad_norm: np.ndarray  # float32[P]; NO_GRAD where a parameter got no gradient
     nonfinite_grads: int  # non-finite gradient elements, all parameters
@@ -43,8 +43,9 @@ class StepHealth:
     second_moment_empty: np.ndarray | None = None
 
     @property
-    def loss_finite(self) -> bool:
-        return math.isfinite(self.loss)
+    def loss_nonfinite(self) -> bool:
+        """The step returned a loss, and it is NaN/Inf (a loss not known is no such fault)."""
+        return self.loss is not None and not math.isfinite(self.loss)
 
     def scalars(self) -> dict:
         out = {
@@ -104,7 +105,7 @@ def read_health(
         value, grad_sq, nonfinite, updates, len(meta["idx"]), world
     )
     health = StepHealth(
-        loss=ranks[0] if ranks is not None else value,
+        loss=None if meta.get("no_loss") else ranks[0] if ranks is not None else value,
         grad_norm=grad_norm,
         param_grad_norm=norms,
         nonfinite_grads=counted,
@@ -252,7 +253,7 @@ class CommonHealth:
     # A step that measured its update: the weight norms, the update ratios (float32 values),
     # the update ratio over all parameters, and the second-moment flags (all 0) when taken.
     update: tuple[list[float], list[float], float, list[float] | None] | None = None
-    loss_finite = True  # (read_common reads finite steps only)
+    loss_nonfinite = False  # (read_common reads finite steps only)
 
     def scalars(self) -> dict:
         """`StepHealth.scalars()` of this step (the same keys, in the same order)."""

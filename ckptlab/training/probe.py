@@ -83,7 +83,7 @@ from ckptlab.errors import RecordError
 from ckptlab.training import grad_points
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
-from ckptlab.training.member_steps import MemberSteps, outside_optimizer, pinned_norms
+from ckptlab.training.member_steps import MemberSteps, outside_optimizer
 from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
 from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.pending import PendingHealth
@@ -94,7 +94,11 @@ from ckptlab.training.wrappers import unwrap
 
 def loss_tensor(loss) -> torch.Tensor:
     """What `step_fn` returned as a 1-element float32 tensor on its device (no device sync);
-    a clear error for anything but a scalar."""
+    a clear error for anything but a scalar. None, a step that returned no loss (a Lightning
+    `training_step` that returns nothing): NaN in the vector the probe copies, the step's
+    health saying "not known" (`StepProbe.end`, training/health.py)."""
+    if loss is None:
+        return torch.full((1,), math.nan)
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise RecordError(f"step_fn returned a tensor of shape {tuple(loss.shape)}; return the scalar loss")
@@ -208,7 +212,6 @@ class StepProbe:
         # parameters none holds, watched on the watched steps.
         self._members = MemberSteps(optimizer, self.params) if isinstance(optimizer, OptimizerSet) else None
         self._outside = () if self.hand else tuple(outside_optimizer(optimizer, self.params))
-        self._pinned: dict[int, tuple] = {}  # several optimizers: see _reset
         self._active = False
         self._queued = False
         self._plans: list | None = None
@@ -257,8 +260,8 @@ class StepProbe:
         self._empty: torch.Tensor | None = None  # second moments empty before the update (first_update.py)
         self._bad_grads = False  # the last backward's gradients were not all finite (known on the CPU)
         self._stepped = False
-        if self._members is not None:  # several optimizers: (norm, non-finite count) as each one stepped
-            self._pinned = {}
+        if self._members is not None:  # several optimizers: what each one's step found
+            self._members.reset()
         self._measure_update = measure_update
         self._accumulating = False  # see accumulating()
         # The gradients the last noted backward left: (tensors, versions, whether every
@@ -424,7 +427,7 @@ class StepProbe:
             return PendingHealth(self, (loss.item(), grad_norms), None, usual, plain_meta)
         if value is None:
             value = loss_tensor(loss)
-        meta: dict = {}
+        meta: dict = {"no_loss": True} if loss is None else {}  # (not known, which NaN would not say: health.py)
         parts: dict[str, slice] = {}  # name -> where its numbers sit in the one vector copied
         pieces: list[torch.Tensor] = []
 
@@ -475,8 +478,8 @@ def _gradient_norms(probe: StepProbe) -> tuple[list[int], torch.Tensor]:
     training/member_steps.py), and any gradient that arrived without a backward (e.g. assigned
     by hand), read as it is now."""
     idx, norms = probe._grad_idx, probe._grad_norms
-    if probe._pinned:
-        idx, norms = pinned_norms(probe, idx, norms)
+    if probe._members is not None:
+        idx, norms = probe._members.own_norms(probe, idx, norms)
     measured = set(idx)
     late = [(i, p.grad) for i, p in enumerate(probe.params) if p.grad is not None and i not in measured]
     if not late:

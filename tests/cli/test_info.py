@@ -93,6 +93,7 @@ def test_json_has_the_documented_keys_and_verifies(recorded, info):
         "batches_retained": [0, 29],
         "batch_ranges": [[0, 29]],
         "incomplete": [],
+        "loss_not_known": [],
     }
     assert [c["step"] for c in s["checkpoints"]] == [0, 5, 10, 20]
     assert all(c["verified"] is True and c["problem"] is None for c in s["checkpoints"])

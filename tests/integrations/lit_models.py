@@ -180,3 +180,31 @@ GAN_FAULT, GAN_JUMP = 9, 1e4
 def build_gan():
     torch.manual_seed(0)
     return ckl.build(LitGAN())
+
+
+class QuietGAN(LitGAN):
+    """LitGAN's step as manual optimization is usually written: it returns nothing."""
+
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+
+
+def build_quiet_gan():
+    torch.manual_seed(0)
+    return ckl.build(QuietGAN())
+
+
+# --- automatic optimization: a training_step that returns None on one batch ---------------------------
+
+SKIPPED = 4  # the batch LitSkips returns None for (a checkpoint's step): Lightning runs no backward
+
+
+class LitSkips(LitMLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)  # (its forward draws dropout's RNG all the same)
+        return None if batch_idx == SKIPPED else loss
+
+
+def build_skips():
+    torch.manual_seed(0)
+    return ckl.build(LitSkips())

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 import ckptlab  # noqa: E402
 from ckptlab.integrations import lightning as ckl  # noqa: E402
+from ckptlab.run.records import NO_GRAD  # noqa: E402
 from tests.integrations import lit_models as lm  # noqa: E402
 
 # Lightning's own deprecation noise (torch pytree API), and the refusal test's missing val loader.
@@ -292,3 +293,87 @@ def test_manual_optimization_with_two_optimizers_records_and_replays_bit_exactly
     assert report.root_step == lm.GAN_FAULT and report.bit_exact and all(c.match for c in report.steps)
     o = report.origin
     assert (o.kind, o.optimizer, o.param_group) == ("optimizer", 1, 0) and o.parameter.startswith("G.")
+
+
+# --- a training_step that returns nothing ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quiet_gan_run(tmp_path_factory):
+    """LitGAN's run with a training_step that returns nothing (G's learning rate still jumps at
+    GAN_FAULT)."""
+    tmp = tmp_path_factory.mktemp("lit-quiet")
+    cb = ckl.CkptlabCallback(tmp / "run", build_fn=lm.build_quiet_gan, sample_ids="idx", ckpt_every=4)
+    train, _ = lm.loaders(None)
+    torch.manual_seed(0)
+    trainer = lm.trainer(tmp, callbacks=[cb], max_steps=2 * 14, limit_val_batches=0, gradient_clip_val=None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*grad spike")  # (the Recorder's alert of the planted jump)
+        trainer.fit(lm.QuietGAN(), train)
+    return tmp / "run"
+
+
+def test_a_manual_step_that_returns_nothing_is_recorded_with_its_loss_not_known(quiet_gan_run, capsys):
+    """Every step is recorded (its optimizers stepped), its loss null: not a NaN, so neither the
+    Recorder nor report calls it a non-finite loss, and report and info say so."""
+    from ckptlab.analysis.health import diagnose
+    from ckptlab.cli import main
+
+    run = ckptlab.open_run(quiet_gan_run)
+    m = run.metrics()
+    assert m.step.tolist() == list(range(14)) and [run.batch(s)[0]["batch_idx"] for s in (4, 13)] == [4, 13]
+    assert [s["loss"] for s in m.scalars] == [None] * 14 and not m.loss_known.any()
+    assert m.stepped.all() and (m.grad_norm > 0).all()  # measured as ever: gradients, learning rates
+    assert "nonfinite_loss" not in {e["kind"] for e in run.events()}
+    report = diagnose(run, weights=False)
+    assert "explosion" not in {f.kind for f in report.findings} and report.curve.first is None
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["report", "--run", str(quiet_gan_run)])
+    out = capsys.readouterr().out
+    assert "loss        not known: the steps returned none" in out and "!" not in out.split("\n")[1]
+    with pytest.raises(SystemExit):
+        main(["info", "--run", str(quiet_gan_run), "--json", "--no-verify"])
+    assert json.loads(capsys.readouterr().out)["steps"]["loss_not_known"] == [[0, 13]]
+
+
+def test_a_manual_step_that_returns_nothing_replays_bit_exactly_and_its_fault_is_found(quiet_gan_run, capsys):
+    """Replay goes through the steps without a loss bit for bit (loss and recorded loss both
+    null), and finds G's learning-rate jump from the gradients and updates alone."""
+    from ckptlab.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["replay", "--run", str(quiet_gan_run), "--step", "12", "--json"])
+    assert done.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["root_step"] == lm.GAN_FAULT and doc["reproduced"] and doc["bit_exact"]
+    assert [(c["loss"], c["recorded_loss"], c["match"]) for c in doc["steps"]] == [(None, None, True)] * 5
+    assert (doc["origin"]["kind"], doc["origin"]["optimizer"]) == ("optimizer", 1)
+
+
+@pytest.fixture(scope="module")
+def skips_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lit-skips")
+    cb = ckl.CkptlabCallback(tmp / "run", build_fn=lm.build_skips, sample_ids="idx", ckpt_every=lm.SKIPPED)
+    train, _ = lm.loaders(None)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*`training_step` returned `None`")
+        lm.trainer(tmp, callbacks=[cb], max_steps=10, limit_val_batches=0).fit(lm.LitSkips(), train)
+    return tmp / "run"
+
+
+def test_an_automatic_step_that_returns_none_is_recorded_and_the_recording_goes_on(skips_run):
+    """Lightning skips the backward of a batch whose training_step returns None (here at a
+    checkpoint's step): it is recorded as a step without a loss or a gradient, the steps after
+    it follow one batch each, and replay goes through it bit for bit (dropout's RNG and the
+    scheduler's step, as the trainer ran them)."""
+    run = ckptlab.open_run(skips_run)
+    m = run.metrics()
+    assert m.step.tolist() == list(range(10)) == [run.batch(s)[0]["batch_idx"] for s in run.steps]
+    assert m.loss_known.tolist() == [s != lm.SKIPPED for s in range(10)]
+    assert (m.param_grad_norm[lm.SKIPPED] == NO_GRAD).all() and run.events() == []
+    report = ckptlab.replay(skips_run, 9, from_step=0, trace=False, counterfactuals=False)
+    assert report.bit_exact and [c.step for c in report.steps] == list(range(10))
+    assert all(c.match for c in report.steps) and report.steps[lm.SKIPPED].loss is None

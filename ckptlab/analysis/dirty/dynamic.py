@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ckptlab.analysis.anomalies import nonfinite_loss
 from ckptlab.analysis.dirty.findings import (
     CORROBORATED,
     DEFAULT_RULES,
@@ -28,7 +29,8 @@ def dynamic_flags(run: Run, rules: DirtyRules = DEFAULT_RULES, *, ids_by_step: d
     m = run.metrics()
     retained = set(run.steps)
     out = []
-    for i in np.flatnonzero(~np.isfinite(m.loss)):
+    bad_loss = nonfinite_loss(m.loss, m.loss_known)  # (a loss not known is none: anomalies.py)
+    for i in np.flatnonzero(bad_loss):
         out.append(
             {"step": int(m.step[i]), "kind": "nonfinite_loss", "value": float(m.loss[i]), "median": None, "z": None}
         )
@@ -38,7 +40,7 @@ def dynamic_flags(run: Run, rules: DirtyRules = DEFAULT_RULES, *, ids_by_step: d
     # A step without any gradient (a loop that skipped backward) has a NaN norm that is not one.
     no_grad = (m.param_grad_norm < 0).all(axis=1) if m.param_grad_norm.shape[1] else np.zeros(len(m), dtype=bool)
     nonfinite_norm = ~np.isfinite(m.grad_norm) & ~no_grad
-    bad_grads = np.isfinite(m.loss) & (nonfinite_norm | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
+    bad_grads = ~bad_loss & (nonfinite_norm | (m.nonfinite_grads > 0)) & ~m.scaler_skipped
     for i in np.flatnonzero(bad_grads):
         out.append(
             {

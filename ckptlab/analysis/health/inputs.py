@@ -12,6 +12,7 @@ from ckptlab.analysis.health.clipping import Clipping, clipping
 from ckptlab.analysis.health.earlystop import EarlyStop, early_stopping, validation_series
 from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.analysis.health.snapshots import WeightSnapshot, weight_snapshots
+from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.run.reader import Metrics, Run
 
 
@@ -35,9 +36,9 @@ class RunData:
         return {p["name"]: tuple(p.get("shape", ())) for p in self.run.manifest.get("parameters", [])}
 
     @cached_property
-    def groups(self) -> dict[str, int]:
-        """Each parameter's group (its column of `m.lr`), where the run says (manifest)."""
-        return {p["name"]: p["group"] for p in self.run.manifest.get("parameters", []) if p.get("group") is not None}
+    def optimizers(self) -> OptimizerGroups:
+        """Each parameter's group (its column of `m.lr`: `of_parameter`), where the run says."""
+        return OptimizerGroups.of(self.run.manifest)
 
     @cached_property
     def trainable(self) -> dict[str, bool]:

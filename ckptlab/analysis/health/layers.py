@@ -219,7 +219,7 @@ def _main_phase_ratios(d: RunData, rules: HealthRules) -> tuple[np.ndarray, dict
     for j, name in enumerate(m.param_names):
         if j in frozen_cols or len(d.shapes.get(name, ())) < 2:
             continue
-        group = d.groups.get(name)
+        group = d.optimizers.of_parameter.get(name)
         if group not in phases:
             phases[group] = np.isin(measured, _main_phase(m, measured, group))
         col = ur[phases[group], j]

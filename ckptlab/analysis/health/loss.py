@@ -58,7 +58,7 @@ def loss_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
     and names the rows and sample ids; else "explosion", whose remedy about clipping follows
     what the run records about it (clipping.py)."""
     m = d.m
-    bad = np.flatnonzero(nonfinite_loss(m.loss))
+    bad = np.flatnonzero(nonfinite_loss(m.loss, m.loss_known))
     if len(bad) == 0:
         return []
     i = int(bad[0])

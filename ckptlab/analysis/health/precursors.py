@@ -52,7 +52,7 @@ def loss_events(m: Metrics, rules: HealthRules) -> list[tuple[int, str]]:
         if k - last > rules.precursor_window:
             events.append((k, "spiked"))
         last = k
-    bad = np.flatnonzero(nonfinite_loss(m.loss))
+    bad = np.flatnonzero(nonfinite_loss(m.loss, m.loss_known))
     if len(bad):
         events.append((int(bad[0]), "went non-finite"))
     events.sort()

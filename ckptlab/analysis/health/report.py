@@ -108,6 +108,7 @@ class PlotData:
     """The series the HTML page draws; not part of the JSON document."""
 
     steps: np.ndarray
+    loss_steps: np.ndarray  # the steps whose loss is known (`loss`, `loss_ema` are theirs)
     loss: np.ndarray
     loss_ema: np.ndarray
     grad_norm: np.ndarray
@@ -160,7 +161,7 @@ def diagnose(run: Run, rules: HealthRules = DEFAULT_RULES, *, weights: bool = Tr
         curve=curve,
         perplexity=perplexity(run, m, val_loss),
         findings=findings,
-        verdict=verdict(curve, findings),
+        verdict=verdict(curve, findings, loss_known=bool(m.loss_known.any()) or not len(m)),
         rules=rules,
     )
     if plots:
@@ -168,10 +169,13 @@ def diagnose(run: Run, rules: HealthRules = DEFAULT_RULES, *, weights: bool = Tr
     return report
 
 
-def verdict(curve: CurveSummary, findings: list[Finding]) -> str:
-    """One line: the worst alarm (and the kinds of the others), or what the healthy curve does."""
+def verdict(curve: CurveSummary, findings: list[Finding], *, loss_known: bool = True) -> str:
+    """One line: the worst alarm (and the kinds of the others), or what the healthy curve does.
+    `loss_known`: some step's loss is known (False: every step returned none)."""
     alarms = [f for f in findings if f.severity != "info"]
     if not alarms:
+        if not loss_known:
+            return "The steps returned no loss (not known): no curve to judge; no problems found in the rest."
         if curve.shape == "empty":
             return "No finite loss recorded yet: nothing to judge."
         if curve.shape == "too_short":
@@ -254,10 +258,12 @@ def plot_data(d: RunData, findings: list[Finding]) -> PlotData:
     m = d.m
     measured = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1)) if len(m) else np.array([], dtype=int)
     markers = {(s, f.kind, f.severity) for f in findings if f.kind in MARKED for s in f.steps[:50]}
+    known = m.loss_known  # (a step that returned no loss has no point: not a NaN's red triangle)
     return PlotData(
         steps=m.step,
-        loss=m.loss,
-        loss_ema=smooth(m.loss),
+        loss_steps=m.step[known],
+        loss=m.loss[known],
+        loss_ema=smooth(m.loss[known]),
         grad_norm=m.grad_norm,
         val_metric=d.metric,
         val_steps=[s for s, _ in d.val],
