@@ -59,6 +59,7 @@ from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.integrations.lightning_manual import ReplayedTrainer, as_list
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training.crash import call_through
 from ckptlab.training.probe import accumulating
 
 try:
@@ -359,28 +360,33 @@ def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, la
 
     def closure():
         with _autocast(model, cfg["precision"]), _quiet_log():
-            result = _run_training_step(model, ddp, args)
+            result = call_through(_run_training_step, model, ddp, args)
         loss = result.get("loss") if isinstance(result, dict) else result
         if first:
-            model.on_before_zero_grad(optimizer)
-            model.optimizer_zero_grad(epoch, batch_idx, optimizer)
+            call_through(model.on_before_zero_grad, optimizer)
+            call_through(model.optimizer_zero_grad, epoch, batch_idx, optimizer)
         if loss is None:
             return None
         loss = loss / k  # ClosureResult normalizes by accumulate_grad_batches
         closure.loss = loss.detach()
         if scaler is not None:
             loss = scaler.scale(loss)  # MixedPrecision.pre_backward: the hooks see the scaled loss
-        model.on_before_backward(loss)
-        model.backward(loss)
-        model.on_after_backward()
+        call_through(model.on_before_backward, loss)  # (the user's hooks: their exceptions are theirs)
+        call_through(model.backward, loss)
+        call_through(model.on_after_backward)
         if last:
             # MixedPrecision.optimizer_step unscales before the hooks and the clipping, unless
             # the optimizer unscales in its own step (fused: Lightning then refuses to clip).
             if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
                 scaler.unscale_(optimizer)
-            model.on_before_optimizer_step(optimizer)
+            call_through(model.on_before_optimizer_step, optimizer)
             with _trainerless_clipping(model):
-                model.configure_gradient_clipping(optimizer, cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"])
+                call_through(
+                    model.configure_gradient_clipping,
+                    optimizer,
+                    cfg["gradient_clip_val"],
+                    cfg["gradient_clip_algorithm"],
+                )
         return loss
 
     closure.loss = None  # type: ignore[attr-defined]  # a function's own attribute, which mypy does not model

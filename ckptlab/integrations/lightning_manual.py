@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+from ckptlab.training.crash import call_through
 from ckptlab.training.wrappers import torch_optimizer
 
 
@@ -52,23 +53,23 @@ class ReplayedTrainer:
         whose closure runs the user's closure, then `on_before_optimizer_step`."""
 
         def wrapped():
-            result = closure()
-            self.module.on_before_optimizer_step(optimizer)
+            result = call_through(closure)  # (the user's code: its exceptions are its own)
+            call_through(self.module.on_before_optimizer_step, optimizer)
             return result
 
-        return optimizer.step(closure=wrapped, **kwargs)
+        return call_through(optimizer.step, closure=wrapped, **kwargs)
 
     def backward(self, loss, *args, **kwargs) -> None:
         """`self.manual_backward(loss)`: the strategy's backward, hooks included. The module's
         own `backward` runs with no seam set (its default would come back here)."""
         m = self.module
-        m.on_before_backward(loss)
+        call_through(m.on_before_backward, loss)  # (the user's hooks: their exceptions are theirs)
         seam, m._fabric = m._fabric, None
         try:
-            m.backward(loss, *args, **kwargs)
+            call_through(m.backward, loss, *args, **kwargs)
         finally:
             m._fabric = seam
-        m.on_after_backward()
+        call_through(m.on_after_backward)
 
     def log_dict(self, metrics=None, **kwargs) -> None:
         """`self.log` in replay: nowhere (the record has what training logged)."""

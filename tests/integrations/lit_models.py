@@ -208,3 +208,16 @@ class LitSkips(LitMLP):
 def build_skips():
     torch.manual_seed(0)
     return ckl.build(LitSkips())
+
+
+class LitChecked(LitMLP):
+    """LitMLP whose `on_after_backward` refuses a non-finite gradient, as training code does."""
+
+    def on_after_backward(self):
+        if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in self.parameters()):
+            raise FloatingPointError("non-finite gradient")
+
+
+def build_checked():
+    torch.manual_seed(0)
+    return ckl.build(LitChecked())

@@ -93,6 +93,24 @@ def test_replay_names_the_layer_an_absurd_sample_overflows(tmp_path):
     assert [s.sample_id for s in report.samples] == [lm.FAULT_SAMPLE]
 
 
+def test_an_exception_of_the_users_hook_is_the_steps_own_on_replay(tmp_path, cli):
+    """`on_after_backward` raises on the NaN sample's gradients: replay's trainerless step runs
+    the hook through ckptlab's shim, and the exception is still the user's step raising (traced
+    to the sample), not ckptlab's internal error."""
+    run_dir = tmp_path / "run"
+    cb = ckl.CkptlabCallback(run_dir, build_fn=lm.build_checked, sample_ids="idx", ckpt_every=5)
+    train, val = lm.loaders("nan")
+    torch.manual_seed(0)
+    with pytest.raises(FloatingPointError):
+        lm.trainer(tmp_path, callbacks=[cb]).fit(lm.LitChecked(), train, val)
+    done = cli("replay", "--run", run_dir, "--step", FAULT_STEP, "--json")
+    assert done.code == 0, done.err
+    doc = done.json()
+    assert doc["root_step"] == FAULT_STEP and doc["origin"]["kind"] == "data"
+    assert doc["origin"]["raised"]["error"] == "FloatingPointError: non-finite gradient"
+    assert [s["sample_id"] for s in doc["samples"]] == [lm.FAULT_SAMPLE]
+
+
 def test_on_anomaly_reaches_the_recorder(tmp_path):
     seen = []
     fit(tmp_path, "nan", on_anomaly=lambda step, events: seen.append((step, [e["kind"] for e in events])))
