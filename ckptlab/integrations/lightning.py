@@ -24,9 +24,7 @@ What is recorded from which hook:
   With `accumulate_grad_batches=k` one step is one optimizer step: its first micro-batch begins
   it, and its micro-batches are recorded together before the last one runs;
 - `on_train_batch_end`: `end_step` with the loss `training_step` returned (with accumulation,
-  after the last micro-batch, the sum of theirs) (health, anomalies, `on_anomaly` alerts,
-  NonFiniteLoss); a `training_step` that returned nothing is a step all the same, its loss
-  recorded as not known;
+  after the last micro-batch, the sum of theirs; none: a step all the same, its loss not known);
 - `on_validation_end`: `log_validation` with the trainer's metrics whose names start with
   `val_prefix` (not during the sanity check);
 - `on_train_end` / `on_exception`: close.
@@ -380,13 +378,9 @@ def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, la
             if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
                 scaler.unscale_(optimizer)
             call_through(model.on_before_optimizer_step, optimizer)
+            clip = cfg["gradient_clip_val"], cfg["gradient_clip_algorithm"]
             with _trainerless_clipping(model):
-                call_through(
-                    model.configure_gradient_clipping,
-                    optimizer,
-                    cfg["gradient_clip_val"],
-                    cfg["gradient_clip_algorithm"],
-                )
+                call_through(model.configure_gradient_clipping, optimizer, *clip)
         return loss
 
     closure.loss = None  # type: ignore[attr-defined]  # a function's own attribute, which mypy does not model

@@ -12,6 +12,7 @@ from step 0 on holds the NaN row, so a replay of that step starts from a bad sta
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -56,6 +57,12 @@ ARGS = TrainingArguments(
 )
 
 
+def fresh_args() -> TrainingArguments:
+    """A copy of ARGS whose device setup resets accelerate's one-per-process AcceleratorState:
+    another test file run before in this process may have fixed it to another precision."""
+    return dataclasses.replace(ARGS)
+
+
 def config() -> LlamaConfig:
     return LlamaConfig(
         vocab_size=VOCAB,
@@ -81,7 +88,7 @@ def model() -> LlamaForCausalLM:
 
 
 def build():
-    return ckt.build(model(), ARGS)
+    return ckt.build(model(), fresh_args())
 
 
 class PaddedTokens(torch.utils.data.Dataset):

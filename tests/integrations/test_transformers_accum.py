@@ -32,7 +32,7 @@ def run_json(*args) -> dict:
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("hf-llama-accum") / "run"
-    trainer = Trainer(model=lm.model(), args=lm.ARGS, train_dataset=lm.PaddedTokens())
+    trainer = Trainer(model=lm.model(), args=lm.fresh_args(), train_dataset=lm.PaddedTokens())
     ckt.record(trainer, run_dir, build_fn=lm.build, sample_id_key="idx", ckpt_every=4)
     with pytest.raises(ckptlab.NonFiniteLoss) as e:
         trainer.train()
