@@ -12,7 +12,7 @@ import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptlab import trackers
 from ckptlab.analysis.batches import MICRO_BATCHES, MICRO_ROWS, batch_rows
@@ -132,3 +132,29 @@ def restore_micro_rng(part: dict) -> None:
 def add_losses(total, loss):
     """The running sum of an accumulated step's micro-batch losses (None: none yet)."""
     return loss if total is None else total + loss
+
+
+_Loop = TypeVar("_Loop", bound="PassedOn")
+
+
+class PassedOn:
+    """What a loop's recorder (accelerate's, Fabric's) passes on to its Recorder `rec` as it
+    is, and its use as a context manager (closing the Recorder on the way out)."""
+
+    rec: Any  # the Recorder
+
+    @property
+    def next_step(self) -> int:
+        return self.rec.next_step
+
+    def log_validation(self, **metrics: float) -> None:
+        self.rec.log_validation(**metrics)
+
+    def close(self) -> None:
+        self.rec.close()
+
+    def __enter__(self: _Loop) -> _Loop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

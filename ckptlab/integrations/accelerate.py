@@ -83,7 +83,7 @@ def record(run_dir, accelerator, model, optimizer, lr_scheduler=None, **kwargs) 
     return LoopRecorder(run_dir, accelerator, model, optimizer, lr_scheduler, **kwargs)
 
 
-class LoopRecorder:
+class LoopRecorder(_common.PassedOn):
     """A `Recorder` on an accelerate loop: `micro_batch(batch)` runs the loop's body on one
     batch of the dataloader and records the optimizer steps they make.
 
@@ -164,24 +164,6 @@ class LoopRecorder:
         if last:
             _common.end_step(rec, micro.loss)
         return loss
-
-    # --- the Recorder's other calls --------------------------------------------------------
-
-    @property
-    def next_step(self) -> int:
-        return self.rec.next_step
-
-    def log_validation(self, **metrics: float) -> None:
-        self.rec.log_validation(**metrics)
-
-    def close(self) -> None:
-        self.rec.close()
-
-    def __enter__(self) -> LoopRecorder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def training_step(model, optimizer, batch):

@@ -106,7 +106,7 @@ def record(run_dir, fabric, model, optimizer, **kwargs) -> LoopRecorder:
     return LoopRecorder(run_dir, fabric, model, optimizer, **kwargs)
 
 
-class LoopRecorder:
+class LoopRecorder(_common.PassedOn):
     """A `Recorder` on a Fabric loop: `micro_batch(batch, ids, is_accumulating=...)` runs the
     loop's body on one batch of the dataloader and records the optimizer steps they make.
 
@@ -171,24 +171,6 @@ class LoopRecorder:
         if not is_accumulating:
             _common.end_step(rec, micro.loss / len(micro.parts))
         return loss
-
-    # --- the Recorder's other calls --------------------------------------------------------
-
-    @property
-    def next_step(self) -> int:
-        return self.rec.next_step
-
-    def log_validation(self, **metrics: float) -> None:
-        self.rec.log_validation(**metrics)
-
-    def close(self) -> None:
-        self.rec.close()
-
-    def __enter__(self) -> LoopRecorder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def training_step(model, optimizer, batch):
