@@ -33,7 +33,7 @@ from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import Progress, read_progress
 from ckptlab.run.writer import io_error
-from ckptlab.training import userfns
+from ckptlab.training import fsdp1, userfns
 from ckptlab.training.optimizer_set import describe
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
@@ -160,6 +160,7 @@ class Session:
     def _new_manifest(self) -> dict:
         model, optimizer, scheduler, scaler = self.training
         params = named_parameters(model)
+        shapes = fsdp1.full_shapes(model)  # (the model's own shapes, not FSDP1's views into a shard)
         first = params[0][1] if params else None
         # (one group each for its parameters, and with several optimizers whose groups are whose)
         optimizers, groups = describe(optimizer, [p for _, p in params]) if optimizer is not None else ([], [])
@@ -182,7 +183,7 @@ class Session:
             parameters=[
                 {
                     "name": n,
-                    "shape": list(p.shape),
+                    "shape": list(shapes.get(id(p), p.shape)),
                     "dtype": codec.dtype_name(p.dtype),
                     "requires_grad": p.requires_grad,
                     "group": group,
@@ -194,13 +195,15 @@ class Session:
             data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,
+            **({"data_ranks": list(self.world.data_ranks)} if self.world.data_ranks is not None else {}),
             layout="sharded" if self.world.sharded else "replicated",
             backend=self.world.backend,
         )
 
     def _check_same_model(self) -> None:
         recorded = [(p["name"], list(p["shape"])) for p in self.manifest.get("parameters", [])]
-        current = [(n, list(p.shape)) for n, p in named_parameters(self.training[0])]
+        shapes = fsdp1.full_shapes(self.training[0])
+        current = [(n, list(shapes.get(id(p), p.shape))) for n, p in named_parameters(self.training[0])]
         if recorded != current:
             diff = next(((a, b) for a, b in zip(recorded, current) if a != b), (len(recorded), len(current)))
             raise RecordError(f"the model differs from the recorded one ({diff[0]} vs {diff[1]})", path=self.run_dir)

@@ -1,7 +1,8 @@
 """manifest.json: what recorded the run and how. Written atomically; read with validation.
 
 Keys (format_version 2, as in 1): format, format_version, created, versions{ckptlab, torch, numpy,
-python, platform, cuda}, host, device, world_size, config{ckpt_every, health_every, keep_last,
+python, platform, cuda}, host, device, world_size, data_ranks (tensor parallelism: each process's
+data-parallel rank), config{ckpt_every, health_every, keep_last,
 ...}, functions{build_fn, step_fn} (module, qualname, file, file_rel, sha256, source_file),
 parameters[{name, shape, dtype, requires_grad, group}], param_groups, optimizers[{key, class,
 groups}] (`OptimizerGroups` reads the two), data_info, env (the execution
@@ -69,6 +70,16 @@ def new_manifest(**fields) -> dict:
     return manifest
 
 
+def data_group(manifest: dict, rank: int | None) -> dict:
+    """How a report names process `rank`: {"rank": its data-parallel rank, "processes": the
+    processes of that rank (they train on one batch)} under tensor parallelism (`data_ranks`),
+    else {"rank": rank, "processes": None}."""
+    data_ranks = manifest.get("data_ranks")
+    if rank is None or not data_ranks:
+        return {"rank": rank, "processes": None}
+    return {"rank": data_ranks[rank], "processes": [r for r, d in enumerate(data_ranks) if d == data_ranks[rank]]}
+
+
 def read_manifest(run_dir: Path) -> dict:
     path = run_dir / MANIFEST
     if not run_dir.is_dir():
@@ -125,6 +136,13 @@ def _check_types(manifest: dict, path: Path) -> None:
     _check_optimizers(manifest, bad)
     if "world_size" in manifest and not (is_int(manifest["world_size"]) and manifest["world_size"] >= 1):
         raise bad("'world_size' is not a positive integer")
+    data_ranks = manifest.get("data_ranks")
+    if data_ranks is not None and not (
+        isinstance(data_ranks, list)
+        and len(data_ranks) == manifest.get("world_size", 1)
+        and all(is_int(r) and 0 <= r < len(data_ranks) for r in data_ranks)
+    ):
+        raise bad("'data_ranks' is not one data-parallel rank per process")
     created = manifest.get("created")
     if created is not None and not (is_number(created) and math.isfinite(created)):
         raise bad("'created' is not a time")

@@ -80,7 +80,7 @@ import weakref
 import torch
 
 from ckptlab.errors import RecordError
-from ckptlab.training import grad_points
+from ckptlab.training import fsdp1, grad_points
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.member_steps import MemberSteps, outside_optimizer
@@ -89,7 +89,7 @@ from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.pending import PendingHealth
 from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample, update_scales
 from ckptlab.training.world import World, is_sharded, local
-from ckptlab.training.wrappers import unwrap
+from ckptlab.training.wrappers import own_name, unwrap
 
 
 def loss_tensor(loss) -> torch.Tensor:
@@ -115,8 +115,9 @@ def loss_value(loss) -> float:
 
 
 def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters in a stable order, tied ones once (the order the run's arrays use)."""
-    return list(unwrap(model).named_parameters())
+    """Parameters in a stable order, tied ones once (the order the run's arrays use), by the
+    model's own names."""
+    return [(own_name(n), p) for n, p in unwrap(model).named_parameters()]
 
 
 def same_norms_now(measured) -> bool:
@@ -202,6 +203,9 @@ class StepProbe:
         self._one_device = len({p.device for p in self.params}) <= 1
         self._cpu = all(p.device.type == "cpu" for p in self.params)
         self._sharded = any(is_sharded(p) for p in self.params)
+        # What autograd accumulates into, where that is not the parameters: FSDP1's flat
+        # parameters (the model's own are views, whose hooks never fire: training/fsdp1.py).
+        self._leaves = fsdp1.flat_params(model)
         self.optimizer = optimizer
         self.scaler = scaler
         self.world = world or World()
@@ -231,7 +235,8 @@ class StepProbe:
         after `close()`)."""
         if self._handles:
             return
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
+        leaves = [*(p for p in self.params if p.requires_grad), *self._leaves]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in leaves]
         self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
         _PROBES[self.optimizer] = self
@@ -362,7 +367,8 @@ class StepProbe:
         self._lr = group_lrs(optimizer)
         if self._measure_update:
             self._take_before()
-            self._empty = empty_flags(optimizer, self.params)
+            # (FSDP1's state is of this rank's views, often empty: it says nothing of the whole)
+            self._empty = empty_flags(optimizer, self.params) if not self._leaves else None
         elif self._bad_grads and not self.world.distributed:
             # Non-finite gradients (seen on the CPU without a sync): were the weights already
             # bad before this update? The record can then name them when the fault does not

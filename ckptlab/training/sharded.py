@@ -30,6 +30,7 @@ from ckptlab.run import codec
 from ckptlab.run import sharded as on_disk
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.layout import DCP_DIR
+from ckptlab.training import fsdp1
 from ckptlab.training.world import local
 
 
@@ -158,7 +159,10 @@ def full_snapshot(world, step: int, model, optimizer, train_state: dict) -> Capt
     """Every rank calls this; rank 0 gets the whole state (other ranks: None). The RNG states of
     every rank go in as `rng_by_rank`, so any rank's view can be restored."""
     _, sd = _dcp()
-    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # (offloaded: whole on rank 0 only. FSDP1 on the CPU is not offloaded: torch 2.13 crashes
+    # there, a segfault cloning the gathered parameters on rank 0; every rank gathers instead.)
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=not (on_cpu and fsdp1.units(model)))
     model_sd = sd.get_model_state_dict(model, options=opts)
     optim_sd = sd.get_optimizer_state_dict(model, optimizer, options=opts)
     rngs = world.gather_objects(train_state["rng"])

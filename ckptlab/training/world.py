@@ -14,12 +14,18 @@ Two layouts of parameters:
 - replicated (DDP, or no wrapper): every rank holds whole parameters; gradients in the hooks
   are each rank's own, before DDP averages them. Per-parameter gradient norms are recorded as
   the root mean square over ranks of the local norms; each rank's own norm is kept too.
-- sharded (FSDP2 `fully_shard`): parameters are DTensor shards; the hooks see the reduced
-  gradient's local shard. Squared norms of the shards add up to the exact global norm.
+- sharded (FSDP2 `fully_shard`, FSDP1 with `use_orig_params=True`: training/fsdp1.py):
+  parameters are shards; the hooks see the reduced gradient's local shard. Squared norms of
+  the shards add up to the exact global norm.
+- sharded on a mesh with tensor parallelism (TP on a 1-D mesh, FSDP2 x TP on a 2-D one:
+  training/mesh.py): a parameter's shards add up, divided by how many ranks hold each element
+  (its `Replicate` dimensions); the ranks of a TP group share one batch, and `data_ranks`
+  says which data-parallel rank each process is.
 
-Nothing else: a model under DeepSpeed or FSDP1, with tensor-parallel DTensors or on a mesh of more
-than one dimension, or a pipeline stage, is refused when the Recorder starts (`unsupported`), before
-anything is written: neither layout would describe it, and a partial record would replay wrong.
+Nothing else: a model under DeepSpeed, FSDP1 without the model's own parameters, HSDP or a mesh
+of more than two dimensions, or a pipeline stage, is refused when the Recorder starts
+(`unsupported`), before anything is written: no layout would describe it, and a partial record
+would replay wrong.
 
 A process that a launcher started (torchrun, also under srun) knows its place from the
 launcher's environment (`launched`): a replay there joins the job instead of spawning ranks.
@@ -35,7 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptlab.training.wrappers import module_chain, unwrap
+from ckptlab.training import fsdp1
+from ckptlab.training.mesh import MeshLayout, problem
+from ckptlab.training.wrappers import module_chain, own_name, unwrap
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +64,10 @@ class World:
     group: Any = None
     backend: str | None = None
     _ckpt_group: Any = field(default=None, repr=False)
+    # Tensor parallelism (training/mesh.py): per parameter, how many ranks hold each element
+    # of its gradient; per process, its data-parallel rank. None without a TP mesh.
+    replicas: np.ndarray | None = field(default=None, repr=False)
+    data_ranks: tuple[int, ...] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -75,13 +87,18 @@ class World:
             raise RecordError(why, hint="docs/distributed.md, Limits, says what ckptlab records")
         if not (dist.is_available() and dist.is_initialized()):
             return World()
-        sharded = model is not None and any(is_sharded(p) for p in model.parameters())
+        sharded = model is not None and (any(is_sharded(p) for p in model.parameters()) or bool(fsdp1.units(model)))
         backend = str(dist.get_backend())
         if dist.get_world_size() == 1:  # one process; FSDP2 on one device still has DTensor shards
             return World(sharded=sharded, backend=backend)  # (the backend says: replay needs a group)
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
-        return World(dist.get_rank(), dist.get_world_size(), sharded, group, backend)
+        size = dist.get_world_size()
+        layout = MeshLayout.of(model, size) if model is not None and sharded else None
+        world = World(dist.get_rank(), size, sharded, group, backend)
+        if layout is not None:
+            world.replicas, world.data_ranks = layout.replicas, layout.data_ranks
+        return world
 
     def checkpoint_group(self) -> Any:
         """A gloo group of its own for background checkpoint writes (their collectives run on
@@ -109,7 +126,10 @@ class World:
 
     def combine(self, rows: np.ndarray) -> np.ndarray:
         """Per-parameter squared norms from every rank -> the global ones: shards add up;
-        replicated copies are averaged (root mean square of the ranks' norms)."""
+        replicated copies are averaged (root mean square of the ranks' norms); on a TP mesh,
+        the shards' sum divided by how many ranks hold each element."""
+        if self.replicas is not None:
+            return rows.sum(axis=0) / self.replicas
         return rows.sum(axis=0) if self.sharded else rows.mean(axis=0)
 
     def barrier(self) -> None:
@@ -183,16 +203,17 @@ def launched() -> Launch | None:
         return None
 
 
-# --- what is not recorded: DeepSpeed, tensor and pipeline parallelism -------------------------------
+# --- what is not recorded: DeepSpeed, pipeline parallelism, meshes and FSDP1 that nothing describes ---
 
 
 def unsupported(model: Any) -> str | None:
     """Why `model` cannot be recorded (one line: what it is, what ckptlab records, what to do),
     or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
-    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1's
-    wrapper, a DTensor parameter on a mesh of more than one dimension or outside FSDP2 (tensor
-    parallelism). A framework's wrapper (Fabric's module around a DeepSpeed engine) is looked
-    through; parameters are named as the model names them (training/wrappers.py `unwrap`)."""
+    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1 that hides
+    the model's own parameters (training/fsdp1.py), a DTensor parameter on a mesh that
+    training/mesh.py does not describe (HSDP, more than two dimensions). A framework's wrapper
+    (Fabric's module around a DeepSpeed engine) is looked through; parameters are named as the
+    model names them (training/wrappers.py `unwrap`, `own_name`)."""
     chain = module_chain(model) if isinstance(model, torch.nn.Module) else [model]
     engine = next((m for m in chain if any(c.__module__.startswith("deepspeed.") for c in type(m).__mro__)), None)
     names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
@@ -208,69 +229,20 @@ def unsupported(model: Any) -> str | None:
         )
     if not isinstance(model, torch.nn.Module):
         return None
-    fsdp1 = next((n for n, m in model.named_modules() if _is_fsdp1(m)), None)
-    if fsdp1 is not None:
-        return (
-            f"cannot record this model: {f'module {fsdp1}' if fsdp1 else 'it'} is wrapped by FSDP1 "
-            "(FullyShardedDataParallel), whose flat parameter shards neither layout describes; "
-            "ckptlab records FSDP2: shard with torch.distributed.fsdp.fully_shard"
-        )
-    model = unwrap(model)
-    for name, p in model.named_parameters():
+    why = fsdp1.refusal(model)
+    if why:
+        return why
+    import torch.distributed as dist
+
+    size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    for name, p in unwrap(model).named_parameters():
         if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
             return (
                 f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3; ckptlab records "
                 "DDP and FSDP2, not ZeRO; "
                 "train under DDP or FSDP2's fully_shard to record"
             )
-        why = _dtensor_problem(model, name, p)
+        why = problem(model, name, p, size)
         if why:
-            return why
+            return f"cannot record this model: parameter {own_name(name)} {why}"
     return None
-
-
-def _is_fsdp1(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ == "FullyShardedDataParallel" and cls.__module__.startswith("torch.distributed.fsdp")
-
-
-def _dtensor_problem(model: torch.nn.Module, name: str, p: torch.Tensor) -> str | None:
-    """A DTensor parameter that is not FSDP2's shard on a 1-D mesh: tensor parallelism (a
-    mesh dimension named tp, a parameter FSDP2 does not manage) or a 2-D mesh (FSDP2 with TP,
-    HSDP), whose shards' norms neither add up nor average to the global one."""
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None or not is_sharded(p):
-        return None
-    dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    ndim = int(getattr(mesh, "ndim", 1))
-    named = f" ({', '.join(dims)})" if dims else ""
-    what = None
-    if ndim > 1:
-        what = f"is a DTensor on a {ndim}-D device mesh{named} (tensor parallelism or HSDP)"
-    elif any("tp" in d.lower() for d in dims):
-        what = f"is tensor-parallel (a DTensor on mesh dimension {dims[0]})"
-    elif not _under_fsdp2(model, name):
-        placements = ", ".join(str(x) for x in getattr(p, "placements", ()))
-        what = f"is a DTensor ({placements}) that FSDP2 does not manage (tensor parallelism)"
-    if what is None:
-        return None
-    return (
-        f"cannot record this model: parameter {name} {what}; ckptlab records DDP and FSDP2 on a 1-D mesh, "
-        "not tensor parallelism or 2-D meshes; record with the model replicated (DDP) or fully_shard on a 1-D mesh"
-    )
-
-
-def _under_fsdp2(model: torch.nn.Module, name: str) -> bool:
-    """Whether parameter `name` belongs to a module that FSDP2's `fully_shard` manages (its
-    shards are FSDP2's own; a DTensor outside any is another engine's, tensor parallelism's)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    parts = name.split(".")[:-1]
-    module = model
-    managed = isinstance(module, FSDPModule)
-    for part in parts:
-        module = getattr(module, part)
-        managed = managed or isinstance(module, FSDPModule)
-    return managed

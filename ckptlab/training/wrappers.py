@@ -16,7 +16,8 @@ of its own, e.g. a Lookahead built on `torch.optim.Optimizer` around a base opti
 torch LR scheduler are never unwrapped: their own state is part of the training state.
 
 Models likewise (`unwrap`): torch.compile's `OptimizedModule` (`._orig_mod`), DDP and
-DataParallel (`.module`), Lightning Fabric's `_FabricModule` (`._forward_module`, what its
+DataParallel (`.module`), FSDP1's `FullyShardedDataParallel` (`._fsdp_wrapped_module`; units
+nested inside are left out of names by `own_name`), Lightning Fabric's `_FabricModule` (`._forward_module`, what its
 forward runs: the model, DDP around it, or the compiled model; `._original_module`, the model
 as the user passed it to `fabric.setup`), told apart by class name, in any combination (Fabric
 2.6 sets a compiled model up under DDP as a `_FabricModule` around the compiled DDP around the
@@ -37,6 +38,7 @@ _DEPTH = 4  # wrappers inside wrappers (a DeepSpeed optimizer inside accelerate'
 # Modules: Fabric's module around a compiled DDP around the model is 3 deep; 8 leaves room.
 _MODULE_DEPTH = 8
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+FSDP1_WRAPPED = "_fsdp_wrapped_module"  # FSDP1's attribute for the module it wraps, a component of inner names
 
 
 def torch_optimizer(optimizer: Any) -> Any:
@@ -108,6 +110,8 @@ def wrapped_module(model: Any, *, running: bool) -> torch.nn.Module | None:
         attrs = ("module",)
     elif kind == "_FabricModule":
         attrs = ("_forward_module", "_original_module") if running else ("_original_module", "_forward_module")
+    elif kind == "FullyShardedDataParallel":  # FSDP1 (FSDP2's fully_shard changes the model's class instead)
+        attrs = (FSDP1_WRAPPED,)
     else:
         return None
     for attr in attrs:
@@ -115,3 +119,11 @@ def wrapped_module(model: Any, *, running: bool) -> torch.nn.Module | None:
         if isinstance(inner, torch.nn.Module) and inner is not model:
             return inner
     return None
+
+
+def own_name(name: str) -> str:
+    """A parameter's or module's name inside `unwrap(model)` without the components of the
+    wrappers nested in it (FSDP1 units wrapped around submodules: `h.0._fsdp_wrapped_module.mlp`)."""
+    if FSDP1_WRAPPED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != FSDP1_WRAPPED)

@@ -31,14 +31,14 @@ class Plan:
 
 
 # Components only a wrapper names (torch.compile's; Fabric's, which registers the model under both
-# when nothing wraps it in between): removed wherever they are. DDP's `module.` is also a name
-# models use, so only leading ones go.
-WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_forward_module", "_original_module"})
+# when nothing wraps it in between; FSDP1's, around each unit): removed wherever they are. DDP's
+# `module.` is also a name models use, so only leading ones go.
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_forward_module", "_original_module", "_fsdp_wrapped_module"})
 
 
 def canonical(name: str) -> str:
     """The name without wrapper components: `module.` in front, `_orig_mod.`,
-    `_forward_module.` and `_original_module.` anywhere."""
+    `_forward_module.`, `_original_module.` and `_fsdp_wrapped_module.` anywhere."""
     parts = [p for p in name.split(".") if p not in WRAPPER_COMPONENTS]
     while len(parts) > 1 and parts[0] == "module":
         parts = parts[1:]
