@@ -137,14 +137,28 @@ def replay(
             if progress is not None:
                 inv.progress = progress
             if run.world_size > 1:
-                inv.replayer.notes.append(
-                    f"single-process replay of rank {rank}'s micro-batches out of {run.world_size}: "
-                    "an approximation (the other ranks' gradients are missing), not bit-exact"
-                )
+                inv.replayer.notes.append(_one_rank_note(run, rank or 0))
             return inv.investigate(trace=trace, counterfactuals=counterfactuals)
     finally:
         run.release()  # what the replay held against a live run's retention
         apply_env(saved_env)
+
+
+def _one_rank_note(run: Run, rank: int) -> str:
+    """What a replay of one rank in one process is: without the other ranks' gradients, and
+    under tensor parallelism with the model whole instead of in TP's shards."""
+    data_ranks = run.manifest.get("data_ranks")
+    if not data_ranks:
+        return (
+            f"single-process replay of rank {rank}'s micro-batches out of {run.world_size}: "
+            "an approximation (the other ranks' gradients are missing), not bit-exact"
+        )
+    n = len(set(data_ranks))
+    missing = " and without the other data-parallel ranks' gradients" if n > 1 else ""
+    return (
+        f"single-process replay of rank {rank}'s micro-batches (data-parallel rank {data_ranks[rank]} of {n}): "
+        f"an approximation, with the model whole instead of in tensor-parallel shards{missing}, not bit-exact"
+    )
 
 
 def _dump_request(dump: DumpRequest | str | Path) -> DumpRequest:

@@ -73,11 +73,24 @@ def _trace(root: RootStep, rep: ReplayReport) -> Tracer:
     if root.replayer.compiled:  # the Tracer ran it with torch.compile off
         rep.trace_eager = True
         rep.notes.append("the per-op trace ran eagerly: its dispatch modes cannot see inside torch.compile's graphs")
-    if not same_loss(traced.loss, rep.steps[root.root - rep.start_checkpoint].loss):
+    if _traced_differs(root, rep.steps[root.root - rep.start_checkpoint], traced.loss):
         rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
     rep.chain = [e.to_json() for e in tracer.chain()]
     root.inv.timing["trace_s"] = time.perf_counter() - t0
     return tracer
+
+
+def _traced_differs(root: RootStep, check, traced: float | None) -> bool:
+    """Whether the traced step's loss is not the plain replay's. A distributed run's root step
+    is traced in a process group of one on the faulty rank's batch: that rank's own loss is
+    the one to compare (not the ranks' mean). Under tensor parallelism the group of one
+    computes each layer whole, not in TP's shards, so the last bits differ whatever the trace
+    does: nothing to compare."""
+    if check.rank_loss is None:
+        return not same_loss(traced, check.loss)
+    if root.inv.run.manifest.get("data_ranks"):
+        return False
+    return not same_loss(traced, check.rank_loss[root.replayer.rank])
 
 
 # --- a root step that raised ----------------------------------------------------------------------

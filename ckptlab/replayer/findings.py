@@ -215,7 +215,9 @@ class ReplayReport:
     verdict: str
     notes: list[str] = field(default_factory=list)
     timing: dict = field(default_factory=dict)
-    rank: int | None = None  # distributed: the rank whose batch the fault came in with
+    rank: int | None = None  # distributed: the (data-parallel) rank whose batch the fault came in with
+    # Tensor parallelism: the processes of data-parallel rank `rank`, which trained on its batch.
+    processes: list[int] | None = None
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None

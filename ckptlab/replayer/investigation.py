@@ -46,6 +46,7 @@ from ckptlab.replayer.startstate import describe as describe_start
 from ckptlab.replayer.startstate import new_anomalies, nonfinite_params
 from ckptlab.replayer.verdict import verdict
 from ckptlab.run.layout import batches_root
+from ckptlab.run.manifest import data_group
 from ckptlab.run.reader import Metrics, Run
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
@@ -305,7 +306,8 @@ class Investigation:
     def report(
         self, plan: Plan, window: Window, *, trace: bool, counterfactuals: bool, rank: int | None = None
     ) -> ReplayReport:
-        """Judge the replayed window (determinism, reproduction) and explain the root step."""
+        """Judge the replayed window (determinism, reproduction) and explain the root step;
+        `rank`: the process whose batch brought the fault (reported as its data-parallel rank)."""
         root, checks = window.root, window.checks
         pre_fault = [c for c in checks if root is None or c.step < root]
         if root is None and plan.fault_recorded:
@@ -329,7 +331,7 @@ class Investigation:
             steps=checks,
             verdict="",
             notes=self.replayer.notes,
-            rank=rank,
+            **data_group(self.run.manifest, rank),
         )
         execution(report, self.run, self.replayer.compiled)
         report.recorded_error = self.recorded_error(report.root_step if report.root_step is not None else self.step)

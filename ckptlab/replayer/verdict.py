@@ -252,7 +252,8 @@ def _lead(r: ReplayReport) -> str:
     root = _root(r)
     return (
         f"Step {root}"
-        + (f" on rank {r.rank}" if r.rank is not None else "")
+        + (f" on rank {r.rank}" if r.rank is not None and r.processes is None else "")
+        + (f" on data-parallel rank {r.rank} (processes {', '.join(map(str, r.processes))})" if r.processes else "")
         + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
     )
 
