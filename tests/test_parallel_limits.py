@@ -1,5 +1,6 @@
-"""What ckptlab does not record (DeepSpeed, tensor and pipeline parallelism) is refused when the
-Recorder starts, in one line, with nothing written: never a partial record that replays wrong."""
+"""What ckptlab does not record (DeepSpeed, pipeline parallelism, FSDP1 without the model's own
+parameters, meshes other than TP and FSDP2 x TP) is refused when the Recorder starts, in one
+line, with nothing written: never a partial record that replays wrong."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import ckptlab
+from ckptlab.analysis.diff.names import canonical
 from ckptlab.errors import RecordError
+from ckptlab.training.probe import named_parameters
 from ckptlab.training.world import solo_world
 from tests.models import MLP, build_mlp, step_mlp
 
@@ -46,41 +49,60 @@ def test_a_pipeline_stage_is_refused(run_dir):
     _refused(run_dir, stage, r"cannot record a pipeline-parallel model \(PipelineStage\)")
 
 
-def test_an_fsdp1_model_is_refused(run_dir):
-    """FSDP1's FullyShardedDataParallel (here its class as ckptlab sees it) holds flat shards."""
-    wrapper = type(
-        "FullyShardedDataParallel",
-        (torch.nn.Module,),
-        {"__module__": "torch.distributed.fsdp.fully_sharded_data_parallel"},
-    )
-    model = MLP()
-    model.fc1 = wrapper()
-    _refused(run_dir, model, r"module fc1 is wrapped by FSDP1 \(FullyShardedDataParallel\).*fully_shard")
+def test_fsdp1_is_refused_only_where_it_hides_the_models_own_parameters(run_dir):
+    """Real FSDP1 units (in a process group of one): with use_orig_params=False the model's
+    parameters are flat shards named `_flat_param`; with True they are the model's own
+    (recorded: tests/test_tensor_parallel.py)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from ckptlab.training.world import World
+
+    cpu = torch.device("cpu")
+    with solo_world(True):
+        flat = FullyShardedDataParallel(MLP(), device_id=cpu)
+        _refused(
+            run_dir, flat, r"the model is wrapped by FSDP1 \(FullyShardedDataParallel\) with use_orig_params=False"
+        )
+        own = MLP()
+        own.fc1 = FullyShardedDataParallel(own.fc1, device_id=cpu, use_orig_params=True)
+        own = FullyShardedDataParallel(own, device_id=cpu, use_orig_params=True)
+        world = World.detect(own)
+        assert world.sharded and world.data_ranks is None
+        names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+        assert [n for n, _ in named_parameters(own)] == names  # the probe's, the manifest's, replay's
+        assert [canonical(n) for n, _ in own.named_parameters()] == names  # `ckptlab diff`'s, of a state dict
 
 
-def test_tensor_parallel_and_2d_mesh_models_are_refused_and_fsdp2_is_not(run_dir):
-    """Real DTensors, on a real 2-D DeviceMesh (1 x 1, in a process group of one)."""
+def test_meshes_other_than_tp_and_fsdp2_x_tp_are_refused(run_dir):
+    """Real DTensors on real meshes of one process: HSDP (FSDP2 given a 2-D mesh: its replicas
+    train on different batches) and a 3-D mesh are refused; TP on a 1-D mesh and FSDP2 x TP
+    on a 2-D one are recorded, their processes' data-parallel ranks known."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from ckptlab.training.world import World
+    from ckptlab.training.world import unsupported
 
     plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     with solo_world(True):
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-        model = MLP()
-        parallelize_module(model, mesh["tp"], plan)
-        _refused(run_dir, model, r"parameter fc1.weight is tensor-parallel \(a DTensor on mesh dimension tp\)")
-        fully_shard(model, mesh=mesh["dp"])  # FSDP2 over TP: a 2-D mesh
-        _refused(run_dir, model, r"parameter fc1.weight is a DTensor on a 2-D device mesh \(dp, tp\)")
-        unnamed = MLP()
-        parallelize_module(unnamed, init_device_mesh("cpu", (1,)), plan)  # TP on a mesh with no names
-        _refused(run_dir, unnamed, r"parameter fc1.weight is a DTensor \(S\(0\)\) that FSDP2 does not manage")
-        sharded = MLP()
-        fully_shard(sharded.fc1)
-        fully_shard(sharded)
-        assert World.detect(sharded).sharded  # FSDP2 on a 1-D mesh: recorded (tests/test_distributed.py)
+        hsdp = MLP()
+        fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        _refused(
+            run_dir, hsdp, r"parameter fc1.weight is replicated along .* 2-D device mesh \(replicate, shard\) .*HSDP"
+        )
+        mesh3 = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        deep = MLP()
+        parallelize_module(deep, mesh3["tp"], plan)
+        fully_shard(deep, mesh=mesh3["dp_replicate", "dp_shard"])
+        _refused(
+            run_dir, deep, r"parameter fc1.weight is a DTensor on a 3-D device mesh \(dp_replicate, dp_shard, tp\)"
+        )
+        mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        tp = MLP()
+        parallelize_module(tp, mesh2["tp"], plan)
+        assert unsupported(tp) is None
+        fully_shard(tp, mesh=mesh2["dp"])  # FSDP2 over TP
+        assert unsupported(tp) is None
 
 
 def test_a_deepspeed_optimizer_beside_a_plain_module_is_refused(tmp_path):
