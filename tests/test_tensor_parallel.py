@@ -46,6 +46,9 @@ def test_a_dtensor_parameter_is_recorded_as_one_parameter_with_its_global_norm(k
     # Shards add up, replicas (TP's Replicate bias, on every rank of its group) count once: the
     # norms of the whole model's gradient, computed here in one process.
     assert m.param_grad_norm[0].tolist() == pytest.approx(pm.reference_norms(kind), rel=1e-5)
+    # every element's gradient went NaN at the NaN step, each counted once (not once per TP rank)
+    nonfinite = next(e for e in run.events() if e["kind"] == "nonfinite_grad")
+    assert (nonfinite["step"], nonfinite["value"]) == (pm.NAN_STEP, sum(16 * k for k in (8, 1, 1)) + 1)
     # Every process of a TP group trains on its data-parallel rank's batch, and says so
     nan = m.scalars[m.index(pm.NAN_STEP)]["rank_loss"]
     assert [pm.data_rank(kind, r) == pm.NAN_DATA_RANK[kind] for r in range(n)] == [v != v for v in nan]

@@ -186,7 +186,7 @@ def _combine_ranks(world: World, value: float, grad_sq: np.ndarray, nonfinite: n
     # -1: non-finite, but the gradient was gone before it could be counted (a deferred read
     # on a GPU); it counts as at least one element in the total.
     unknown = (counts < 0).any(axis=0)
-    nonfinite_all = np.where(unknown, -1, np.where(counts > 0, counts, 0).sum(axis=0)).astype(np.int64)
+    nonfinite_all = np.where(unknown, -1, world.count(np.where(counts > 0, counts, 0))).astype(np.int64)
     update_sq = None
     if rows[0, 1]:
         update_sq = [world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4)]

@@ -132,6 +132,13 @@ class World:
             return rows.sum(axis=0) / self.replicas
         return rows.sum(axis=0) if self.sharded else rows.mean(axis=0)
 
+    def count(self, rows: np.ndarray) -> np.ndarray:
+        """Per-parameter counts of elements (non-finite gradients) from every rank -> the
+        total: each rank's own add up; on a TP mesh an element that several ranks hold (the
+        same gradient on each) counts once."""
+        total = rows.sum(axis=0)
+        return np.rint(total / self.replicas) if self.replicas is not None else total
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
