@@ -38,6 +38,7 @@ from ckptlab.replayer.lineage import Lineage
 from ckptlab.replayer.search import Budget
 from ckptlab.replayer.trace import OpEvent, Tracer
 from ckptlab.replayer.verdict import verdict
+from ckptlab.run.records import batch_digest
 from ckptlab.training.crash import StageRefused, describe, is_step_error
 from ckptlab.training.pipeline import micro_row, split_fits, stage_of
 
@@ -56,9 +57,11 @@ def explain_on_stages(inv: Investigation, window: Window, world, blame: StageBla
     """Rank 0: the report of the root step, explained with every stage (None on the others,
     which follow rank 0's orders until it is done)."""
     if not world.is_main:
+        _same_batches(inv, window, world)
         follow(inv, window, world)
         return None
     mirror = Mirror(world, inv.run)
+    mirror.same_batches = _same_batches(inv, window, world)
     inv.replayer.mirror = mirror
     inv.budget = Budget(blame.budget)
     if window.root is not None and window.root_detectors is None:
@@ -71,6 +74,14 @@ def explain_on_stages(inv: Investigation, window: Window, world, blame: StageBla
     if window.root is not None:
         name_stages(report, mirror, inv)
     return report
+
+
+def _same_batches(inv: Investigation, window: Window, world) -> bool:
+    """Whether every stage recorded the root step's batch alike (collective): only then can rank
+    0 hand the others a batch of its own making (some rows left out, a row moved in)."""
+    if window.root is None:
+        return True
+    return len(set(world.gather_objects(batch_digest(inv.run.batch(window.root, world.rank)[0])))) == 1
 
 
 # --- the stages' trace -------------------------------------------------------------------------
@@ -218,6 +229,7 @@ class Mirror:
         self.world, self.run = world, run
         self.runners: dict[int, int] = {}  # id(runner) -> its number
         self.traced: StagesTracer | None = None  # the last traced step's
+        self.same_batches = True  # every stage recorded the root step's batch alike
 
     def order(self, verb: str, t=None, *args) -> None:
         self.world.broadcast((verb, self.runners.get(id(t)) if t is not None else None, *args))
@@ -232,9 +244,11 @@ class Mirror:
         rows = batch_rows(batch, None) if batch is not None else recorded
         if not split_fits(rows, recorded):
             raise StageRefused(
-                f"a batch of {rows} rows cannot go through the pipeline's schedule, whose micro-batches were "
-                f"shaped by batches of {recorded}"
+                f"a batch of {rows} row{'s' if rows != 1 else ''} cannot go through the pipeline's schedule, whose "
+                f"micro-batches were shaped by batches of {recorded}"
             )
+        if batch is not None and not self.same_batches:
+            raise StageRefused("the stages recorded different batches: rank 0's, changed, is not the others'")
         self.order("step", t, rec.step, batch, measure_update, tracer is not None)
         error: Exception | None = None
         mine = None
