@@ -162,7 +162,7 @@ def record(kind: str, run_dir):
     """Record `kind` under torchrun into `run_dir` (every rank stops at NAN_STEP)."""
     from tests.integrations.ddp_launch import torchrun
 
-    said = "".join(torchrun("parallel_models.py", run_dir, WORLD[kind], args=(kind,)))
+    said = "".join(torchrun("parallel_models.py", run_dir, WORLD[kind], kind))
     # (the ranks' lines share torchrun's stdout: two may come out on one line)
     assert sorted(re.findall(r"rank (\d+) stopped at step (\d+)", said)) == [
         (str(r), str(NAN_STEP)) for r in range(WORLD[kind])

@@ -1,6 +1,6 @@
-"""What ckptlab does not record (DeepSpeed, pipeline parallelism, FSDP1 without the model's own
-parameters, meshes other than TP and FSDP2 x TP) is refused when the Recorder starts, in one
-line, with nothing written: never a partial record that replays wrong."""
+"""What ckptlab does not record (DeepSpeed, pipeline schedules of several stages per rank, FSDP1
+without the model's own parameters, meshes other than TP and FSDP2 x TP) is refused when the
+Recorder starts, in one line, with nothing written: never a partial record that replays wrong."""
 
 from __future__ import annotations
 
@@ -44,9 +44,17 @@ def test_a_model_with_zero3_partitioned_parameters_is_refused(run_dir):
     _refused(run_dir, model, "parameter fc2.weight is partitioned by DeepSpeed ZeRO-3")
 
 
-def test_a_pipeline_stage_is_refused(run_dir):
-    stage = type("PipelineStage", (), {"__module__": "torch.distributed.pipelining.stage"})()
-    _refused(run_dir, stage, r"cannot record a pipeline-parallel model \(PipelineStage\)")
+def test_pipeline_objects_but_a_schedule_of_one_stage_per_rank_are_refused(run_dir):
+    """Real pipelining objects, in a process group of one: a PipelineStage handed over instead
+    of its schedule (step_fn runs the step through the schedule), and a schedule that runs
+    several stages on one rank, which ckptlab does not record; each named in its one line."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    with solo_world(True):
+        stages = [PipelineStage(MLP(), i, 2, torch.device("cpu")) for i in range(2)]
+        _refused(run_dir, stages[0], r"given as its PipelineStage: give the Recorder the schedule that runs the stage")
+        looped = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
+        _refused(run_dir, looped, r"pipeline schedule that runs several stages per rank \(ScheduleInterleaved1F1B\)")
 
 
 def test_fsdp1_is_refused_only_where_it_hides_the_models_own_parameters(run_dir):

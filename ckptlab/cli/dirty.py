@@ -112,7 +112,8 @@ def command(
 
 def _attribution(run, trust_code: bool):
     """(replay's per-row attribution, None), or (None, why it cannot be had here): replay is
-    missing, or the run's build_fn/step_fn are not code it may run (training/userfns.py)."""
+    missing, the run's build_fn/step_fn are not code it may run (training/userfns.py), or it
+    is a pipeline's (its stages run together only)."""
     import functools
 
     from ckptlab.errors import UntrustedCodeError
@@ -122,6 +123,8 @@ def _attribution(run, trust_code: bool):
         from ckptlab.training.userfns import trusted_file
     except ImportError as e:
         return None, f"replay attribution is not available ({e})"
+    if run.manifest.get("pipeline") is not None:
+        return None, "per-row attribution replays one rank alone, and a pipeline stage cannot run without the others"
     try:
         for role, desc in run.manifest.get("functions", {}).items():
             trusted_file(desc, role, run.path, trust=trust_code)

@@ -34,6 +34,7 @@ from ckptlab.training.optimizer_set import combined, given_several
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.step import StepRunner, scaler_argument
 from ckptlab.training.world import World
+from ckptlab.training.wrappers import torch_module
 
 
 class Recorder:
@@ -41,15 +42,14 @@ class Recorder:
 
     Args:
         run_dir: the run directory (created; must not already hold a run unless `resume`).
-        model, optimizer: what `step_fn` trains; the model must hold every trained parameter
-            (several models, e.g. a GAN's D and G: one container module). Several optimizers
-            as a list or a dict (`[opt_d, opt_g]`, `{"d": opt_d, "g": opt_g}`): `step_fn` gets
-            them as given, each one's state is checkpointed (`rec.optimizer` is their
-            training/optimizer_set.py OptimizerSet). `optimizer=None`: a loop that updates the
-            weights by hand (`p.data.add_(p.grad, alpha=-lr)`): the Recorder makes a
-            `ckptlab.HandUpdate` holding the learning rate `lr` (`rec.optimizer`), which
-            `step_fn` gets as its `optimizer` and must read its learning rate from
-            (`optimizer.lr`), so that checkpoints carry it and replay uses the recorded one.
+        model, optimizer: what `step_fn` trains; the model must hold every trained parameter (several
+            models, e.g. a GAN's D and G: one container module; a pipeline stage's schedule, docs/distributed.md,
+            "Pipeline stages"). Several optimizers as a list or a dict (`[opt_d, opt_g]`, `{"d": opt_d, "g":
+            opt_g}`): `step_fn` gets them as given, each one's state is checkpointed (`rec.optimizer` is their
+            training/optimizer_set.py OptimizerSet). `optimizer=None`: a loop that updates the weights by hand
+            (`p.data.add_(p.grad, alpha=-lr)`): the Recorder makes a `ckptlab.HandUpdate` holding the learning
+            rate `lr` (`rec.optimizer`), which `step_fn` gets as its `optimizer` and must read its learning
+            rate from (`optimizer.lr`), so that checkpoints carry it and replay uses the recorded one.
         lr: the learning rate of a hand-written update (only with `optimizer=None`); not given,
             it is recorded as unknown (NaN) and `rec.optimizer.lr` raises until it is set.
         step_fn: module-level `step_fn(model, optimizer, batch) -> loss`, one whole step.
@@ -86,33 +86,34 @@ class Recorder:
         config: RecordConfig | None = None,
         **options,
     ):
-        optimizer, scheduler = _optimizer(optimizer, scheduler, model, lr, run_dir)  # before anything is written
+        module = torch_module(model)  # (a pipeline schedule's stage: the part of the model this rank trains)
+        optimizer, scheduler = _optimizer(optimizer, scheduler, module, lr, run_dir)  # before anything is written
         self.config = config = _config(RecordConfig.of(config, **options), optimizer)
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
         self.run_dir, self.batch_fn = Path(run_dir), batch_fn
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer, self.scheduler, self.scaler = module, optimizer, scheduler, scaler
         self.step_fn, self.build_fn = step_fn, build_fn
         self._in_step = self._closed = False
         self._exit_hook = None
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
         # the journal and checkpoints; every rank writes its own batches (see training/world.py).
-        self.world = world = World.detect(model)
-        on_cuda = any(p.device.type == "cuda" for _, p in named_parameters(model)[:1])
+        self.world = world = World.detect(model, optimizer)
+        on_cuda = any(p.device.type == "cuda" for _, p in named_parameters(module)[:1])
         self.deferred = config.health_read == "deferred" or (config.health_read == "auto" and on_cuda)
-        training = (model, optimizer, scheduler, scaler)
+        training = (module, optimizer, scheduler, scaler)
         fns = {"build_fn": build_fn, "step_fn": step_fn, "batch_fn": batch_fn}
         self._session = session = Session(self.run_dir, world, config, training, fns, deferred=self.deferred)
         try:
             self.next_step = session.start_step
             self.restored_step = session.restored_step
             steps: dict[str, Any] = {"step_scheduler": config.step_scheduler, "update_ratio": config.update_ratio}
-            self.runner = StepRunner(*training, world=world, guard_scheduler=True, **steps)  # (_check_scheduler)
+            self.runner = StepRunner(model, *training[1:], world=world, guard_scheduler=True, **steps)  # (as given)
             self.runner.probe.watch = WATCHED_STEPS  # an optimizer that does not train: health.py
             self.writer = RunWriter(self.run_dir, session.number, rank=world.rank, journal=world.is_main)
             self.live = live_log(stores, str(self.run_dir), session.manifest) if world.is_main else None
             self._health = HealthLog(
-                self.writer, world, config, deferred=self.deferred, live=self.live, names=self.runner.probe.names
+                self.writer, world, config, deferred=self.deferred, live=self.live, names=self.runner.probe.all_names
             )
             self._health.resume(session.progress)
             self._batches = BatchLog(self.writer, self.run_dir, batch_fn, config.batch_ref_bytes)
@@ -140,7 +141,7 @@ class Recorder:
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
             loss, pending = self.runner.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
-            if loss is None:  # (a framework's step without a loss comes through end_step(None))
+            if loss is None and self.world.computes_loss:  # (a framework's step without one: end_step(None))
                 raise RecordError("step_fn must return the loss (a scalar tensor), got NoneType", path=self.run_dir)
         except BaseException as e:
             self._in_step = False  # on a crash the batch stays recorded: the step can be replayed

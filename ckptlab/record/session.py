@@ -38,7 +38,7 @@ from ckptlab.training.optimizer_set import describe
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
 from ckptlab.training.world import World
-from ckptlab.training.wrappers import torch_optimizer
+from ckptlab.training.wrappers import torch_module, torch_optimizer
 
 
 class Session:
@@ -118,6 +118,7 @@ class Session:
                 pass
 
     def _start(self, exists: bool) -> None:
+        self._described = self._parameters()  # (collective in a pipeline)
         if self.world.is_main:
             if exists:
                 clean_stale(self.run_dir)
@@ -157,13 +158,43 @@ class Session:
         self.manifest["sessions"][-1]["closed"] = time.time()
         self.write_manifest(self.manifest)
 
+    def _parameters(self) -> tuple[list[dict], list[dict], int]:
+        """The manifest's `parameters` and `optimizers`, and how many parameter groups there
+        are: the model's, or a pipeline's stages' together, in stage order (collective: each
+        rank describes its stage, with its groups numbered among all stages', one optimizer
+        whose groups are every stage's)."""
+        model, optimizer = self.training[0], self.training[1]
+        params = named_parameters(model)
+        # (one group each for its parameters, and with several optimizers whose groups are whose)
+        optimizers, groups = describe(optimizer, [p for _, p in params]) if optimizer is not None else ([], [])
+        shapes = fsdp1.full_shapes(torch_module(model))  # (the model's own shapes, not FSDP1's views into a shard)
+        entries = [
+            {
+                "name": n,
+                "shape": list(shapes.get(id(p), p.shape)),
+                "dtype": codec.dtype_name(p.dtype),
+                "requires_grad": p.requires_grad,
+                "group": group,
+            }
+            for (n, p), group in zip(params, groups or [None] * len(params))
+        ]
+        count = len(torch_optimizer(optimizer).param_groups) if optimizer is not None else 0
+        stages = self.world.stages
+        if stages is None:
+            return entries, optimizers, count
+        first = stages.group_slots[stages.stage][0]
+        for e, group in zip(entries, groups or [None] * len(entries)):
+            e["stage"], e["group"] = stages.stage, None if group is None else group + first
+        every = self.world.gather_objects(entries)
+        count = sum(n for _, n in stages.group_slots)
+        whole = [{"key": None, "class": optimizers[0]["class"] if optimizers else "", "groups": list(range(count))}]
+        return [e for part in every for e in part], whole, count
+
     def _new_manifest(self) -> dict:
         model, optimizer, scheduler, scaler = self.training
         params = named_parameters(model)
-        shapes = fsdp1.full_shapes(model)  # (the model's own shapes, not FSDP1's views into a shard)
         first = params[0][1] if params else None
-        # (one group each for its parameters, and with several optimizers whose groups are whose)
-        optimizers, groups = describe(optimizer, [p for _, p in params]) if optimizer is not None else ([], [])
+        parameters, optimizers, groups = self._described
         keys = ("ckpt_every", "health_every", "keep_last", "on_nonfinite", "val_metric", "val_mode")
         return new_manifest(
             device=str(first.device) if first is not None else "cpu",
@@ -180,30 +211,21 @@ class Session:
             functions={
                 name: userfns.describe(fn, name, self.run_dir) for name, fn in self.fns.items() if fn is not None
             },
-            parameters=[
-                {
-                    "name": n,
-                    "shape": list(shapes.get(id(p), p.shape)),
-                    "dtype": codec.dtype_name(p.dtype),
-                    "requires_grad": p.requires_grad,
-                    "group": group,
-                }
-                for (n, p), group in zip(params, groups or [None] * len(params))
-            ],
-            param_groups=len(torch_optimizer(optimizer).param_groups) if optimizer is not None else 0,
+            parameters=parameters,
+            param_groups=groups,
             optimizers=optimizers,
             data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,
             **({"data_ranks": list(self.world.data_ranks)} if self.world.data_ranks is not None else {}),
-            layout="sharded" if self.world.sharded else "replicated",
+            layout="pipeline" if self.world.stages else "sharded" if self.world.sharded else "replicated",
             backend=self.world.backend,
+            **({"pipeline": self.world.stages.describe()} if self.world.stages else {}),
         )
 
     def _check_same_model(self) -> None:
         recorded = [(p["name"], list(p["shape"])) for p in self.manifest.get("parameters", [])]
-        shapes = fsdp1.full_shapes(self.training[0])
-        current = [(n, list(shapes.get(id(p), p.shape))) for n, p in named_parameters(self.training[0])]
+        current = [(p["name"], list(p["shape"])) for p in self._described[0]]
         if recorded != current:
             diff = next(((a, b) for a, b in zip(recorded, current) if a != b), (len(recorded), len(current)))
             raise RecordError(f"the model differs from the recorded one ({diff[0]} vs {diff[1]})", path=self.run_dir)

@@ -3,8 +3,8 @@
 Three ways to take one: *live* (a CPU model, `ckpt_snapshot="live"`: written in the background
 from the parameters and the optimizer's state themselves, no copy; the optimizer's next step
 waits for each tensor's bytes as it comes to it, through `AwaitLiveBytes`), *copy* (the state
-copied off the device, then written in the background: run/checkpoint.py) and *sharded* (FSDP:
-every rank writes its shards through DCP, in the background unless `async_sharded=False`,
+copied off the device, then written in the background: run/checkpoint.py) and *sharded* (FSDP,
+pipeline stages: every rank writes its part through DCP, in the background unless `async_sharded=False`,
 committed at the start of the next step). Retention runs after each commit, protecting the
 best-validation checkpoint and the last healthy one before the first anomaly.
 """
@@ -53,8 +53,8 @@ class Snapshots:
         model, optimizer, scheduler, self.scaler = training
         # (the torch objects inside a framework's wrappers: their hooks and state are the ones)
         self.model, self.optimizer, self.scheduler = model, torch_optimizer(optimizer), torch_scheduler(scheduler)
-        if world.sharded and isinstance(self.optimizer, OptimizerSet):  # (DCP's state dicts take one)
-            raise RecordError("several optimizers are not recorded under FSDP2 (a sharded model) yet")
+        if world.checkpoints_sharded and isinstance(self.optimizer, OptimizerSet):  # (DCP's state dicts take one)
+            raise RecordError("several optimizers are not recorded under FSDP2 or pipeline stages yet")
         self.health = health
         self.probe = probe  # the recording's: what it learned goes with each checkpoint
         self.run_dir: Path = writer.run_dir
@@ -69,7 +69,7 @@ class Snapshots:
         # tensors they are written from). Sharded ones go through DCP (staged copies).
         self._live_ok = (
             config.ckpt_snapshot == "live"
-            and not world.sharded
+            and not world.checkpoints_sharded
             and world.is_main
             and hasattr(self.optimizer, "register_step_pre_hook")
         )
@@ -102,7 +102,7 @@ class Snapshots:
         if self.best is not None and self.best[0] == step:
             info["validation"] = {self.config.val_metric: self.best[1]}
         self.steps.append(step)
-        if self.world.sharded:  # FSDP: every rank writes its shards (DCP)
+        if self.world.checkpoints_sharded:  # FSDP, pipeline stages: every rank writes its part (DCP)
             return self._take_sharded(step, info)
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0

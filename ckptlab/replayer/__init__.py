@@ -129,8 +129,8 @@ def replay(
             return replay_distributed(
                 run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
             )
-        if rank is not None and not 0 <= rank < run.world_size:
-            raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
+        if rank is not None:
+            _one_rank(run, rank)
         with solo_world(run.needs_process_group):
             inv = Investigation(run, step, rank=rank or 0, dump=dump, **how)
             inv.budget = Budget(budget)
@@ -180,6 +180,7 @@ def attribute_rows(
     distributed run, rank `rank`'s micro-batch, replayed in this one process (approximate).
     This is the attribution `ckptlab dirty` passes to `analysis.dirty.scan`."""
     run = open_run(run) if not isinstance(run, Run) else run
+    alone_refused(run, "per-row attribution")
     saved = capture_env()
     try:
         with solo_world(run.needs_process_group):
@@ -194,3 +195,22 @@ def attribute_rows(
         apply_env(saved)
     ranked = sorted(rows.items(), key=lambda rh: -(rh[1].grad_norm if math.isfinite(rh[1].grad_norm) else math.inf))
     return [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in ranked]
+
+
+def _one_rank(run: Run, rank: int) -> None:
+    """ReplayError unless rank `rank` of `run` can be replayed alone, in this process."""
+    if not 0 <= rank < run.world_size:
+        raise ReplayError(f"rank {rank} is not in the run (world size {run.world_size})", path=run.path)
+    alone_refused(run, f"--rank {rank}")
+
+
+def alone_refused(run: Run, what: str) -> None:
+    """ReplayError for replaying one rank of a pipeline in one process (`what`: the option or
+    command that asks for it): a stage sends to and receives from the others at every step."""
+    if run.manifest.get("pipeline") is not None:
+        raise ReplayError(
+            f"{what} replays one rank in this process, and a pipeline stage cannot run alone: it sends its "
+            "activations to the next stage and receives its gradients from it at every step",
+            path=run.path,
+            hint=f"replay on the recorded {run.world_size} processes: ckptlab replay --run {run.path} --step N",
+        )

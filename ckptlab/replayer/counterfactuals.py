@@ -23,7 +23,6 @@ from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.search import faults_again
 from ckptlab.training.health import StepHealth
 from ckptlab.training.probe import named_parameters
-from ckptlab.training.state import restore_snapshot
 
 # The anomalies of a step that its own update causes (spikes of its loss and gradient come
 # before the update).
@@ -87,12 +86,11 @@ def _recent_learning_rate(root: RootStep) -> list[Counterfactual]:
     if not jumps:
         return []
     root.fresh()
-    groups = root.runner.optimizer.param_groups
     for j in jumps:
-        groups[j.group]["lr"] = j.typical
+        root.replayer.set_lr(root.runner, j.group, j.typical)
     h = root.replayer.run_step(root.runner, root.rec)
     found = root.fault(h)
-    every = len(groups)
+    every = len(root.base.lr)  # (every group: in a pipeline, every stage's)
     if len(jumps) == 1:
         j = jumps[0]
         where = group_text(root.optimizers, j.group, every)
@@ -132,6 +130,9 @@ def _in_float32(root: RootStep, o: Origin) -> list[Counterfactual]:
     ]
     if o.module is None:
         return out
+    if root.replayer.mirror is not None:  # (a stage in float32 would send its peers tensors they do not expect)
+        question = f"does step {root.root} still go non-finite with `{o.module}` in float32?"
+        return [*out, Counterfactual(question, None, "not run: a pipeline's stages pass tensors of their dtype")]
     for path in dict.fromkeys([o.module, ""]):
         what = f"`{path}`" if path else "the whole model"
         h = root.attempt(f"in float32 ({what})", _step_in_float32, root, path)
@@ -167,7 +168,7 @@ def _step_in_float32(root: RootStep, path: str) -> StepHealth:
     """The root step, from the state it started in, with `path` ("" the whole model) in float32."""
     t = root.replayer.build()
     try:
-        restore_snapshot(root.snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=root.replayer.rank)
+        root.replayer.restore(t, root.snap)
         with in_float32(t.model, path):
             return root.replayer.run_step(t, root.rec)
     finally:

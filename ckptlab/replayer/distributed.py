@@ -6,6 +6,9 @@ one whose own loss, then own gradient norm, went wrong first at the root step; t
 root step started in comes back from the workers, and the trace, row blame and counterfactuals
 run here, in a process group of one, on that rank's micro-batch.
 
+A pipeline's stages (one per rank) cannot run in one process: its root step is explained on the
+ranks themselves, rank 0 leading the others (pipeline.py), and rank 0's report comes back.
+
 Two ways to get the ranks, one per-rank replay (`replay_rank`) for both:
 - spawned: this process spawns one worker per rank on this machine and serves their store;
 - launched: this process is itself one rank of a job a launcher started (`torchrun -m ckptlab
@@ -29,6 +32,7 @@ import torch
 from ckptlab.errors import ReplayError
 from ckptlab.replayer.findings import ReplayReport, StepCheck
 from ckptlab.replayer.investigation import Investigation, Window
+from ckptlab.replayer.pipeline import StageBlame, explain_on_stages
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.atomic import write_json_atomic
 from ckptlab.run.checkpoint import CapturedState, commit_checkpoint, load_captured
@@ -71,8 +75,8 @@ def replay_distributed(
     if launch is not None:
         return _replay_joined(run, step, plan, launch, explain)
     with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
-        ranks = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code)
-    return explain(ranks)
+        ranks = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code, explain.on_stages())
+    return ranks.report if ranks.report is not None else explain(ranks)
 
 
 def check_world(run: Run, nproc: int | None, launch: Launch | None) -> None:
@@ -111,6 +115,7 @@ class Ranks:
     snapshot: Any = None  # the root step's starting state: on the writer rank, then where it is explained
     writer: int = 0  # the rank that holds `snapshot` (sharded: rank 0, gathered whole; else the faulty rank)
     crash: dict | None = None  # the step raised on this rank (the replay cannot go on)
+    report: ReplayReport | None = None  # a pipeline's, explained on the ranks: rank 0's (pipeline.py)
 
 
 @dataclass
@@ -128,6 +133,13 @@ class Explain:
     budget: int
     trace: bool
     counterfactuals: bool
+
+    def on_stages(self) -> StageBlame | None:
+        """What a pipeline's ranks need to explain its root step themselves (None: not a pipeline)."""
+        if self.run.manifest.get("pipeline") is None:
+            return None
+        plan = (self.plan.fault_recorded, self.plan.episode, self.plan.start)
+        return StageBlame(plan, self.trace, self.counterfactuals, self.budget)
 
     def __call__(self, ranks: Ranks) -> ReplayReport:
         run, k = self.run, self.plan.start
@@ -148,10 +160,12 @@ class Explain:
             )
 
 
-def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool) -> Ranks:
+def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool, blame) -> Ranks:
     """Spawn one process per rank to replay plan.start..step; what they found, with the state
-    the root step started in (read back into memory before `out` goes away)."""
+    the root step started in (read back into memory before `out` goes away), or a pipeline's
+    report (`blame`: what its ranks explain it with)."""
     import json
+    import pickle
 
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
@@ -163,28 +177,29 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5))
     backend = backend_for(run, device)
     log(f"replaying steps {k}..{step} on {world} processes ({backend})")
+    args = (world, store.port, backend, str(run.path), step, k, snap_from(plan), str(out), device, trust_code, blame)
     try:
-        mp.start_processes(
-            _rank_worker,
-            args=(world, store.port, backend, str(run.path), step, k, snap_from(plan), str(out), device, trust_code),
-            nprocs=world,
-            start_method="spawn",
-        )
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        # A step raised on a rank: the others were stopped, not left waiting. The first to
-        # raise is the cause; a rank whose collective then lost its peer raised after it.
-        crashed = [json.loads(p.read_text()) for p in out.glob("crash-rank*.json")]
-        if crashed:
-            raise crash_error(run, min(crashed, key=lambda c: (c["time"], c["rank"]))) from None
-        last = str(e).strip().splitlines()[-1]
-        if len(list(out.glob("done-rank*"))) < world:
-            raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
-        # Every rank had finished its work and passed the last barrier: a rank that died while
-        # tearing the process group down (gloo can abort there on a busy machine) lost nothing.
-        log(f"a replay process ended abnormally after its work was done ({last}); its results are complete")
+        try:
+            mp.start_processes(_rank_worker, args=args, nprocs=world, start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            # A step raised on a rank: the others were stopped, not left waiting. The first to
+            # raise is the cause; a rank whose collective then lost its peer raised after it.
+            crashed = [json.loads(p.read_text()) for p in out.glob("crash-rank*.json")]
+            if crashed:
+                raise crash_error(run, min(crashed, key=lambda c: (c["time"], c["rank"]))) from None
+            last = str(e).strip().splitlines()[-1]
+            if len(list(out.glob("done-rank*"))) < world:
+                raise ReplayError(f"a replay process failed: {last}", path=run.path) from None
+            # Every rank had finished its work and passed the last barrier: a rank that died while
+            # tearing the process group down (gloo can abort there on a busy machine) lost nothing.
+            log(f"a replay process ended abnormally after its work was done ({last}); its results are complete")
+        # (a pipeline's report: rank 0's, pickled by the replay's own worker into this process's store)
+        report = pickle.loads(store.get("report")) if blame is not None else None
     finally:
         del store
     result = json.loads((out / "result.json").read_text())
+    if report is not None:
+        return Ranks([], result["root"], result["rank"], result["notes"], report=report)
     root = result["root"]
     snapshot = load_captured(checkpoint_dir(out / "snapshot", root)) if root is not None else None
     return Ranks([StepCheck(**c) for c in result["checks"]], root, result["rank"], result["notes"], snapshot)
@@ -199,10 +214,14 @@ def snap_from(plan) -> int:
     return max(plan.start, plan.episode - 2)
 
 
-def replay_rank(rank: int, run_path: str, step: int, k: int, snap_from: int, device, trust_code: bool) -> Ranks:
+def replay_rank(
+    rank: int, run_path: str, step: int, k: int, snap_from: int, device, trust_code: bool, blame=None
+) -> Ranks:
     """This rank's part of a distributed replay, in the ranks' process group (collective):
     replay k..step on its own batches, and keep the root step's starting state on the rank
-    that writes it. Both paths run it: a spawned worker, and a launched job's process."""
+    that writes it; a pipeline's ranks explain its root step here (`blame`: pipeline.py
+    StageBlame), and rank 0 holds the report. Both paths run it: a spawned worker, and a
+    launched job's process."""
     run = open_run(run_path)
     inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
     window = inv.replay_window(k, snap_from)
@@ -216,8 +235,12 @@ def replay_rank(rank: int, run_path: str, step: int, k: int, snap_from: int, dev
     # every rank replays up to it again (collective).
     if root is not None and root < snap_from:
         window.root_state = inv.state_before(k, root)
+    world = cast(World, inv.replayer.world)
+    if world.stages is not None:  # a pipeline: no process holds the whole model
+        report = explain_on_stages(inv, window, world, blame)
+        return Ranks(checks, root, report.rank if report else None, inv.replayer.notes, report=report)
     faulty = _faulty_rank(checks, root)
-    writer = 0 if cast(World, inv.replayer.world).sharded else (faulty or 0)  # sharded: whole on rank 0, all RNGs
+    writer = 0 if world.sharded else (faulty or 0)  # sharded: whole on rank 0, all RNGs
     # The state the root step started in, with the faulty rank's RNG streams.
     mine = window.root_state if root is not None and rank == writer else None
     return Ranks(checks, root, faulty, inv.replayer.notes, mine, writer)
@@ -235,9 +258,11 @@ def _rank_worker(
     out: str,
     device,
     trust_code: bool,
+    blame,
 ) -> None:
     """One rank of a distributed replay (a spawned process)."""
     import os
+    import pickle
 
     import torch.distributed as dist
 
@@ -249,7 +274,7 @@ def _rank_worker(
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))  # served by the parent
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        got = replay_rank(rank, run_path, step, k, snap_from, device, trust_code)
+        got = replay_rank(rank, run_path, step, k, snap_from, device, trust_code, blame)
         if got.crash is not None:  # say what happened and stop: the parent stops the others and reports it
             crash = {"time": time.time(), **got.crash}
             # (whole or not at all: the parent reads every crash file as soon as any rank fails,
@@ -258,6 +283,8 @@ def _rank_worker(
             raise ReplayError(f"step {crash['step']} raised on rank {rank}")
         if got.snapshot is not None:
             commit_checkpoint(Path(out) / "snapshot", got.snapshot)
+        if got.report is not None:  # (our own report, to the parent that spawned this process)
+            store.set("report", pickle.dumps(got.report))  # type: ignore[arg-type]  # (bytes: torch's stub says str)
         if rank == 0:
             _write_result(Path(out), got.checks, got.root, got.faulty, got.notes)
         dist.barrier()
@@ -297,15 +324,23 @@ def _replay_joined(run: Run, step: int, plan, launch: Launch, explain: Explain) 
     try:
         group = dist.new_group(backend="gloo") if backend != "gloo" else None  # for the state's hand-over
         got = replay_rank(
-            launch.rank, str(run.path), step, plan.start, snap_from(plan), explain.device, explain.trust_code
+            launch.rank,
+            str(run.path),
+            step,
+            plan.start,
+            snap_from(plan),
+            explain.device,
+            explain.trust_code,
+            explain.on_stages(),
         )
         if got.crash is not None:
             raise crash_error(run, _first_crash(store, got.crash))
-        got.snapshot = _state_to_rank0(got, launch.rank, group)
+        if explain.on_stages() is None:
+            got.snapshot = _state_to_rank0(got, launch.rank, group)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return _shared_report(store, launch, lambda: explain(got))
+    return _shared_report(store, launch, lambda: got.report if got.report is not None else explain(got))
 
 
 def _first_crash(store, mine: dict) -> dict:

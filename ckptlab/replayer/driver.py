@@ -15,7 +15,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -37,10 +37,12 @@ from ckptlab.training.state import (
     is_grad_scaler,
     restore_checkpoint,
     restore_rng,
+    restore_snapshot,
     snapshot,
 )
 from ckptlab.training.step import StepRunner
 from ckptlab.training.world import World
+from ckptlab.training.wrappers import torch_module
 
 
 class Replayer:
@@ -98,6 +100,9 @@ class Replayer:
         self.notes += [record_warning_note(e) for e in run.events() if e.get("kind") in RECORD_WARNINGS]
         self.batch_fn = None  # imported at the first batch stored by reference
         self.trust_code = trust_code
+        # A pipeline's rank 0 explaining the root step: what it builds, loads, restores and
+        # replays, every stage does with it (replayer/pipeline.py `Mirror`).
+        self.mirror: Any = None
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
@@ -109,6 +114,14 @@ class Replayer:
     # --- building and restoring ----------------------------------------------------------------
 
     def build(self) -> StepRunner:
+        if self.mirror is not None:
+            self.mirror.order("build")
+        t = self._build()
+        if self.mirror is not None:
+            self.mirror.built(t)
+        return t
+
+    def _build(self) -> StepRunner:
         if self.device.type == "cuda":
             apply_env({}, force_deterministic=True)  # before any CUDA work: cuBLAS reads it once
         with user_output():
@@ -121,7 +134,8 @@ class Replayer:
                 "updates the weights by hand",
                 path=self.run.path,
             )
-        model, optimizer = built[0], built[1]
+        given, optimizer = built[0], built[1]
+        model = torch_module(given)  # (a pipeline's schedule: its stage's module; step_fn gets the schedule)
         if optimizer is None:  # its learning rate comes from the checkpoint, then from the record
             optimizer = HandUpdate(model.parameters())
         self._check_optimizers(optimizer)
@@ -144,11 +158,11 @@ class Replayer:
             )
         model.to(self.device)
         if self.world is None:  # once: in a distributed replay, detecting creates a group
-            self.world = World.detect(model)  # (`--rank R` of an FSDP2 run: a group of one, sharded)
+            self.world = World.detect(given, optimizer)  # (`--rank R` of an FSDP2 run: a group of one, sharded)
         self.compiled = is_compiled(model) or is_compiled(self.step_fn)
         try:
             return StepRunner(
-                model,
+                given,
                 optimizer,
                 scheduler,
                 scaler,
@@ -175,6 +189,8 @@ class Replayer:
         )
 
     def load_checkpoint(self, t: StepRunner, step: int) -> None:
+        if self.mirror is not None:
+            self.mirror.order("load", t, step)
         ckpt = self.run.checkpoint(step)
         try:
             ckpt.verify()
@@ -234,6 +250,12 @@ class Replayer:
         """One recorded step (or `batch` in its place), exactly as the Recorder ran it: its
         RNG states restored, then the same measured step (training/step.py).
         `measure_update` measures update ratios and weight norms, as the run recorded them."""
+        if self.mirror is not None:  # (every stage runs it, and traces it when this one does)
+            return self.mirror.step(t, rec, batch, tracer, measure_update, self.run_here)
+        return self.run_here(t, rec, batch, tracer, measure_update)
+
+    def run_here(self, t: StepRunner, rec, batch, tracer, measure_update: bool) -> StepHealth:
+        """`run_step` in this process alone."""
         if rec.rng is not None:
             try:
                 restore_rng(rec.rng)
@@ -263,7 +285,9 @@ class Replayer:
         i = m.index(step)
         if i is None:
             return
-        for g, (group, lr) in enumerate(zip(optimizer.param_groups, m.lr[i])):
+        stages = self.world.stages if self.world is not None else None
+        first = stages.group_slots[stages.stage][0] if stages is not None else 0  # (a pipeline: its stage's groups)
+        for g, (group, lr) in enumerate(zip(optimizer.param_groups, m.lr[i][first:])):
             now = group.get("lr")
             if not math.isfinite(lr) or not isinstance(now, (int, float)) or now == lr:
                 continue
@@ -284,7 +308,26 @@ class Replayer:
             return full_snapshot(self.world, step, t.model, t.optimizer, state)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
+    def restore(self, t: StepRunner, snap) -> None:
+        """Put `t` back in the state of `snap` (a snapshot this rank took: its own RNG streams
+        from a sharded run's). A pipeline's other stages restore theirs of the root step."""
+        if self.mirror is not None:
+            self.mirror.order("restore", t)
+        restore_snapshot(snap, t.model, t.optimizer, t.scheduler, t.scaler, rank=self.rank)
+
+    def set_lr(self, t: StepRunner, group: int, lr: float) -> None:
+        """Parameter group `group` (its index in every step's `lr`: in a pipeline, among every
+        stage's groups, and set by the stage that holds it) gets learning rate `lr`."""
+        if self.mirror is not None:
+            self.mirror.order("lr", t, group, lr)
+        stages = self.world.stages if self.world is not None else None
+        first = stages.group_slots[stages.stage][0] if stages is not None else 0
+        if 0 <= group - first < len(t.optimizer.param_groups):
+            t.optimizer.param_groups[group - first]["lr"] = lr
+
     def close(self, t: StepRunner) -> None:
+        if self.mirror is not None:
+            self.mirror.order("close", t)
         t.close()
 
 

@@ -61,6 +61,11 @@ class Origin:
     # into its param_groups; the group whose learning rate jumped most, else `parameter`'s)
     optimizer: int | str | None = None
     param_group: int | None = None
+    # A pipeline's (torch.distributed.pipelining): the stage where the fault began (that of the
+    # origin's op, of the op where the batch's non-finite values enter, or of the parameter an
+    # optimizer fault names), and the micro-batch whose forward or backward ran that op
+    stage: int | None = None
+    micro_batch: int | None = None
 
 
 def place(row: int, micro_batch: int | None = None) -> str:

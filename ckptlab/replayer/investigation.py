@@ -188,6 +188,8 @@ class Investigation:
         t = measured_exactly(r, r.build())
         r.load_checkpoint(t, k)
         bad = nonfinite_params(t.model)  # already bad: their non-finite norms are no new anomaly
+        if r.world is not None and r.world.stages is not None:  # (a pipeline: every stage's, judged alike)
+            bad = [b for part in r.world.gather_objects(bad) for b in part]
         dets = self.detectors(k)
         checks: list[StepCheck] = []
         kept: dict[int, tuple] = {}
@@ -421,7 +423,7 @@ def measured_step(r: Replayer, t: StepRunner, rec, step: int) -> tuple[StepHealt
     record's `health_every`), and the parameters whose first update with an empty second
     moment exploded in it (optstate.py). Measuring only reads the state."""
     h = r.run_step(t, rec, measure_update=True)
-    return h, first_updates(step, h, t.probe.names)
+    return h, first_updates(step, h, t.probe.all_names)
 
 
 def _start_state(inv: Investigation, report: ReplayReport, window: Window) -> dict | None:

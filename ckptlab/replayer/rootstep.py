@@ -29,7 +29,6 @@ from ckptlab.replayer.startstate import new_anomalies
 from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.training.crash import describe, is_step_error
 from ckptlab.training.health import StepHealth
-from ckptlab.training.state import restore_snapshot
 
 
 class RootStep:
@@ -84,14 +83,7 @@ class RootStep:
 
     def fresh(self) -> None:
         """Put the runner back in the state the root step started in."""
-        restore_snapshot(
-            self.snap,
-            self.runner.model,
-            self.runner.optimizer,
-            self.runner.scheduler,
-            self.runner.scaler,
-            rank=self.replayer.rank,
-        )
+        self.replayer.restore(self.runner, self.snap)
 
     def step(self, batch=None, tracer=None) -> StepHealth:
         self.fresh()

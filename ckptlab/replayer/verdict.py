@@ -249,11 +249,13 @@ def _only_through_noise(r: ReplayReport) -> str:
 
 def _lead(r: ReplayReport) -> str:
     """ "Step 12 on rank 1 (the symptom shows at step 14)": where every reproduced verdict begins."""
-    root = _root(r)
+    root, o = _root(r), r.origin
+    stage = f"pipeline stage {o.stage}" + (f", micro-batch {o.micro_batch}" if o.micro_batch is not None else "")
     return (
         f"Step {root}"
         + (f" on rank {r.rank}" if r.rank is not None and r.processes is None else "")
         + (f" on data-parallel rank {r.rank} (processes {', '.join(map(str, r.processes))})" if r.processes else "")
+        + (f" ({stage})" if o.stage is not None else "")
         + (f" (the symptom shows at step {r.requested_step})" if root != r.requested_step else "")
     )
 

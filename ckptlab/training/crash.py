@@ -41,6 +41,14 @@ def call_through(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+class StageRefused(Exception):
+    """A replayed step that a pipeline's stages did not run as asked: a batch whose rows do not
+    split into the micro-batches the schedule's shapes were inferred for (refused on every rank
+    alike, before any starts it), or another stage's own exception in a step they ran together.
+    The step's own failure, as if step_fn had raised it (`is_step_error`): the experiment that
+    asked for it fails, and the investigation goes on."""
+
+
 def _frames(tb: types.TracebackType | None) -> list[types.FrameType]:
     out = []
     while tb is not None:
@@ -54,6 +62,8 @@ def is_step_error(exc: BaseException) -> bool:
     ckptlab: once its traceback leaves ckptlab's code it does not come back into it."""
     if isinstance(exc, CkptlabError) or not isinstance(exc, Exception):
         return False
+    if isinstance(exc, StageRefused):
+        return True
     frames = _frames(exc.__traceback__)
     mine = [ours(os.path.abspath(f.f_code.co_filename)) for f in frames]
     for i, f in enumerate(frames):  # a wrapper calling through to what it wraps: not ckptlab's

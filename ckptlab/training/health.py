@@ -35,8 +35,8 @@ class StepHealth:
     weight_norm_before: np.ndarray | None = None
     grad_scale: float | None = None
     step_time: float = 0.0
-    rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean)
-    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm
+    rank_loss: list[float] | None = None  # distributed: each rank's own loss (`loss` is their mean); not a pipeline's
+    rank_grad_norm: list[float] | None = None  # distributed: each rank's local gradient norm (a pipeline: its stage's)
     scaler_skipped: bool = False  # a GradScaler found non-finite gradients and skipped the update
     # float32[P], where update ratios were measured: each parameter's second moment empty before
     # the update (training/first_update.py: 1 exp_avg_sq all zero, 2 no state, 0 not empty)
@@ -66,6 +66,7 @@ class StepHealth:
             out["update_ratio_global"] = self.update_ratio_global
         if self.rank_loss is not None:
             out["rank_loss"] = self.rank_loss
+        if self.rank_grad_norm is not None:
             out["rank_grad_norm"] = self.rank_grad_norm
         return out
 
@@ -101,36 +102,72 @@ def read_health(
     stepped = meta["stepped"]
     if stepped is None:  # a hand-written update, measured (training/probe.py): did the weights move?
         stepped = bool((values[parts["d"]] != 0).any())
+    lr, empty = meta["lr"], values[parts["e"]].copy() if "e" in parts else None
+    tail = np.zeros(0)
+    if world.stages is not None:  # a pipeline stage: its numbers in its slots of the whole model's
+        grad_sq, nonfinite, updates, tail = _spread(world.stages, grad_sq, nonfinite, updates, lr, empty)
     norms, grad_norm, nonfinite_all, counted, update_sq, ranks = _gradients(
-        value, grad_sq, nonfinite, updates, len(meta["idx"]), world
+        value, grad_sq, nonfinite, updates, len(meta["idx"]), world, not meta.get("no_loss"), tail
     )
+    if world.stages is not None:
+        lr, empty = _stages_tail(world.stages, ranks[3])
     health = StepHealth(
-        loss=None if meta.get("no_loss") else ranks[0] if ranks is not None else value,
+        loss=value if ranks is None else ranks[0],
         grad_norm=grad_norm,
         param_grad_norm=norms,
         nonfinite_grads=counted,
         param_nonfinite=nonfinite_all,
-        lr=meta["lr"],
+        lr=lr,
         stepped=stepped,
         grad_scale=scale,
         step_time=meta["step_time"],
         scaler_skipped=_scaler_skipped(optimizer, stepped, scale, values, parts),
     )
+    if ranks is None and meta.get("no_loss"):
+        health.loss = None
     if ranks is not None:
-        _, health.rank_loss, health.rank_grad_norm = ranks
+        health.rank_loss, health.rank_grad_norm = ranks[1] if world.stages is None else None, ranks[2]
     if update_sq is not None:
         _set_updates(health, update_sq)
-        health.second_moment_empty = values[parts["e"]].copy() if "e" in parts else None
+        health.second_moment_empty = empty
     before = np.sqrt(update_sq[2]) if update_sq is not None else values[parts["b0"]] if "b0" in parts else None
     if before is not None and not np.isfinite(before).all():
         health.weight_norm_before = np.asarray(before, dtype=np.float32)
     return health
 
 
-def _gradients(value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates, measured: int, world: World):
+def _spread(stages, grad_sq: np.ndarray, nonfinite: np.ndarray, updates, lr: list[float], empty):
+    """A pipeline stage's per-parameter numbers in its slots of the whole model's vectors
+    (training/pipeline.py), and what else the ranks add up: [has second-moment flags, the
+    learning rates of every stage's groups, the flags]."""
+    flags = stages.spread(empty if empty is not None else np.zeros(len(grad_sq)), 0.0)
+    grad_sq, nonfinite = stages.spread(grad_sq, NO_GRAD), stages.spread(nonfinite, 0.0)
+    updates = [stages.spread(u, 0.0) for u in updates] if updates is not None else None
+    tail = np.concatenate([[float(empty is not None)], stages.spread(np.asarray(lr), 0.0, groups=True), flags])
+    return grad_sq, nonfinite, updates, tail
+
+
+def _stages_tail(stages, tail: np.ndarray) -> tuple[list[float], np.ndarray | None]:
+    """The whole model's learning rates and second-moment flags, from the ranks' summed tails."""
+    groups = sum(n for _, n in stages.group_slots)
+    flags = tail[1 + groups :].astype(np.float32) if tail[0] > 0 else None
+    return tail[1 : 1 + groups].tolist(), flags
+
+
+def _gradients(
+    value: float,
+    grad_sq: np.ndarray,
+    nonfinite: np.ndarray,
+    updates,
+    measured: int,
+    world: World,
+    has_loss: bool = True,
+    tail: np.ndarray | None = None,
+):
     """(the float32 norm per parameter, the global norm, the non-finite counts or None, their
     total, the squared weight / update / pre-update weight norms or None, the ranks' numbers or
-    None) over every rank; `measured`: how many parameters this rank measured."""
+    None) over every rank; `measured`: how many parameters this rank measured; `has_loss`:
+    this rank's step returned a loss; `tail`: more numbers that the ranks add up (a pipeline's)."""
     P = len(grad_sq)
     ranks = None  # distributed: (the mean loss, each rank's loss, each rank's local gradient norm)
     total = grad_sq.sum() if not world.distributed and measured == P > 0 else math.nan
@@ -141,7 +178,9 @@ def _gradients(value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates
         nonfinite_all = np.zeros(P, dtype=np.int64) if not np.isfinite(norms).all() else None
         return norms, math.sqrt(total), nonfinite_all, 0, updates, ranks
     if world.distributed:
-        any_grad, combined, nonfinite_all, update_sq, ranks = _combine_ranks(world, value, grad_sq, nonfinite, updates)
+        any_grad, combined, nonfinite_all, update_sq, ranks = _combine_ranks(
+            world, value, grad_sq, nonfinite, updates, has_loss, tail if tail is not None else np.zeros(0)
+        )
     else:  # one rank: the same numbers without the rows (the mean of one row is that row)
         any_grad = ~(grad_sq < 0)  # NO_GRAD is negative; a NaN norm was measured (and is kept)
         combined = np.where(any_grad, grad_sq, 0.0)
@@ -170,15 +209,21 @@ def _set_updates(health: StepHealth, update_sq: list[np.ndarray]) -> None:
     health.update_ratio_global = float(np.sqrt(d_sq.sum()) / max(np.sqrt(b_sq.sum()), 1e-300))
 
 
-def _combine_ranks(world: World, value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates):
+def _combine_ranks(
+    world: World, value: float, grad_sq: np.ndarray, nonfinite: np.ndarray, updates, has_loss: bool, tail: np.ndarray
+):
     """Every rank's numbers (one small all_gather) combined: (which parameters have a
     gradient on any rank, the squared gradient norms, the non-finite counts, the squared
-    weight / update / pre-update weight norms or None, (the ranks' mean loss, each rank's
-    loss, each rank's local gradient norm))."""
+    weight / update / pre-update weight norms or None, (the loss: the mean of the ranks' that
+    returned one, None when none did; each rank's loss, each rank's local gradient norm; the
+    ranks' `tail`s added up))."""
     P = len(grad_sq)
-    # One row per rank: [loss, has_update, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P)]
-    row = np.concatenate([[value, updates is not None], grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3)])
+    # One row per rank: [loss, has_update, has_loss, grad_sq(P), nonfinite(P), w_sq(P), d_sq(P), b_sq(P), tail]
+    head = [value, updates is not None, has_loss]
+    row = np.concatenate([head, grad_sq, nonfinite, *(updates or [np.zeros(P)] * 3), tail])
     rows = world.gather(row)
+    with_loss = rows[:, 2] > 0
+    rows = rows[:, [0, 1, *range(3, rows.shape[1])]]  # (the columns below, as they were before has_loss)
     got = ~(rows[:, 2 : 2 + P] < 0)  # NO_GRAD rows are negative; NaN ones were measured
     grad_sq_all = np.where(got, rows[:, 2 : 2 + P], 0.0)
     combined = world.combine(grad_sq_all)
@@ -190,7 +235,9 @@ def _combine_ranks(world: World, value: float, grad_sq: np.ndarray, nonfinite: n
     update_sq = None
     if rows[0, 1]:
         update_sq = [world.combine(rows[:, 2 + k * P : 2 + (k + 1) * P]) for k in (2, 3, 4)]
-    ranks = float(rows[:, 0].mean()), rows[:, 0].tolist(), np.sqrt(grad_sq_all.sum(axis=1)).tolist()
+    loss = float(rows[with_loss, 0].mean()) if with_loss.any() else None
+    added = rows[:, rows.shape[1] - len(tail) :].sum(axis=0)
+    ranks = loss, rows[:, 0].tolist(), np.sqrt(grad_sq_all.sum(axis=1)).tolist(), added
     return got.any(axis=0), combined, nonfinite_all, update_sq, ranks
 
 

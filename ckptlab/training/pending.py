@@ -66,7 +66,10 @@ class PendingHealth:
             if "o0" in self._parts:
                 changed = values[self._parts["o0"]] != values[self._parts["o1"]]
                 graded = set(self._meta["idx"])
-                self.moved_outside = tuple(i for i, c in zip(self._outside, changed.tolist()) if c and i in graded)
+                first = probe.world.stages.first if probe.world.stages is not None else 0  # (the run's numbering)
+                self.moved_outside = tuple(
+                    first + i for i, c in zip(self._outside, changed.tolist()) if c and i in graded
+                )
             self._health = read_health(
                 values,
                 self._parts,

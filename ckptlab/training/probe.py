@@ -197,6 +197,9 @@ class StepProbe:
             raise RecordError(f"update_ratio must be 'sampled' or 'exact', not {update_ratio!r}")
         named = named_parameters(model)
         self.names = [n for n, _ in named]
+        # The names the step's health arrays are indexed by: the whole model's in a pipeline
+        # (every stage's, training/pipeline.py), else the model's own.
+        self.all_names = world.stages.names if world is not None and world.stages is not None else self.names
         self.params = [p for _, p in named]
         # Where a step's norms can be stacked as they are (all parameters on one device), and
         # whether gradients are DTensors whose local shard is what this rank measures.

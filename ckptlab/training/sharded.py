@@ -7,6 +7,11 @@
     snap = full_snapshot(world, step, model, optimizer, train_state)           # whole, on rank 0
     set_full(model, optimizer, model_sd, optim_sd)                             # whole -> any model
 
+A pipeline's stages (training/pipeline.py) are saved and loaded alike: each rank's state dict
+holds its stage's whole tensors under the whole model's names, so together they are the model's
+(DCP writes each key once), and the optimizer's `param_groups` of every stage go into the main
+state file, each rank loading the groups of its own parameters.
+
 `save_sharded` writes on the training thread (the training stalls for the write).
 `start_sharded_save` stalls only for DCP's collective planning and the copy of each rank's
 shards to host memory (`dcp.async_save`); the files are written and hashed in the background,
@@ -50,13 +55,14 @@ def save_sharded(run_dir: Path, step: int, world, model, optimizer, train_state:
     world.barrier()
     try:
         optim = sd.get_optimizer_state_dict(model, optimizer)
+        groups = _param_groups(world, optim)
         dcp.save(
             {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
             storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
         )
         mine = on_disk.rank_files(tmp, world.rank)
         if world.is_main:
-            mine.update(on_disk.write_main_files(tmp, step, {**train_state, "param_groups": optim["param_groups"]}))
+            mine.update(on_disk.write_main_files(tmp, step, {**train_state, "param_groups": groups}))
         files: dict = {}
         for part in world.gather_objects(mine):
             files.update(part)
@@ -131,25 +137,35 @@ def start_sharded_save(run_dir: Path, step: int, world, model, optimizer, train_
         on_disk.prepare(tmp)
     world.barrier()
     optim = sd.get_optimizer_state_dict(model, optimizer)
+    groups = _param_groups(world, optim)
     future = dcp.async_save(
         {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
         storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
         process_group=world.checkpoint_group(),
     )
-    return PendingSave(world, run_dir, step, tmp, info, {**train_state, "param_groups": optim["param_groups"]}, future)
+    return PendingSave(world, run_dir, step, tmp, info, {**train_state, "param_groups": groups}, future)
+
+
+def _param_groups(world, optim: dict) -> list:
+    """The optimizer's `param_groups` (name-keyed) for the main state file: this rank's, which
+    are every rank's under FSDP2; in a pipeline every stage's, in stage order (collective)."""
+    if world.stages is None:
+        return optim["param_groups"]
+    return [g for part in world.gather_objects(optim["param_groups"]) for g in part]
 
 
 def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:
-    """Load a sharded checkpoint into the live (sharded, distributed) model and optimizer."""
+    """Load a sharded checkpoint into the live (sharded, distributed) model and optimizer: a
+    pipeline stage, the groups whose parameters are its own."""
     dcp, sd = _dcp()
     sd._init_optim_state(optimizer)  # Adam's state exists only after a step: make the slots to load into
     optim = sd.get_optimizer_state_dict(model, optimizer)
     state = {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}}
     dcp.load(state, storage_reader=safe_reader(folder / DCP_DIR), planner=safe_planner())
     sd.set_model_state_dict(model, state["model"])
-    sd.set_optimizer_state_dict(
-        model, optimizer, {"state": state["optim"]["state"], "param_groups": train_state["param_groups"]}
-    )
+    mine = {n for g in optim["param_groups"] for n in g["params"]}
+    groups = [g for g in train_state["param_groups"] if set(g["params"]) <= mine]
+    sd.set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": groups})
 
 
 # --- whole-state snapshots of a sharded model (collective) --------------------------------------

@@ -320,7 +320,7 @@ def restore_checkpoint(ckpt, model, optimizer, scheduler=None, scaler=None, worl
     training state (env included, not applied). Sharded checkpoints go shard by shard into a
     distributed sharded model, else whole (assembled from the shards) into any model."""
     state = ckpt.load_state(verify=False)
-    if ckpt.sharded and world is not None and world.sharded and world.distributed:
+    if ckpt.sharded and world is not None and world.checkpoints_sharded and world.distributed:
         load_sharded(ckpt.path, model, torch_optimizer(optimizer), state)
         load_train_state({k: v for k, v in state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
         restore_rng(state["rng"])

@@ -45,7 +45,7 @@ from ckptlab.training.optimizer_set import OptimizerSet, combined, key_text, sch
 from ckptlab.training.pending import PendingHealth
 from ckptlab.training.probe import StepProbe
 from ckptlab.training.world import World
-from ckptlab.training.wrappers import torch_optimizer
+from ckptlab.training.wrappers import torch_module, torch_optimizer
 
 
 @dataclass
@@ -54,9 +54,11 @@ class StepRunner:
     may be given as a framework's wrapper (accelerate's, Lightning's), or several as a list or
     a dict: `step_fn` receives it as given (`step_optimizer`), while `optimizer` is the torch
     optimizer inside it (training/wrappers.py), or the OptimizerSet of several, the one whose
-    hooks, state and parameter groups the probe and replay use."""
+    hooks, state and parameter groups the probe and replay use. Likewise the model: a pipeline
+    stage's schedule, given as the model, goes to `step_fn` (`step_model`), and `model` is the
+    stage's module."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # given: the user's (a pipeline's schedule); then the module it trains
     optimizer: Any  # given: the user's; then a torch.optim.Optimizer, or an OptimizerSet of several
     scheduler: Any = None
     scaler: Any = None
@@ -66,6 +68,7 @@ class StepRunner:
     guard_scheduler: bool = False  # catch a scheduler stepped outside the runner (the Recorder's)
     probe: StepProbe = field(init=False)
     step_optimizer: Any = field(init=False)  # the optimizer as given: what step_fn receives
+    step_model: Any = field(init=False)  # the model as given: what step_fn receives
     _extra: tuple = field(init=False, default=(None, None, {}))  # (step_fn, scaler, scaler_argument): once
     # The schedulers' step counts after the runner's last own step (guard_scheduler), and what
     # stepped one outside it, once caught (`scheduler_moved`).
@@ -74,6 +77,7 @@ class StepRunner:
     _schedulers: list = field(init=False, default_factory=list)  # (key, torch scheduler) of each
 
     def __post_init__(self) -> None:
+        self.step_model, self.model = self.model, torch_module(self.model)
         given = self.optimizer
         optimizer, self.scheduler = combined(given, self.scheduler)
         self.step_optimizer = optimizer.given if isinstance(optimizer, OptimizerSet) else given
@@ -152,7 +156,7 @@ class StepRunner:
         self.begin(measure_update=measure_update)
         try:
             with around if around is not None else contextlib.nullcontext():
-                loss = step_fn(self.model, self.step_optimizer, batch, **extra)
+                loss = step_fn(self.step_model, self.step_optimizer, batch, **extra)
         except BaseException:
             self.abort()
             raise

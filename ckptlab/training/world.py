@@ -22,8 +22,13 @@ Two layouts of parameters:
   (its `Replicate` dimensions); the ranks of a TP group share one batch, and `data_ranks`
   says which data-parallel rank each process is.
 
+- pipeline (torch.distributed.pipelining, one stage per rank: training/pipeline.py): each rank
+  holds its stage's whole parameters, and fills its stage's slots of the whole model's vectors;
+  the rows add up (`stages`).
+
 Nothing else: a model under DeepSpeed, FSDP1 without the model's own parameters, HSDP or a mesh
-of more than two dimensions, or a pipeline stage, is refused when the Recorder starts
+of more than two dimensions, or a schedule of several stages per rank, is refused when the
+Recorder starts
 (`unsupported`), before anything is written: no layout would describe it, and a partial record
 would replay wrong.
 
@@ -41,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptlab.training import fsdp1
+from ckptlab.training import fsdp1, pipeline
 from ckptlab.training.mesh import MeshLayout, problem
-from ckptlab.training.wrappers import module_chain, own_name, unwrap
+from ckptlab.training.wrappers import module_chain, own_name, torch_module, unwrap
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +68,7 @@ class World:
     sharded: bool = False
     group: Any = None
     backend: str | None = None
+    stages: pipeline.Stages | None = None  # a pipeline: this rank's stage, and the others'
     _ckpt_group: Any = field(default=None, repr=False)
     # Tensor parallelism (training/mesh.py): per parameter, how many ranks hold each element
     # of its gradient; per process, its data-parallel rank. None without a TP mesh.
@@ -77,27 +83,46 @@ class World:
     def distributed(self) -> bool:
         return self.size > 1
 
+    @property
+    def computes_loss(self) -> bool:
+        """This rank's step returns the loss (a pipeline's stages before the last compute none)."""
+        return self.stages is None or self.stages.is_last
+
+    @property
+    def checkpoints_sharded(self) -> bool:
+        """Every rank writes its part of each checkpoint (DCP): FSDP2's shards, a pipeline's stages."""
+        return self.sharded or self.stages is not None
+
     @staticmethod
-    def detect(model: torch.nn.Module | None = None) -> World:
+    def detect(model: Any = None, optimizer: Any = None) -> World:
+        """This process's world, for `model` (a pipeline: its schedule, and `optimizer`, the
+        stage's). Collective in a distributed job: every rank calls it."""
         import torch.distributed as dist
 
-        if model is not None and (why := unsupported(model)):
+        initialized = dist.is_available() and dist.is_initialized()
+        if model is not None and (why := unsupported(model, dist.get_world_size() if initialized else None)):
             from ckptlab.errors import RecordError
 
             raise RecordError(why, hint="docs/distributed.md, Limits, says what ckptlab records")
-        if not (dist.is_available() and dist.is_initialized()):
+        if not initialized:
             return World()
-        sharded = model is not None and (any(is_sharded(p) for p in model.parameters()) or bool(fsdp1.units(model)))
+        module = torch_module(model) if model is not None else None
+        sharded = module is not None and (any(is_sharded(p) for p in module.parameters()) or bool(fsdp1.units(module)))
         backend = str(dist.get_backend())
         if dist.get_world_size() == 1:  # one process; FSDP2 on one device still has DTensor shards
             return World(sharded=sharded, backend=backend)  # (the backend says: replay needs a group)
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
         size = dist.get_world_size()
-        layout = MeshLayout.of(model, size) if model is not None and sharded else None
+        layout = MeshLayout.of(module, size) if module is not None and sharded else None
         world = World(dist.get_rank(), size, sharded, group, backend)
         if layout is not None:
             world.replicas, world.data_ranks = layout.replicas, layout.data_ranks
+        stage = pipeline.stage_of(model)
+        if stage is not None:
+            world.stages = pipeline.Stages.gather(stage, model, optimizer, world)
+        elif module is not None:
+            _same_models(world, module)
         return world
 
     def checkpoint_group(self) -> Any:
@@ -125,12 +150,13 @@ class World:
         return torch.stack(out).numpy()
 
     def combine(self, rows: np.ndarray) -> np.ndarray:
-        """Per-parameter squared norms from every rank -> the global ones: shards add up;
-        replicated copies are averaged (root mean square of the ranks' norms); on a TP mesh,
-        the shards' sum divided by how many ranks hold each element."""
+        """Per-parameter squared norms from every rank -> the global ones: shards (and a
+        pipeline's stages, each in its own slots) add up; replicated copies are averaged (root
+        mean square of the ranks' norms); on a TP mesh, the shards' sum divided by how many
+        ranks hold each element."""
         if self.replicas is not None:
             return rows.sum(axis=0) / self.replicas
-        return rows.sum(axis=0) if self.sharded else rows.mean(axis=0)
+        return rows.sum(axis=0) if self.sharded or self.stages is not None else rows.mean(axis=0)
 
     def count(self, rows: np.ndarray) -> np.ndarray:
         """Per-parameter counts of elements (non-finite gradients) from every rank -> the
@@ -213,14 +239,19 @@ def launched() -> Launch | None:
 # --- what is not recorded: DeepSpeed, pipeline parallelism, meshes and FSDP1 that nothing describes ---
 
 
-def unsupported(model: Any) -> str | None:
+def unsupported(model: Any, world_size: int | None = None) -> str | None:
     """Why `model` cannot be recorded (one line: what it is, what ckptlab records, what to do),
     or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
-    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1 that hides
-    the model's own parameters (training/fsdp1.py), a DTensor parameter on a mesh that
-    training/mesh.py does not describe (HSDP, more than two dimensions). A framework's wrapper
-    (Fabric's module around a DeepSpeed engine) is looked through; parameters are named as the
-    model names them (training/wrappers.py `unwrap`, `own_name`)."""
+    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline object other than a
+    single-stage schedule over the whole job (training/pipeline.py `refusal`; the stage's module
+    is checked as any model), FSDP1 that hides the model's own parameters (training/fsdp1.py),
+    a DTensor parameter on a mesh that training/mesh.py does not describe (HSDP, more than two
+    dimensions). A framework's wrapper (Fabric's module around a DeepSpeed engine) is looked
+    through; parameters are named as the model names them (training/wrappers.py `unwrap`,
+    `own_name`)."""
+    if not isinstance(model, torch.nn.Module) and pipeline.is_pipelining(model):
+        why = pipeline.refusal(model, world_size)
+        return why or unsupported(torch_module(model))
     chain = module_chain(model) if isinstance(model, torch.nn.Module) else [model]
     engine = next((m for m in chain if any(c.__module__.startswith("deepspeed.") for c in type(m).__mro__)), None)
     names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
@@ -229,11 +260,8 @@ def unsupported(model: Any) -> str | None:
             f"cannot record a DeepSpeed model ({type(engine).__name__}): ckptlab records DDP and FSDP2, "
             "not ZeRO's partitioned parameters and optimizer state; train under DDP or FSDP2's fully_shard to record"
         )
-    if any(n.startswith("torch.distributed.pipelining.") for n in names):
-        return (
-            f"cannot record a pipeline-parallel model ({type(model).__name__}): a stage holds part of the "
-            "model and sees part of each step; record the whole model under DDP or FSDP2"
-        )
+    if any(n.startswith("torch.distributed.pipelining.") for n in names):  # (a Pipe: the split model)
+        return pipeline.refusal(model, world_size)
     if not isinstance(model, torch.nn.Module):
         return None
     why = fsdp1.refusal(model)
@@ -253,3 +281,18 @@ def unsupported(model: Any) -> str | None:
         if why:
             return f"cannot record this model: parameter {own_name(name)} {why}"
     return None
+
+
+def _same_models(world: World, module: torch.nn.Module) -> None:
+    """Every rank holds the same model (by its parameters' full shapes: FSDP1's views into a
+    shard count as their own shape): a pipeline stage's module given as the model is not one,
+    and would fail mid-run. Collective."""
+    shapes = fsdp1.full_shapes(module)
+    mine = tuple(tuple(shapes.get(id(p), p.shape)) for p in module.parameters())
+    if len({*world.gather_objects(mine)}) > 1:
+        from ckptlab.errors import RecordError
+
+        raise RecordError(
+            "the ranks' models have different parameters (a pipeline stage's module given as the model?): "
+            "give the Recorder the pipeline's schedule, or on every rank the whole model"
+        )

@@ -26,6 +26,10 @@ tensor of the model is the user's model's own, with no
 wrapper's prefix (`transformer.h.0.attn.qkv.weight`, never `_forward_module.module.`...): the
 probe's health records, the manifest's parameter list, checkpoints (so `ckptlab diff RUN@S`),
 replay's blame and the exports all name them through `unwrap`.
+
+A pipeline stage's schedule (torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B, given
+as the model: step_fn runs the step through it) holds the module that this rank trains, its
+stage's `submod` (`torch_module`): the one ckptlab measures, checkpoints and names.
 """
 
 from __future__ import annotations
@@ -61,6 +65,24 @@ def torch_scheduler(scheduler: Any) -> Any:
             break
         scheduler = inner
     return scheduler
+
+
+def torch_module(model: Any) -> torch.nn.Module:
+    """The module that `model` is, or that the pipeline schedule given as the model runs (its
+    stage's `submod`: training/pipeline.py)."""
+    stage = stage_of(model) if not isinstance(model, torch.nn.Module) else None
+    return stage.submod if stage is not None else model
+
+
+# Single-stage pipeline schedules' base class (ScheduleGPipe, Schedule1F1B), by name.
+PIPELINE_SINGLE = "torch.distributed.pipelining.schedules.PipelineScheduleSingle"
+
+
+def stage_of(schedule: Any) -> Any:
+    """The PipelineStage that a single-stage pipeline schedule runs (None for anything else)."""
+    if not any(f"{c.__module__}.{c.__qualname__}" == PIPELINE_SINGLE for c in type(schedule).__mro__):
+        return None
+    return getattr(schedule, "_stage", None)
 
 
 def _own_hooks(optimizer: Any) -> bool:
