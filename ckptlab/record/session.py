@@ -33,7 +33,7 @@ from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import Progress, read_progress
 from ckptlab.run.writer import io_error
-from ckptlab.training import userfns
+from ckptlab.training import userfns, zero
 from ckptlab.training.optimizer_set import describe
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
@@ -182,7 +182,7 @@ class Session:
             parameters=[
                 {
                     "name": n,
-                    "shape": list(p.shape),
+                    "shape": list(zero.shape_of(p)),
                     "dtype": codec.dtype_name(p.dtype),
                     "requires_grad": p.requires_grad,
                     "group": group,
@@ -194,13 +194,13 @@ class Session:
             data_info=self.config.data_info or {},
             env=capture_env(),
             world_size=self.world.size,
-            layout="sharded" if self.world.sharded else "replicated",
+            layout="sharded" if self.world.sharded else "zero" if self.world.zero is not None else "replicated",
             backend=self.world.backend,
         )
 
     def _check_same_model(self) -> None:
         recorded = [(p["name"], list(p["shape"])) for p in self.manifest.get("parameters", [])]
-        current = [(n, list(p.shape)) for n, p in named_parameters(self.training[0])]
+        current = [(n, list(zero.shape_of(p))) for n, p in named_parameters(self.training[0])]
         if recorded != current:
             diff = next(((a, b) for a, b in zip(recorded, current) if a != b), (len(recorded), len(current)))
             raise RecordError(f"the model differs from the recorded one ({diff[0]} vs {diff[1]})", path=self.run_dir)

@@ -73,7 +73,9 @@ def _trace(root: RootStep, rep: ReplayReport) -> Tracer:
     if root.replayer.compiled:  # the Tracer ran it with torch.compile off
         rep.trace_eager = True
         rep.notes.append("the per-op trace ran eagerly: its dispatch modes cannot see inside torch.compile's graphs")
-    if not same_loss(traced.loss, rep.steps[root.root - rep.start_checkpoint].loss):
+    check = rep.steps[root.root - rep.start_checkpoint]  # (distributed: the traced rank's own loss, not the mean)
+    plain = check.rank_loss[rep.rank] if check.rank_loss and rep.rank is not None else check.loss
+    if not same_loss(traced.loss, plain):
         rep.notes.append("the traced step's loss differs from the plain replay (tracing changed the kernels used)")
     rep.chain = [e.to_json() for e in tracer.chain()]
     root.inv.timing["trace_s"] = time.perf_counter() - t0

@@ -217,7 +217,7 @@ def replay_rank(rank: int, run_path: str, step: int, k: int, snap_from: int, dev
     if root is not None and root < snap_from:
         window.root_state = inv.state_before(k, root)
     faulty = _faulty_rank(checks, root)
-    writer = 0 if cast(World, inv.replayer.world).sharded else (faulty or 0)  # sharded: whole on rank 0, all RNGs
+    writer = 0 if cast(World, inv.replayer.world).gathers_whole else (faulty or 0)  # FSDP2, ZeRO: whole on rank 0
     # The state the root step started in, with the faulty rank's RNG streams.
     mine = window.root_state if root is not None and rank == writer else None
     return Ranks(checks, root, faulty, inv.replayer.notes, mine, writer)

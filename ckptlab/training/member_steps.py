@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ckptlab.training import zero
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs
 
@@ -134,6 +135,7 @@ def _take_counts(nonfinite: dict[int, int], take: np.ndarray, counts: dict[int, 
 
 
 def outside_optimizer(optimizer, params: Sequence[torch.Tensor]) -> list[int]:
-    """The parameters that can train (requires_grad) but no group of `optimizer` holds."""
+    """The parameters that can train (requires_grad) but no group of `optimizer` holds (a ZeRO
+    optimizer's torch optimizer holds flat partitions of the parameters it trains: training/zero.py)."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [i for i, p in enumerate(params) if p.requires_grad and id(p) not in held]
+    return [i for i, p in enumerate(params) if p.requires_grad and id(p) not in held and not zero.managed(p)]

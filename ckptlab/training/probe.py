@@ -41,6 +41,8 @@ Where each number is computed, and why there:
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
   parameter (+1x their bytes). On those steps, also which parameters' optimizer second moment
   is empty (an Adam first update to come: training/first_update.py), as device flags.
+- DeepSpeed's engine with ZeRO: its averaged gradients never reach `p.grad`; each rank's
+  parts are measured when its optimizer's step begins (`_zero_step`, training/zero.py).
 - a hand-written update (`optimizer` is a training/hand_update.py HandUpdate, whose `step()`
   does nothing): no hook says when the weights change, so the learning rates and the weights
   before the update (on the steps that measure it) are taken at `begin`, the update at `end`.
@@ -80,7 +82,7 @@ import weakref
 import torch
 
 from ckptlab.errors import RecordError
-from ckptlab.training import grad_points
+from ckptlab.training import grad_points, zero
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.member_steps import MemberSteps, outside_optimizer
@@ -207,6 +209,9 @@ class StepProbe:
         self.world = world or World()
         self.update_mode = update_ratio
         self.hand = is_hand_update(optimizer)  # a hand-written update (module docstring)
+        self._engine = zero.engine_of(model)  # DeepSpeed's, with ZeRO (module docstring)
+        if self._engine is not None:
+            grad_points.install_zero(type(self._engine.optimizer))
         self.watch = 0  # steps left whose weights are compared at begin and end (module docstring)
         # Several optimizers: each one's part of a step (training/member_steps.py); and the
         # parameters none holds, watched on the watched steps.
@@ -231,7 +236,9 @@ class StepProbe:
         after `close()`)."""
         if self._handles:
             return
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params if p.requires_grad]
+        # (ZeRO's gradients are gone from `p.grad` by the backward's end: before_zero_step)
+        hooked = [p for p in self.params if p.requires_grad] if self._engine is None else []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in hooked]
         self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
         _PROBES[self.optimizer] = self
@@ -351,7 +358,7 @@ class StepProbe:
 
     @out_of_sight
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._active:
+        if not self._active or self._engine is not None:  # (ZeRO: before_zero_step took it all)
             return
         if self._note is not None:  # (else nothing to measure: skip the call)
             self._measure_point()
@@ -377,12 +384,16 @@ class StepProbe:
     def _take_before(self) -> None:
         """The weights before the update: their norms, and their sample (or copy)."""
         with torch.no_grad():
-            weights = [local(p.detach()) for p in self.params]
+            weights = _weights(self)
             self._before = (batched_norms(weights), _take(self, weights))
+
+    def before_zero_step(self, optimizer) -> None:
+        """DeepSpeed's ZeRO optimizer is about to step (training/grad_points.py): `_zero_step`."""
+        _zero_step(self, optimizer)
 
     def _weight_norms(self) -> list[torch.Tensor]:
         with torch.no_grad():
-            return batched_norms([local(p.detach()) for p in self.params])
+            return batched_norms(_weights(self))
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -451,7 +462,7 @@ class StepProbe:
             stepped = None if self._before is not None else bool(idx)
         if self._before is not None:
             with torch.no_grad():
-                weights = [local(p.detach()) for p in self.params]
+                weights = _weights(self)
                 add("w", batched_norms(weights))
                 add("b", self._before[0])
                 if self._stepped or self.hand:
@@ -470,6 +481,27 @@ class StepProbe:
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
         return torch.stack(scalars if self._one_device else on_one_device(scalars))
+
+
+def _weights(probe: StepProbe) -> list[torch.Tensor]:
+    """The weights as this rank holds them: a DTensor's shard, ZeRO's part of the fp32 masters."""
+    if probe._engine is not None:
+        return zero.local_weights(probe._engine, probe.params)
+    return [local(p.detach()) for p in probe.params]
+
+
+@out_of_sight
+def _zero_step(probe: StepProbe, optimizer) -> None:
+    """DeepSpeed's ZeRO optimizer is about to step: its averaged, unclipped gradients, this
+    rank's parts, are measured now (the backward passes left no `p.grad`); and what the torch
+    optimizer's pre-step hook takes for any other optimizer, the learning rates of all groups
+    (DeepSpeed steps it one group at a time) and the weights before the update."""
+    if not probe._active or probe._engine is None or optimizer is not probe._engine.optimizer:
+        return
+    probe._measure_grads(zero.local_grads(probe._engine, probe.params))
+    probe._lr = group_lrs(optimizer)
+    if probe._measure_update:
+        probe._take_before()
 
 
 def _gradient_norms(probe: StepProbe) -> tuple[list[int], torch.Tensor]:

@@ -17,9 +17,14 @@ Two layouts of parameters:
 - sharded (FSDP2 `fully_shard`): parameters are DTensor shards; the hooks see the reduced
   gradient's local shard. Squared norms of the shards add up to the exact global norm.
 
-Nothing else: a model under DeepSpeed or FSDP1, with tensor-parallel DTensors or on a mesh of more
-than one dimension, or a pipeline stage, is refused when the Recorder starts (`unsupported`), before
-anything is written: neither layout would describe it, and a partial record would replay wrong.
+- ZeRO (DeepSpeed's engine, stages 1-3: `zero` is the stage): each rank holds a part of the
+  optimizer state, of the averaged gradients (the probe reads those) and, at stage 3, of the
+  parameters; the parts' squared norms add up, as FSDP2's shards do (training/zero.py).
+
+Nothing else: a model under FSDP1, DeepSpeed's pipeline engine or a DeepSpeed setup that
+training/zero.py `problem` names, with tensor-parallel DTensors or on a mesh of more than one
+dimension, or a pipeline stage, is refused when the Recorder starts (`unsupported`), before
+anything is written: no layout would describe it, and a partial record would replay wrong.
 
 A process that a launcher started (torchrun, also under srun) knows its place from the
 launcher's environment (`launched`): a replay there joins the job instead of spawning ranks.
@@ -35,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptlab.training import zero as zero_engine
 from ckptlab.training.wrappers import module_chain, unwrap
 
 
@@ -55,6 +61,7 @@ class World:
     sharded: bool = False
     group: Any = None
     backend: str | None = None
+    zero: int | None = None  # DeepSpeed's ZeRO stage (training/zero.py), else None
     _ckpt_group: Any = field(default=None, repr=False)
 
     @property
@@ -64,6 +71,11 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def gathers_whole(self) -> bool:
+        """Each rank holds a part of the state (FSDP2, ZeRO): a snapshot is gathered whole on rank 0."""
+        return self.sharded or self.zero is not None
 
     @staticmethod
     def detect(model: torch.nn.Module | None = None) -> World:
@@ -76,12 +88,14 @@ class World:
         if not (dist.is_available() and dist.is_initialized()):
             return World()
         sharded = model is not None and any(is_sharded(p) for p in model.parameters())
+        engine = zero_engine.engine_of(model)
+        zero = zero_engine.stage(engine) if engine is not None else None
         backend = str(dist.get_backend())
         if dist.get_world_size() == 1:  # one process; FSDP2 on one device still has DTensor shards
-            return World(sharded=sharded, backend=backend)  # (the backend says: replay needs a group)
+            return World(sharded=sharded, backend=backend, zero=zero)  # (the backend says: replay needs a group)
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
-        return World(dist.get_rank(), dist.get_world_size(), sharded, group, backend)
+        return World(dist.get_rank(), dist.get_world_size(), sharded, group, backend, zero)
 
     def checkpoint_group(self) -> Any:
         """A gloo group of its own for background checkpoint writes (their collectives run on
@@ -108,9 +122,9 @@ class World:
         return torch.stack(out).numpy()
 
     def combine(self, rows: np.ndarray) -> np.ndarray:
-        """Per-parameter squared norms from every rank -> the global ones: shards add up;
-        replicated copies are averaged (root mean square of the ranks' norms)."""
-        return rows.sum(axis=0) if self.sharded else rows.mean(axis=0)
+        """Per-parameter squared norms from every rank -> the global ones: shards (FSDP2's, ZeRO's
+        parts) add up; replicated copies are averaged (root mean square of the ranks' norms)."""
+        return rows.sum(axis=0) if self.gathers_whole else rows.mean(axis=0)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -141,17 +155,22 @@ class World:
 @contextlib.contextmanager
 def solo_world(needed: bool):
     """A process group of one, so a build_fn that wraps its model in DDP or fully_shard works
-    in a single-process replay."""
+    in a single-process replay; with the launcher's variables of a job of one where none are set
+    (deepspeed.initialize asserts that LOCAL_RANK is set)."""
     import torch.distributed as dist
 
     if not needed or not dist.is_available() or dist.is_initialized():
         yield
         return
+    own = {k: v for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items() if k not in os.environ}
+    os.environ.update(own)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        zero_engine.destroy_process_group()
+        for k in own:
+            os.environ.pop(k, None)
 
 
 @dataclass(frozen=True)
@@ -183,24 +202,33 @@ def launched() -> Launch | None:
         return None
 
 
-# --- what is not recorded: DeepSpeed, tensor and pipeline parallelism -------------------------------
+# --- what is not recorded: some DeepSpeed setups, tensor and pipeline parallelism -------------------------------
 
 
 def unsupported(model: Any) -> str | None:
     """Why `model` cannot be recorded (one line: what it is, what ckptlab records, what to do),
-    or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
-    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline stage, FSDP1's
+    or None. Told apart by class names and attributes, without importing DeepSpeed: a DeepSpeed
+    engine set up as ckptlab does not record it (training/zero.py `problem`), a module of
+    DeepSpeed's or a ZeRO-3 partitioned parameter outside its engine, a pipeline stage, FSDP1's
     wrapper, a DTensor parameter on a mesh of more than one dimension or outside FSDP2 (tensor
     parallelism). A framework's wrapper (Fabric's module around a DeepSpeed engine) is looked
     through; parameters are named as the model names them (training/wrappers.py `unwrap`)."""
     chain = module_chain(model) if isinstance(model, torch.nn.Module) else [model]
-    engine = next((m for m in chain if any(c.__module__.startswith("deepspeed.") for c in type(m).__mro__)), None)
-    names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
-    if engine is not None:
+    engine = zero_engine.engine_of(model)
+    if engine is not None and engine is not model:  # (Lightning Fabric's DeepSpeed strategy, say: not tested)
         return (
-            f"cannot record a DeepSpeed model ({type(engine).__name__}): ckptlab records DDP and FSDP2, "
-            "not ZeRO's partitioned parameters and optimizer state; train under DDP or FSDP2's fully_shard to record"
+            f"cannot record a DeepSpeed model ({type(engine).__name__}) inside {type(model).__name__}: ckptlab "
+            "records DeepSpeed's engine as deepspeed.initialize returns it"
         )
+    if engine is not None:
+        return zero_engine.problem(engine)
+    other = next((m for m in chain if zero_engine.is_deepspeed(m)), None)
+    if other is not None:
+        return (
+            f"cannot record a DeepSpeed model ({type(other).__name__}) outside its engine: record the "
+            "DeepSpeedEngine that deepspeed.initialize returned, with its optimizer"
+        )
+    names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
     if any(n.startswith("torch.distributed.pipelining.") for n in names):
         return (
             f"cannot record a pipeline-parallel model ({type(model).__name__}): a stage holds part of the "
@@ -219,9 +247,8 @@ def unsupported(model: Any) -> str | None:
     for name, p in model.named_parameters():
         if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
             return (
-                f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3; ckptlab records "
-                "DDP and FSDP2, not ZeRO; "
-                "train under DDP or FSDP2's fully_shard to record"
+                f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3, and the model "
+                "given is not its engine: record the DeepSpeedEngine that deepspeed.initialize returned"
             )
         why = _dtensor_problem(model, name, p)
         if why:

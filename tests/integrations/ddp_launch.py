@@ -19,10 +19,10 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def torchrun(script: str, run_dir: Path, nproc: int = 2) -> list[str]:
-    """Run tests/`script` RUN_DIR on `nproc` processes; its lines of output, sorted."""
+def torchrun(script: str, run_dir: Path, nproc: int = 2, *args: str) -> list[str]:
+    """Run tests/`script` RUN_DIR ARGS on `nproc` processes; its lines of output, sorted."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    done = _run([*launch, str(ROOT / "tests" / script), str(run_dir)])
+    done = _run([*launch, str(ROOT / "tests" / script), str(run_dir), *args])
     return sorted(line for line in done.stdout.splitlines() if line)
 
 
