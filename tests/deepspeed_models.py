@@ -1,9 +1,9 @@
 """DeepSpeed's engine with ZeRO (stages 1, 2 and 3), 2 processes, gloo on the CPU: the models,
 data and faults of tests/test_deepspeed.py.
 
-`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/deepspeed_models.py RUN STAGE`
-records STEPS steps of a tiny MLP trained by `deepspeed.initialize` with ZeRO stage STAGE and a
-torch AdamW, a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
+`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/deepspeed_models.py RUN BUILD`
+records STEPS steps of a tiny MLP trained by `deepspeed.initialize` with ZeRO stage BUILD (1, 2,
+3) and a torch AdamW, or ("2-adam") ZeRO-2 and DeepSpeed's own Adam, a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
 NAN_ROW of its batch at step NAN_STEP (DeepSpeed finds the gradients non-finite and skips that
 update, so training goes on), and the loop sets the learning rate to LR_FAULT before step
 LR_STEP alone (the next step's loss explodes).
@@ -26,7 +26,7 @@ STEPS, ROWS = 14, 4
 CLIP = 0.5  # DeepSpeed clips inside its step: the recorded norms are from before it
 
 
-def _build(stage: int):
+def _build(stage: int, deepspeed_adam: bool = False):
     import deepspeed
 
     # The CPU accelerator builds its shared-memory all-reduce (~1 min of gcc on first use) when
@@ -36,10 +36,18 @@ def _build(stage: int):
     model = MLP()
     # (no train_batch_size: it would hold the world size, and replay explains the root step in a
     # process group of one)
-    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}}
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
-    )
+    config: dict = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+    }
+    if deepspeed_adam:  # DeepSpeed's own Adam from the config: FusedAdam's CPU build (C++, built on first use)
+        config["optimizer"] = {"type": "Adam", "params": {"lr": LR}}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
+        )
     return engine, optimizer
 
 
@@ -53,6 +61,10 @@ def build_zero2():
 
 def build_zero3():
     return _build(3)
+
+
+def build_zero2_adam():
+    return _build(2, deepspeed_adam=True)
 
 
 def step_engine(model, optimizer, batch):
@@ -77,13 +89,16 @@ def batch(step: int, rank: int):
     return (x, y), sample_ids(step, rank)
 
 
-def main(run_dir: str, stage: int) -> None:
+BUILDS = {"1": build_zero1, "2": build_zero2, "3": build_zero3, "2-adam": build_zero2_adam}
+
+
+def main(run_dir: str, build_name: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    build = {1: build_zero1, 2: build_zero2, 3: build_zero3}[stage]
+    build = BUILDS[build_name]
     engine, optimizer = build()
     with ckptlab.Recorder(
         run_dir, engine, optimizer, step_fn=step_engine, build_fn=build, ckpt_every=5, on_nonfinite="record",
@@ -104,4 +119,4 @@ def main(run_dir: str, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], sys.argv[2])

@@ -13,16 +13,26 @@ from tests import deepspeed_models as dm  # noqa: E402
 from tests.integrations.ddp_launch import torchrun  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
-def zero_run(request, tmp_path_factory):
-    """(stage, run dir, DeepSpeed's own global gradient norm of each step)."""
-    run_dir = tmp_path_factory.mktemp(f"zero{request.param}") / "run"
-    lines = torchrun("deepspeed_models.py", run_dir, 2, str(request.param))
+def _record(tmp_path_factory, build: str):
+    """(run dir, DeepSpeed's own global gradient norm of each step) of tests/deepspeed_models.py BUILD."""
+    run_dir = tmp_path_factory.mktemp(f"zero{build}") / "run"
+    lines = torchrun("deepspeed_models.py", run_dir, 2, build)
     assert [line for line in lines if line.startswith("rank")] == [
         f"rank {r} recorded {dm.STEPS} steps" for r in (0, 1)
     ]
-    norms = {int(w[1]): float(w[4]) for w in (line.split() for line in lines if line.startswith("step"))}
-    return request.param, run_dir, norms
+    return run_dir, {int(w[1]): float(w[4]) for w in (line.split() for line in lines if line.startswith("step"))}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
+def zero_run(request, tmp_path_factory):
+    """(stage, run dir, DeepSpeed's own global gradient norm of each step): a torch AdamW."""
+    return request.param, *_record(tmp_path_factory, str(request.param))
+
+
+@pytest.fixture(scope="module")
+def adam_run(tmp_path_factory):
+    """ZeRO-2 with DeepSpeed's own Adam (its C++ op is built on first use: TORCH_EXTENSIONS_DIR)."""
+    return _record(tmp_path_factory, "2-adam")[0]
 
 
 def test_records_the_model_s_own_names_and_deepspeed_s_gradient_norms(zero_run):
@@ -59,15 +69,36 @@ def test_replay_is_bit_exact_and_names_rank_1_s_sample(zero_run):
     assert report.counterfactuals[0].fault is False  # without that row the step is healthy
 
 
-def test_replay_names_the_learning_rate_step(zero_run):
-    stage, run_dir, _ = zero_run
-    if stage == 1:
-        pytest.skip("the learning-rate fault is replayed under ZeRO-2 and ZeRO-3 (CI's time)")
-    report = ckptlab.replay(run_dir, dm.LR_STEP + 1)
-    assert report.deterministic and all(c.match for c in report.steps), report.verdict
+def _assert_names_the_learning_rate_step(report) -> None:
     assert (report.root_step, report.origin.kind, report.samples) == (dm.LR_STEP, "optimizer", [])
     assert "learning rate 1e+04" in report.verdict
     assert report.rank in (0, 1) and not any("traced step's loss differs" in n for n in report.notes)
+
+
+def test_replay_names_the_learning_rate_step(zero_run):
+    stage, run_dir, _ = zero_run
+    if stage != 3:
+        pytest.skip("replayed under ZeRO-3 here, under ZeRO-2 with DeepSpeed's Adam below (CI's time)")
+    report = ckptlab.replay(run_dir, dm.LR_STEP + 1)
+    assert report.deterministic and all(c.match for c in report.steps), report.verdict
+    _assert_names_the_learning_rate_step(report)
+
+
+def test_deepspeed_s_adam_replays_equivalent_and_says_why(adam_run):
+    """DeepSpeed's C++ Adam keeps beta^t as a running product, and a replay resumed at a
+    checkpoint recomputes it with pow: the replay's first step is the record's bit for bit, the
+    next ones within round-off; replay says `equivalent` and why, and still names both faults."""
+    report = ckptlab.replay(adam_run, dm.NAN_STEP)
+    assert report.agreement == "equivalent" and [c.match for c in report.steps][:2] == [True, False]
+    assert 0 < report.max_rel_deviation < 1e-5
+    assert any("FusedAdam's CPU build) keeps beta^t as a running product" in r for r in report.bits_differ)
+    assert "keeps beta^t as a running product" in report.verdict and "diverged" not in report.verdict
+    assert (report.root_step, report.rank, report.origin.kind) == (dm.NAN_STEP, dm.NAN_RANK, "data")
+    nan_id = dm.sample_ids(dm.NAN_STEP, dm.NAN_RANK)[dm.NAN_ROW]
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
+    lr = ckptlab.replay(adam_run, dm.LR_STEP + 1)
+    assert lr.agreement in ("bit-exact", "equivalent"), lr.verdict
+    _assert_names_the_learning_rate_step(lr)
 
 
 def test_checkpoints_diff_and_export_as_any_run_s(zero_run, tmp_path):
