@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ NAN_STEP, NAN_RANK, NAN_ROW = 7, 1, 2
 LR_STEP, LR_FAULT, LR = 12, 1e4, 1e-2
 STEPS, ROWS = 14, 4
 CLIP = 0.5  # DeepSpeed clips inside its step: the recorded norms are from before it
+DS_CHECKPOINT = 10  # also saved by engine.save_checkpoint, into RUN/../deepspeed/global_step10
 
 
 def _build(stage: int, deepspeed_adam: bool = False):
@@ -105,6 +107,8 @@ def main(run_dir: str, build_name: str) -> None:
         on_anomaly=None,
     ) as rec:  # fmt: skip
         for s in range(STEPS):
+            if s == DS_CHECKPOINT:  # DeepSpeed's own checkpoint of the state the Recorder's of this step holds
+                engine.save_checkpoint(str(Path(run_dir).parent / "deepspeed"), tag=f"global_step{s}")
             optimizer.param_groups[0]["lr"] = LR_FAULT if s == LR_STEP else LR  # the loop's bug at LR_STEP
             rec.step(batch(s, rank)[0], sample_ids=sample_ids(s, rank))
             if rank == 0:  # what DeepSpeed itself computed, before its clipping

@@ -158,3 +158,42 @@ def test_what_is_not_recorded_of_deepspeed_is_refused_in_one_line(tmp_path):
                 ckptlab.Recorder(tmp_path / "r", engine, given, step_fn=dm.step_engine, build_fn=dm.build_zero2)
             assert "\n" not in str(e.value) and "docs/distributed.md" in str(e.value)
             assert not (tmp_path / "r").exists()
+
+
+def test_diff_reads_deepspeed_s_own_checkpoint_folder(zero_run, cli):
+    """A folder engine.save_checkpoint wrote (rank 0's module file, every rank's partitions,
+    `latest`), read with weights_only: its fp32 masters gathered from the partitions are the
+    run's checkpoint of the same step, bit for bit, and what DeepSpeed's zero_to_fp32 gathers."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckptlab.io.open import open_checkpoint
+
+    stage, run_dir, _ = zero_run
+    folder = run_dir.parent / "deepspeed"
+    done = cli("diff", f"{run_dir}@{dm.DS_CHECKPOINT}", folder, "--json")
+    assert done.code == 0, done.err
+    doc = done.json()
+    assert doc["missing"] == doc["unexpected"] == [] and len(doc["ranked"]) == 4
+    assert all(t["delta"]["l2"] == 0 and t["delta"]["unchanged"] == 1 for t in doc["ranked"]), doc["ranked"]
+    ours = open_checkpoint(folder)
+    assert any(f"ZeRO-{stage} checkpoint" in n for n in ours.notes)
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(folder))  # (DeepSpeed's reader unpickles: our own file)
+    assert set(theirs) == set(ours) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_deepspeed_folder_asking_for_other_objects_is_refused(tmp_path, cli):
+    """An optimizer file that asks for anything but DeepSpeed's three known objects is refused
+    in one line, before anything of it runs."""
+    import fractions
+
+    import torch
+
+    folder = tmp_path / "global_step1"
+    folder.mkdir()
+    torch.save({"module": {}, "param_shapes": [{"w": torch.Size([2])}]}, folder / "mp_rank_00_model_states.pt")
+    crafted = {"optimizer_state_dict": {"zero_stage": 2, "x": fractions.Fraction(1, 3)}}
+    torch.save(crafted, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    done = cli("diff", folder, folder)
+    assert done.code != 0 and "refused: it holds Python objects" in done.err and "fractions.Fraction" in done.err
+    assert "Traceback" not in done.err and len(done.err.strip().splitlines()) <= 2, done.err
