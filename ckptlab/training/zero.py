@@ -216,7 +216,8 @@ def _full(p: torch.nn.Parameter, key: str | None = None) -> torch.Tensor:
     if value is None:  # a frozen parameter: no master; ZeRO-3 keeps only a part of it
         with _gathered([p]):
             return p.detach().to("cpu", copy=True)
-    return value.detach().to("cpu", copy=True).reshape(shape_of(p))
+    # (DeepSpeed's result is a buffer of its own, not the live state: no copy on the CPU)
+    return value.detach().to("cpu").reshape(shape_of(p))
 
 
 @contextlib.contextmanager
@@ -254,7 +255,11 @@ def whole_state(engine: Any, keep: bool) -> tuple[dict[str, torch.Tensor], dict,
         {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in members]}
         for group, members in zip(inner.param_groups, groups(engine))
     ]
-    full = {id(p): _full(p) for _, p in named}
+    full = {}
+    for _, p in named:
+        whole = _full(p)  # (collective: every rank takes part; the writer alone keeps it)
+        if keep:
+            full[id(p)] = whole
     tensors: dict[str, torch.Tensor] = {}
     if keep:
         for name, t in target.state_dict(keep_vars=True).items():
