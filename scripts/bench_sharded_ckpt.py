@@ -1,15 +1,21 @@
-"""How long a sharded checkpoint stalls training: written on the training thread
-(`async_sharded=False`) or staged and written in the background (the default).
+"""How long a checkpoint of sharded training stalls it, and what memory it takes: FSDP2 written
+on the training thread (`async_sharded=False`, mode "sync") or staged and written in the
+background (the default, "async"); DeepSpeed's engine with ZeRO stage 1, 2 or 3 ("zero1",
+"zero2", "zero3": every rank's parts gathered whole to rank 0, which writes a copy in the
+background: training/zero.py).
 
     python scripts/bench_sharded_ckpt.py                  # 2 processes, gloo, ~25M parameters
     python scripts/bench_sharded_ckpt.py --hidden 1024 --steps 30
-    python scripts/bench_sharded_ckpt.py --engine fsdp1   # FSDP1 (use_orig_params=True), a unit per layer
+    python scripts/bench_sharded_ckpt.py --modes async,zero2,zero3
+    python scripts/bench_sharded_ckpt.py --engine fsdp1   # sync/async with FSDP1 (use_orig_params=True), a unit per layer
 
 Each mode runs in its own `torchrun` of 2 CPU processes (one torch thread each), recording an
-FSDP2 (or FSDP1) MLP with AdamW and a checkpoint every 10 steps. It prints, per mode, the
-median step, the step that starts a checkpoint and the step after it (where a background
-write commits), each as a ratio to the median step, rank 0's peak resident memory, and one
-JSON line.
+MLP with AdamW and a checkpoint every 10 steps. It prints, per mode, the median step, the step
+that starts a checkpoint and the step after it (where a background write commits), each as a
+ratio to the median step, and what a checkpoint adds to each rank's memory: its peak RSS over
+the checkpoint's step and the next (reset before them, /proc/self/clear_refs) above the RSS
+before them, as a multiple of the whole training state (fp32 weights and AdamW's two moments of
+all ranks); then one JSON line.
 """
 
 from __future__ import annotations
@@ -27,18 +33,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 WORKER = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist, torch.nn as nn
 import ckptlab
-from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-HIDDEN, LAYERS, ENGINE = {hidden}, {layers}, {engine!r}
+HIDDEN, LAYERS, MODE, ENGINE = {hidden}, {layers}, {mode!r}, {engine!r}
 
 def build():
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)])
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    if MODE.startswith("zero"):
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # (inference only; ~1 min of gcc)
+        config = {{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {{"stage": int(MODE[-1])}}}}
+        engine, opt, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=config)
+        return engine, opt
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
     if ENGINE == "fsdp1":
         policy = ModuleWrapPolicy({{nn.Linear}})
         m = FullyShardedDataParallel(m, device_id=torch.device("cpu"), use_orig_params=True, auto_wrap_policy=policy)
@@ -50,6 +65,10 @@ def build():
 
 def step(model, opt, batch):
     loss = model(batch).pow(2).mean()
+    if MODE.startswith("zero"):
+        model.backward(loss)
+        model.step()
+        return loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -61,22 +80,37 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     model, opt = build()
     times = []
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    extra = 0  # the most a checkpoint (its step and the next, where it commits) raised RSS above its start
     with ckptlab.Recorder({run!r}, model, opt, step_fn=step, build_fn=build, ckpt_every=10, on_anomaly=None,
-                          async_sharded={async_!r}) as rec:
+                          async_sharded=MODE != "sync") as rec:
         for s in range({steps}):
             x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(s * 2 + rank))
+            if s % 10 == 0 and s:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM := VmRSS
+                before = status("VmRSS")
             dist.barrier()
             t0 = time.perf_counter()
             rec.step(x)
             times.append(time.perf_counter() - t0)
+            if s % 10 == 1 and s > 1:
+                extra = max(extra, status("VmHWM") - before)
+    extras = [None, None]
+    dist.all_gather_object(extras, extra)
     if rank == 0:
-        print("TIMES " + json.dumps(times), flush=True)
-        print("PEAK_KB " + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), flush=True)
+        print("TIMES " + json.dumps({{"times": times, "ckpt_rss": extras}}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (gloo can abort at the interpreter's exit)
 """
 
 
-def run_mode(args, async_: bool) -> tuple[list[float], int]:
+def run_mode(args, mode: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="ckptlab-bench-") as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(
@@ -85,9 +119,9 @@ def run_mode(args, async_: bool) -> tuple[list[float], int]:
                 hidden=args.hidden,
                 layers=args.layers,
                 run=str(Path(tmp) / "run"),
-                async_=async_,
-                steps=args.steps,
+                mode=mode,
                 engine=args.engine,
+                steps=args.steps,
             )
         )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -100,9 +134,8 @@ def run_mode(args, async_: bool) -> tuple[list[float], int]:
         )
         if out.returncode:
             sys.exit(f"worker failed:\n{out.stderr[-3000:]}")
-        lines = out.stdout.splitlines()
-        times = json.loads(next(x for x in lines if x.startswith("TIMES "))[len("TIMES ") :])
-        return times, int(next(x for x in lines if x.startswith("PEAK_KB ")).split()[1])
+        line = next(x for x in out.stdout.splitlines() if x.startswith("TIMES "))
+        return json.loads(line[len("TIMES ") :])
 
 
 def main() -> None:
@@ -110,28 +143,26 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=31)
-    ap.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2")
+    ap.add_argument("--modes", default="sync,async", help="of sync, async, zero1, zero2, zero3")
+    ap.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2", help="what sync and async shard with")
     args = ap.parse_args()
     params = args.layers * (args.hidden * args.hidden + args.hidden)
-    print(f"{args.engine.upper()} MLP, {params / 1e6:.1f}M parameters (AdamW), 2 processes, checkpoints every 10 steps")
-    result = {"engine": args.engine, "params": params, "date": time.strftime("%Y-%m-%d")}
-    for name, async_ in (("sync", False), ("async", True)):
-        times, peak_kb = run_mode(args, async_)
+    print(f"MLP, {params / 1e6:.1f}M parameters (AdamW), 2 processes, checkpoints at steps 10, 20, 30")
+    result: dict = {"params": params, "date": time.strftime("%Y-%m-%d")}
+    for mode in args.modes.split(","):
+        got = run_mode(args, mode)
+        times = got["times"]
         ckpt = [s for s in (10, 20) if s + 1 < len(times)]
         normal = [t for s, t in enumerate(times) if s > 1 and s % 10 not in (0, 1)]
         med = statistics.median(normal)
         start = statistics.median(times[s] / med for s in ckpt)
         after = statistics.median(times[s + 1] / med for s in ckpt)
-        print(
-            f"{name:5s}  median step {med * 1e3:7.1f} ms   checkpoint step {start:5.2f}x   next step {after:5.2f}x"
-            f"   rank 0 peak {peak_kb / 1024:6.0f} MiB"
-        )
-        result[name] = {
-            "median_step_s": med,
-            "checkpoint_step_x": start,
-            "next_step_x": after,
-            "peak_mib": peak_kb / 1024,
-        }
+        state = params * 4 * 3  # fp32 weights and AdamW's two moments, all ranks together
+        extra = [x / state for x in got["ckpt_rss"]]
+        line = f"{mode:5s}  median step {med * 1e3:7.1f} ms   checkpoint step {start:5.2f}x   next step {after:5.2f}x"
+        line += "   checkpoint RSS, ranks 0, 1: +" + ", +".join(f"{x:.2f}" for x in extra) + " x the training state"
+        result[mode] = {"median_step_s": med, "checkpoint_step_x": start, "next_step_x": after, "ckpt_rss_x": extra}
+        print(line, flush=True)
     print(json.dumps(result))
 
 

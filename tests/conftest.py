@@ -9,6 +9,10 @@ from ckptlab.cli import main
 # Tests run on the CPU with a fixed thread count: replay must match bits recorded here.
 torch.set_num_threads(1)
 os.environ.setdefault("CKPTLAB_DEBUG", "0")
+# DeepSpeed (the `test` extra installs it; transformers and accelerate import it when present)
+# prints which accelerator it detected to stdout, into the output the multi-process tests read,
+# unless told: the CPU.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Output is piped here, and piped output is not wrapped, unless COLUMNS says a width: which
 # pytest-xdist's workers set (80). Tests that look at wrapping set it themselves.
 os.environ.pop("COLUMNS", None)

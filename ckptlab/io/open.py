@@ -29,7 +29,7 @@ DCP_METADATA = ".metadata"  # (ckptlab.io.dcp.METADATA, which imports torch)
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")  # an unsharded save_pretrained folder
 EXPECTED = (
     "expected a .pt/.pth/.bin or .safetensors file, a sharded folder (*.index.json), "
-    "a DCP folder (.metadata), a ckptlab run, or RUN@STEP"
+    "a DCP folder (.metadata), a DeepSpeed checkpoint folder (*_optim_states.pt), a ckptlab run, or RUN@STEP"
 )
 
 
@@ -111,6 +111,13 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
 
         refs, notes, skipped, closers = open_dcp(path)
         return LazyStateDict(refs, label=label, format="dcp", notes=notes, skipped=skipped, closers=closers)
+    if any(p.name == "latest" or p.name.endswith("_optim_states.pt") for p in path.iterdir()):
+        from ckptlab.io.zero import find_zero, open_zero
+
+        folder = find_zero(path)
+        if folder is not None:
+            refs, notes, skipped = open_zero(folder)
+            return LazyStateDict(refs, label=label, format="deepspeed-zero", notes=notes, skipped=skipped)
     for name in SINGLE_FILES:
         if (path / name).is_file():
             return _open_file(path / name, label, sequential=sequential)

@@ -32,13 +32,16 @@ from ckptlab.io.mapped import FileTensor, MappedFile
 from ckptlab.io.nested import container_note, describe, find_state_dict
 
 
-def load_pickled(path: Path):
-    """torch.load(weights_only=True), mmap when the file format allows; (object, notes)."""
+def load_pickled(path: Path, stand_ins: tuple = ()):
+    """torch.load(weights_only=True), mmap when the file format allows; (object, notes).
+    `stand_ins`: (inert object of ckptlab's, "module.Name") pairs that weights_only's allowlist
+    builds in place of the named globals (io/zero.py's, for DeepSpeed's few objects): only
+    they, and never the named classes' code."""
     require_safe_torch()
     notes = []
     try:
-        with warnings.catch_warnings():  # torch warns about pickle protocols it then reads fine
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(), torch.serialization.safe_globals(list(stand_ins)):
+            warnings.simplefilter("ignore")  # (torch warns about pickle protocols it then reads fine)
             try:
                 obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError as e:

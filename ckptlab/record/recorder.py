@@ -28,6 +28,7 @@ from ckptlab.record.snapshots import Snapshots
 from ckptlab.run import framelog
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
+from ckptlab.training import zero
 from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
 from ckptlab.training.optimizer_set import combined, given_several
@@ -364,12 +365,15 @@ def _optimizer(optimizer, scheduler, model, lr, run_dir) -> tuple[Any, Any]:
             path=run_dir,
             hint="drop lr=, or pass optimizer=None if the loop updates the weights itself",
         )
-    if any(c.__module__.startswith("deepspeed.") for c in type(optimizer).__mro__):  # (engine.module + its optimizer)
+    engine = zero.engine_of(model)
+    if engine is not None and (why := zero.optimizer_problem(engine, optimizer)):
+        raise RecordError(why, path=run_dir, hint="docs/distributed.md, DeepSpeed")
+    if engine is None and zero.is_deepspeed(optimizer):  # (engine.module and the engine's optimizer)
         raise RecordError(
-            f"cannot record a DeepSpeed optimizer ({type(optimizer).__name__}): ckptlab records DDP and FSDP2, "
-            "not ZeRO's partitioned optimizer state",
+            f"cannot record a DeepSpeed optimizer ({type(optimizer).__name__}) without its engine",
             path=run_dir,
-            hint="train under DDP or FSDP2's fully_shard to record (docs/distributed.md, Limits)",
+            hint="record the DeepSpeedEngine that deepspeed.initialize returned, with this optimizer "
+            "(docs/distributed.md, DeepSpeed)",
         )
     if not hasattr(optimizer, "param_groups"):
         raise RecordError(

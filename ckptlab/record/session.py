@@ -33,7 +33,7 @@ from ckptlab.run.lock import RunLock, RunLockedError, acquire
 from ckptlab.run.manifest import new_manifest, read_manifest, write_manifest
 from ckptlab.run.reader import Progress, read_progress
 from ckptlab.run.writer import io_error
-from ckptlab.training import fsdp1, userfns
+from ckptlab.training import fsdp1, userfns, zero
 from ckptlab.training.optimizer_set import describe
 from ckptlab.training.probe import named_parameters
 from ckptlab.training.state import capture_env, is_compiled, restore_checkpoint
@@ -171,7 +171,7 @@ class Session:
         entries = [
             {
                 "name": n,
-                "shape": list(shapes.get(id(p), p.shape)),
+                "shape": list(shapes.get(id(p)) or zero.shape_of(p)),
                 "dtype": codec.dtype_name(p.dtype),
                 "requires_grad": p.requires_grad,
                 "group": group,
@@ -218,7 +218,13 @@ class Session:
             env=capture_env(),
             world_size=self.world.size,
             **({"data_ranks": list(self.world.data_ranks)} if self.world.data_ranks is not None else {}),
-            layout="pipeline" if self.world.stages else "sharded" if self.world.sharded else "replicated",
+            layout="pipeline"
+            if self.world.stages
+            else "sharded"
+            if self.world.sharded
+            else "zero"
+            if self.world.zero is not None
+            else "replicated",
             backend=self.world.backend,
             **({"pipeline": self.world.stages.describe()} if self.world.stages else {}),
         )

@@ -1,11 +1,13 @@
 """The checkpoints a Recorder takes, and what keeps them exact.
 
-Three ways to take one: *live* (a CPU model, `ckpt_snapshot="live"`: written in the background
+Four ways to take one: *live* (a CPU model, `ckpt_snapshot="live"`: written in the background
 from the parameters and the optimizer's state themselves, no copy; the optimizer's next step
 waits for each tensor's bytes as it comes to it, through `AwaitLiveBytes`), *copy* (the state
-copied off the device, then written in the background: run/checkpoint.py) and *sharded* (FSDP,
-pipeline stages: every rank writes its part through DCP, in the background unless `async_sharded=False`,
-committed at the start of the next step). Retention runs after each commit, protecting the
+copied off the device, then written in the background: run/checkpoint.py), *sharded* (FSDP,
+pipeline stages: every rank writes its part through DCP, in the background unless
+`async_sharded=False`, committed at the start of the next step) and *gathered* (DeepSpeed
+ZeRO: every rank's parts gathered whole to rank 0, which writes a copy in the background:
+training/zero.py). Retention runs after each commit, protecting the
 best-validation checkpoint and the last healthy one before the first anomaly.
 """
 
@@ -25,6 +27,7 @@ from ckptlab.record.health import HealthLog
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.run.retention import apply_retention
 from ckptlab.run.writer import Retention, RunWriter
+from ckptlab.training import zero
 from ckptlab.training.crash import call_through
 from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.probe import StepProbe, learned
@@ -70,6 +73,7 @@ class Snapshots:
         self._live_ok = (
             config.ckpt_snapshot == "live"
             and not world.checkpoints_sharded
+            and not world.gathers_whole
             and world.is_main
             and hasattr(self.optimizer, "register_step_pre_hook")
         )
@@ -104,6 +108,8 @@ class Snapshots:
         self.steps.append(step)
         if self.world.checkpoints_sharded:  # FSDP, pipeline stages: every rank writes its part (DCP)
             return self._take_sharded(step, info)
+        if self.world.zero is not None:  # DeepSpeed ZeRO: gathered whole to rank 0, which writes it
+            return self._take_zero(step, info)
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
         self.await_write()
@@ -125,6 +131,19 @@ class Snapshots:
             save_sharded(*args)
             if self.world.is_main:
                 apply_retention(self.run_dir, self.config.keep_last, *self._protected())
+        return time.perf_counter() - t0
+
+    def _take_zero(self, step: int, info: dict) -> float:
+        """Every rank takes part in gathering the whole state (training/zero.py); rank 0 hands
+        it to the background writer as a checkpoint of the usual (replicated) layout."""
+        t0 = time.perf_counter()
+        if self.world.is_main:
+            self.await_write()
+        state = capture_train_state(None, self.scheduler, self.scaler)
+        captured = zero.snapshot(self.world, step, zero.engine_of(self.model), state, info)
+        if captured is None:
+            return time.perf_counter() - t0
+        self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
         return time.perf_counter() - t0
 
     def _before_update(self) -> None:

@@ -157,6 +157,9 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
     elif report.environment_diff:
         reasons.append(f"recorded in another environment: {describe(report.environment_diff)}")
     step = next((c.step for c in report.steps if not c.match), None)
+    resumed = resumed_optimizer(manifest)
+    if resumed is not None and step is not None and step > (report.start_checkpoint or 0):
+        reasons.append(resumed)
     if step is not None and twice is not None:
         same_step = report.divergence if report.divergence is not None and report.divergence.step == step else None
         report.run_to_run = same_step or twice(step)
@@ -189,6 +192,23 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
     if gpu and isinstance(det, dict) and not det.get("algorithms"):
         reasons.append("recorded on a GPU without deterministic algorithms")
     report.bits_differ = reasons
+
+
+def resumed_optimizer(manifest: dict) -> str | None:
+    """Why a replay from a checkpoint leaves the record from its second step whatever the
+    machine: DeepSpeed's Adam on the CPU (its C++ build of FusedAdam, which a ZeRO run's
+    optimizers name) keeps beta1^t and beta2^t as running float products, one multiplication
+    per step, and computes them with `pow` when its step count jumps, as it does in a process
+    that resumes at a checkpoint: the bias corrections differ in their last bits (a relative
+    ~1e-7 in the losses of the steps after), while the uninterrupted run multiplied on."""
+    classes = {o.get("class") for o in manifest.get("optimizers") or [] if isinstance(o, dict)}
+    on_cpu = str(manifest.get("device", "cpu")).startswith("cpu")
+    if manifest.get("layout") != "zero" or "FusedAdam" not in classes or not on_cpu:
+        return None
+    return (
+        "DeepSpeed's Adam (FusedAdam's CPU build) keeps beta^t as a running product, which a replay resumed at a "
+        "checkpoint recomputes with pow: its updates differ in the last bits from the replay's second step"
+    )
 
 
 def _replays_on_gpu(inv) -> bool:

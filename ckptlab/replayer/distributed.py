@@ -240,7 +240,7 @@ def replay_rank(
         report = explain_on_stages(inv, window, world, blame)
         return Ranks(checks, root, report.rank if report else None, inv.replayer.notes, report=report)
     faulty = _faulty_rank(checks, root)
-    writer = 0 if world.sharded else (faulty or 0)  # sharded: whole on rank 0, all RNGs
+    writer = 0 if world.gathers_whole else (faulty or 0)  # FSDP2, ZeRO: whole on rank 0, all RNGs
     # The state the root step started in, with the faulty rank's RNG streams.
     mine = window.root_state if root is not None and rank == writer else None
     return Ranks(checks, root, faulty, inv.replayer.notes, mine, writer)

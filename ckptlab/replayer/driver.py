@@ -24,7 +24,7 @@ from ckptlab.errors import CorruptFileError, IntegrityError, RecordError, Replay
 from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.run.reader import Run
 from ckptlab.run.records import batch_digest
-from ckptlab.training import userfns
+from ckptlab.training import userfns, zero
 from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
 from ckptlab.training.optimizer_set import given_several
@@ -301,11 +301,15 @@ class Replayer:
                 )
 
     def snapshot(self, t: StepRunner, step: int):
-        """The state `step` starts in. Sharded training: collective, whole on rank 0 only (in a
-        process group of one too: DTensors, which only DCP's state-dict API takes whole)."""
+        """The state `step` starts in. Sharded training (FSDP2, ZeRO): collective, whole on rank 0
+        only (in a process group of one too: DTensors, which only DCP's state-dict API takes
+        whole; ZeRO's partitions, which DeepSpeed's API gathers)."""
         if self.world is not None and self.world.sharded:
             state = capture_train_state(None, t.scheduler, t.scaler)
             return full_snapshot(self.world, step, t.model, t.optimizer, state)
+        if self.world is not None and self.world.zero is not None:  # DeepSpeed ZeRO: likewise
+            state = capture_train_state(None, t.scheduler, t.scaler)
+            return zero.snapshot(self.world, step, zero.engine_of(t.model), state)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler)
 
     def restore(self, t: StepRunner, snap) -> None:

@@ -30,6 +30,7 @@ import operator
 import torch
 
 from ckptlab.training.crash import call_through
+from ckptlab.training.norms import out_of_sight
 
 _PLAIN, _FLOAT32 = {torch.Tensor}, {torch.float32}
 _DTYPE, _IS_CPU = operator.attrgetter("dtype"), operator.attrgetter("is_cpu")
@@ -144,3 +145,32 @@ def install() -> None:
         method = getattr(cls, name, None)
         if callable(method) and not getattr(method, _MARK, False):
             setattr(cls, name, _measuring_first(method))
+
+
+def install_zero(cls: type) -> None:
+    """A DeepSpeed ZeRO optimizer's class (training/zero.py `ENGINE_WORK`). Its `step` begins
+    with the step's final gradients, averaged over the ranks and not yet clipped, in DeepSpeed's
+    buffers (gone when it ends): the live probe on its engine measures them there
+    (`before_zero_step`). Its handling of each gradient (copied into a bucket of
+    `reduce_bucket_size` elements, 5e8 by default, and reduced) is the engine's work, as DDP's
+    reducer's is: a traced replay does not see it (out_of_sight), where it would summarize the
+    whole bucket at every copy into it."""
+    from ckptlab.training.zero import ENGINE_WORK
+
+    method = getattr(cls, "step", None)
+    if callable(method) and not getattr(method, _MARK, False):
+
+        @functools.wraps(method)
+        def step(self, *args, **kwargs):
+            for probe in LIVE:
+                probe.before_zero_step(self)
+            return call_through(method, self, *args, **kwargs)
+
+        setattr(step, _MARK, True)
+        setattr(cls, "step", step)  # noqa: B010 - (a class attribute, for every instance)
+    for name in ENGINE_WORK:
+        work = getattr(cls, name, None)
+        if callable(work) and not getattr(work, _MARK, False):
+            hidden = out_of_sight(work)
+            setattr(hidden, _MARK, True)
+            setattr(cls, name, hidden)

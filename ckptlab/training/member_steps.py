@@ -33,8 +33,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ckptlab.training import zero
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs
+from ckptlab.training.update_before import take_before, weight_norms
 
 # A measurement as a member's step found it: the probe's (_grad_idx, _grad_norms, _nonfinite).
 Seen = tuple[list[int], torch.Tensor, dict[int, int]]
@@ -79,10 +81,10 @@ class MemberSteps:
         probe._lr = lrs
         if probe._measure_update:
             if probe._before is None:  # (the step's first optimizer step: see the module docstring)
-                probe._take_before()
+                take_before(probe)
                 probe._empty = empty_flags(probe.optimizer, probe.params)
         elif probe._bad_grads and not probe.world.distributed and probe._before_norms is None:
-            probe._before_norms = probe._weight_norms()
+            probe._before_norms = weight_norms(probe)
 
     def own_norms(self, probe, idx: list[int], norms: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
         """The step's gradient norms (`idx`, `norms`: the last measurement) with each member's
@@ -134,6 +136,7 @@ def _take_counts(nonfinite: dict[int, int], take: np.ndarray, counts: dict[int, 
 
 
 def outside_optimizer(optimizer, params: Sequence[torch.Tensor]) -> list[int]:
-    """The parameters that can train (requires_grad) but no group of `optimizer` holds."""
+    """The parameters that can train (requires_grad) but no group of `optimizer` holds (a ZeRO
+    optimizer's torch optimizer holds flat partitions of the parameters it trains: training/zero.py)."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [i for i, p in enumerate(params) if p.requires_grad and id(p) not in held]
+    return [i for i, p in enumerate(params) if p.requires_grad and id(p) not in held and not zero.managed(p)]

@@ -102,3 +102,15 @@ def _without_user_modes():
     finally:
         for mode in reversed(popped):
             _push_mode(mode)
+
+
+def scale_now(scaler) -> torch.Tensor | None:
+    """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
+    as a float would sync), or None without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if get is not None else None
+    if scale is None:  # not yet created (before the first scale()) or an old scaler
+        return torch.tensor(float(scaler.get_scale()))
+    return scale.detach().reshape(()).float().clone()

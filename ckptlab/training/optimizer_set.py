@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ckptlab.errors import RecordError
+from ckptlab.training import zero
 from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 Key = int | str  # a member's index in the list it was given in, or its key in the dict
@@ -240,7 +241,8 @@ def describe(optimizer, params: list[torch.Tensor]) -> tuple[list[dict], list[in
         for (key, first, stop), m in zip(spans, members)
     ]
     group_of: dict[int, int] = {}
-    for g, group in enumerate(torch_optimizer(optimizer).param_groups):
-        for p in group["params"]:
+    held = zero.model_groups(optimizer) or [g["params"] for g in torch_optimizer(optimizer).param_groups]
+    for g, group in enumerate(held):
+        for p in group:
             group_of.setdefault(id(p), g)
     return optimizers, [group_of.get(id(p)) for p in params]

@@ -41,6 +41,8 @@ Where each number is computed, and why there:
   <= MEMORY_SHARE of the parameter bytes: training/update_sample.py); "exact" copies every
   parameter (+1x their bytes). On those steps, also which parameters' optimizer second moment
   is empty (an Adam first update to come: training/first_update.py), as device flags.
+- DeepSpeed's engine with ZeRO: its averaged gradients never reach `p.grad`; each rank's
+  parts are measured when its optimizer's step begins (`_zero_step`, training/zero.py).
 - a hand-written update (`optimizer` is a training/hand_update.py HandUpdate, whose `step()`
   does nothing): no hook says when the weights change, so the learning rates and the weights
   before the update (on the steps that measure it) are taken at `begin`, the update at `end`.
@@ -80,14 +82,22 @@ import weakref
 import torch
 
 from ckptlab.errors import RecordError
-from ckptlab.training import fsdp1, grad_points
+from ckptlab.training import fsdp1, grad_points, zero
 from ckptlab.training.first_update import empty_flags
 from ckptlab.training.hand_update import group_lrs, is_hand_update
 from ckptlab.training.member_steps import MemberSteps, outside_optimizer
-from ckptlab.training.norms import batched_norms, count_nonfinite, on_one_device, out_of_sight, to_host
+from ckptlab.training.norms import (
+    batched_norms,
+    count_nonfinite,
+    on_one_device,
+    out_of_sight,
+    scale_now,
+    to_host,
+)
 from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.pending import PendingHealth
-from ckptlab.training.update_sample import UPDATE_MODES, sample_plans, take_sample, update_scales
+from ckptlab.training.update_before import held_weights, take_before, weight_norms
+from ckptlab.training.update_sample import UPDATE_MODES, take_sample, update_scales
 from ckptlab.training.world import World, is_sharded, local
 from ckptlab.training.wrappers import own_name, unwrap
 
@@ -130,18 +140,6 @@ def same_norms_now(measured) -> bool:
         return True
     grads, _, _, stacked = measured
     return bool(torch.equal(torch.stack(batched_norms(list(grads))), stacked))
-
-
-def scale_now(scaler) -> torch.Tensor | None:
-    """The GradScaler's scale as a 0-d float32 tensor (its own, on its device: reading it
-    as a float would sync), or None without an enabled scaler."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    get = getattr(scaler, "_get_scale_async", None)
-    scale = get() if get is not None else None
-    if scale is None:  # not yet created (before the first scale()) or an old scaler
-        return torch.tensor(float(scaler.get_scale()))
-    return scale.detach().reshape(()).float().clone()
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -214,6 +212,9 @@ class StepProbe:
         self.world = world or World()
         self.update_mode = update_ratio
         self.hand = is_hand_update(optimizer)  # a hand-written update (module docstring)
+        self._engine = zero.engine_of(model)  # DeepSpeed's, with ZeRO (module docstring)
+        if self._engine is not None:
+            grad_points.install_zero(type(self._engine.optimizer))
         self.watch = 0  # steps left whose weights are compared at begin and end (module docstring)
         # Several optimizers: each one's part of a step (training/member_steps.py); and the
         # parameters none holds, watched on the watched steps.
@@ -238,7 +239,8 @@ class StepProbe:
         after `close()`)."""
         if self._handles:
             return
-        leaves = [*(p for p in self.params if p.requires_grad), *self._leaves]
+        # (ZeRO's gradients are gone from `p.grad` by the backward's end: before_zero_step)
+        leaves = [*(p for p in self.params if p.requires_grad), *self._leaves] if self._engine is None else []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in leaves]
         self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
@@ -359,7 +361,7 @@ class StepProbe:
 
     @out_of_sight
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._active:
+        if not self._active or self._engine is not None:  # (ZeRO: before_zero_step took it all)
             return
         if self._note is not None:  # (else nothing to measure: skip the call)
             self._measure_point()
@@ -369,7 +371,7 @@ class StepProbe:
             return self._members.pre_step(self, optimizer)
         self._lr = group_lrs(optimizer)
         if self._measure_update:
-            self._take_before()
+            take_before(self)
             # (FSDP1's state is of this rank's views, often empty: it says nothing of the whole)
             self._empty = empty_flags(optimizer, self.params) if not self._leaves else None
         elif self._bad_grads and not self.world.distributed:
@@ -377,21 +379,15 @@ class StepProbe:
             # bad before this update? The record can then name them when the fault does not
             # reproduce (a weight changed outside the recorded step). One rank only: the ranks'
             # rows must have the same layout when combined.
-            self._before_norms = self._weight_norms()
+            self._before_norms = weight_norms(self)
 
     def _on_post_step(self, optimizer, args, kwargs) -> None:
         if self._active and not self.hand:
             self._stepped = True
 
-    def _take_before(self) -> None:
-        """The weights before the update: their norms, and their sample (or copy)."""
-        with torch.no_grad():
-            weights = [local(p.detach()) for p in self.params]
-            self._before = (batched_norms(weights), _take(self, weights))
-
-    def _weight_norms(self) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return batched_norms([local(p.detach()) for p in self.params])
+    def before_zero_step(self, optimizer) -> None:
+        """DeepSpeed's ZeRO optimizer is about to step (training/grad_points.py): `_zero_step`."""
+        _zero_step(self, optimizer)
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -401,9 +397,9 @@ class StepProbe:
         if self.hand:  # the update happens somewhere in step_fn: what it starts from is here
             self._lr = group_lrs(self.optimizer)
             if measure_update:
-                self._take_before()
+                take_before(self)
         elif self.watch > 0:
-            self._begin_norms = self._weight_norms()
+            self._begin_norms = weight_norms(self)
         self._t0 = time.perf_counter()
         self._active = True
         grad_points.enter(self)
@@ -460,7 +456,7 @@ class StepProbe:
             stepped = None if self._before is not None else bool(idx)
         if self._before is not None:
             with torch.no_grad():
-                weights = [local(p.detach()) for p in self.params]
+                weights = held_weights(self)
                 add("w", batched_norms(weights))
                 add("b", self._before[0])
                 if self._stepped or self.hand:
@@ -479,6 +475,20 @@ class StepProbe:
     def _stack(self, scalars: list[torch.Tensor]) -> torch.Tensor:
         """0-d tensors as one vector, on the first accelerator among their devices."""
         return torch.stack(scalars if self._one_device else on_one_device(scalars))
+
+
+@out_of_sight
+def _zero_step(probe: StepProbe, optimizer) -> None:
+    """DeepSpeed's ZeRO optimizer is about to step: its averaged, unclipped gradients, this
+    rank's parts, are measured now (the backward passes left no `p.grad`); and what the torch
+    optimizer's pre-step hook takes for any other optimizer, the learning rates of all groups
+    (DeepSpeed steps it one group at a time) and the weights before the update."""
+    if not probe._active or probe._engine is None or optimizer is not probe._engine.optimizer:
+        return
+    probe._measure_grads(zero.local_grads(probe._engine, probe.params))
+    probe._lr = group_lrs(optimizer)
+    if probe._measure_update:
+        take_before(probe)
 
 
 def _gradient_norms(probe: StepProbe) -> tuple[list[int], torch.Tensor]:
@@ -534,7 +544,7 @@ def _watched(probe: StepProbe, add, meta: dict) -> None:
     if not probe._stepped:
         assert probe._begin_norms is not None, "taken at begin on a watched step"
         add("w0", probe._begin_norms)
-        add("w1", probe._weight_norms())
+        add("w1", weight_norms(probe))
     if probe._outside:  # parameters in no optimizer given: did they move? (PendingHealth.moved_outside)
         assert probe._begin_norms is not None, "taken at begin on a watched step"
         meta["outside"] = probe._outside
@@ -564,13 +574,3 @@ def _step_meta(probe: StepProbe, idx: list[int], stepped: bool | None, step_time
         "stepped": stepped,  # None: whether the weights moved (a measured hand update)
         "step_time": step_time,
     }
-
-
-def _take(probe: StepProbe, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What ||w_after - w_before|| needs of the weights before the update: a copy of every
-    parameter ("exact"), or the same fixed strided sample of each ("sampled")."""
-    if probe.update_mode == "exact":
-        return [w.clone() for w in weights]
-    if probe._plans is None or len(probe._plans) != len(weights):
-        probe._plans = sample_plans([w.numel() for w in weights], [w.element_size() for w in weights])
-    return [take_sample(w, plan).clone() for w, plan in zip(weights, probe._plans)]

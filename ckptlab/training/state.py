@@ -26,6 +26,7 @@ import torch
 from ckptlab.io.base import expand_aliases, split_tied
 from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState
+from ckptlab.training import zero
 from ckptlab.training.sharded import load_sharded, set_full
 from ckptlab.training.wrappers import module_chain, torch_optimizer, torch_scheduler, unwrap
 
@@ -292,8 +293,15 @@ def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dic
 def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: dict) -> None:
     """Load a model state, optimizer/scheduler/scaler state, leftover gradients and the RNGs
     (not the env). A whole-state snapshot of sharded (FSDP) training carries its optimizer
-    state keyed by parameter name (`optimizer_fqn`) and goes in through DCP's state-dict API."""
-    if "optimizer_fqn" in train_state:
+    state keyed by parameter name (`optimizer_fqn`) and goes in through DCP's state-dict API;
+    into a DeepSpeed engine the whole state goes in part by part (training/zero.py)."""
+    engine = zero.engine_of(model)
+    if engine is not None:  # DeepSpeed ZeRO: each rank takes its parts of the whole state
+        zero.load_whole(
+            engine, expand_aliases(tensors, aliases), train_state["optimizer"], train_state.get("deepspeed")
+        )
+        load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
+    elif "optimizer_fqn" in train_state:
         set_full(model, torch_optimizer(optimizer), expand_aliases(tensors, aliases), train_state["optimizer_fqn"])
         load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
     else:

@@ -25,10 +25,13 @@ Two layouts of parameters:
 - pipeline (torch.distributed.pipelining, one stage per rank: training/pipeline.py): each rank
   holds its stage's whole parameters, and fills its stage's slots of the whole model's vectors;
   the rows add up (`stages`).
+- ZeRO (DeepSpeed's engine, stages 1-3: `zero` is the stage): each rank holds a part of the
+  optimizer state, of the averaged gradients (the probe reads those) and, at stage 3, of the
+  parameters; the parts' squared norms add up, as FSDP2's shards do (training/zero.py).
 
-Nothing else: a model under DeepSpeed, FSDP1 without the model's own parameters, HSDP or a mesh
-of more than two dimensions, or a schedule of several stages per rank, is refused when the
-Recorder starts
+Nothing else: FSDP1 without the model's own parameters, DeepSpeed's pipeline engine or a
+DeepSpeed setup that training/zero.py `problem` names, HSDP or a mesh of more than two
+dimensions, or a schedule of several stages per rank, is refused when the Recorder starts
 (`unsupported`), before anything is written: no layout would describe it, and a partial record
 would replay wrong.
 
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 
 from ckptlab.training import fsdp1, pipeline
+from ckptlab.training import zero as zero_engine
 from ckptlab.training.mesh import MeshLayout, problem
 from ckptlab.training.wrappers import module_chain, own_name, torch_module, unwrap
 
@@ -69,6 +73,7 @@ class World:
     group: Any = None
     backend: str | None = None
     stages: pipeline.Stages | None = None  # a pipeline: this rank's stage, and the others'
+    zero: int | None = None  # DeepSpeed's ZeRO stage (training/zero.py), else None
     _ckpt_group: Any = field(default=None, repr=False)
     # Tensor parallelism (training/mesh.py): per parameter, how many ranks hold each element
     # of its gradient; per process, its data-parallel rank. None without a TP mesh.
@@ -93,6 +98,11 @@ class World:
         """Every rank writes its part of each checkpoint (DCP): FSDP2's shards, a pipeline's stages."""
         return self.sharded or self.stages is not None
 
+    @property
+    def gathers_whole(self) -> bool:
+        """Each rank holds a part of the state (FSDP2, ZeRO): a snapshot is gathered whole on rank 0."""
+        return self.sharded or self.zero is not None
+
     @staticmethod
     def detect(model: Any = None, optimizer: Any = None) -> World:
         """This process's world, for `model` (a pipeline: its schedule, and `optimizer`, the
@@ -108,14 +118,16 @@ class World:
             return World()
         module = torch_module(model) if model is not None else None
         sharded = module is not None and (any(is_sharded(p) for p in module.parameters()) or bool(fsdp1.units(module)))
+        engine = zero_engine.engine_of(model)
+        zero = zero_engine.stage(engine) if engine is not None else None
         backend = str(dist.get_backend())
         if dist.get_world_size() == 1:  # one process; FSDP2 on one device still has DTensor shards
-            return World(sharded=sharded, backend=backend)  # (the backend says: replay needs a group)
+            return World(sharded=sharded, backend=backend, zero=zero)  # (the backend says: replay needs a group)
         # Every rank constructs its Recorder, so creating the group here is collective.
         group = dist.new_group(backend="gloo") if backend != "gloo" else None
         size = dist.get_world_size()
         layout = MeshLayout.of(module, size) if module is not None and sharded else None
-        world = World(dist.get_rank(), size, sharded, group, backend)
+        world = World(dist.get_rank(), size, sharded, group, backend, zero=zero)
         if layout is not None:
             world.replicas, world.data_ranks = layout.replicas, layout.data_ranks
         stage = pipeline.stage_of(model)
@@ -150,13 +162,13 @@ class World:
         return torch.stack(out).numpy()
 
     def combine(self, rows: np.ndarray) -> np.ndarray:
-        """Per-parameter squared norms from every rank -> the global ones: shards (and a
-        pipeline's stages, each in its own slots) add up; replicated copies are averaged (root
-        mean square of the ranks' norms); on a TP mesh, the shards' sum divided by how many
+        """Per-parameter squared norms from every rank -> the global ones: shards (FSDP2's, ZeRO's
+        parts, a pipeline's stages, each in its own slots) add up; replicated copies are averaged
+        (root mean square of the ranks' norms); on a TP mesh, the shards' sum divided by how many
         ranks hold each element."""
         if self.replicas is not None:
             return rows.sum(axis=0) / self.replicas
-        return rows.sum(axis=0) if self.sharded or self.stages is not None else rows.mean(axis=0)
+        return rows.sum(axis=0) if self.gathers_whole or self.stages is not None else rows.mean(axis=0)
 
     def count(self, rows: np.ndarray) -> np.ndarray:
         """Per-parameter counts of elements (non-finite gradients) from every rank -> the
@@ -194,17 +206,22 @@ class World:
 @contextlib.contextmanager
 def solo_world(needed: bool):
     """A process group of one, so a build_fn that wraps its model in DDP or fully_shard works
-    in a single-process replay."""
+    in a single-process replay; with the launcher's variables of a job of one where none are set
+    (deepspeed.initialize asserts that LOCAL_RANK is set)."""
     import torch.distributed as dist
 
     if not needed or not dist.is_available() or dist.is_initialized():
         yield
         return
+    own = {k: v for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items() if k not in os.environ}
+    os.environ.update(own)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        zero_engine.destroy_process_group()
+        for k in own:
+            os.environ.pop(k, None)
 
 
 @dataclass(frozen=True)
@@ -236,30 +253,39 @@ def launched() -> Launch | None:
         return None
 
 
-# --- what is not recorded: DeepSpeed, pipeline parallelism, meshes and FSDP1 that nothing describes ---
+# --- what is not recorded: some DeepSpeed setups, meshes, FSDP1 and pipelines that nothing describes ---
 
 
 def unsupported(model: Any, world_size: int | None = None) -> str | None:
     """Why `model` cannot be recorded (one line: what it is, what ckptlab records, what to do),
-    or None. Told apart by class names and attributes, without importing DeepSpeed: an engine
-    or module of DeepSpeed's, a ZeRO-3 partitioned parameter, a pipeline object other than a
-    single-stage schedule over the whole job (training/pipeline.py `refusal`; the stage's module
-    is checked as any model), FSDP1 that hides the model's own parameters (training/fsdp1.py),
-    a DTensor parameter on a mesh that training/mesh.py does not describe (HSDP, more than two
-    dimensions). A framework's wrapper (Fabric's module around a DeepSpeed engine) is looked
-    through; parameters are named as the model names them (training/wrappers.py `unwrap`,
-    `own_name`)."""
+    or None. Told apart by class names and attributes, without importing DeepSpeed: a DeepSpeed
+    engine set up as ckptlab does not record it (training/zero.py `problem`), a module of
+    DeepSpeed's or a ZeRO-3 partitioned parameter outside its engine, a pipeline object other
+    than a single-stage schedule over the whole job (training/pipeline.py `refusal`; the stage's
+    module is checked as any model), FSDP1 that hides the model's own parameters
+    (training/fsdp1.py), a DTensor parameter on a mesh that training/mesh.py does not describe
+    (HSDP, more than two dimensions). A framework's wrapper (Fabric's module around a DeepSpeed
+    engine) is looked through; parameters are named as the model names them
+    (training/wrappers.py `unwrap`, `own_name`)."""
     if not isinstance(model, torch.nn.Module) and pipeline.is_pipelining(model):
         why = pipeline.refusal(model, world_size)
         return why or unsupported(torch_module(model))
     chain = module_chain(model) if isinstance(model, torch.nn.Module) else [model]
-    engine = next((m for m in chain if any(c.__module__.startswith("deepspeed.") for c in type(m).__mro__)), None)
-    names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
-    if engine is not None:
+    engine = zero_engine.engine_of(model)
+    if engine is not None and engine is not model:  # (Lightning Fabric's DeepSpeed strategy, say: not tested)
         return (
-            f"cannot record a DeepSpeed model ({type(engine).__name__}): ckptlab records DDP and FSDP2, "
-            "not ZeRO's partitioned parameters and optimizer state; train under DDP or FSDP2's fully_shard to record"
+            f"cannot record a DeepSpeed model ({type(engine).__name__}) inside {type(model).__name__}: ckptlab "
+            "records DeepSpeed's engine as deepspeed.initialize returns it"
         )
+    if engine is not None:
+        return zero_engine.problem(engine)
+    other = next((m for m in chain if zero_engine.is_deepspeed(m)), None)
+    if other is not None:
+        return (
+            f"cannot record a DeepSpeed model ({type(other).__name__}) outside its engine: record the "
+            "DeepSpeedEngine that deepspeed.initialize returned, with its optimizer"
+        )
+    names = {f"{c.__module__}.{c.__qualname__}" for m in chain for c in type(m).__mro__}
     if any(n.startswith("torch.distributed.pipelining.") for n in names):  # (a Pipe: the split model)
         return pipeline.refusal(model, world_size)
     if not isinstance(model, torch.nn.Module):
@@ -273,9 +299,8 @@ def unsupported(model: Any, world_size: int | None = None) -> str | None:
     for name, p in unwrap(model).named_parameters():
         if hasattr(p, "ds_id") or hasattr(p, "ds_status"):
             return (
-                f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3; ckptlab records "
-                "DDP and FSDP2, not ZeRO; "
-                "train under DDP or FSDP2's fully_shard to record"
+                f"cannot record this model: parameter {name} is partitioned by DeepSpeed ZeRO-3, and the model "
+                "given is not its engine: record the DeepSpeedEngine that deepspeed.initialize returned"
             )
         why = problem(model, name, p, size)
         if why:
@@ -288,7 +313,7 @@ def _same_models(world: World, module: torch.nn.Module) -> None:
     shard count as their own shape): a pipeline stage's module given as the model is not one,
     and would fail mid-run. Collective."""
     shapes = fsdp1.full_shapes(module)
-    mine = tuple(tuple(shapes.get(id(p), p.shape)) for p in module.parameters())
+    mine = tuple(tuple(shapes.get(id(p)) or zero_engine.shape_of(p)) for p in module.parameters())
     if len({*world.gather_objects(mine)}) > 1:
         from ckptlab.errors import RecordError
 

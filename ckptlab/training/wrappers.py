@@ -15,9 +15,10 @@ Wrappers are recognised by the attributes their frameworks document, without imp
 of its own, e.g. a Lookahead built on `torch.optim.Optimizer` around a base optimizer) and a
 torch LR scheduler are never unwrapped: their own state is part of the training state.
 
-Models likewise (`unwrap`): torch.compile's `OptimizedModule` (`._orig_mod`), DDP and
-DataParallel (`.module`), FSDP1's `FullyShardedDataParallel` (`._fsdp_wrapped_module`; units
-nested inside are left out of names by `own_name`), Lightning Fabric's `_FabricModule` (`._forward_module`, what its
+Models likewise (`unwrap`): torch.compile's `OptimizedModule` (`._orig_mod`), DDP,
+DataParallel and DeepSpeed's engine (`.module`), FSDP1's `FullyShardedDataParallel`
+(`._fsdp_wrapped_module`; units nested inside are left out of names by `own_name`), Lightning
+Fabric's `_FabricModule` (`._forward_module`, what its
 forward runs: the model, DDP around it, or the compiled model; `._original_module`, the model
 as the user passed it to `fabric.setup`), told apart by class name, in any combination (Fabric
 2.6 sets a compiled model up under DDP as a `_FabricModule` around the compiled DDP around the
@@ -128,7 +129,7 @@ def wrapped_module(model: Any, *, running: bool) -> torch.nn.Module | None:
     kind = type(model).__name__
     if kind == "OptimizedModule":
         attrs: tuple[str, ...] = ("_orig_mod",)
-    elif kind in ("DistributedDataParallel", "DataParallel"):
+    elif kind in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine"):
         attrs = ("module",)
     elif kind == "_FabricModule":
         attrs = ("_forward_module", "_original_module") if running else ("_original_module", "_forward_module")

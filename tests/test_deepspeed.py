@@ -1,0 +1,199 @@
+"""DeepSpeed's engine with ZeRO stages 1, 2 and 3 and a torch AdamW, 2 processes, gloo on the
+CPU (tests/deepspeed_models.py): recorded once per stage, replayed bit for bit, both planted
+faults named (the NaN sample on rank 1, the loop's learning-rate bug)."""
+
+import math
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import ckptlab  # noqa: E402
+from tests import deepspeed_models as dm  # noqa: E402
+from tests.integrations.ddp_launch import torchrun  # noqa: E402
+
+
+def _record(tmp_path_factory, build: str):
+    """(run dir, DeepSpeed's own global gradient norm of each step) of tests/deepspeed_models.py BUILD."""
+    run_dir = tmp_path_factory.mktemp(f"zero{build}") / "run"
+    lines = torchrun("deepspeed_models.py", run_dir, 2, build)
+    assert [line for line in lines if line.startswith("rank")] == [
+        f"rank {r} recorded {dm.STEPS} steps" for r in (0, 1)
+    ]
+    return run_dir, {int(w[1]): float(w[4]) for w in (line.split() for line in lines if line.startswith("step"))}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["zero1", "zero2", "zero3"])
+def zero_run(request, tmp_path_factory):
+    """(stage, run dir, DeepSpeed's own global gradient norm of each step): a torch AdamW."""
+    return request.param, *_record(tmp_path_factory, str(request.param))
+
+
+@pytest.fixture(scope="module")
+def adam_run(tmp_path_factory):
+    """ZeRO-2 with DeepSpeed's own Adam (its C++ op is built on first use: TORCH_EXTENSIONS_DIR)."""
+    return _record(tmp_path_factory, "2-adam")[0]
+
+
+def test_records_the_model_s_own_names_and_deepspeed_s_gradient_norms(zero_run):
+    stage, run_dir, norms = zero_run
+    run = ckptlab.open_run(run_dir)
+    assert (run.manifest["layout"], run.world_size) == ("zero", 2)
+    # the user's names and whole shapes (ZeRO-3's parameters are empty stubs between steps)
+    assert [(p["name"], p["shape"], p["group"]) for p in run.manifest["parameters"]] == [
+        ("fc1.weight", [16, 8], 0),
+        ("fc1.bias", [16], 0),
+        ("fc2.weight", [1, 16], 0),
+        ("fc2.bias", [1], 0),
+    ]
+    m = run.metrics()
+    for s in range(dm.STEPS):  # each rank's parts of the averaged gradient, before DeepSpeed clips it
+        if s != dm.NAN_STEP:
+            assert m.grad_norm[m.index(s)] == pytest.approx(norms[s], rel=1e-6), s
+    at_nan = m.scalars[m.index(dm.NAN_STEP)]["rank_loss"]
+    assert math.isfinite(at_nan[0]) and math.isnan(at_nan[1])
+    assert m.lr[m.index(dm.LR_STEP)][0] == dm.LR_FAULT
+    assert {5, 10} <= set(run.checkpoints) and run.checkpoint(10).commit.get("layout") != "sharded"
+
+
+def test_replay_is_bit_exact_and_names_rank_1_s_sample(zero_run):
+    stage, run_dir, _ = zero_run
+    report = ckptlab.replay(run_dir, dm.NAN_STEP)
+    assert report.deterministic and [c.match for c in report.steps] == [True] * 3, report.verdict
+    for c in report.steps:
+        assert c.rank_loss == c.recorded_rank_loss or math.isnan(c.rank_loss[1])
+        assert c.grad_norm == c.recorded_grad_norm or math.isnan(c.grad_norm)
+    assert (report.root_step, report.rank, report.origin.kind) == (dm.NAN_STEP, dm.NAN_RANK, "data")
+    nan_id = dm.sample_ids(dm.NAN_STEP, dm.NAN_RANK)[dm.NAN_ROW]
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
+    assert report.counterfactuals[0].fault is False  # without that row the step is healthy
+
+
+def _assert_names_the_learning_rate_step(report) -> None:
+    assert (report.root_step, report.origin.kind, report.samples) == (dm.LR_STEP, "optimizer", [])
+    assert "learning rate 1e+04" in report.verdict
+    assert report.rank in (0, 1) and not any("traced step's loss differs" in n for n in report.notes)
+
+
+def test_replay_names_the_learning_rate_step(zero_run):
+    stage, run_dir, _ = zero_run
+    if stage != 3:
+        pytest.skip("replayed under ZeRO-3 here, under ZeRO-2 with DeepSpeed's Adam below (CI's time)")
+    report = ckptlab.replay(run_dir, dm.LR_STEP + 1)
+    assert report.deterministic and all(c.match for c in report.steps), report.verdict
+    _assert_names_the_learning_rate_step(report)
+
+
+def test_deepspeed_s_adam_replays_equivalent_and_says_why(adam_run):
+    """DeepSpeed's C++ Adam keeps beta^t as a running product, and a replay resumed at a
+    checkpoint recomputes it with pow: the replay's first step is the record's bit for bit, the
+    next ones within round-off; replay says `equivalent` and why, and still names both faults."""
+    report = ckptlab.replay(adam_run, dm.NAN_STEP)
+    assert report.agreement == "equivalent" and [c.match for c in report.steps][:2] == [True, False]
+    assert 0 < report.max_rel_deviation < 1e-5
+    assert any("FusedAdam's CPU build) keeps beta^t as a running product" in r for r in report.bits_differ)
+    assert "keeps beta^t as a running product" in report.verdict and "diverged" not in report.verdict
+    assert (report.root_step, report.rank, report.origin.kind) == (dm.NAN_STEP, dm.NAN_RANK, "data")
+    nan_id = dm.sample_ids(dm.NAN_STEP, dm.NAN_RANK)[dm.NAN_ROW]
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
+    lr = ckptlab.replay(adam_run, dm.LR_STEP + 1)
+    assert lr.agreement in ("bit-exact", "equivalent"), lr.verdict
+    _assert_names_the_learning_rate_step(lr)
+
+
+def test_checkpoints_diff_and_export_as_any_run_s(zero_run, tmp_path):
+    """A checkpoint holds the whole state (the fp32 masters, the optimizer state of the model's
+    own parameters): `diff` reads it, and rollback's export loads into a plain torch model and
+    AdamW, without DeepSpeed."""
+    import safetensors.torch
+    import torch
+
+    from ckptlab.run.portable import export_checkpoint
+    from tests.models import MLP
+
+    stage, run_dir, _ = zero_run
+    report = ckptlab.diff(f"{run_dir}@5", f"{run_dir}@10")
+    assert {t.name for t in report.ranked} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert report.verdict is None and not report.missing  # healthy steps between them
+    run = ckptlab.open_run(run_dir)
+    export_checkpoint(run.checkpoint(10), tmp_path / "out")
+    model = MLP()
+    model.load_state_dict(safetensors.torch.load_file(tmp_path / "out" / "model.safetensors"))
+    opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
+    opt.load_state_dict(torch.load(tmp_path / "out" / "optimizer.pt", weights_only=True))
+    state = opt.state_dict()["state"]
+    assert state[0]["exp_avg"].shape == (16, 8) and float(state[3]["step"]) == 9  # (step 7 was skipped)
+    assert torch.equal(model.fc2.bias, run.checkpoint(10).load_model()[0]["fc2.bias"])
+
+
+def test_what_is_not_recorded_of_deepspeed_is_refused_in_one_line(tmp_path):
+    """Real engines, in a process group of one: set up as ckptlab does not record them (no ZeRO,
+    bf16), or given with another optimizer than theirs. Refused at once, nothing written."""
+    import deepspeed
+    import torch
+
+    from ckptlab.errors import RecordError
+    from ckptlab.training.world import solo_world
+    from tests.models import MLP
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # (tests/deepspeed_models.py says why)
+    cases = [
+        (
+            {"zero_optimization": {"stage": 0}},
+            None,
+            r"cannot record a DeepSpeed engine without ZeRO \(zero_optimization",
+        ),
+        ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, None, "DeepSpeed engine in fp16 or bf16"),
+        ({"zero_optimization": {"stage": 2}}, "torch", r"the optimizer given \(AdamW\) is not the DeepSpeed engine's"),
+    ]
+    with solo_world(True):
+        for config, give, match in cases:
+            model = MLP()
+            torch_opt = torch.optim.AdamW(model.parameters(), lr=dm.LR)
+            engine, opt, _, _ = deepspeed.initialize(
+                model=model, optimizer=torch_opt, config={"train_micro_batch_size_per_gpu": dm.ROWS, **config}
+            )
+            with pytest.raises(RecordError, match=match) as e:
+                given = torch_opt if give == "torch" else opt
+                ckptlab.Recorder(tmp_path / "r", engine, given, step_fn=dm.step_engine, build_fn=dm.build_zero2)
+            assert "\n" not in str(e.value) and "docs/distributed.md" in str(e.value)
+            assert not (tmp_path / "r").exists()
+
+
+def test_diff_reads_deepspeed_s_own_checkpoint_folder(zero_run, cli):
+    """A folder engine.save_checkpoint wrote (rank 0's module file, every rank's partitions,
+    `latest`), read with weights_only: its fp32 masters gathered from the partitions are the
+    run's checkpoint of the same step, bit for bit, and what DeepSpeed's zero_to_fp32 gathers."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckptlab.io.open import open_checkpoint
+
+    stage, run_dir, _ = zero_run
+    folder = run_dir.parent / "deepspeed"
+    done = cli("diff", f"{run_dir}@{dm.DS_CHECKPOINT}", folder, "--json")
+    assert done.code == 0, done.err
+    doc = done.json()
+    assert doc["missing"] == doc["unexpected"] == [] and len(doc["ranked"]) == 4
+    assert all(t["delta"]["l2"] == 0 and t["delta"]["unchanged"] == 1 for t in doc["ranked"]), doc["ranked"]
+    ours = open_checkpoint(folder)
+    assert any(f"ZeRO-{stage} checkpoint" in n for n in ours.notes)
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(folder))  # (DeepSpeed's reader unpickles: our own file)
+    assert set(theirs) == set(ours) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_deepspeed_folder_asking_for_other_objects_is_refused(tmp_path, cli):
+    """An optimizer file that asks for anything but DeepSpeed's three known objects is refused
+    in one line, before anything of it runs."""
+    import fractions
+
+    import torch
+
+    folder = tmp_path / "global_step1"
+    folder.mkdir()
+    torch.save({"module": {}, "param_shapes": [{"w": torch.Size([2])}]}, folder / "mp_rank_00_model_states.pt")
+    crafted = {"optimizer_state_dict": {"zero_stage": 2, "x": fractions.Fraction(1, 3)}}
+    torch.save(crafted, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    done = cli("diff", folder, folder)
+    assert done.code != 0 and "refused: it holds Python objects" in done.err and "fractions.Fraction" in done.err
+    assert "Traceback" not in done.err and len(done.err.strip().splitlines()) <= 2, done.err
