@@ -75,10 +75,9 @@ def _assert_names_the_learning_rate_step(report) -> None:
     assert report.rank in (0, 1) and not any("traced step's loss differs" in n for n in report.notes)
 
 
+@pytest.mark.parametrize("zero_run", [3], ids=["zero3"], indirect=True)  # (ZeRO-2: with DeepSpeed's Adam, below)
 def test_replay_names_the_learning_rate_step(zero_run):
     stage, run_dir, _ = zero_run
-    if stage != 3:
-        pytest.skip("replayed under ZeRO-3 here, under ZeRO-2 with DeepSpeed's Adam below (CI's time)")
     report = ckptlab.replay(run_dir, dm.LR_STEP + 1)
     assert report.deterministic and all(c.match for c in report.steps), report.verdict
     _assert_names_the_learning_rate_step(report)
