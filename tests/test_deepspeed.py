@@ -5,6 +5,7 @@ faults named (the NaN sample on rank 1, the loop's learning-rate bug)."""
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -58,7 +59,9 @@ def test_records_the_model_s_own_names_and_deepspeed_s_gradient_norms(zero_run):
 
 def test_replay_is_bit_exact_and_names_rank_1_s_sample(zero_run):
     stage, run_dir, _ = zero_run
+    linear = torch.nn.functional.linear
     report = ckptlab.replay(run_dir, dm.NAN_STEP)
+    assert torch.nn.functional.linear is linear  # (ZeRO-3 replaces it for the whole process: given back)
     assert report.deterministic and [c.match for c in report.steps] == [True] * 3, report.verdict
     for c in report.steps:
         assert c.rank_loss == c.recorded_rank_loss or math.isnan(c.rank_loss[1])
@@ -67,6 +70,27 @@ def test_replay_is_bit_exact_and_names_rank_1_s_sample(zero_run):
     nan_id = dm.sample_ids(dm.NAN_STEP, dm.NAN_RANK)[dm.NAN_ROW]
     assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
     assert report.counterfactuals[0].fault is False  # without that row the step is healthy
+
+
+def test_the_trace_names_the_user_s_line_under_deepspeed_s_linear(tmp_path, monkeypatch):
+    """ZeRO-3 puts DeepSpeed's `zero3_linear_wrap` in torch.nn.functional.linear: a traced op
+    under it is placed on the user's line that called it, not in DeepSpeed's linear.py."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from ckptlab.replayer.driver import Replayer
+    from ckptlab.replayer.trace import Tracer
+    from tests import models
+
+    models.record_run(tmp_path / "run", models.build_mlp, models.step_mlp, models.mlp_batches(2))
+    monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
+    replayer = Replayer(ckptlab.open_run(tmp_path / "run"))
+    runner = replayer.build()
+    replayer.load_checkpoint(runner, 0)
+    tracer = Tracer(runner.model, runner.optimizer, rows=4)
+    replayer.run_step(runner, replayer.batch(0), tracer=tracer)
+    replayer.close(runner)
+    assert "aten.mm.default" in {e.op for e in tracer.events}  # (DeepSpeed's linear ran: no addmm)
+    assert {e.source.split(":")[0] for e in tracer.events if e.source} == {"models.py"}
 
 
 def _assert_names_the_learning_rate_step(report) -> None:

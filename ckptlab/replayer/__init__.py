@@ -54,7 +54,7 @@ from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.rows import per_row
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
 from ckptlab.run.reader import Run, open_run
-from ckptlab.training.state import apply_env, capture_env
+from ckptlab.training.state import process_kept
 from ckptlab.training.world import solo_world
 
 if TYPE_CHECKING:
@@ -117,31 +117,30 @@ def replay(
     run = open_run(run) if not isinstance(run, Run) else run
     dump = _dump_request(dump) if dump is not None else None
     how: _Settings = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
-    saved_env = capture_env()
     try:
-        if run.world_size > 1 and rank is None:
-            if dump is not None:
-                raise ReplayError(
-                    "--dump is not available for a distributed replay yet",
-                    path=run.path,
-                    hint="dump one rank's micro-batches with --rank R",
+        with process_kept():  # (the settings, and torch's functions an engine replaced)
+            if run.world_size > 1 and rank is None:
+                if dump is not None:
+                    raise ReplayError(
+                        "--dump is not available for a distributed replay yet",
+                        path=run.path,
+                        hint="dump one rank's micro-batches with --rank R",
+                    )
+                return replay_distributed(
+                    run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
                 )
-            return replay_distributed(
-                run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
-            )
-        if rank is not None:
-            _one_rank(run, rank)
-        with solo_world(run.needs_process_group):
-            inv = Investigation(run, step, rank=rank or 0, dump=dump, **how)
-            inv.budget = Budget(budget)
-            if progress is not None:
-                inv.progress = progress
-            if run.world_size > 1:
-                inv.replayer.notes.append(_one_rank_note(run, rank or 0))
-            return inv.investigate(trace=trace, counterfactuals=counterfactuals)
+            if rank is not None:
+                _one_rank(run, rank)
+            with solo_world(run.needs_process_group):
+                inv = Investigation(run, step, rank=rank or 0, dump=dump, **how)
+                inv.budget = Budget(budget)
+                if progress is not None:
+                    inv.progress = progress
+                if run.world_size > 1:
+                    inv.replayer.notes.append(_one_rank_note(run, rank or 0))
+                return inv.investigate(trace=trace, counterfactuals=counterfactuals)
     finally:
         run.release()  # what the replay held against a live run's retention
-        apply_env(saved_env)
 
 
 def _one_rank_note(run: Run, rank: int) -> str:
@@ -181,18 +180,19 @@ def attribute_rows(
     This is the attribution `ckptlab dirty` passes to `analysis.dirty.scan`."""
     run = open_run(run) if not isinstance(run, Run) else run
     alone_refused(run, "per-row attribution")
-    saved = capture_env()
     try:
-        with solo_world(run.needs_process_group):
-            inv = Investigation(run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code)
-            root = RootStep(inv, inv.root_at(step))
-            try:
-                rows = per_row(root)  # (the user's code refusing one row raises: dirty lists it as failed)
-            finally:
-                root.close()
+        with process_kept():  # (the settings, and torch's functions an engine replaced)
+            with solo_world(run.needs_process_group):
+                inv = Investigation(
+                    run, step, device=device, from_step=None, log=None, rank=rank, trust_code=trust_code
+                )
+                root = RootStep(inv, inv.root_at(step))
+                try:
+                    rows = per_row(root)  # (the user's code refusing one row raises: dirty lists it as failed)
+                finally:
+                    root.close()
     finally:
         run.release()
-        apply_env(saved)
     ranked = sorted(rows.items(), key=lambda rh: -(rh[1].grad_norm if math.isfinite(rh[1].grad_norm) else math.inf))
     return [SampleBlame(r, root.sample_id(r), "per-row replay", h.loss, h.grad_norm) for r, h in ranked]
 

@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ckptlab.analysis.batches import row_groups
 from ckptlab.replayer.lineage import Lineage, pick_origin, row_counts, writes
-from ckptlab.training.crash import TORCH_DIR, call_through, ours
+from ckptlab.training.crash import call_through, library, ours
 from ckptlab.training.world import local
 
 _STAMP = "ckptlab"
@@ -166,12 +166,13 @@ class OpEvent:
 
 
 def user_source() -> tuple[str | None, str | None]:
-    """(short "file.py:line", full path:line) of the innermost frame outside torch and ckptlab."""
+    """(short "file.py:line", full path:line) of the innermost frame outside torch (and the engines
+    between the user's code and torch: crash.library) and ckptlab."""
     f: FrameType | None = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
         mine = ours(fn)
-        if not (fn.startswith(TORCH_DIR) or mine or fn.startswith("<")):
+        if not (mine or fn.startswith("<") or library(fn)):
             return f"{os.path.basename(fn)}:{f.f_lineno}", f"{fn}:{f.f_lineno}"
         if mine and f.f_code.co_name == "run_step":  # reached the replay driver: no user frame
             return None, None

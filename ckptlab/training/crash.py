@@ -10,6 +10,7 @@ the user's (a hook of the probe) that raised is ckptlab's own failure, not the s
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 import types
 
@@ -23,6 +24,23 @@ CKPTLAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 EXAMPLES_DIR = os.path.join(CKPTLAB_DIR, "examples") + os.sep  # user code, even though it ships with us
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 MAX_MESSAGE = 500
+# Engines that run between the user's code and torch's ops once imported (DeepSpeed's ZeRO-3
+# swaps torch.nn.functional.linear for its own `zero3_linear_wrap`): library, never the user's line.
+_ENGINES = ("deepspeed",)
+_engine_dirs: dict[str, str] = {}
+
+
+def library(filename: str) -> bool:
+    """torch's code, or an engine's that stands between the user's code and torch's ops."""
+    if filename.startswith(TORCH_DIR):
+        return True
+    for name in _ENGINES:
+        if name not in _engine_dirs and name in sys.modules:  # (imported by the user's code: look once)
+            where = getattr(sys.modules[name], "__file__", None)
+            _engine_dirs[name] = os.path.dirname(os.path.abspath(where)) + os.sep if where else "\0"
+        if filename.startswith(_engine_dirs.get(name, "\0")):
+            return True
+    return False
 
 
 def ours(filename: str) -> bool:
@@ -92,7 +110,7 @@ def describe(exc: BaseException, model: torch.nn.Module | None = None) -> dict:
     frames = _frames(exc.__traceback__)
     for f in reversed(frames):
         fn = os.path.abspath(f.f_code.co_filename)
-        if not (ours(fn) or fn.startswith(TORCH_DIR) or fn.startswith(_STDLIB_DIR) or fn.startswith("<")):
+        if not (ours(fn) or library(fn) or fn.startswith(_STDLIB_DIR) or fn.startswith("<")):
             out["source"] = f"{os.path.basename(fn)}:{f.f_lineno}"
             out["call"] = f.f_code.co_name
             break

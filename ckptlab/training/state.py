@@ -16,6 +16,7 @@ after); writing to disk happens elsewhere, in the background.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from typing import Any
@@ -220,6 +221,23 @@ def apply_env(env: dict[str, Any], *, force_deterministic: bool = False) -> list
         # cuBLAS reads this when its handle is created: effective only before the first matmul.
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = wanted
     return notes
+
+
+@contextlib.contextmanager
+def process_kept():
+    """Leave the process as it was before a replay ran the user's build_fn and step_fn: the
+    execution settings (`apply_env`), and torch.nn.functional's functions, which an engine may
+    replace for the whole process and leave replaced (DeepSpeed's ZeRO-3 puts its own `linear`
+    there): the notebook's next cell, or the next replay in this process, runs the torch it had."""
+    env = capture_env()
+    functions = {k: v for k, v in vars(torch.nn.functional).items() if callable(v)}
+    try:
+        yield
+    finally:
+        for name, fn in functions.items():
+            if getattr(torch.nn.functional, name, None) is not fn:
+                setattr(torch.nn.functional, name, fn)
+        apply_env(env)
 
 
 # --- whole-state snapshots (checkpoints and replay share these) ------------------------------
