@@ -1,6 +1,6 @@
 """Models and data for the distributed tests (DDP and FSDP2, 2 processes, gloo on the CPU).
 
-`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|fsdp [KILL_STEP|resume]`
+`python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_models.py RUN ddp|ddp-wide|fsdp [KILL_STEP|resume]`
 records a run (the DDP one's build_fn/step_fn write to fd 1); rank 1 meets a NaN in row 2 of its batch at step NAN_STEP.
 """
 
@@ -27,6 +27,17 @@ def build_ddp():
     torch.manual_seed(0)
     model = DDP(MLP())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def build_ddp_wide():
+    """DDP over a wider MLP (2,000 parameters, one bucket): over more than two processes the
+    bucket's layout decides the bits of the averaged gradient (a ring all-reduce starts each
+    chunk's sum at another rank), and DDP lays it out anew after its first step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(MLP(hidden=200))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)  # (Adam's update would hide a last bit)
 
 
 def step_ddp(model, optimizer, batch):
@@ -79,6 +90,7 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
         os.environ["CKPTLAB_TEST_RAISE"] = "1"
     build, step = {
         "ddp": (build_ddp, step_ddp),
+        "ddp-wide": (build_ddp_wide, step_mlp),
         "ddp-raise": (build_ddp, step_ddp_raise),
         "fsdp-raise": (build_fsdp, step_ddp_raise),
     }.get(kind, (build_fsdp, step_mlp))

@@ -2,8 +2,9 @@
 machine (2 processes each, gloo on the CPU), as a Slurm job would replay it across two machines.
 
 `python -m torch.distributed.run --standalone --nproc_per_node=4 tests/test_replay_nodes.py RUN`
-records the run (tests/dist_models.py's DDP model), with the NaN in rank 3's batch: on the
-second node, so the state the root step started in travels from there to rank 0.
+records the run (tests/dist_models.py's wide DDP model), with the NaN in rank 3's batch: on the
+second node, so the state the root step started in travels from there to rank 0. The replay
+starts from a checkpoint in the middle of the run, where DDP's buckets had been rebuilt.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def test_two_nodes_replay_a_four_rank_run_bit_exactly_and_name_the_rank_row_and_
     assert out1.strip() == "" and "warning" not in err1, (out1[-500:], err1[-500:])
     doc = json.loads(out0)
     assert doc["deterministic"] and doc["bit_exact"] and all(c["match"] for c in doc["steps"]), doc["verdict"]
+    assert doc["start_checkpoint"] == 15  # mid-run: DDP's buckets rebuilt as the recording's were
     assert [len(c["rank_loss"]) for c in doc["steps"]] == [4] * len(doc["steps"])  # every rank's loss, checked
     assert doc["root_step"] == dm.NAN_STEP and doc["rank"] == NAN_RANK
     nan_id = dm.sample_ids(dm.NAN_STEP, NAN_RANK)[dm.NAN_ROW]
@@ -137,4 +139,4 @@ def test_every_rank_that_stops_names_the_first_rank_whose_step_raised():
 
 if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_nodes.py RUN: record
     dm.NAN_RANK = NAN_RANK
-    dm.main(sys.argv[1], "ddp")
+    dm.main(sys.argv[1], "ddp-wide")

@@ -209,6 +209,8 @@ class Replayer:
                 hint="replay with the code the run was recorded with",
             ) from None
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
+        if not t.stepped and buckets_rebuilt(self.run, self.world, ckpt):
+            rebuild_buckets(self, t, step)
         resume_learned(t.probe, ckpt.commit.get("probe"))  # measure as the recording did from here
         self.follow_lr(t.optimizer, step)
 
@@ -266,6 +268,7 @@ class Replayer:
                     path=self.run.path,
                 ) from None
         batch = rec.batch if batch is None else batch
+        t.stepped = True
         _, health = t.run_step(self.step_fn, batch, measure_update=measure_update, around=_around_step(tracer))
         self.follow_lr(t.optimizer, rec.step + 1)
         return cast(StepHealth, health)  # not deferred: measured now, never a PendingHealth
@@ -333,6 +336,34 @@ class Replayer:
         if self.mirror is not None:
             self.mirror.order("close", t)
         t.close()
+
+
+def buckets_rebuilt(run: Run, w: World | None, ckpt) -> bool:
+    """Whether the recorded step `ckpt` starts ran with DDP's gradient buckets rebuilt, as
+    they are from a DistributedDataParallel's second iteration on: laid out in the order
+    its first backward made the gradients ready, not in the parameters' order. Over more
+    than two processes the layout decides the bits: a ring all-reduce sums each chunk of a
+    bucket starting at another rank. So it was when the checkpoint is not the first step
+    of the session that wrote it (a fresh process: a fresh DDP); only a replicated world
+    of more than two processes has buckets whose layout changes a sum."""
+    if w is None or w.size <= 2 or w.gathers_whole or w.stages is not None or w.data_ranks is not None:
+        return False
+    sessions = {s.get("session"): s.get("start_step") for s in run.manifest.get("sessions", [])}
+    start = sessions.get(ckpt.commit.get("session"))
+    return isinstance(start, int) and ckpt.step > start
+
+
+def rebuild_buckets(r: Replayer, t: StepRunner, step: int) -> None:
+    """Run step `step` once and put its state back (RNGs included), gradients dropped as a
+    freshly loaded checkpoint has none: DDP's next forward, the replayed step's, rebuilds
+    the buckets in the order this backward made the gradients ready, as the recording's
+    did after its first step. Every rank does it (it is collective)."""
+    snap = r.snapshot(t, step)
+    r.log(f"rebuilding DDP's gradient buckets with step {step}, as the recording had them")
+    r.run_here(t, r.batch(step), None, None, False)
+    r.restore(t, snap)
+    for p in t.model.parameters():
+        p.grad = None
 
 
 @contextlib.contextmanager

@@ -67,6 +67,7 @@ class StepRunner:
     update_ratio: str = "sampled"  # how the probe measures ||dw|| (training/probe.py)
     guard_scheduler: bool = False  # catch a scheduler stepped outside the runner (the Recorder's)
     probe: StepProbe = field(init=False)
+    stepped: bool = field(init=False, default=False)  # a step has run on it (replay: DDP's buckets rebuilt)
     step_optimizer: Any = field(init=False)  # the optimizer as given: what step_fn receives
     step_model: Any = field(init=False)  # the model as given: what step_fn receives
     _extra: tuple = field(init=False, default=(None, None, {}))  # (step_fn, scaler, scaler_argument): once
