@@ -159,8 +159,8 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
     if inv.folded is not None:
         k, w = inv.folded
         reasons.append(
-            f"replayed on {k} of the recorded {w} processes: the ranks' gradients were averaged in rank order, "
-            "not in the order of the recorded all-reduce (a ring starts each chunk's sum at another rank)"
+            f"replayed on {k} of the recorded {w} processes: the ranks' gradients were averaged in another order "
+            "than the recorded all-reduce's (a ring starts each chunk's sum at another rank)"
         )
     step = next((c.step for c in report.steps if not c.match), None)
     resumed = resumed_optimizer(manifest)

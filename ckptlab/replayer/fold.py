@@ -2,16 +2,20 @@
 
 A DDP run of W processes replayed in this one process: each replayed step runs every recorded
 rank's micro-batches in turn, through the recorded `step_fn`, with that rank's batch and RNG
-streams, from the state the step started in; DDP's gradient all-reduce becomes a sum in rank
-order, before rank 0's optimizer step:
+streams, from the state the step started in; DDP's gradient all-reduce becomes a running sum,
+before rank 0's optimizer step:
 
-    ranks W-1 .. 1   step_fn on the rank's batch; the optimizer's step, the scheduler's and
-                     every change to the state undone; DDP's communication hook keeps the
+    ranks 1 .. W-1   step_fn on the rank's batch; the optimizer's step, the scheduler's and
+                     every change to the state undone; DDP's communication hook adds the
                      gradient each bucket would have sent (the rank's own, accumulated over its
-                     micro-batches), and the probe's row of health numbers (what it gathers)
+                     micro-batches) times 1/W to the sum, and the probe's row of health numbers
+                     (what it gathers) is kept
     rank 0           step_fn on rank 0's batch, measured as a replay measures every step; the
-                     hook hands DDP sum_r(g_r * 1/W), r = 0..W-1, as its all-reduce would have,
-                     and the optimizer steps on it; the health gathers the W rows
+                     hook hands DDP the sum plus its own gradient times 1/W, what DDP's
+                     all-reduce computes, and the optimizer steps on it; the health gathers
+                     the W rows
+
+One copy of the gradients (the sum) beside the model, whatever W.
 
 The step's health is then what the recorded world's was: each rank's loss and own gradient
 norm, their mean, the averaged gradient's norm, and it is checked against the record bit for
@@ -83,7 +87,7 @@ def replay_folded(
         fold = inv.replayer.fold = Fold(run, run.world_size)
         inv.replayer.notes.append(
             f"replayed on {world_size} process for the recorded {run.world_size}: every rank's micro-batches in "
-            "turn, their gradients averaged in rank order before rank 0's optimizer step"
+            "turn, their gradients averaged before rank 0's optimizer step (ranks 1 to W-1, then rank 0)"
         )
         window = inv.replay_window(plan.start, snap_from(plan))
         root = window.root
@@ -185,7 +189,8 @@ class Fold:
         self.run, self.size = run, size
         self.world = FoldedWorld(rank=0, size=size)
         self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
-        self.grads: dict[int, dict[int, torch.Tensor]] = {}  # rank -> id(param) -> what its bucket sent
+        self.sum: dict[int, torch.Tensor] = {}  # id(param) -> the turns' gradients times 1/W, summed
+        self.seen: set[int] = set()  # id(param): reduced in this turn
         self.running = 0
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
@@ -215,8 +220,8 @@ class Fold:
         """Recorded step `rec.step` of every rank: the others' turns, then rank 0's, which steps."""
         recs = self._records(rec.step, rec)
         start = _StepStart.of(t)
-        self.grads.clear()
-        for rank in range(self.size - 1, 0, -1):
+        self.sum.clear()
+        for rank in range(1, self.size):
             with _no_update(t):
                 self._turn(t, rank, recs[rank], run_here, False)
             start.restore(t)
@@ -228,6 +233,7 @@ class Fold:
         if rec.rng is None:
             restore_rng(self._rng(rank, rec.step))
         self.running = self.world.running = rank
+        self.seen.clear()
         try:
             h = run_here(t, rec, None, None, measure_update)
         except BaseException:
@@ -260,28 +266,28 @@ class Fold:
         return self.rngs[rank]
 
     def _hook(self, state, bucket):  # (no annotations: DDP compares them with its own types, not strings)
-        """DDP's all-reduce of one bucket: another rank's turn keeps its gradients (a second
-        reduction in one turn is refused); rank 0's gets sum_r(g_r * 1/W) in rank order."""
-        grads = bucket.gradients()
+        """DDP's all-reduce of one bucket: another rank's turn adds its gradients times 1/W to
+        the sum; rank 0's gets the sum plus its own times 1/W (ranks 1, .., W-1, then 0). A
+        second reduction of a gradient in one turn is refused."""
         params = bucket.parameters()
-        if self.running != 0:
-            kept = self.grads.setdefault(self.running, {})
-            if any(id(p) in kept for p in params):
-                self.refusal = ReplayError(
-                    "--world-size: DDP all-reduced the same gradients twice in one step (every micro-batch's "
-                    "backward synchronised: accumulation without no_sync), which a fold cannot reproduce",
-                    path=self.run.path,
-                    hint=f"replay on the recorded {self.size} processes: leave --world-size out",
-                )
-            kept.update((id(p), g.detach().clone()) for p, g in zip(params, grads))
-        else:
-            scale = 1.0 / self.size
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    total = g.mul(scale)
-                    for r in range(1, self.size):
-                        total += self.grads[r][id(p)].mul(scale)
-                    g.copy_(total)
+        if any(id(p) in self.seen for p in params):
+            self.refusal = ReplayError(
+                "--world-size: DDP all-reduced the same gradients twice in one step (every micro-batch's "
+                "backward synchronised: accumulation without no_sync), which a fold cannot reproduce",
+                path=self.run.path,
+                hint=f"replay on the recorded {self.size} processes: leave --world-size out",
+            )
+        self.seen.update(map(id, params))
+        scale = 1.0 / self.size  # (DDP's own: its gradient times the reciprocal, then the sum)
+        with torch.no_grad():
+            for p, g in zip(params, bucket.gradients()):
+                part, total = g.mul(scale), self.sum.get(id(p))
+                if self.running == 0:  # the last turn: what the all-reduce hands every rank
+                    g.copy_(part if total is None else total + part)
+                elif total is None:
+                    self.sum[id(p)] = part
+                else:
+                    total += part
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
