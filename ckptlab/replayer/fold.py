@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -194,16 +196,36 @@ class Fold:
         self.running = 0
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
+        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs whose all-reduce goes through `_hook`
         self._recs: tuple[int, dict] | None = None  # (step, each rank's batch record)
 
     # --- the Replayer's calls ----------------------------------------------------------------
 
     def built(self, t) -> None:
-        """A runner built by build_fn: its DDP's all-reduce goes through this fold."""
+        """A runner built by build_fn: its DDP's all-reduce goes through this fold (a DDP that
+        step_fn makes, as Lightning's replayed step does, when its forward first runs)."""
+        _check_runner(self.run, t)
         ddp = _ddp_in(t.step_model)
-        _check_runner(self.run, t, ddp)
-        ddp.register_comm_hook(None, self._hook)
+        if ddp is not None:
+            self._hook_ddp(ddp)
         t.probe.world = self.world
+
+    def _hook_ddp(self, ddp) -> None:
+        if ddp in self.hooked:
+            return
+        if not ddp.broadcast_buffers and any(True for _ in ddp.module.buffers()):
+            self.refusal = _cannot(
+                self.run,
+                "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed",
+            )
+            return
+        ddp.register_comm_hook(None, self._hook)
+        self.hooked.add(ddp)
+
+    def _before_forward(self, module, args) -> None:
+        """A forward pre-hook on every module during a turn: a DDP not hooked yet is, now."""
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) and module not in self.hooked:
+            self._hook_ddp(module)
 
     def loaded(self) -> None:
         """A checkpoint was loaded: every rank starts from its recorded RNG streams."""
@@ -234,13 +256,22 @@ class Fold:
             restore_rng(self._rng(rank, rec.step))
         self.running = self.world.running = rank
         self.seen.clear()
+        watch = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         try:
             h = run_here(t, rec, None, None, measure_update)
         except BaseException:
+            if self.refusal is not None:
+                raise self.refusal from None
             self.crashed = rank
             raise
         finally:
+            watch.remove()
             self.running = self.world.running = 0
+        if self.refusal is None and not self.hooked:
+            what = type(t.step_model).__name__
+            self.refusal = _cannot(
+                self.run, f"no DistributedDataParallel ran in step {rec.step} (build_fn returns {what})"
+            )
         if self.refusal is not None:  # (raised here, not in the hook: DDP's C++ would wrap it)
             raise self.refusal
         self.rngs[rank] = capture_rng()
@@ -273,7 +304,8 @@ class Fold:
         if any(id(p) in self.seen for p in params):
             self.refusal = ReplayError(
                 "--world-size: DDP all-reduced the same gradients twice in one step (every micro-batch's "
-                "backward synchronised: accumulation without no_sync), which a fold cannot reproduce",
+                "backward synchronised: accumulation without no_sync, or accelerate's, which skips no_sync in a "
+                "process group of one), which a fold cannot reproduce yet",
                 path=self.run.path,
                 hint=f"replay on the recorded {self.size} processes: leave --world-size out",
             )
@@ -344,7 +376,10 @@ def _no_update(t) -> Iterator[None]:
         opt.step = closure_only
     was, t.step_scheduler = t.step_scheduler, False
     try:
-        yield
+        with warnings.catch_warnings():  # (a scheduler step_fn steps sees the step replaced: put back after)
+            warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)` has been overridden")
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            yield
     finally:
         t.step_scheduler = was
         for opt, step in zip(members, saved):
@@ -365,22 +400,21 @@ def _ddp_in(model) -> Any:
     return None
 
 
-def _check_runner(run: Run, t, ddp) -> None:
+def _check_runner(run: Run, t) -> None:
     """ReplayError for a runner whose step a fold cannot replay (the module docstring)."""
-    why = None
-    if ddp is None:
-        why = f"build_fn returns {type(t.step_model).__name__} without DistributedDataParallel around it"
-    elif is_hand_update(t.optimizer):
-        why = "the weights are updated by hand in step_fn, so the other ranks' turns cannot leave them unchanged"
-    elif t.scaler is not None:
-        why = "a GradScaler steps the optimizer, which the other ranks' turns cannot yet leave out"
-    elif any(isinstance(m, torch.nn.SyncBatchNorm) for m in t.model.modules()):
-        why = "the model holds SyncBatchNorm, a collective inside the forward pass: each rank's needs the others'"
-    elif not ddp.broadcast_buffers and any(True for _ in t.model.buffers()):
-        why = "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed"
-    if why is not None:
-        raise ReplayError(
-            f"--world-size 1: {why}",
-            path=run.path,
-            hint=f"replay on the recorded {run.world_size} processes: leave --world-size out",
+    if is_hand_update(t.optimizer):
+        raise _cannot(run, "the weights are updated by hand in step_fn: the other ranks' turns cannot leave them be")
+    if t.scaler is not None:
+        raise _cannot(run, "a GradScaler steps the optimizer, which the other ranks' turns cannot yet leave out")
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in t.model.modules()):
+        raise _cannot(
+            run, "the model holds SyncBatchNorm, a collective inside the forward pass: each rank's needs the others'"
         )
+
+
+def _cannot(run: Run, why: str) -> ReplayError:
+    return ReplayError(
+        f"--world-size 1: {why}",
+        path=run.path,
+        hint=f"replay on the recorded {run.world_size} processes: leave --world-size out",
+    )

@@ -37,15 +37,21 @@ def test_every_rank_records_its_own_micro_batches_under_the_models_own_names(ddp
     assert run.param_names == [n for n, _ in dm.fm.GPT().named_parameters()]
 
 
-def test_replay_is_bit_exact_on_two_processes_and_names_rank_micro_batch_row_and_sample(ddp_run, capfd):
+@pytest.mark.parametrize("fold", [False, True], ids=["two-processes", "world-size-1"])
+def test_replay_is_bit_exact_and_names_rank_micro_batch_row_and_sample(ddp_run, capfd, fold):
+    """On the recorded 2 processes, and with `--world-size 1` in this one (both ranks' turns, the
+    DDP under Fabric's module found through it, the micro-batches before the last under
+    no_backward_sync): the same numbers bit for bit, the same rank, micro-batch and sample."""
     from ckptlab.cli import main
 
     capfd.readouterr()
+    more = ["--world-size", "1", "--budget", "0"] if fold else []
     with pytest.raises(SystemExit) as done:
-        main(["replay", "--run", str(ddp_run), "--step", str(dm.FAULT_STEP), "--from-step", "0", "--json"])
+        main(["replay", "--run", str(ddp_run), "--step", str(dm.FAULT_STEP), "--from-step", "0", "--json", *more])
     out, err = capfd.readouterr()
     assert done.value.code == 0, err[-3000:]
     assert "_forward_module" not in out
     doc = json.loads(out)
     assert_replays_and_names_the_sample(doc, dm)
+    assert doc["world_size"] == (1 if fold else None)
     assert "enters the model at `transformer.wte`" in doc["origin"]["detail"]

@@ -50,12 +50,12 @@ def runs(tmp_path_factory):
     return done
 
 
-def replay_json(run_dir, step, capfd) -> dict:
+def replay_json(run_dir, step, capfd, *more: str) -> dict:
     from ckptlab.cli import main
 
     capfd.readouterr()
     with pytest.raises(SystemExit) as done:
-        main(["replay", "--run", str(run_dir), "--step", str(step), "--from-step", "0", "--json"])
+        main(["replay", "--run", str(run_dir), "--step", str(step), "--from-step", "0", "--json", *more])
     out, err = capfd.readouterr()
     assert done.value.code == 0, err[-3000:]
     return json.loads(out)
@@ -107,6 +107,19 @@ def test_ddp_spawn_with_accumulation_and_bf16_replays_bit_exactly_and_names_the_
     assert len(doc["samples"]) == 1
     assert (sample["micro_batch"], sample["row"], sample["sample_id"]) == (ACCUM_MICRO, ldm.FAULT_ROW, ldm.FAULT_SAMPLE)
     assert f"micro-batch {ACCUM_MICRO} row {ldm.FAULT_ROW} (sample {ldm.FAULT_SAMPLE})" in doc["verdict"]
+
+
+@pytest.mark.parametrize("k", [1, ACCUM], ids=["ddp", "ddp_spawn-accumulation-bf16"])
+def test_one_process_replays_both_ranks_bit_exactly(runs, capfd, k):
+    """`--world-size 1`: the DDP wrapper the replayed step makes is found at its first forward,
+    and both ranks' turns run in this process (with accumulation, the first micro-batch under
+    no_sync); a sum of two gradients is the same in either order: every step bit for bit."""
+    step, micro = (NAN_STEP, 0) if k == 1 else (ACCUM_STEP, ACCUM_MICRO)
+    doc = replay_json(runs[k][0], step, capfd, "--world-size", "1", "--budget", "0")
+    assert (doc["world_size"], doc["root_step"], doc["rank"], doc["bit_exact"]) == (1, step, ldm.FAULT_RANK, True)
+    assert [(s["micro_batch"] or 0, s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (micro, ldm.FAULT_ROW, ldm.FAULT_SAMPLE)
+    ]
 
 
 def test_other_multi_process_strategies_are_not_recorded(tmp_path):
