@@ -17,9 +17,10 @@ ModelParallelStrategy"):
   module's own methods; replay does too, on the module `configure_model` made the same way.
 
 Not recorded (`not_recorded`: a one-line warning, nothing written): Lightning's FSDP1 strategy
-(`strategy="fsdp"`, which Lightning itself refuses on the CPU), its DeepSpeed strategy (refused
-by Lightning on the CPU: "The DeepSpeed strategy is only supported on CUDA GPUs"), and any other
-strategy of several processes.
+(`strategy="fsdp"`, which Lightning itself refuses on the CPU), its DeepSpeed strategy on any
+number of processes (refused by Lightning on the CPU: "The DeepSpeed strategy is only supported
+on CUDA GPUs"; its engine holds the module and the ZeRO optimizer, which the callback would not
+see), and any other strategy of several processes.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def not_recorded(trainer) -> str | None:
     strategies, strategy = _strategies(), trainer.strategy
     if isinstance(strategy, strategies.DeepSpeedStrategy):  # (a DDPStrategy subclass)
         return (
-            f"recording Lightning's DeepSpeedStrategy ({trainer.world_size} process(es)) is not supported "
+            "recording Lightning's DeepSpeedStrategy is not supported "
             "(ckptlab records DeepSpeed's engine as deepspeed.initialize returns it; through Lightning: "
             'strategy="ddp", "ddp_spawn", ModelParallelStrategy and one process)'
         )

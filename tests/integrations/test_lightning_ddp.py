@@ -110,8 +110,8 @@ def test_ddp_spawn_with_accumulation_and_bf16_replays_bit_exactly_and_names_the_
 
 
 def test_other_multi_process_strategies_are_not_recorded(tmp_path):
-    """FSDP (DeepSpeed, model parallelism alike) on 2 processes: a warning naming the strategy,
-    and nothing written."""
+    """Lightning's FSDP1 strategy on 2 processes: a warning naming the strategy, and nothing
+    written (its DeepSpeed strategy: test_lightning_model_parallel.py)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
