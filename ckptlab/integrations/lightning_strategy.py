@@ -61,6 +61,11 @@ def _strategies():
     return importlib.import_module(f"{pl.__name__}.strategies")
 
 
+def _model_parallel() -> tuple:
+    """ModelParallelStrategy's class, for isinstance (none before Lightning 2.4)."""
+    return tuple(c for c in [getattr(_strategies(), "ModelParallelStrategy", None)] if c is not None)
+
+
 def not_recorded(trainer) -> str | None:
     """Why this trainer's run is not recorded (None: it is): one process, DDP (every rank
     records, as the Recorder does under DDP) or ModelParallelStrategy (every rank records its
@@ -72,7 +77,7 @@ def not_recorded(trainer) -> str | None:
             "(ckptlab records DeepSpeed's engine as deepspeed.initialize returns it; through Lightning: "
             'strategy="ddp", "ddp_spawn", ModelParallelStrategy and one process)'
         )
-    if isinstance(strategy, (strategies.DDPStrategy, strategies.ModelParallelStrategy)) or trainer.world_size <= 1:
+    if isinstance(strategy, (strategies.DDPStrategy, *_model_parallel())) or trainer.world_size <= 1:
         return None
     return (
         f"recording a {trainer.world_size}-process Lightning run under {type(strategy).__name__} is not supported "
@@ -88,7 +93,7 @@ def strategy_config(trainer) -> dict:
     if isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel):
         options = getattr(trainer.strategy, "_ddp_kwargs", {})
         return {"strategy": "ddp", "ddp": {k: v for k, v in options.items() if k in DDP_OPTIONS}}
-    if isinstance(trainer.strategy, _strategies().ModelParallelStrategy):
+    if isinstance(trainer.strategy, _model_parallel()):
         mesh = trainer.strategy.device_mesh
         return {"strategy": "model_parallel", "mesh": {d: mesh[d].size() for d in MESH_DIMS}}
     return {}

@@ -1,13 +1,15 @@
 """Lightning's ModelParallelStrategy on CPU processes (gloo), recorded with ckptlab's callback:
-FSDP2 in `configure_model` on 2 processes ("fsdp": data_parallel_size=2, tensor_parallel_size=1),
-and FSDP2 x TP on 4 ("fsdp_tp": 2 x 2, tensor parallelism inside each pair of processes).
+FSDP2 in `configure_model` on 2 processes ("fsdp": data_parallel_size=2, tensor_parallel_size=1;
+bf16-mixed, accumulate_grad_batches=2), and FSDP2 x TP on 4 ("fsdp_tp": 2 x 2, tensor
+parallelism inside each pair of processes; 32-true, one batch a step).
 
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/integrations/lit_mp_models.py RUN fsdp|fsdp_tp
 
 One run holds two faults far apart: the LR scheduler multiplies step LR_STEP's learning rate
 by LR_SPIKE (the update explodes), then at NAN_STEP data-parallel rank NAN_DATA_RANK meets a
-NaN in row NAN_ROW of its batch (under TP, both processes of its group) and every rank stops
-there (NonFiniteLoss), printing `rank R stopped at step S`.
+NaN in row NAN_ROW of its batch (its last micro-batch, with accumulation; under TP, both
+processes of its group) and every rank stops there (NonFiniteLoss), printing `rank R stopped
+at step S`.
 """
 
 from __future__ import annotations
@@ -28,22 +30,30 @@ LR_STEP, LR_SPIKE = 6, 30.0
 NAN_STEP, NAN_ROW, NAN_DATA_RANK = 12, 2, 1
 STEPS, DATA_PARALLEL = 15, 2
 TENSOR_PARALLEL = {"fsdp": 1, "fsdp_tp": 2}
+ACCUMULATE = {"fsdp": 2, "fsdp_tp": 1}
+PRECISION = {"fsdp": "bf16-mixed", "fsdp_tp": "32-true"}
 WORLD = {kind: DATA_PARALLEL * tp for kind, tp in TENSOR_PARALLEL.items()}
 
 
-def sample_id(step: int, data_rank: int, row: int) -> int:
-    """The dataset index in row `row` of data-parallel rank `data_rank`'s batch at `step`: a
-    DistributedSampler without shuffling gives rank d the indices d, d + 2, d + 4, ..."""
-    return DATA_PARALLEL * (lm.BATCH * step + row) + data_rank
+def sample_id(kind: str, step: int, data_rank: int, row: int, micro: int = 0) -> int:
+    """The dataset index in row `row` of micro-batch `micro` of data-parallel rank `data_rank`'s
+    step `step`: a DistributedSampler without shuffling gives rank d the indices d, d + 2, ..."""
+    batch = ACCUMULATE[kind] * step + micro
+    return DATA_PARALLEL * (lm.BATCH * batch + row) + data_rank
 
 
-NAN_SAMPLE = sample_id(NAN_STEP, NAN_DATA_RANK, NAN_ROW)
+def nan_micro(kind: str) -> int:
+    return ACCUMULATE[kind] - 1  # the step's last micro-batch
+
+
+def nan_sample(kind: str) -> int:
+    return sample_id(kind, NAN_STEP, NAN_DATA_RANK, NAN_ROW, nan_micro(kind))
 
 
 class Regression(lm.Regression):
-    def __init__(self):
-        super().__init__(n=DATA_PARALLEL * lm.BATCH * STEPS)
-        self.x[NAN_SAMPLE, 3] = float("nan")
+    def __init__(self, kind: str):
+        super().__init__(n=DATA_PARALLEL * lm.BATCH * ACCUMULATE[kind] * STEPS)
+        self.x[nan_sample(kind), 3] = float("nan")
 
 
 def _spike(step: int) -> float:
@@ -97,11 +107,16 @@ class Data(pl.LightningDataModule):
     """Each data-parallel rank's loader, made once the strategy's mesh is up: the strategy's
     sampler options (the processes of one TP group get one batch), without shuffling."""
 
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
     def train_dataloader(self):
+        data = Regression(self.kind)
         sampler = torch.utils.data.DistributedSampler(
-            Regression(), shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs
+            data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs
         )
-        return torch.utils.data.DataLoader(Regression(), batch_size=lm.BATCH, sampler=sampler)
+        return torch.utils.data.DataLoader(data, batch_size=lm.BATCH, sampler=sampler)
 
 
 def main(run_dir: str, kind: str) -> None:
@@ -119,12 +134,14 @@ def main(run_dir: str, kind: str) -> None:
         devices=WORLD[kind],
         strategy=strategy,
         max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE[kind],
+        precision=PRECISION[kind],
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
     stopped = STEPS
     try:
-        trainer.fit(LitSharded(tp=kind == "fsdp_tp"), datamodule=Data())
+        trainer.fit(LitSharded(tp=kind == "fsdp_tp"), datamodule=Data(kind))
     except ckptlab.NonFiniteLoss as e:
         stopped = e.step
     print(f"rank {trainer.global_rank} stopped at step {stopped}", flush=True)

@@ -1,7 +1,8 @@
 """Lightning's ModelParallelStrategy (tests/integrations/lit_mp_models.py), gloo on the CPU:
-FSDP2 in configure_model on 2 processes, FSDP2 x TP on 4. Every rank records its shards as
-under plain FSDP2, and `ckptlab replay` re-runs the steps on the recorded processes bit for bit
-and names the learning-rate spike and the NaN sample's rank, row and sample id."""
+FSDP2 in configure_model on 2 processes (bf16-mixed, 2 micro-batches a step), FSDP2 x TP on 4
+(32-true). Every rank records its shards as under plain FSDP2, and `ckptlab replay` re-runs the
+steps on the recorded processes bit for bit and names the learning-rate spike and the NaN
+sample's rank, micro-batch, row and sample id."""
 
 import json
 from types import SimpleNamespace
@@ -65,10 +66,13 @@ def test_every_rank_records_its_shards_as_under_fsdp2(kind, fsdp_run, mesh_run):
     ck = run.checkpoint(10)
     assert ck.sharded and {f"dcp/__{r}_0.distcp" for r in range(n)} <= set(ck.commit["files"])
     assert {k: list(v.shape) for k, v in ck.load_model()[0].items()} == SHAPES
+    micro = range(lmp.ACCUMULATE[kind])
     for r in range(n):
         batch, ids = run.batch(lmp.NAN_STEP, rank=r)
-        assert ids == [lmp.sample_id(lmp.NAN_STEP, _data_rank(kind, r), row) for row in range(4)]
-    assert batch["lightning"]["strategy"] == "model_parallel"
+        assert ids == [
+            lmp.sample_id(kind, lmp.NAN_STEP, _data_rank(kind, r), row, m) for m in micro for row in range(4)
+        ]
+    assert (batch["lightning"]["precision"], batch["lightning"]["strategy"]) == (lmp.PRECISION[kind], "model_parallel")
     assert batch["lightning"]["mesh"] == {"data_parallel": lmp.DATA_PARALLEL, "tensor_parallel": tp}
     m = run.metrics()
     nan = m.scalars[m.index(lmp.NAN_STEP)]["rank_loss"]
@@ -82,14 +86,20 @@ def _assert_nan_replay(doc: dict, kind: str) -> None:
     assert [s["step"] for s in steps] == [10, 11, 12] and all(s["match"] for s in steps)
     assert all(s["rank_loss"] == s["recorded_rank_loss"] and len(s["rank_loss"]) == lmp.WORLD[kind] for s in steps)
     assert doc["origin"]["kind"] == "data"
-    assert [(s["row"], s["sample_id"]) for s in doc["samples"]] == [(lmp.NAN_ROW, lmp.NAN_SAMPLE)]
+    micro = lmp.nan_micro(kind) if lmp.ACCUMULATE[kind] > 1 else None
+    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (micro, lmp.NAN_ROW, lmp.nan_sample(kind))
+    ]
     assert doc["counterfactuals"][0]["fault"] is False  # without that row, the step is healthy
 
 
-def test_fsdp2_replay_is_bit_exact_and_names_the_rank_row_and_sample(fsdp_run, capfd):
+def test_fsdp2_replay_is_bit_exact_and_names_the_rank_micro_batch_row_and_sample(fsdp_run, capfd):
+    """bf16-mixed with 2 micro-batches a step: FSDP2 reduces the gradients after each one (the
+    strategy blocks no sync), under the same autocast in replay."""
     doc = _replay_json(fsdp_run, lmp.NAN_STEP, capfd)
     _assert_nan_replay(doc, "fsdp")
     assert doc["verdict"].startswith(f"Step {lmp.NAN_STEP} on rank {lmp.NAN_DATA_RANK}: ")
+    assert f"micro-batch {lmp.nan_micro('fsdp')} row {lmp.NAN_ROW} (sample {lmp.nan_sample('fsdp')})" in doc["verdict"]
 
 
 def test_fsdp2_replay_names_the_learning_rate_spike(fsdp_run):
