@@ -70,6 +70,21 @@ def test_replay_on_two_processes_names_the_rank_and_sample(ddp_run, tmp_path, mo
     assert report.origin.kind == "data" and "on rank 1" in report.verdict
 
 
+def test_one_process_replays_both_ranks_bit_exactly(ddp_run):
+    """`world_size=1`: both ranks' micro-batches in turn in this process; a sum of two gradients
+    is the same in either order, so every step matches the record bit for bit."""
+    report = ckptlab.replay(ddp_run, dm.NAN_STEP, world_size=1, budget=0)
+    assert report.bit_exact and report.agreement == "bit-exact", report.verdict
+    assert (report.root_step, report.rank, report.world_size) == (dm.NAN_STEP, dm.NAN_RANK, 1)
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, dm.sample_ids(dm.NAN_STEP, 1)[dm.NAN_ROW])]
+
+
+def test_a_sharded_run_is_not_folded(fsdp_run, cli):
+    done = cli("replay", "--run", fsdp_run, "--step", dm.NAN_STEP, "--world-size", 1)
+    assert done.code == 1 and "recorded with a sharded model (FSDP)" in done.err, done.err
+    assert len(done.err.strip().splitlines()) <= 2  # the error and its hint, no traceback
+
+
 def test_single_rank_quick_look(ddp_run):
     report = ckptlab.replay(ddp_run, dm.NAN_STEP, rank=1)
     assert report.root_step == dm.NAN_STEP
@@ -256,3 +271,7 @@ def test_a_step_that_raises_on_one_rank_is_reported_not_waited_for(tmp_path, kin
     assert report.root_step == dm.RAISE_STEP and report.origin.kind == "exception"
     assert "as when recorded" in report.verdict, report.verdict
     assert report.samples[0].sample_id == dm.sample_ids(dm.RAISE_STEP, 1)[0]
+    if kind == "ddp":  # in one process nothing waits: the raising rank's turn is the root step, explained
+        folded = ckptlab.replay(run_dir, dm.RAISE_STEP, world_size=1, budget=0)
+        assert (folded.root_step, folded.rank, folded.origin.kind) == (dm.RAISE_STEP, 1, "exception"), folded.verdict
+        assert folded.samples[0].sample_id == dm.sample_ids(dm.RAISE_STEP, 1)[0]

@@ -30,6 +30,14 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     help="Distributed runs: the number of processes to replay on (must equal the recorded world size; default: that).",
 )
 @click.option(
+    "--world-size",
+    "world_size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Distributed (DDP) runs: replay on this many processes, fewer than the run's: 1 replays every rank's "
+    "micro-batches in turn in this process and averages their gradients as the recorded all-reduce did.",
+)
+@click.option(
     "--rank",
     type=int,
     default=None,
@@ -80,6 +88,7 @@ def command(
     device,
     from_step,
     nproc,
+    world_size,
     rank,
     trust_code: bool,
     no_trace: bool,
@@ -94,17 +103,16 @@ def command(
 
     Rebuilds the model with the recorded build_fn, loads the checkpoint before the fault,
     re-runs the recorded steps with the recorded batches (each loss and gradient norm checked:
-    bit-exact, equivalent within round-off and why the bits differ, or diverged), finds the
-    root step, traces it per op, and names the layer, op, parameter and data
-    sample behind the fault -- or says that the fault did not reproduce, and why: the first
+    bit-exact, equivalent within round-off and why the bits differ, or diverged), finds the root
+    step, traces it per op, and names the layer, op, parameter and data sample behind the fault
+    -- or says that the fault did not reproduce, and why: the first
     step that left the record is replayed twice with a hash of every op's output, which names
     the first nondeterministic op, or shows the state changed outside step_fn.
 
     --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
-    A distributed (DDP/FSDP) run replays on as many processes as it was recorded with (gloo on
-    the CPU, NCCL on GPUs) and names the rank the fault came in on; under torchrun (on each
-    node) each process replays its own rank and rank 0 prints the report.
+    A distributed (DDP/FSDP) run replays on its processes (--world-size 1: all in this one) and names the
+    rank the fault came in on; under torchrun each process replays its rank, rank 0 prints the report.
 
     This imports and runs the run's recorded build_fn/step_fn, and nothing else, only when
     they are your own files, unchanged since recording (it says which file runs); anything
@@ -123,6 +131,7 @@ def command(
         counterfactuals=not no_counterfactuals,
         rank=rank,
         nproc=nproc,
+        world_size=world_size,
         trust_code=trust_code,
         budget=budget,
         dump=dump,

@@ -49,6 +49,7 @@ from ckptlab.replayer.findings import (
     SampleBlame,
     StepCheck,
 )
+from ckptlab.replayer.fold import replay_folded
 from ckptlab.replayer.investigation import Investigation
 from ckptlab.replayer.rootstep import RootStep
 from ckptlab.replayer.rows import per_row
@@ -100,12 +101,15 @@ def replay(
     trust_code: bool = False,
     budget: int = DEFAULT_BUDGET,
     dump: DumpRequest | str | Path | None = None,
+    world_size: int | None = None,
 ) -> ReplayReport:
     """Replay `step` of `run` and explain it. See the module docstring.
 
     A distributed run replays on as many processes as it was recorded with (`nproc`, if
     given, must say the same); `rank=R` instead replays rank R's micro-batches in this one
     process: a quick look, not bit-exact (the other ranks' gradients are missing).
+    `world_size=1` replays a DDP run of any size in this one process, every rank's
+    micro-batches in turn and their gradients averaged as the recorded world's were (fold.py).
     `log(message)` hears what replay is doing; `progress(done, total)` counts replayed steps.
     `budget` caps the extra replays of the deeper searches (the minimal culprit, the
     transplant, the earlier step that doomed the root step); 0 skips them.
@@ -119,16 +123,11 @@ def replay(
     how: _Settings = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
     try:
         with process_kept():  # (the settings, and torch's functions an engine replaced)
-            if run.world_size > 1 and rank is None:
-                if dump is not None:
-                    raise ReplayError(
-                        "--dump is not available for a distributed replay yet",
-                        path=run.path,
-                        hint="dump one rank's micro-batches with --rank R",
-                    )
-                return replay_distributed(
-                    run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
-                )
+            folded = world_size is not None and world_size != run.world_size
+            if (run.world_size > 1 or folded) and rank is None:
+                return _on_processes(run, step, dump, world_size, trace, counterfactuals, nproc, budget, progress, how)
+            if folded:
+                raise ReplayError(f"--world-size {world_size} and --rank {rank}: give one of them", path=run.path)
             if rank is not None:
                 _one_rank(run, rank)
             with solo_world(run.needs_process_group):
@@ -141,6 +140,24 @@ def replay(
                 return inv.investigate(trace=trace, counterfactuals=counterfactuals)
     finally:
         run.release()  # what the replay held against a live run's retention
+
+
+def _on_processes(run: Run, step: int, dump, world_size, trace, counterfactuals, nproc, budget, progress, how):
+    """A distributed run replayed on its recorded processes (distributed.py), or on fewer
+    (`world_size`: fold.py)."""
+    if dump is not None:
+        raise ReplayError(
+            "--dump is not available for a distributed replay yet",
+            path=run.path,
+            hint="dump one rank's micro-batches with --rank R",
+        )
+    if world_size is not None and world_size != run.world_size:
+        return replay_folded(
+            run, step, world_size, trace=trace, counterfactuals=counterfactuals, budget=budget, progress=progress, **how
+        )
+    return replay_distributed(
+        run, step, trace=trace, counterfactuals=counterfactuals, nproc=nproc, budget=budget, **how
+    )
 
 
 def _one_rank_note(run: Run, rank: int) -> str:

@@ -156,6 +156,12 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
         reasons.append("the run does not hold the environment it was recorded in (recorded before ckptlab kept it)")
     elif report.environment_diff:
         reasons.append(f"recorded in another environment: {describe(report.environment_diff)}")
+    if inv.folded is not None:
+        k, w = inv.folded
+        reasons.append(
+            f"replayed on {k} of the recorded {w} processes: the ranks' gradients were averaged in rank order, "
+            "not in the order of the recorded all-reduce (a ring starts each chunk's sum at another rank)"
+        )
     step = next((c.step for c in report.steps if not c.match), None)
     resumed = resumed_optimizer(manifest)
     if resumed is not None and step is not None and step > (report.start_checkpoint or 0):

@@ -133,6 +133,7 @@ class Explain:
     budget: int
     trace: bool
     counterfactuals: bool
+    folded: tuple[int, int] | None = None  # replayed on K processes of the recorded W (fold.py): (K, W)
 
     def on_stages(self) -> StageBlame | None:
         """What a pipeline's ranks need to explain its root step themselves (None: not a pipeline)."""
@@ -150,14 +151,18 @@ class Explain:
             )  # fmt: skip
             inv.timing["replay_s"] = time.perf_counter() - self.t0
             inv.replayer.notes.extend(ranks.notes)
+            inv.folded = self.folded
             inv.budget = Budget(self.budget)
-            window = Window(k, ranks.checks, ranks.root)
+            window = Window(k, ranks.checks, ranks.root, crash=ranks.crash)  # (a crash: a fold's, explained)
             if ranks.root is not None:
                 window.root_state = ranks.snapshot
                 window.root_detectors = inv.detectors(ranks.root)
-            return inv.report(
+            report = inv.report(
                 self.plan, window, trace=self.trace, counterfactuals=self.counterfactuals, rank=ranks.faulty
             )
+        if self.folded is not None:
+            report.world_size = self.folded[0]
+        return report
 
 
 def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool, blame) -> Ranks:

@@ -103,6 +103,7 @@ class Replayer:
         # A pipeline's rank 0 explaining the root step: what it builds, loads, restores and
         # replays, every stage does with it (replayer/pipeline.py `Mirror`).
         self.mirror: Any = None
+        self.fold: Any = None  # replayer/fold.py: every rank's turn at each step, in this process
         config = manifest.get("config", {})
         self.has_scheduler = bool(config.get("has_scheduler"))
         self.step_scheduler = bool(config.get("step_scheduler", True))
@@ -119,6 +120,8 @@ class Replayer:
         t = self._build()
         if self.mirror is not None:
             self.mirror.built(t)
+        if self.fold is not None:
+            self.fold.built(t)
         return t
 
     def _build(self) -> StepRunner:
@@ -209,6 +212,8 @@ class Replayer:
                 hint="replay with the code the run was recorded with",
             ) from None
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
+        if self.fold is not None:
+            self.fold.loaded()
         if not t.stepped and buckets_rebuilt(self.run, self.world, ckpt):
             rebuild_buckets(self, t, step)
         resume_learned(t.probe, ckpt.commit.get("probe"))  # measure as the recording did from here
@@ -254,6 +259,9 @@ class Replayer:
         `measure_update` measures update ratios and weight norms, as the run recorded them."""
         if self.mirror is not None:  # (every stage runs it, and traces it when this one does)
             return self.mirror.step(t, rec, batch, tracer, measure_update, self.run_here)
+        if self.fold is not None:  # (the recorded batches only: experiments run in a process group of one)
+            assert batch is None and tracer is None, "a fold replays the recorded steps"
+            return self.fold.step(t, rec, self.run_here, measure_update)
         return self.run_here(t, rec, batch, tracer, measure_update)
 
     def run_here(self, t: StepRunner, rec, batch, tracer, measure_update: bool) -> StepHealth:
@@ -275,15 +283,13 @@ class Replayer:
 
     def follow_lr(self, optimizer, step: int) -> None:
         """The learning rate is the loop's to change between steps, outside the recorded step
-        (`update.lr /= 4` after an epoch, nanoGPT's `param_group['lr'] = get_lr(it)` before
-        it, a scheduler a resumed script built anew): before step `step`, each parameter group
-        gets the learning rate the record says that step ran with, where the record knows it.
-        A recording whose scheduler (or step_fn) set it changes nothing: the same number. Set
-        between steps, as the loop does, so a snapshot of the step's state holds it and a
-        counterfactual that changes it for the step keeps its own. A learning rate held as a
-        tensor (a capturable optimizer's) is left alone. The first time the record's differs
-        from the state's, a note says so (not for a hand-written update: its loop always
-        sets it)."""
+        (`update.lr /= 4` after an epoch, nanoGPT's `param_group['lr'] = get_lr(it)`, a
+        scheduler a resumed script built anew): before step `step`, each parameter group gets
+        the rate the record says that step ran with, where the record knows it (a scheduler's
+        or step_fn's own: the same number). Set between steps, as the loop does, so a snapshot
+        of the step's state holds it and a counterfactual that changes it keeps its own. A rate
+        held as a tensor (a capturable optimizer's) is left alone. The first time the record's
+        differs from the state's, a note says so (not for a hand-written update)."""
         m = self.run.metrics()
         i = m.index(step)
         if i is None:
@@ -306,7 +312,9 @@ class Replayer:
     def snapshot(self, t: StepRunner, step: int):
         """The state `step` starts in. Sharded training (FSDP2, ZeRO): collective, whole on rank 0
         only (in a process group of one too: DTensors, which only DCP's state-dict API takes
-        whole; ZeRO's partitions, which DeepSpeed's API gathers)."""
+        whole; ZeRO's partitions, which DeepSpeed's API gathers). A fold's: every rank's RNG streams."""
+        if self.fold is not None:
+            return self.fold.snapshot(t, step)
         if self.world is not None and self.world.sharded:
             state = capture_train_state(None, t.scheduler, t.scaler)
             return full_snapshot(self.world, step, t.model, t.optimizer, state)

@@ -223,6 +223,8 @@ class ReplayReport:
     rank: int | None = None  # distributed: the (data-parallel) rank whose batch the fault came in with
     # Tensor parallelism: the processes of data-parallel rank `rank`, which trained on its batch.
     processes: list[int] | None = None
+    # `--world-size K`: the processes the replay ran on, fewer than the run's (replayer/fold.py); else None.
+    world_size: int | None = None
     # A fault that did not reproduce: the first replayed step that does not match the record
     # (root_step is then the first recorded anomaly of the episode).
     left_record_step: int | None = None

@@ -93,6 +93,7 @@ class Investigation:
             raise ReplayError(run.missing_step(step), path=run.path)
         self.replayer = Replayer(run, device=device, log=self.log, rank=rank, trust_code=trust_code)
         self.budget = Budget(DEFAULT_BUDGET)  # extra replays for the deeper searches (search.py)
+        self.folded: tuple[int, int] | None = None  # replayed on K of the recorded W processes (fold.py)
 
     # 1. where to start -----------------------------------------------------------------------
 

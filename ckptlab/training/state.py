@@ -277,7 +277,9 @@ def _live_state(path: str, t: torch.Tensor) -> bool:
     return path.startswith("state/optimizer/state/") and _live_candidate(t)
 
 
-def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None, *, live=False):
+def snapshot(
+    step: int, model, optimizer, scheduler=None, scaler=None, info: dict | None = None, *, live=False, rngs=None
+):
     """Copy the whole training state off the device: a CapturedState a checkpoint commit can
     write, or replay can keep in memory and load again (bit-exact either way).
 
@@ -286,9 +288,14 @@ def snapshot(step: int, model, optimizer, scheduler=None, scaler=None, info: dic
     version counters, and the caller must keep the optimizer from stepping until the commit
     has written them (`CapturedState.released`). Gradients, buffers and small tensors are
     copied as always. On a CPU model this takes the copy of the state (gigabytes into fresh
-    memory, page by page) off the step that checkpoints."""
+    memory, page by page) off the step that checkpoints.
+
+    `rngs`: every rank's RNG streams (`rng_by_rank`), for a state that any rank's view of may be
+    restored (replayer/fold.py)."""
     tensors, aliases = capture_model(model, live=live)
     state = capture_train_state(optimizer, scheduler, scaler)
+    if rngs is not None:
+        state["rng_by_rank"] = rngs
     grads = capture_grads(model)
     if grads:
         state["grads"] = grads

@@ -1,0 +1,380 @@
+"""A data-parallel step replayed on fewer processes than it trained on: `replay --world-size 1`.
+
+A DDP run of W processes replayed in this one process: each replayed step runs every recorded
+rank's micro-batches in turn, through the recorded `step_fn`, with that rank's batch and RNG
+streams, from the state the step started in; DDP's gradient all-reduce becomes a sum in rank
+order, before rank 0's optimizer step:
+
+    ranks W-1 .. 1   step_fn on the rank's batch; the optimizer's step, the scheduler's and
+                     every change to the state undone; DDP's communication hook keeps the
+                     gradient each bucket would have sent (the rank's own, accumulated over its
+                     micro-batches), and the probe's row of health numbers (what it gathers)
+    rank 0           step_fn on rank 0's batch, measured as a replay measures every step; the
+                     hook hands DDP sum_r(g_r * 1/W), r = 0..W-1, as its all-reduce would have,
+                     and the optimizer steps on it; the health gathers the W rows
+
+The step's health is then what the recorded world's was: each rank's loss and own gradient
+norm, their mean, the averaged gradient's norm, and it is checked against the record bit for
+bit. Over two processes a sum of two is the same in either order: bit-exact. Over more, gloo's
+ring all-reduce starts each chunk's sum at another rank, so the last bits may differ: the
+replay judges `equivalent` and says why (`bits_differ`). The rank at fault and its sample are
+found as a full-size replay finds them (distributed.py), and the root step is explained on its
+micro-batch as there.
+
+What cannot be folded is refused at the start, in one line: a sharded state (FSDP2, ZeRO), tensor
+or pipeline parallelism, a model without DDP, DDP that keeps each rank's buffers
+(`broadcast_buffers=False`), a collective inside the model (SyncBatchNorm), a GradScaler, a
+hand-written update, and every-micro-batch all-reduces (accumulation without `no_sync`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptlab.errors import ReplayError
+from ckptlab.replayer.distributed import Explain, Ranks, _check_batches, _faulty_rank, snap_from
+from ckptlab.replayer.findings import ReplayReport
+from ckptlab.replayer.investigation import Investigation
+from ckptlab.replayer.search import DEFAULT_BUDGET
+from ckptlab.run.reader import Run
+from ckptlab.training.hand_update import is_hand_update
+from ckptlab.training.optimizer_set import OptimizerSet
+from ckptlab.training.state import capture_rng, restore_rng, snapshot
+from ckptlab.training.world import World, solo_world
+from ckptlab.training.wrappers import torch_scheduler
+
+_MODULE_DEPTH = 8  # wrappers around DDP: Fabric's module, torch.compile's
+
+
+def replay_folded(
+    run: Run,
+    step: int,
+    world_size: int,
+    *,
+    device,
+    from_step,
+    trace: bool,
+    counterfactuals: bool,
+    log,
+    trust_code: bool = False,
+    budget: int = DEFAULT_BUDGET,
+    progress=None,
+) -> ReplayReport:
+    """Replay `step` of a W-process data-parallel run in this process (`world_size` 1), then
+    explain the root step on the rank whose batch brought the fault, as a W-process replay does."""
+    refused(run, world_size)
+    log = log or (lambda msg: None)
+    with solo_world(True):
+        inv = Investigation(run, step, device=device, from_step=from_step, log=log, trust_code=trust_code)
+        if progress is not None:
+            inv.progress = progress
+        plan = inv.plan()
+        _check_batches(run, plan.start, step)
+        t0 = time.perf_counter()
+        log(f"replaying steps {plan.start}..{step} of {run.world_size} ranks in this process")
+        fold = inv.replayer.fold = Fold(run, run.world_size)
+        inv.replayer.notes.append(
+            f"replayed on {world_size} process for the recorded {run.world_size}: every rank's micro-batches in "
+            "turn, their gradients averaged in rank order before rank 0's optimizer step"
+        )
+        window = inv.replay_window(plan.start, snap_from(plan))
+        root = window.root
+        faulty = fold.crashed if window.crash is not None else _faulty_rank(window.checks, root)
+        if root is not None and window.root_state is None:  # a root before the kept steps: again
+            window.root_state = inv.state_before(plan.start, root)
+        ranks = Ranks(window.checks, root, faulty, inv.replayer.notes, window.root_state, crash=window.crash)
+    explain = Explain(run, step, plan, t0, device, log, trust_code, budget, trace, counterfactuals)
+    explain.folded = (world_size, run.world_size)
+    return explain(ranks)
+
+
+def refused(run: Run, world_size: int) -> None:
+    """ReplayError, before anything runs, unless `run` can be replayed on `world_size` processes."""
+    world = run.world_size
+    hint = f"replay on the recorded {world} processes: leave --world-size out"
+    if not 1 <= world_size <= world:
+        raise ReplayError(
+            f"--world-size {world_size}: the run was recorded on {world} process{'es' if world > 1 else ''}; "
+            f"a replay runs on {world} or fewer",
+            path=run.path,
+            hint=hint if world > 1 else "leave --world-size out",
+        )
+    if world_size > 1:
+        raise ReplayError(
+            f"--world-size {world_size}: replaying on more than one process and fewer than the recorded {world} "
+            "is not built yet; --world-size 1 replays every rank in this process",
+            path=run.path,
+            hint=hint,
+        )
+    engine = _engine(run.manifest)
+    if engine is not None:
+        raise ReplayError(
+            f"--world-size {world_size}: the run was recorded with {engine}, whose state is split across the "
+            "processes; folding it onto fewer is built for DDP only so far",
+            path=run.path,
+            hint=hint,
+        )
+
+
+def _engine(manifest: dict) -> str | None:
+    """What the run's world splits that a fold cannot rebuild yet, in words; None for DDP."""
+    layout = manifest.get("layout", "replicated")
+    if manifest.get("pipeline") is not None or layout == "pipeline":
+        return "pipeline stages"
+    if manifest.get("data_ranks"):
+        return "tensor parallelism"
+    if layout == "zero":
+        return "DeepSpeed ZeRO"
+    if layout == "sharded":
+        return "a sharded model (FSDP)"
+    return None
+
+
+@dataclass
+class FoldedWorld(World):
+    """The recorded world as the probe sees it in a fold (rank 0 of `size`): `gather` hands
+    back every rank's row of health numbers, the other ranks' as their turns left them, with
+    rank 0's weight and update norms (DDP's replicas hold the same weights, and only rank 0's
+    turn steps the optimizer). While another rank's turn runs, its row is kept."""
+
+    running: int = 0  # whose turn it is
+    rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def gather(self, vec: np.ndarray) -> np.ndarray:
+        row = np.asarray(vec, dtype=np.float64)
+        if self.running != 0:
+            self.rows[self.running] = row.copy()
+            return np.tile(row, (self.size, 1))  # (read by no one: the turn's health is not kept)
+        P = _params_in(row)
+        out = [row]
+        for r in range(1, self.size):
+            other = self.rows.pop(r).copy()
+            other[1] = row[1]  # (has_update) the replicas' weights and update are rank 0's
+            other[3 + 2 * P : 3 + 5 * P] = row[3 + 2 * P : 3 + 5 * P]
+            out.append(other)
+        return np.stack(out)
+
+    def barrier(self) -> None:
+        return None
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return [obj] * self.size
+
+
+def _params_in(row: np.ndarray) -> int:
+    """P, from a row laid out as training/health.py `_combine_ranks` lays it: [loss, has_update,
+    has_loss, 5 x P numbers] (no tail: a replicated world's rows have none)."""
+    return (len(row) - 3) // 5
+
+
+class Fold:
+    """The other ranks' turns around rank 0's step, for one Replayer (driver.py `Replayer.fold`)."""
+
+    def __init__(self, run: Run, size: int):
+        self.run, self.size = run, size
+        self.world = FoldedWorld(rank=0, size=size)
+        self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
+        self.grads: dict[int, dict[int, torch.Tensor]] = {}  # rank -> id(param) -> what its bucket sent
+        self.running = 0
+        self.crashed: int | None = None  # the rank whose turn raised
+        self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
+        self._recs: tuple[int, dict] | None = None  # (step, each rank's batch record)
+
+    # --- the Replayer's calls ----------------------------------------------------------------
+
+    def built(self, t) -> None:
+        """A runner built by build_fn: its DDP's all-reduce goes through this fold."""
+        ddp = _ddp_in(t.step_model)
+        _check_runner(self.run, t, ddp)
+        ddp.register_comm_hook(None, self._hook)
+        t.probe.world = self.world
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded: every rank starts from its recorded RNG streams."""
+        self.rngs.clear()
+
+    def snapshot(self, t, step: int):
+        """The state `step` starts in, with every rank's RNG streams (`rng_by_rank`): the root
+        step is explained on the faulty rank's."""
+        recs = self._records(step)
+        rngs = [recs[r].rng if recs[r].rng is not None else self._rng(r, step) for r in range(self.size)]
+        return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler, rngs=rngs)
+
+    def step(self, t, rec, run_here, measure_update: bool):
+        """Recorded step `rec.step` of every rank: the others' turns, then rank 0's, which steps."""
+        recs = self._records(rec.step, rec)
+        start = _StepStart.of(t)
+        self.grads.clear()
+        for rank in range(self.size - 1, 0, -1):
+            with _no_update(t):
+                self._turn(t, rank, recs[rank], run_here, False)
+            start.restore(t)
+        return self._turn(t, 0, rec, run_here, measure_update)
+
+    # --- one rank's turn ---------------------------------------------------------------------
+
+    def _turn(self, t, rank: int, rec, run_here, measure_update: bool):
+        if rec.rng is None:
+            restore_rng(self._rng(rank, rec.step))
+        self.running = self.world.running = rank
+        try:
+            h = run_here(t, rec, None, None, measure_update)
+        except BaseException:
+            self.crashed = rank
+            raise
+        finally:
+            self.running = self.world.running = 0
+        if self.refusal is not None:  # (raised here, not in the hook: DDP's C++ would wrap it)
+            raise self.refusal
+        self.rngs[rank] = capture_rng()
+        return h
+
+    def _records(self, step: int, mine=None) -> dict:
+        if self._recs is None or self._recs[0] != step:
+            self._recs = (step, {r: self.run.batch_record(step, r) for r in range(1, self.size)})
+        recs = self._recs[1]
+        if mine is not None:
+            recs[0] = mine
+        elif 0 not in recs:
+            recs[0] = self.run.batch_record(step, 0)
+        return recs
+
+    def _rng(self, rank: int, step: int) -> dict:
+        if rank not in self.rngs:
+            raise ReplayError(
+                f"rank {rank}'s RNG streams at step {step} are not in the run: its batch record holds none, and no "
+                "earlier step of this replay left them",
+                path=self.run.path,
+            )
+        return self.rngs[rank]
+
+    def _hook(self, state, bucket):  # (no annotations: DDP compares them with its own types, not strings)
+        """DDP's all-reduce of one bucket: another rank's turn keeps its gradients (a second
+        reduction in one turn is refused); rank 0's gets sum_r(g_r * 1/W) in rank order."""
+        grads = bucket.gradients()
+        params = bucket.parameters()
+        if self.running != 0:
+            kept = self.grads.setdefault(self.running, {})
+            if any(id(p) in kept for p in params):
+                self.refusal = ReplayError(
+                    "--world-size: DDP all-reduced the same gradients twice in one step (every micro-batch's "
+                    "backward synchronised: accumulation without no_sync), which a fold cannot reproduce",
+                    path=self.run.path,
+                    hint=f"replay on the recorded {self.size} processes: leave --world-size out",
+                )
+            kept.update((id(p), g.detach().clone()) for p, g in zip(params, grads))
+        else:
+            scale = 1.0 / self.size
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    total = g.mul(scale)
+                    for r in range(1, self.size):
+                        total += self.grads[r][id(p)].mul(scale)
+                    g.copy_(total)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+
+@dataclass
+class _StepStart:
+    """What a rank's turn may change that the next turn must find as the step found it: the
+    buffers (DDP broadcasts rank 0's at each forward), leftover gradients, the schedulers'
+    state and the parameter groups' settings (a step_fn that steps its scheduler)."""
+
+    buffers: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    groups: list[dict]
+    scheduler: Any
+
+    @staticmethod
+    def of(t) -> _StepStart:
+        model = t.model
+        sched = torch_scheduler(t.scheduler)
+        return _StepStart(
+            [b.detach().clone() for b in model.buffers()],
+            [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+            [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in t.optimizer.param_groups],
+            copy.deepcopy(sched.state_dict()) if hasattr(sched, "state_dict") else None,
+        )
+
+    def restore(self, t) -> None:
+        with torch.no_grad():
+            for b, saved in zip(t.model.buffers(), self.buffers):
+                b.copy_(saved)
+            for p, g in zip(t.model.parameters(), self.grads):
+                p.grad = None if g is None else g.clone()
+        for group, settings in zip(t.optimizer.param_groups, self.groups):
+            group.update(copy.deepcopy(settings))
+        if self.scheduler is not None:
+            torch_scheduler(t.scheduler).load_state_dict(copy.deepcopy(self.scheduler))
+
+
+@contextmanager
+def _no_update(t) -> Iterator[None]:
+    """Another rank's turn: the optimizer's step runs only the closure it is given (the weights
+    stay as the step found them), and the runner does not step the scheduler."""
+    members = t.optimizer.members if isinstance(t.optimizer, OptimizerSet) else [t.optimizer]
+    saved = [opt.__dict__.get("step") for opt in members]
+
+    def closure_only(closure=None, *args, **kwargs):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    for opt in members:
+        opt.step = closure_only
+    was, t.step_scheduler = t.step_scheduler, False
+    try:
+        yield
+    finally:
+        t.step_scheduler = was
+        for opt, step in zip(members, saved):
+            if step is None:
+                del opt.step
+            else:
+                opt.step = step
+
+
+def _ddp_in(model) -> Any:
+    """The DistributedDataParallel in `model`'s wrappers (Fabric's, torch.compile's), or None."""
+    for _ in range(_MODULE_DEPTH):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        model = next((getattr(model, a) for a in ("_forward_module", "_orig_mod", "module") if hasattr(model, a)), None)
+        if model is None:
+            return None
+    return None
+
+
+def _check_runner(run: Run, t, ddp) -> None:
+    """ReplayError for a runner whose step a fold cannot replay (the module docstring)."""
+    why = None
+    if ddp is None:
+        why = f"build_fn returns {type(t.step_model).__name__} without DistributedDataParallel around it"
+    elif is_hand_update(t.optimizer):
+        why = "the weights are updated by hand in step_fn, so the other ranks' turns cannot leave them unchanged"
+    elif t.scaler is not None:
+        why = "a GradScaler steps the optimizer, which the other ranks' turns cannot yet leave out"
+    elif any(isinstance(m, torch.nn.SyncBatchNorm) for m in t.model.modules()):
+        why = "the model holds SyncBatchNorm, a collective inside the forward pass: each rank's needs the others'"
+    elif not ddp.broadcast_buffers and any(True for _ in t.model.buffers()):
+        why = "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed"
+    if why is not None:
+        raise ReplayError(
+            f"--world-size 1: {why}",
+            path=run.path,
+            hint=f"replay on the recorded {run.world_size} processes: leave --world-size out",
+        )
