@@ -31,8 +31,11 @@ What is recorded from which hook:
 
 Under DDP (`strategy="ddp"`, `"ddp_spawn"`) every rank records, as the Recorder records DDP
 (rank 0 the manifest, journal and checkpoints; every rank its own batches), and the replayed
-step runs through a DistributedDataParallel wrapper with the recorded options (`_ddp_wrapper`).
-Other multi-process strategies (FSDP, DeepSpeed) are not recorded: a warning, nothing written.
+step runs through a DistributedDataParallel wrapper with the recorded options. Under
+ModelParallelStrategy the module shards itself in `configure_model` (FSDP2, FSDP2 x TP): every
+rank records its shards as under FSDP2, and build_fn's `build(module, tensor_parallel_size=T)`
+runs configure_model on the same mesh. Other multi-process strategies (Lightning's FSDP1 and
+DeepSpeed strategies) are not recorded: a warning, nothing written (lightning_strategy.py).
 
 `training_step` below is the recorded step function: it performs the trainer's automatic
 optimization step (training_step, zero_grad, backward, the module's hooks, gradient clipping,
@@ -56,6 +59,16 @@ from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.integrations.lightning_manual import ReplayedTrainer, as_list
+from ckptlab.integrations.lightning_strategy import (
+    BUILD_HINT,
+    check_mesh,
+    configure_model,
+    ddp_wrapper,
+    no_sync,
+    not_recorded,
+    run_training_step,
+    strategy_config,
+)
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.crash import call_through
 from ckptlab.training.probe import accumulating
@@ -76,7 +89,6 @@ except ImportError:  # the standalone package
 # "bf16-true") convert the module and the batch, which build_fn would have to mirror.
 EXACT_PRECISIONS = {"32-true", "32", "bf16-mixed", "16-mixed"}
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-BUILD_HINT = "return ckptlab.integrations.lightning.build(module) from build_fn"
 SCALER_HINT = 'return ckptlab.integrations.lightning.build(module, precision="16-mixed") from build_fn'
 
 
@@ -118,7 +130,7 @@ class CkptlabCallback(pl.Callback):
     # --- set-up ---------------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
-        why = _not_recorded(trainer)
+        why = not_recorded(trainer)
         if why:
             warnings.warn(f"ckptlab: {why}; recording nothing", stacklevel=2)
             return
@@ -185,9 +197,7 @@ class CkptlabCallback(pl.Callback):
             config["accumulate_grad_batches"] = accumulate
         if manual:
             config["manual"] = True
-        if _is_ddp(trainer.model):
-            config["strategy"] = "ddp"
-            config["ddp"] = _ddp_kwargs(trainer.strategy)
+        config.update(strategy_config(trainer))
         return config
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -252,9 +262,12 @@ class CkptlabCallback(pl.Callback):
 # --- build and replay ----------------------------------------------------------------------
 
 
-def build(module, optimizer=None, scheduler=None, *, precision: str | None = None):
+def build(module, optimizer=None, scheduler=None, *, precision: str | None = None, tensor_parallel_size: int = 1):
     """`(module, optimizer[, scheduler][, scaler])` for build_fn, from
     `module.configure_optimizers()` (the same parsing the trainer does) unless you pass them.
+    A module with a `configure_model` (ModelParallelStrategy's) is first sharded by it on the
+    strategy's device mesh, (world / tensor_parallel_size, tensor_parallel_size): give the
+    trainer's `tensor_parallel_size` (lightning_strategy.py `configure_model`).
     Registers the scheduler, which `training_step` steps where the recorded trainer did.
     Under manual optimization (`module.automatic_optimization = False`) with several
     optimizers: `(module, [optimizers], [each one's scheduler or None])`, as the callback
@@ -262,6 +275,8 @@ def build(module, optimizer=None, scheduler=None, *, precision: str | None = Non
 
     `precision="16-mixed"`, as the trainer was given it (or its MixedPrecision plugin): also a
     GradScaler, as Lightning makes one; its scale and settings come from the checkpoint."""
+    if type(module).configure_model is not pl.LightningModule.configure_model:
+        configure_model(module, tensor_parallel_size)
     if optimizer is None:
         parse = importlib.import_module(f"{pl.__name__}.core.optimizer")._configure_optimizers  # the trainer's parser
         optimizers, schedulers, _ = parse(module.configure_optimizers())
@@ -297,7 +312,7 @@ def training_step(model, optimizer, batch):
     (16-mixed: on the gradients the scaler unscaled, then the scaler's step, which skips the
     update on inf/NaN gradients, and its update); then the LR scheduler steps when the trainer
     stepped it after this batch. Under DDP (recorded "strategy": "ddp") training_step runs
-    through a DistributedDataParallel wrapper (`_ddp_wrapper`), the micro-batches before the
+    through a DistributedDataParallel wrapper (`ddp_wrapper`), the micro-batches before the
     last under its no_sync, as DDPStrategy runs them. Returns the loss (with accumulation, the
     sum of the micro-batches' losses).
     """
@@ -310,7 +325,8 @@ def training_step(model, optimizer, batch):
     scaler = None
     if cfg["precision"] == "16-mixed":
         scaler = _common.registered(optimizer, "scaler", required=True, hint=SCALER_HINT)
-    ddp = _ddp_wrapper(model, optimizer, cfg)
+    check_mesh(model, cfg)
+    ddp = ddp_wrapper(model, optimizer, cfg)
     total = None
     for i, part in enumerate(parts):
         last = steps and i == len(parts) - 1
@@ -323,7 +339,7 @@ def training_step(model, optimizer, batch):
             with _quiet_log():
                 model.optimizer_step(cfg["epoch"], part["batch_idx"], stepping, closure)
         else:
-            with _no_sync(ddp):  # DDP: no all-reduce until the step's last micro-batch
+            with no_sync(ddp):  # DDP: no all-reduce until the step's last micro-batch
                 closure()
         if closure.loss is not None:
             total = _common.add_losses(total, closure.loss)
@@ -358,7 +374,7 @@ def _closure(model, optimizer, part: dict, cfg: dict, k: int, *, first: bool, la
 
     def closure():
         with _autocast(model, cfg["precision"]), _quiet_log():
-            result = call_through(_run_training_step, model, ddp, args)
+            result = call_through(run_training_step, model, ddp, args)
         loss = result.get("loss") if isinstance(result, dict) else result
         if first:
             call_through(model.on_before_zero_grad, optimizer)
@@ -454,72 +470,6 @@ def _takes_batch_idx(model) -> bool:
         f"{pl.__name__}.utilities.signature_utils"
     ).is_param_in_hook_signature
     return is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
-
-
-# --- DDP: the wrapper the trainer's DDPStrategy put around the module -------------------------
-
-# DistributedDataParallel's options that shape the gradient all-reduce (its buckets, which
-# gradients it waits for, buffers it broadcasts): recorded with each step, replayed as given.
-DDP_OPTIONS = (
-    "bucket_cap_mb",
-    "find_unused_parameters",
-    "gradient_as_bucket_view",
-    "static_graph",
-    "broadcast_buffers",
-)
-
-
-def _is_ddp(model) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
-def _ddp_kwargs(strategy) -> dict:
-    return {k: v for k, v in getattr(strategy, "_ddp_kwargs", {}).items() if k in DDP_OPTIONS}
-
-
-def _ddp_wrapper(model, optimizer, cfg: dict):
-    """Replay of a step the trainer ran under DDP: the DistributedDataParallel wrapper around
-    `model` with the recorded options, so the backward all-reduces the gradients over the
-    ranks the replay runs on (a process group of one when one rank is replayed alone). Made
-    at the built model's first replayed step, on every rank alike (its construction is
-    collective), and kept with the optimizer build(...) registered."""
-    if cfg.get("strategy") != "ddp":
-        return None
-    wrapper = _common.registered(optimizer, "ddp", required=False, hint=BUILD_HINT)
-    if wrapper is None or wrapper.module is not model:
-        wrapper = torch.nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
-        _common.remember(optimizer, "ddp", wrapper)
-    return wrapper
-
-
-def _run_training_step(model, ddp, args):
-    """`model.training_step(*args)`; under DDP through the wrapper's forward, as DDPStrategy
-    runs it (its forward redirection), so the wrapper prepares the gradient all-reduce."""
-    if ddp is None:
-        return model.training_step(*args)
-    redirect = importlib.import_module(f"{pl.__name__}.strategies.ddp")._DDPForwardRedirection()
-    return redirect(ddp, model, "training_step", *args)
-
-
-def _no_sync(ddp):
-    """DDPStrategy.block_backward_sync: a micro-batch before the step's last one."""
-    return ddp.no_sync() if ddp is not None else contextlib.nullcontext()
-
-
-def _not_recorded(trainer) -> str | None:
-    """Why this trainer's run is not recorded (None: it is): one process, or DDP (every rank
-    records, as the Recorder does under DDP: docs/distributed.md)."""
-    strategies = importlib.import_module(f"{pl.__name__}.strategies")
-    strategy = trainer.strategy
-    if isinstance(strategy, strategies.DDPStrategy) and not isinstance(strategy, strategies.DeepSpeedStrategy):
-        return None
-    if trainer.world_size <= 1:
-        return None
-    return (
-        f"recording a {trainer.world_size}-process Lightning run under {type(strategy).__name__} is not supported "
-        '(ckptlab records strategy="ddp", "ddp_spawn" and one process; FSDP, DeepSpeed and model parallelism '
-        "shard the model in ways it does not replay)"
-    )
 
 
 # --- what the trainer will do after this batch ------------------------------------------------

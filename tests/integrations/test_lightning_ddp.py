@@ -123,8 +123,8 @@ def test_one_process_replays_both_ranks_bit_exactly(runs, capfd, k):
 
 
 def test_other_multi_process_strategies_are_not_recorded(tmp_path):
-    """FSDP (DeepSpeed, model parallelism alike) on 2 processes: a warning naming the strategy,
-    and nothing written."""
+    """Lightning's FSDP1 strategy on 2 processes: a warning naming the strategy, and nothing
+    written (its DeepSpeed strategy: test_lightning_model_parallel.py)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
