@@ -152,6 +152,8 @@ def _on_processes(run: Run, step: int, dump, world_size, trace, counterfactuals,
             hint="dump one rank's micro-batches with --rank R",
         )
     if world_size is not None and world_size != run.world_size:
+        if nproc is not None:
+            raise ReplayError(f"--nproc {nproc} and --world-size {world_size}: give one of them", path=run.path)
         return replay_folded(
             run, step, world_size, trace=trace, counterfactuals=counterfactuals, budget=budget, progress=progress, **how
         )

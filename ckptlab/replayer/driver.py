@@ -219,8 +219,10 @@ class Replayer:
         resume_learned(t.probe, ckpt.commit.get("probe"))  # measure as the recording did from here
         self.follow_lr(t.optimizer, step)
 
-    def batch(self, step: int):
-        rec = self.run.batch_record(step, self.rank)
+    def batch(self, step: int, rank: int | None = None):
+        """Step `step`'s batch record (this replayer's rank's, or `rank`'s), its batch rebuilt
+        where it was stored by reference and on the replay's device."""
+        rec = self.run.batch_record(step, self.rank if rank is None else rank)
         if rec.ref is not None:
             rec.batch = self.rebuild(rec)
         rec.batch = _to_device(rec.batch, self.device)

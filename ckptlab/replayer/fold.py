@@ -25,15 +25,19 @@ replay judges `equivalent` and says why (`bits_differ`). The rank at fault and i
 found as a full-size replay finds them (distributed.py), and the root step is explained on its
 micro-batch as there.
 
-What cannot be folded is refused at the start, in one line: a sharded state (FSDP2, ZeRO), tensor
-or pipeline parallelism, a model without DDP, DDP that keeps each rank's buffers
-(`broadcast_buffers=False`), a collective inside the model (SyncBatchNorm), a GradScaler, a
-hand-written update, and every-micro-batch all-reduces (accumulation without `no_sync`).
+What cannot be folded is refused in one line: at the start, a sharded state (FSDP2, ZeRO), tensor
+or pipeline parallelism; once built, a collective inside the model (SyncBatchNorm), a GradScaler,
+a hand-written update; in the first turn, a step without DDP, DDP that keeps each rank's buffers
+(`broadcast_buffers=False`) or learns its unused parameters over the group
+(`find_unused_parameters`, `static_graph`), `gradient_as_bucket_view`, every-micro-batch
+all-reduces (accumulation without `no_sync`), and a turn that changes the weights outside the
+optimizer's step.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import time
 import warnings
 import weakref
@@ -86,7 +90,7 @@ def replay_folded(
         _check_batches(run, plan.start, step)
         t0 = time.perf_counter()
         log(f"replaying steps {plan.start}..{step} of {run.world_size} ranks in this process")
-        fold = inv.replayer.fold = Fold(run, run.world_size)
+        fold = inv.replayer.fold = Fold(inv.replayer, run.world_size)
         inv.replayer.notes.append(
             f"replayed on {world_size} process for the recorded {run.world_size}: every rank's micro-batches in "
             "turn, their gradients averaged before rank 0's optimizer step (ranks 1 to W-1, then rank 0)"
@@ -97,6 +101,7 @@ def replay_folded(
         if root is not None and window.root_state is None:  # a root before the kept steps: again
             window.root_state = inv.state_before(plan.start, root)
         ranks = Ranks(window.checks, root, faulty, inv.replayer.notes, window.root_state, crash=window.crash)
+        del inv, fold, window  # (the replayed runners: explaining builds its own)
     explain = Explain(run, step, plan, t0, device, log, trust_code, budget, trace, counterfactuals)
     explain.folded = (world_size, run.world_size)
     return explain(ranks)
@@ -187,12 +192,15 @@ def _params_in(row: np.ndarray) -> int:
 class Fold:
     """The other ranks' turns around rank 0's step, for one Replayer (driver.py `Replayer.fold`)."""
 
-    def __init__(self, run: Run, size: int):
-        self.run, self.size = run, size
+    def __init__(self, replayer, size: int):
+        self.replayer, self.run, self.size = replayer, replayer.run, size
         self.world = FoldedWorld(rank=0, size=size)
         self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
         self.sum: dict[int, torch.Tensor] = {}  # id(param) -> the turns' gradients times 1/W, summed
         self.seen: set[int] = set()  # id(param): reduced in this turn
+        self.reduced = False  # a DDP's reduction went through `_hook` (else no DDP ran: refused)
+        self.used: dict[int, set[int]] = {}  # rank -> id(param) of those given a gradient in its turn
+        self.learns_unused = False  # a hooked DDP finds its unused parameters (find_unused_parameters, static_graph)
         self.running = 0
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
@@ -213,14 +221,13 @@ class Fold:
     def _hook_ddp(self, ddp) -> None:
         if ddp in self.hooked:
             return
-        if not ddp.broadcast_buffers and any(True for _ in ddp.module.buffers()):
-            self.refusal = _cannot(
-                self.run,
-                "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed",
-            )
+        why = _unfoldable(ddp)
+        if why is not None:
+            self.refusal = _cannot(self.run, why)
             return
         ddp.register_comm_hook(None, self._hook)
         self.hooked.add(ddp)
+        self.learns_unused |= bool(ddp.find_unused_parameters or ddp.static_graph)
 
     def _before_forward(self, module, args) -> None:
         """A forward pre-hook on every module during a turn: a DDP not hooked yet is, now."""
@@ -242,12 +249,17 @@ class Fold:
         """Recorded step `rec.step` of every rank: the others' turns, then rank 0's, which steps."""
         recs = self._records(rec.step, rec)
         start = _StepStart.of(t)
-        self.sum.clear()
-        for rank in range(1, self.size):
-            with _no_update(t):
-                self._turn(t, rank, recs[rank], run_here, False)
-            start.restore(t)
-        return self._turn(t, 0, rec, run_here, measure_update)
+        try:
+            with _accelerate_syncs_as_recorded():
+                for rank in range(1, self.size):
+                    with _no_update(t):
+                        self._turn(t, rank, recs[rank], run_here, False)
+                    start.check(self.run, t, rank, rec.step)
+                    start.restore(t)
+                return self._turn(t, 0, rec, run_here, measure_update)
+        finally:
+            self.sum.clear()  # (the next step's, or gone: nothing to hold once DDP has it)
+            self._recs = None
 
     # --- one rank's turn ---------------------------------------------------------------------
 
@@ -257,6 +269,12 @@ class Fold:
         self.running = self.world.running = rank
         self.seen.clear()
         watch = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        used = self.used[rank] = set()
+        marks = [
+            p.register_post_accumulate_grad_hook(lambda p: used.add(id(p)))
+            for p in t.model.parameters()
+            if p.requires_grad
+        ]
         try:
             h = run_here(t, rec, None, None, measure_update)
         except BaseException:
@@ -266,8 +284,12 @@ class Fold:
             raise
         finally:
             watch.remove()
+            for m in marks:
+                m.remove()
             self.running = self.world.running = 0
-        if self.refusal is None and not self.hooked:
+        if rank == 0 and self.learns_unused:
+            self._check_used(t)
+        if self.refusal is None and not self.reduced:
             what = type(t.step_model).__name__
             self.refusal = _cannot(
                 self.run, f"no DistributedDataParallel ran in step {rec.step} (build_fn returns {what})"
@@ -277,14 +299,31 @@ class Fold:
         self.rngs[rank] = capture_rng()
         return h
 
+    def _check_used(self, t) -> None:
+        """With find_unused_parameters or static_graph, DDP learns which parameters went unused
+        from a collective over its group, in a fold the group of one: a parameter rank 0's batch
+        left unused, which another rank's used, got no gradient (the recorded world averaged the
+        other ranks' into it). Refused, naming it: the replay would be wrong from here."""
+        others = set().union(*(u for r, u in self.used.items() if r != 0))
+        missed = others - self.used.get(0, set())
+        if missed:
+            name = next((n for n, p in t.model.named_parameters() if id(p) in missed), "?")
+            self.refusal = _cannot(
+                self.run,
+                f"`{name}` got a gradient from another rank's batch but not from rank 0's, and DDP (find_unused_parameters "
+                "or static_graph) learns unused parameters over its group: in one process it would drop the others'",
+            )
+
     def _records(self, step: int, mine=None) -> dict:
+        """Every rank's batch record of `step` (rank 0's: `mine`, when given), each batch rebuilt
+        and on the replay's device as the replayer gives rank 0's."""
         if self._recs is None or self._recs[0] != step:
-            self._recs = (step, {r: self.run.batch_record(step, r) for r in range(1, self.size)})
+            self._recs = (step, {r: self.replayer.batch(step, r) for r in range(1, self.size)})
         recs = self._recs[1]
         if mine is not None:
             recs[0] = mine
         elif 0 not in recs:
-            recs[0] = self.run.batch_record(step, 0)
+            recs[0] = self.replayer.batch(step, 0)
         return recs
 
     def _rng(self, rank: int, step: int) -> dict:
@@ -310,6 +349,7 @@ class Fold:
                 hint=f"replay on the recorded {self.size} processes: leave --world-size out",
             )
         self.seen.update(map(id, params))
+        self.reduced = True
         scale = 1.0 / self.size  # (DDP's own: its gradient times the reciprocal, then the sum)
         with torch.no_grad():
             for p, g in zip(params, bucket.gradients()):
@@ -335,6 +375,7 @@ class _StepStart:
     grads: list[torch.Tensor | None]
     groups: list[dict]
     scheduler: Any
+    versions: list[int]  # the parameters' and the optimizer state's: a turn must leave them be
 
     @staticmethod
     def of(t) -> _StepStart:
@@ -345,7 +386,19 @@ class _StepStart:
             [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
             [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in t.optimizer.param_groups],
             copy.deepcopy(sched.state_dict()) if hasattr(sched, "state_dict") else None,
+            _versions(t),
         )
+
+    def check(self, run: Run, t, rank: int, step: int) -> None:
+        """ReplayError when rank `rank`'s turn changed the weights or the optimizer's state (a
+        wrapper whose own step updates them, a step_fn that changes the weights after the step):
+        rank 0's turn must start from the step's state."""
+        if _versions(t) != self.versions:
+            raise _cannot(
+                run,
+                f"rank {rank}'s turn at step {step} changed the weights or the optimizer's state outside the "
+                "optimizer's step (an optimizer wrapper's own step, or step_fn changing the weights)",
+            )
 
     def restore(self, t) -> None:
         with torch.no_grad():
@@ -357,6 +410,21 @@ class _StepStart:
             group.update(copy.deepcopy(settings))
         if self.scheduler is not None:
             torch_scheduler(t.scheduler).load_state_dict(copy.deepcopy(self.scheduler))
+
+
+def _versions(t) -> list[int]:
+    state = getattr(t.optimizer, "state", {})
+    tensors = [v for per in state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+    return [x._version for x in (*t.model.parameters(), *tensors)]
+
+
+def _unfoldable(ddp) -> str | None:
+    """Why DDP `ddp`'s reduction cannot be folded (None: it can)."""
+    if not ddp.broadcast_buffers and any(True for _ in ddp.module.buffers()):
+        return "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed"
+    if ddp.gradient_as_bucket_view:
+        return "DDP runs with gradient_as_bucket_view=True, whose gradients the fold's reduction would overwrite"
+    return None
 
 
 @contextmanager
@@ -387,6 +455,34 @@ def _no_update(t) -> Iterator[None]:
                 del opt.step
             else:
                 opt.step = step
+
+
+@contextmanager
+def _accelerate_syncs_as_recorded() -> Iterator[None]:
+    """accelerate's `no_sync(model)` (its `accumulate`, the HF Trainer's micro-batches) runs
+    DDP's `no_sync` only on more than one process; the recorded world had several, so in a fold
+    it runs DDP's too: each turn all-reduces its micro-batches' accumulated gradients once."""
+    accelerate = sys.modules.get("accelerate")
+    if accelerate is None:
+        yield
+        return
+    cls = accelerate.Accelerator
+    plain = cls.no_sync
+
+    @contextmanager
+    def no_sync(self, model):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            with plain(self, model):
+                yield
+
+    cls.no_sync = no_sync
+    try:
+        yield
+    finally:
+        cls.no_sync = plain
 
 
 def _ddp_in(model) -> Any:

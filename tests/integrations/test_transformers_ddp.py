@@ -37,10 +37,15 @@ def test_every_rank_records_its_own_micro_batches(ddp_run):
     assert 0 in run.checkpoints and 2 in run.checkpoints  # written once, by rank 0
 
 
-def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sample(ddp_run):
+@pytest.mark.parametrize("fold", [False, True], ids=["two-processes", "world-size-1"])
+def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sample(ddp_run, fold):
     """From step 0: the healthy steps' losses and gradient norms equal to the bit on both ranks
-    (the all-reduce as DDP ran it), then the NaN on rank 1."""
-    assert_replays_and_names_the_sample(replay_json(ddp_run, dm.FAULT_STEP, "--from-step", "0"), dm)
+    (the all-reduce as DDP ran it), then the NaN on rank 1; on the recorded 2 processes, and with
+    `--world-size 1` in one (both ranks' turns, the micro-batches before the last under no_sync)."""
+    more = ["--world-size", "1", "--budget", "0"] if fold else []
+    doc = replay_json(ddp_run, dm.FAULT_STEP, "--from-step", "0", *more)
+    assert_replays_and_names_the_sample(doc, dm)
+    assert doc["world_size"] == (1 if fold else None)
 
 
 def test_a_multi_process_fsdp_or_deepspeed_run_records_nothing_and_says_so(tmp_path):
