@@ -157,11 +157,10 @@ class CkptlabCallback(TrainerCallback):
                 "or callback.attach(trainer) before trainer.train()",
             )
         if args.world_size > 1 and _replay_limits(args):
-            # Only DDP is recorded across processes: FSDP's and ZeRO's sharded states would be
-            # recorded in part, and replay would not run their steps.
+            # FSDP's sharded state would be recorded in part, and replay would not run its steps.
             warnings.warn(
-                "ckptlab: recording a multi-process Trainer run under DeepSpeed or FSDP is not supported "
-                "(DDP is); recording nothing",
+                "ckptlab: recording a multi-process Trainer run under FSDP is not supported "
+                "(DDP and DeepSpeed's ZeRO are); recording nothing",
                 stacklevel=2,
             )
             return
@@ -177,10 +176,11 @@ class CkptlabCallback(TrainerCallback):
                 f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build",
                 stacklevel=2,
             )
+        model, optimizer = _recorded(self.trainer, model, optimizer)
         self.rec = Recorder(
             self.run_dir,
             model,
-            torch_optimizer(optimizer),
+            optimizer,
             step_fn=training_step,
             build_fn=self.build_fn,
             scheduler=torch_scheduler(lr_scheduler),
@@ -287,6 +287,8 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
         trainer_kwargs.setdefault("eval_dataset", [])  # the Trainer insists on one; replay never evaluates
     trainer = trainer_cls(model=model, args=args, **trainer_kwargs)
+    if trainer.is_deepspeed_enabled:
+        return _build_deepspeed(trainer, steps)
     # Trainer._prepare_for_training, in its order. Without the prepare, a bf16 run's forward
     # would replay in float32 (the autocast is accelerate's wrapper around model.forward).
     trainer.create_optimizer()
@@ -296,6 +298,28 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     _common.register(optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
     built = (trainer.model, optimizer, trainer.lr_scheduler)
     return (*built, scaler) if scaler is not None else built
+
+
+def _build_deepspeed(trainer: Trainer, steps: int) -> tuple[Any, Any, Any]:
+    """`(engine, its ZeRO optimizer, scheduler)`: the engine made as `train()` makes it under
+    `deepspeed=` (Trainer._prepare_for_training): deepspeed_init fills the config's "auto"
+    values and makes the optimizer (the Trainer's torch optimizer, or a stand-in for the
+    config's), `accelerator.prepare` calls deepspeed.initialize, then the LR scheduler (the
+    Trainer's, unless the config has one: DeepSpeed's engine steps that). The Recorder holds
+    the engine and its ZeRO optimizer, as the callback records them."""
+    from transformers.integrations.deepspeed import deepspeed_init
+
+    trainer.optimizer, trainer.lr_scheduler = deepspeed_init(trainer, num_training_steps=steps)
+    if type(trainer.lr_scheduler).__name__ == "DummyScheduler":  # the config's scheduler
+        engine, trainer.optimizer, trainer.lr_scheduler = trainer.accelerator.prepare(
+            trainer.model, trainer.optimizer, trainer.lr_scheduler
+        )
+    else:
+        engine, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    trainer.create_scheduler(num_training_steps=steps)  # (keeps one that is already there)
+    trainer.model_wrapped = trainer.deepspeed = engine
+    _common.register(engine.optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
+    return engine, engine.optimizer, trainer.lr_scheduler
 
 
 def training_step(model, optimizer, batch):
@@ -327,8 +351,10 @@ def training_step(model, optimizer, batch):
         accelerator.gradient_state._set_sync_gradients(last)
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
         # As the loop: DDP all-reduces the gradients of the last micro-batch only (no_sync
-        # before it; one process: no wrapper, nothing to sync).
-        sync = contextlib.nullcontext if last else functools.partial(accelerator.no_sync, wrapped)
+        # before it; one process: no wrapper, nothing to sync). DeepSpeed's engine is told by
+        # accelerator.backward instead: its backward ends the step (engine.step) on the last.
+        deepspeed = trainer.is_deepspeed_enabled
+        sync = contextlib.nullcontext if last or deepspeed else functools.partial(accelerator.no_sync, wrapped)
         with sync():
             loss = trainer.training_step(wrapped, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
@@ -353,10 +379,20 @@ def _wrapped(trainer, model):
     return wrapped if wrapped is model or getattr(wrapped, "module", None) is model else model
 
 
+def _recorded(trainer: Trainer, model, optimizer) -> tuple[Any, Any]:
+    """What the Recorder records: under DeepSpeed the engine the Trainer made in `train()`
+    (`model_wrapped`) and its ZeRO optimizer (inside accelerate's wrapper), which hold the
+    training state (training/zero.py); else the model and the torch optimizer."""
+    engine = getattr(trainer, "deepspeed", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) and engine is not None:
+        return engine, engine.optimizer
+    return model, torch_optimizer(optimizer)
+
+
 def _replay_limits(args) -> list[str]:
     problems = []
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        problems.append("DeepSpeed/FSDP steps are not replayed")
+    if getattr(args, "fsdp", None):
+        problems.append("FSDP steps are not replayed")
     return problems
 
 
