@@ -24,7 +24,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
   and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
   `step_scheduler=False`); under `torchrun` / `accelerate launch --multi_gpu` (DDP) on every rank, as the
   plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
-  batches (a multi-process DeepSpeed or FSDP run is not recorded: a warning);
+  batches; under `deepspeed=` (a ZeRO config) the Recorder gets the engine `train()` made
+  (`trainer.model_wrapped`) and its ZeRO optimizer, as the plain Recorder records DeepSpeed's
+  engine (a multi-process FSDP run, or a DeepSpeed set-up ckptlab does not record, is not
+  recorded: a warning naming it);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -38,8 +41,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
 Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
 does: accelerate's bf16/fp16 autocast and GradScaler; on several processes the model wrapped
-in DDP, under `no_sync` but for the step's last micro-batch) on each micro-batch, then the
-optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+in DDP, under `no_sync` but for the step's last micro-batch; under DeepSpeed the engine, whose
+backward accelerate runs, and its step after the last micro-batch) on each micro-batch, then the
+optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad
+(under DeepSpeed the engine has clipped and stepped: accelerate's wrappers do nothing there).
 A multi-process run replays on its recorded world size (one process per rank, spawned by
 `ckptlab replay`). docs/integrations.md lists what replays exactly.
 """
@@ -59,7 +64,9 @@ from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training import zero
 from ckptlab.training.probe import accumulating
+from ckptlab.training.world import unsupported
 from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 try:
@@ -177,6 +184,10 @@ class CkptlabCallback(TrainerCallback):
                 stacklevel=2,
             )
         model, optimizer = _recorded(self.trainer, model, optimizer)
+        why = unsupported(model) if zero.engine_of(model) is not None else None
+        if why:  # (a DeepSpeed set-up ckptlab does not record: fp16/bf16, ZeRO-Offload, stage 0)
+            warnings.warn(f"ckptlab: {why}; recording nothing", stacklevel=2)
+            return
         self.rec = Recorder(
             self.run_dir,
             model,

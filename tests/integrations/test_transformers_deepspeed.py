@@ -6,6 +6,7 @@ Trainer's step on a rebuilt engine bit for bit, and names rank 1's planted NaN s
 learning-rate bug of a later step."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
 import ckptlab  # noqa: E402
+from ckptlab.integrations import transformers as ckt  # noqa: E402
 from tests import hf_deepspeed_models as dm  # noqa: E402
 from tests.integrations.ddp_launch import assert_replays_and_names_the_sample, replay_json, torchrun  # noqa: E402
 
@@ -61,3 +63,29 @@ def test_replay_names_the_learning_rate_step(ds_run):
     assert doc["deterministic"] and doc["bit_exact"] and all(s["match"] for s in doc["steps"]), doc["verdict"]
     assert (doc["root_step"], doc["origin"]["kind"], doc["samples"]) == (dm.LR_STEP, "optimizer", [])
     assert doc["rank"] in (0, 1) and "learning rate of group 0, 1e+04" in doc["verdict"]
+
+
+def test_a_deepspeed_set_up_that_is_not_recorded_is_named_in_one_warning(tmp_path):
+    """A real engine in bf16 (in a process group of one), as the Trainer hands it to the
+    callback: one warning naming it, nothing written, training left to go on."""
+    import deepspeed
+    import torch
+
+    from ckptlab.training.world import solo_world
+    from tests.models import MLP
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # (tests/deepspeed_models.py says why)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    with solo_world(True):
+        model = MLP()
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config
+        )
+        cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
+        cb.trainer = SimpleNamespace(is_deepspeed_enabled=True, deepspeed=engine)  # (attached: train() made it)
+        args = SimpleNamespace(world_size=1, max_steps=10, fsdp="", deepspeed=config)
+        with pytest.warns(
+            UserWarning, match=r"^ckptlab: cannot record a DeepSpeed engine in fp16 or bf16 .*; recording nothing$"
+        ):
+            cb.on_train_begin(args, None, None, model=model, optimizer=opt)
+    assert cb.rec is None and not (tmp_path / "run").exists()
