@@ -214,6 +214,8 @@ class CkptlabCallback(TrainerCallback):
             ids = inputs.pop(self.sample_id_key)  # the model never sees it
         part = {"inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs}
         how = {"transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)}}
+        if self.trainer.accelerator.num_processes > 1:  # (the loss is scaled by it: training_step)
+            how["transformers"]["num_processes"] = int(self.trainer.accelerator.num_processes)
         if num_items_in_batch is not None:  # the same for every micro-batch of the step
             how["num_items_in_batch"] = num_items_in_batch
         if self.trainer.args.gradient_accumulation_steps == 1:  # one batch, one step
@@ -366,7 +368,7 @@ def training_step(model, optimizer, batch):
         # accelerator.backward instead: its backward ends the step (engine.step) on the last.
         deepspeed = trainer.is_deepspeed_enabled
         sync = contextlib.nullcontext if last or deepspeed else functools.partial(accelerator.no_sync, wrapped)
-        with sync():
+        with sync(), _counting(accelerator, cfg.get("num_processes")):
             loss = trainer.training_step(wrapped, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
     if not steps:
@@ -388,6 +390,23 @@ def _wrapped(trainer, model):
     (DDP, on more than one process), or `model` itself (one process; or another model given)."""
     wrapped = trainer.model_wrapped
     return wrapped if wrapped is model or getattr(wrapped, "module", None) is model else model
+
+
+@contextlib.contextmanager
+def _counting(accelerator, recorded: int | None):
+    """accelerate counting the recorded processes. With `average_tokens_across_devices` the
+    Trainer's compute_loss multiplies each rank's loss by the process count (each rank's
+    `num_items_in_batch` counts every rank's tokens): where replay explains a multi-process
+    run's root step, in a process group of one, the rank's loss is then the recorded one."""
+    state = accelerator.state
+    if recorded is None or recorded == state.num_processes:
+        yield
+        return
+    counted, state.num_processes = state.num_processes, recorded
+    try:
+        yield
+    finally:
+        state.num_processes = counted
 
 
 def _recorded(trainer: Trainer, model, optimizer) -> tuple[Any, Any]:
