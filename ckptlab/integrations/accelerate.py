@@ -45,6 +45,11 @@ On several processes (DDP under `torchrun` or `accelerate launch --multi_gpu`) e
 Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
 micro-batches. Replay spawns the recorded world size; `build_fn`'s `accelerator.prepare` wraps
 the model in DDP there, and `accumulate` skips the all-reduce (`no_sync`) as in the loop.
+
+Under DeepSpeed (`Accelerator(deepspeed_plugin=...)`) `prepare` returns the engine and its ZeRO
+optimizer in a wrapper of accelerate's: the Recorder records the engine and that ZeRO optimizer
+(as the plain Recorder records DeepSpeed's engine: training/zero.py), `build` returns them the
+same way, and the body gets accelerate's wrapper, as in the loop (registered beside them).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, ReplayError
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training import zero
 from ckptlab.training.probe import accumulating
 from ckptlab.training.wrappers import torch_optimizer
 
@@ -72,9 +78,10 @@ def build(accelerator, body: Callable, model, optimizer, lr_scheduler=None):
     returned them, with what `training_step` needs registered beside them: the accelerator and
     the loop's body. The scaler, when the accelerator has one (fp16 on a GPU), comes last:
     ckptlab checkpoints its state."""
-    _common.register(optimizer, accelerator=accelerator, body=body, scheduler=lr_scheduler)
+    recorded = _recorded(model, optimizer)  # (DeepSpeed: the engine's ZeRO optimizer; the body gets the loop's)
+    _common.register(recorded, accelerator=accelerator, body=body, scheduler=lr_scheduler, loop_optimizer=optimizer)
     scaler = accelerator.scaler
-    return (model, optimizer, lr_scheduler, scaler) if scaler is not None else (model, optimizer, lr_scheduler)
+    return (model, recorded, lr_scheduler, scaler) if scaler is not None else (model, recorded, lr_scheduler)
 
 
 def record(run_dir, accelerator, model, optimizer, lr_scheduler=None, **kwargs) -> LoopRecorder:
@@ -120,7 +127,7 @@ class LoopRecorder(_common.PassedOn):
         self.rec = Recorder(
             run_dir,
             model,
-            optimizer,
+            _recorded(model, optimizer),
             step_fn=training_step,
             build_fn=build_fn,
             scheduler=lr_scheduler,
@@ -174,6 +181,7 @@ def training_step(model, optimizer, batch):
     accelerator = _common.registered(optimizer, "accelerator", required=True, hint=BUILD_HINT)
     body = _common.registered(optimizer, "body", required=True, hint=BUILD_HINT)
     lr_scheduler = _common.registered(optimizer, "scheduler", required=False, hint=BUILD_HINT)
+    loop_optimizer = _common.registered(optimizer, "loop_optimizer", required=False, hint=BUILD_HINT) or optimizer
     cfg = batch[KEY]
     k = int(accelerator.gradient_accumulation_steps)
     if k != cfg["gradient_accumulation_steps"]:
@@ -192,7 +200,7 @@ def training_step(model, optimizer, batch):
         # is active in replay, so the dataloader's end does not count).
         accelerator.step = k - 1 if last else 0
         _common.restore_micro_rng(part)
-        loss = body(accelerator, model, optimizer, lr_scheduler, part["batch"])
+        loss = body(accelerator, model, loop_optimizer, lr_scheduler, part["batch"])
         total = _common.add_losses(total, scaled(loss, k))
     return total
 
@@ -200,6 +208,16 @@ def training_step(model, optimizer, batch):
 def scaled(loss, k: int):
     """A micro-batch's share of its step's loss: divided by k, as `accelerator.backward` does."""
     return loss.detach() / k
+
+
+def _recorded(model, optimizer):
+    """The optimizer the Recorder records: under DeepSpeed the engine's ZeRO optimizer, which
+    `prepare` hands the loop inside a wrapper of its own (whose step and zero_grad do nothing:
+    `accelerator.backward` runs the engine's); else the one the loop holds."""
+    engine = zero.engine_of(model)
+    if engine is not None and getattr(optimizer, "optimizer", None) is engine.optimizer:
+        return engine.optimizer
+    return optimizer
 
 
 def _misfit(accelerator, counter: int, last: bool, loss) -> tuple[str, str] | None:

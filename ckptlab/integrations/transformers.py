@@ -24,7 +24,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
   and, with fp16, accelerate's GradScaler (checkpointed; the Trainer steps the scheduler, so
   `step_scheduler=False`); under `torchrun` / `accelerate launch --multi_gpu` (DDP) on every rank, as the
   plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
-  batches (a multi-process DeepSpeed or FSDP run is not recorded: a warning);
+  batches; under `deepspeed=` (a ZeRO config) the Recorder gets the engine `train()` made
+  (`trainer.model_wrapped`) and its ZeRO optimizer, as the plain Recorder records DeepSpeed's
+  engine (a multi-process FSDP run, or a DeepSpeed set-up ckptlab does not record, is not
+  recorded: a warning naming it);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -38,8 +41,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
 `training_step` below is the recorded step function: the Trainer's `training_step` (run by a
 Trainer built from the same arguments, whose model and optimizer `build` prepared as `train()`
 does: accelerate's bf16/fp16 autocast and GradScaler; on several processes the model wrapped
-in DDP, under `no_sync` but for the step's last micro-batch) on each micro-batch, then the
-optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad.
+in DDP, under `no_sync` but for the step's last micro-batch; under DeepSpeed the engine, whose
+backward accelerate runs, and its step after the last micro-batch) on each micro-batch, then the
+optimizer half of its loop: clip to `max_grad_norm`, optimizer step, scheduler step, zero_grad
+(under DeepSpeed the engine has clipped and stepped: accelerate's wrappers do nothing there).
 A multi-process run replays on its recorded world size (one process per rank, spawned by
 `ckptlab replay`). docs/integrations.md lists what replays exactly.
 """
@@ -59,7 +64,9 @@ from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
+from ckptlab.training import zero
 from ckptlab.training.probe import accumulating
+from ckptlab.training.world import unsupported
 from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
 
 try:
@@ -157,11 +164,10 @@ class CkptlabCallback(TrainerCallback):
                 "or callback.attach(trainer) before trainer.train()",
             )
         if args.world_size > 1 and _replay_limits(args):
-            # Only DDP is recorded across processes: FSDP's and ZeRO's sharded states would be
-            # recorded in part, and replay would not run their steps.
+            # FSDP's sharded state would be recorded in part, and replay would not run its steps.
             warnings.warn(
-                "ckptlab: recording a multi-process Trainer run under DeepSpeed or FSDP is not supported "
-                "(DDP is); recording nothing",
+                "ckptlab: recording a multi-process Trainer run under FSDP is not supported "
+                "(DDP and DeepSpeed's ZeRO are); recording nothing",
                 stacklevel=2,
             )
             return
@@ -177,10 +183,15 @@ class CkptlabCallback(TrainerCallback):
                 f"num_training_steps={state.max_steps} to ckptlab.integrations.transformers.build",
                 stacklevel=2,
             )
+        model, optimizer = _recorded(self.trainer, model, optimizer)
+        why = unsupported(model) if zero.engine_of(model) is not None else None
+        if why:  # (a DeepSpeed set-up ckptlab does not record: fp16/bf16, ZeRO-Offload, stage 0)
+            warnings.warn(f"ckptlab: {why}; recording nothing", stacklevel=2)
+            return
         self.rec = Recorder(
             self.run_dir,
             model,
-            torch_optimizer(optimizer),
+            optimizer,
             step_fn=training_step,
             build_fn=self.build_fn,
             scheduler=torch_scheduler(lr_scheduler),
@@ -203,6 +214,8 @@ class CkptlabCallback(TrainerCallback):
             ids = inputs.pop(self.sample_id_key)  # the model never sees it
         part = {"inputs": dict(inputs) if isinstance(inputs, Mapping) else inputs}
         how = {"transformers": {"max_grad_norm": float(self.trainer.args.max_grad_norm)}}
+        if self.trainer.accelerator.num_processes > 1:  # (the loss is scaled by it: training_step)
+            how["transformers"]["num_processes"] = int(self.trainer.accelerator.num_processes)
         if num_items_in_batch is not None:  # the same for every micro-batch of the step
             how["num_items_in_batch"] = num_items_in_batch
         if self.trainer.args.gradient_accumulation_steps == 1:  # one batch, one step
@@ -287,6 +300,8 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
         trainer_kwargs.setdefault("eval_dataset", [])  # the Trainer insists on one; replay never evaluates
     trainer = trainer_cls(model=model, args=args, **trainer_kwargs)
+    if trainer.is_deepspeed_enabled:
+        return _build_deepspeed(trainer, steps)
     # Trainer._prepare_for_training, in its order. Without the prepare, a bf16 run's forward
     # would replay in float32 (the autocast is accelerate's wrapper around model.forward).
     trainer.create_optimizer()
@@ -296,6 +311,28 @@ def build(model, args, *, num_training_steps: int | None = None, trainer_cls: ty
     _common.register(optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
     built = (trainer.model, optimizer, trainer.lr_scheduler)
     return (*built, scaler) if scaler is not None else built
+
+
+def _build_deepspeed(trainer: Trainer, steps: int) -> tuple[Any, Any, Any]:
+    """`(engine, its ZeRO optimizer, scheduler)`: the engine made as `train()` makes it under
+    `deepspeed=` (Trainer._prepare_for_training): deepspeed_init fills the config's "auto"
+    values and makes the optimizer (the Trainer's torch optimizer, or a stand-in for the
+    config's), `accelerator.prepare` calls deepspeed.initialize, then the LR scheduler (the
+    Trainer's, unless the config has one: DeepSpeed's engine steps that). The Recorder holds
+    the engine and its ZeRO optimizer, as the callback records them."""
+    from transformers.integrations.deepspeed import deepspeed_init
+
+    trainer.optimizer, trainer.lr_scheduler = deepspeed_init(trainer, num_training_steps=steps)
+    if type(trainer.lr_scheduler).__name__ == "DummyScheduler":  # the config's scheduler
+        engine, trainer.optimizer, trainer.lr_scheduler = trainer.accelerator.prepare(
+            trainer.model, trainer.optimizer, trainer.lr_scheduler
+        )
+    else:
+        engine, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+    trainer.create_scheduler(num_training_steps=steps)  # (keeps one that is already there)
+    trainer.model_wrapped = trainer.deepspeed = engine
+    _common.register(engine.optimizer, trainer=trainer, scheduler=trainer.lr_scheduler)
+    return engine, engine.optimizer, trainer.lr_scheduler
 
 
 def training_step(model, optimizer, batch):
@@ -327,9 +364,11 @@ def training_step(model, optimizer, batch):
         accelerator.gradient_state._set_sync_gradients(last)
         _common.restore_micro_rng(part)  # when something between micro-batches moved them
         # As the loop: DDP all-reduces the gradients of the last micro-batch only (no_sync
-        # before it; one process: no wrapper, nothing to sync).
-        sync = contextlib.nullcontext if last else functools.partial(accelerator.no_sync, wrapped)
-        with sync():
+        # before it; one process: no wrapper, nothing to sync). DeepSpeed's engine is told by
+        # accelerator.backward instead: its backward ends the step (engine.step) on the last.
+        deepspeed = trainer.is_deepspeed_enabled
+        sync = contextlib.nullcontext if last or deepspeed else functools.partial(accelerator.no_sync, wrapped)
+        with sync(), _counting(accelerator, cfg.get("num_processes")):
             loss = trainer.training_step(wrapped, part["inputs"], batch.get("num_items_in_batch"))
         total = _common.add_losses(total, loss)
     if not steps:
@@ -353,10 +392,37 @@ def _wrapped(trainer, model):
     return wrapped if wrapped is model or getattr(wrapped, "module", None) is model else model
 
 
+@contextlib.contextmanager
+def _counting(accelerator, recorded: int | None):
+    """accelerate counting the recorded processes. With `average_tokens_across_devices` the
+    Trainer's compute_loss multiplies each rank's loss by the process count (each rank's
+    `num_items_in_batch` counts every rank's tokens): where replay explains a multi-process
+    run's root step, in a process group of one, the rank's loss is then the recorded one."""
+    state = accelerator.state
+    if recorded is None or recorded == state.num_processes:
+        yield
+        return
+    counted, state.num_processes = state.num_processes, recorded
+    try:
+        yield
+    finally:
+        state.num_processes = counted
+
+
+def _recorded(trainer: Trainer, model, optimizer) -> tuple[Any, Any]:
+    """What the Recorder records: under DeepSpeed the engine the Trainer made in `train()`
+    (`model_wrapped`) and its ZeRO optimizer (inside accelerate's wrapper), which hold the
+    training state (training/zero.py); else the model and the torch optimizer."""
+    engine = getattr(trainer, "deepspeed", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) and engine is not None:
+        return engine, engine.optimizer
+    return model, torch_optimizer(optimizer)
+
+
 def _replay_limits(args) -> list[str]:
     problems = []
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        problems.append("DeepSpeed/FSDP steps are not replayed")
+    if getattr(args, "fsdp", None):
+        problems.append("FSDP steps are not replayed")
     return problems
 
 

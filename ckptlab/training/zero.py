@@ -101,7 +101,7 @@ def problem(engine: Any) -> str | None:
         what = "a DeepSpeed engine without ZeRO (zero_optimization stage 0)"
     elif engine.fp16_enabled() or engine.bfloat16_enabled():
         what = "a DeepSpeed engine in fp16 or bf16 (its loss scaler and low-precision copies are not recorded yet)"
-    elif engine.zero_offload_optimizer() or engine.zero_offload_param():
+    elif _offloaded(engine.zero_offload_optimizer()) or _offloaded(engine.zero_offload_param()):
         what = "a DeepSpeed engine with ZeRO-Offload (offload_optimizer, offload_param)"
     elif parts(engine.optimizer) is None or not hasattr(getattr(engine.optimizer, "optimizer", None), "param_groups"):
         what = "a DeepSpeed engine without a ZeRO optimizer (deepspeed.initialize was given none)"
@@ -111,6 +111,13 @@ def problem(engine: Any) -> str | None:
         f"cannot record {what} ({name}); ckptlab records DeepSpeed's ZeRO stages 1, 2 and 3 in fp32, "
         "with a torch optimizer or DeepSpeed's Adam"
     )
+
+
+def _offloaded(offload: Any) -> bool:
+    """An offload config that moves something (accelerate's DeepSpeedPlugin writes one with
+    device "none" for each)."""
+    device = getattr(offload, "device", None)
+    return offload is not None and str(getattr(device, "value", device)) != "none"
 
 
 def optimizer_problem(engine: Any, optimizer: Any) -> str | None:
@@ -239,6 +246,7 @@ def whole_state(engine: Any, keep: bool) -> tuple[dict[str, torch.Tensor], dict,
     that writes) the parts are taken part in and dropped."""
     zero = engine.optimizer
     inner = zero.optimizer
+    _link_states(zero)
     target = unwrap(engine)
     named = list(target.named_parameters())
     index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -273,7 +281,7 @@ def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None
     """The whole training state at `step`, on rank 0 (None elsewhere); collective. `train_state`:
     the scheduler, scaler, RNG and env (training/state.py capture_train_state, no optimizer).
     Every rank's RNG states go in as `rng_by_rank`, as FSDP2's snapshots carry them."""
-    if engine.gradient_accumulation_steps() > 1 and engine.micro_steps % engine.gradient_accumulation_steps():
+    if _accumulating(engine):
         raise RecordError(
             f"step {step} begins inside DeepSpeed's gradient accumulation (micro-step {engine.micro_steps} of "
             f"{engine.gradient_accumulation_steps()}): the gradients accumulated so far would be lost",
@@ -289,6 +297,18 @@ def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None
     captured = CapturedState(step, first, aliases, spec, state_tensors, dict(info or {}))
     captured.release()  # copies: nothing to wait for
     return captured
+
+
+def _accumulating(engine: Any) -> bool:
+    """Whether gradients of micro-batches before the next one wait for an optimizer step. The
+    engine counts its micro-steps (one per engine.step) unless its user sets the boundary
+    (accelerate, for the HF Trainer: engine.step after the last micro-batch alone): then the
+    last backward said whether it was one."""
+    told = getattr(engine, "_is_gradient_accumulation_boundary", None)
+    if told is not None:
+        return not told
+    k = engine.gradient_accumulation_steps()
+    return k > 1 and engine.micro_steps % k != 0
 
 
 def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, counters: dict | None) -> None:
@@ -368,11 +388,21 @@ def _make_state(engine: Any, saved: dict[int, dict], param_groups: list[dict], n
             }
     for group, saved_group in zip(inner.param_groups, param_groups):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    zero = engine.optimizer
-    if hasattr(zero, "_hp_optimizer_states_linked"):  # ZeRO-1/2: link each parameter to its part (again)
-        zero._hp_optimizer_states_linked = False
-        if saved:
-            zero._lazy_init_hp_params_optimizer_state()
+    _link_states(engine.optimizer)
+
+
+def _link_states(zero: Any) -> None:
+    """ZeRO-1/2: link each parameter to its part of the optimizer state (again), which
+    `safe_get_full_optimizer_state` reads. DeepSpeed 0.19 links them once, after its first
+    group's first step: the parameters of the groups after it (the Trainer's AdamW has two:
+    with and without weight decay) stay linked to no state ("exp_avg not found in optimizer
+    state fragment"). Before the first step there is nothing to link: DeepSpeed links them at
+    its step. Stage 3 reads the state without links."""
+    if not hasattr(zero, "_hp_optimizer_states_linked"):
+        return
+    zero._hp_optimizer_states_linked = False
+    if all(zero.optimizer.state.get(flat) for flat in zero.single_partition_of_fp32_groups):
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 def _parts(engine: Any) -> list[tuple[torch.Tensor, int, list[torch.nn.Parameter]]]:

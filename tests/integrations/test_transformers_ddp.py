@@ -48,13 +48,14 @@ def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sam
     assert doc["world_size"] == (1 if fold else None)
 
 
-def test_a_multi_process_fsdp_or_deepspeed_run_records_nothing_and_says_so(tmp_path):
-    """Only DDP is recorded across processes: the sharded states of FSDP and ZeRO would be
-    recorded in part, and their steps are not replayed."""
+def test_a_multi_process_fsdp_run_records_nothing_and_says_so(tmp_path):
+    """FSDP's sharded state would be recorded in part, and its steps are not replayed
+    (DeepSpeed's ZeRO is recorded: tests/integrations/test_transformers_deepspeed.py)."""
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
     cb.trainer = SimpleNamespace()  # attached (on_train_begin runs on a Trainer's rank)
-    for engine in ({"fsdp": "full_shard", "deepspeed": None}, {"fsdp": "", "deepspeed": "ds.json"}):
-        args = SimpleNamespace(world_size=2, max_steps=10, **engine)
-        with pytest.warns(UserWarning, match="DeepSpeed or FSDP is not supported .DDP is.; recording nothing"):
-            cb.on_train_begin(args, None, None)
-        assert cb.rec is None and not (tmp_path / "run").exists()
+    args = SimpleNamespace(world_size=2, max_steps=10, fsdp="full_shard", deepspeed=None)
+    with pytest.warns(
+        UserWarning, match=r"under FSDP is not supported \(DDP and DeepSpeed's ZeRO are\); recording nothing"
+    ):
+        cb.on_train_begin(args, None, None)
+    assert cb.rec is None and not (tmp_path / "run").exists()
