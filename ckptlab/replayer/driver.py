@@ -220,8 +220,7 @@ class Replayer:
         self.follow_lr(t.optimizer, step)
 
     def batch(self, step: int, rank: int | None = None):
-        """Step `step`'s batch record (this replayer's rank's, or `rank`'s), its batch rebuilt
-        where it was stored by reference and on the replay's device."""
+        """Step `step`'s batch record (of this replayer's rank, or `rank`), on the replay's device."""
         rec = self.run.batch_record(step, self.rank if rank is None else rank)
         if rec.ref is not None:
             rec.batch = self.rebuild(rec)
