@@ -109,6 +109,18 @@ def test_one_process_names_the_rank_and_sample_of_the_four_process_replay(run4):
     assert any("replayed on 1 process for the recorded 4" in n for n in folded.notes)
 
 
+def test_two_processes_name_the_rank_and_sample(run4):
+    """`world_size=2`: two spawned processes, each running two ranks' turns (0 and 2, 1 and 3),
+    their sums all-reduced: the same root step, rank and sample."""
+    folded = ckptlab.replay(run4, NAN_STEP, budget=0, world_size=2)
+    nan_id = dm.sample_ids(NAN_STEP, NAN_RANK)[NAN_ROW]
+    assert _named(folded) == (NAN_STEP, "data", NAN_RANK, [(NAN_ROW, nan_id)]) and folded.world_size == 2
+    assert [len(c.rank_loss or []) for c in folded.steps] == [WORLD] * len(folded.steps)
+    assert all(c.rank_loss[r] == c.recorded_rank_loss[r] for c in folded.steps[:1] for r in range(WORLD))
+    assert folded.agreement in ("bit-exact", "equivalent"), folded.verdict
+    assert folded.bit_exact or any("replayed on 2 of the recorded 4 processes" in r for r in folded.bits_differ)
+
+
 def test_one_process_names_the_learning_rate_step(run4, cli):
     done = cli("replay", "--run", run4, "--step", LR_STEP, "--world-size", 1, "--json", "--budget", 0)
     assert done.code == 0, done.err
@@ -124,7 +136,7 @@ def test_one_process_names_the_learning_rate_step(run4, cli):
 
 
 def test_what_cannot_be_folded_is_refused_in_one_line(run4, cli):
-    for size, said in [(5, "recorded on 4 processes; a replay runs on 4 or fewer"), (2, "is not built yet")]:
+    for size, said in [(5, "recorded on 4 processes; a replay runs on 4 or fewer"), (3, "do not fold evenly")]:
         done = cli("replay", "--run", run4, "--step", NAN_STEP, "--world-size", size)
         assert done.code == 1 and said in done.err and "Traceback" not in done.err, done.err
 

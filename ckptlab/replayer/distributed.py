@@ -53,9 +53,11 @@ def replay_distributed(
     nproc,
     trust_code: bool = False,
     budget: int = DEFAULT_BUDGET,
+    fold: int | None = None,
 ) -> ReplayReport:
     """Replay on the recorded world size (one process per rank, gloo on the CPU, NCCL on GPUs),
     then explain the root step in this process, on the rank whose batch brought the fault.
+    `fold`: on that many processes instead, each taking its share of the ranks' turns (fold.py).
 
     In a process that a launcher started (torchrun: `launched()`), the job's processes are the
     ranks: each replays its own, and rank 0 explains the root step; every rank returns its
@@ -65,17 +67,22 @@ def replay_distributed(
     launch = launched()
     if launch is not None and launch.size == 1:  # a job of one process spawns the ranks, as outside one
         launch = None
-    check_world(run, nproc, launch)
+    if fold is not None and launch is not None:
+        raise ReplayError(f"--world-size {fold} spawns its processes: run it without a launcher", path=run.path)
+    if fold is None:
+        check_world(run, nproc, launch)
     log = log or (lambda msg: None)
     with solo_world(True):
         plan = Investigation(run, step, device=device, from_step=from_step, log=log, trust_code=trust_code).plan()
     _check_batches(run, plan.start, step)
     t0 = time.perf_counter()
     explain = Explain(run, step, plan, t0, device, log, trust_code, budget, trace, counterfactuals)
+    if fold is not None:
+        explain.folded = (fold, run.world_size)
     if launch is not None:
         return _replay_joined(run, step, plan, launch, explain)
     with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
-        ranks = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code, explain.on_stages())
+        ranks = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code, explain.on_stages(), fold)
     return ranks.report if ranks.report is not None else explain(ranks)
 
 
@@ -165,7 +172,7 @@ class Explain:
         return report
 
 
-def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool, blame) -> Ranks:
+def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_code: bool, blame, fold=None) -> Ranks:
     """Spawn one process per rank to replay plan.start..step; what they found, with the state
     the root step started in (read back into memory before `out` goes away), or a pipeline's
     report (`blame`: what its ranks explain it with)."""
@@ -175,14 +182,27 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
 
-    world, k = run.world_size, plan.start
+    world, k = fold or run.world_size, plan.start
     # The rendezvous store is served from here, on a port the OS picks and that stays bound
     # until the ranks are done: a port found free and let go before the ranks bind it can be
     # taken by another process in between (seen as a rare failed replay on a busy machine).
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5))
     backend = backend_for(run, device)
     log(f"replaying steps {k}..{step} on {world} processes ({backend})")
-    args = (world, store.port, backend, str(run.path), step, k, snap_from(plan), str(out), device, trust_code, blame)
+    args = (
+        world,
+        store.port,
+        backend,
+        str(run.path),
+        step,
+        k,
+        snap_from(plan),
+        str(out),
+        device,
+        trust_code,
+        blame,
+        fold,
+    )
     try:
         try:
             mp.start_processes(_rank_worker, args=args, nprocs=world, start_method="spawn")
@@ -220,7 +240,7 @@ def snap_from(plan) -> int:
 
 
 def replay_rank(
-    rank: int, run_path: str, step: int, k: int, snap_from: int, device, trust_code: bool, blame=None
+    rank: int, run_path: str, step: int, k: int, snap_from: int, device, trust_code: bool, blame=None, fold=None
 ) -> Ranks:
     """This rank's part of a distributed replay, in the ranks' process group (collective):
     replay k..step on its own batches, and keep the root step's starting state on the rank
@@ -229,11 +249,16 @@ def replay_rank(
     launched job's process."""
     run = open_run(run_path)
     inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
+    if fold is not None:  # this process runs ranks rank, rank + fold, ... (fold.py)
+        from ckptlab.replayer.fold import Fold
+
+        inv.replayer.fold = Fold(inv.replayer, run.world_size, fold, rank)
     window = inv.replay_window(k, snap_from)
     if window.crash is not None:
         # The step raised here: the other ranks are (or will be) waiting for this one in the
         # step's collectives, so no rank may go on.
-        return Ranks(window.checks, window.crash["step"], rank, [], crash={"rank": rank, **window.crash})
+        which = inv.replayer.fold.crashed if fold is not None else rank
+        return Ranks(window.checks, window.crash["step"], which, [], crash={"rank": which, **window.crash})
     checks, root = window.checks, window.root
     # Decided on what every rank knows alike (sharded snapshots live on rank 0 only, so
     # "no snapshot kept" differs by rank): a root before `snap_from` was not kept, and
@@ -245,7 +270,7 @@ def replay_rank(
         report = explain_on_stages(inv, window, world, blame)
         return Ranks(checks, root, report.rank if report else None, inv.replayer.notes, report=report)
     faulty = _faulty_rank(checks, root)
-    writer = 0 if world.gathers_whole else (faulty or 0)  # FSDP2, ZeRO: whole on rank 0, all RNGs
+    writer = 0 if world.gathers_whole or fold else (faulty or 0)  # FSDP2, ZeRO, a fold: on rank 0, all RNGs
     # The state the root step started in, with the faulty rank's RNG streams.
     mine = window.root_state if root is not None and rank == writer else None
     return Ranks(checks, root, faulty, inv.replayer.notes, mine, writer)
@@ -264,8 +289,10 @@ def _rank_worker(
     device,
     trust_code: bool,
     blame,
+    fold,
 ) -> None:
-    """One rank of a distributed replay (a spawned process)."""
+    """One rank of a distributed replay (a spawned process); `fold`: one of that many processes
+    that run the recorded ranks' turns (fold.py)."""
     import os
     import pickle
 
@@ -279,7 +306,7 @@ def _rank_worker(
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))  # served by the parent
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
-        got = replay_rank(rank, run_path, step, k, snap_from, device, trust_code, blame)
+        got = replay_rank(rank, run_path, step, k, snap_from, device, trust_code, blame, fold)
         if got.crash is not None:  # say what happened and stop: the parent stops the others and reports it
             crash = {"time": time.time(), **got.crash}
             # (whole or not at all: the parent reads every crash file as soon as any rank fails,

@@ -214,7 +214,7 @@ class Replayer:
         self.notes.extend(apply_env(state.get("env", {}), force_deterministic=self.device.type == "cuda"))
         if self.fold is not None:
             self.fold.loaded()
-        if not t.stepped and buckets_rebuilt(self.run, self.world, ckpt):
+        if not t.stepped and self.fold is None and buckets_rebuilt(self.run, self.world, ckpt):
             rebuild_buckets(self, t, step)
         resume_learned(t.probe, ckpt.commit.get("probe"))  # measure as the recording did from here
         self.follow_lr(t.optimizer, step)

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ckptlab.errors import ReplayError
-from ckptlab.replayer.distributed import Explain, Ranks, _check_batches, _faulty_rank, snap_from
+from ckptlab.replayer.distributed import Explain, Ranks, _check_batches, _faulty_rank, replay_distributed, snap_from
 from ckptlab.replayer.findings import ReplayReport
 from ckptlab.replayer.investigation import Investigation
 from ckptlab.replayer.search import DEFAULT_BUDGET
@@ -81,6 +81,17 @@ def replay_folded(
     """Replay `step` of a W-process data-parallel run in this process (`world_size` 1), then
     explain the root step on the rank whose batch brought the fault, as a W-process replay does."""
     refused(run, world_size)
+    note = (
+        f"replayed on {world_size} process{'es' if world_size > 1 else ''} for the recorded {run.world_size}: "
+        "every rank's micro-batches in turn, their gradients averaged before the optimizer's step"
+    )
+    if world_size > 1:  # the ranks shared out among spawned processes, as a replay on the recorded size
+        how = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
+        report = replay_distributed(
+            run, step, trace=trace, counterfactuals=counterfactuals, nproc=None, budget=budget, fold=world_size, **how
+        )
+        report.notes.insert(0, note)
+        return report
     log = log or (lambda msg: None)
     with solo_world(True):
         inv = Investigation(run, step, device=device, from_step=from_step, log=log, trust_code=trust_code)
@@ -91,10 +102,7 @@ def replay_folded(
         t0 = time.perf_counter()
         log(f"replaying steps {plan.start}..{step} of {run.world_size} ranks in this process")
         fold = inv.replayer.fold = Fold(inv.replayer, run.world_size)
-        inv.replayer.notes.append(
-            f"replayed on {world_size} process for the recorded {run.world_size}: every rank's micro-batches in "
-            "turn, their gradients averaged before rank 0's optimizer step (ranks 1 to W-1, then rank 0)"
-        )
+        inv.replayer.notes.append(note)
         window = inv.replay_window(plan.start, snap_from(plan))
         root = window.root
         faulty = fold.crashed if window.crash is not None else _faulty_rank(window.checks, root)
@@ -118,12 +126,12 @@ def refused(run: Run, world_size: int) -> None:
             path=run.path,
             hint=hint if world > 1 else "leave --world-size out",
         )
-    if world_size > 1:
+    if world % world_size:
         raise ReplayError(
-            f"--world-size {world_size}: replaying on more than one process and fewer than the recorded {world} "
-            "is not built yet; --world-size 1 replays every rank in this process",
+            f"--world-size {world_size}: {world} ranks do not fold evenly onto {world_size} processes (each must run "
+            "as many ranks' turns, in step with the others' collectives)",
             path=run.path,
-            hint=hint,
+            hint=f"give a divisor of {world}: " + ", ".join(str(k) for k in range(1, world) if world % k == 0),
         )
     engine = _engine(run.manifest)
     if engine is not None:
@@ -157,18 +165,22 @@ class FoldedWorld(World):
     turn steps the optimizer). While another rank's turn runs, its row is kept."""
 
     running: int = 0  # whose turn it is
+    lead: int = 0  # the rank whose turn steps the optimizer in this process (its index among the processes)
+    procs: int = 1  # the processes the fold runs on
     rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def gather(self, vec: np.ndarray) -> np.ndarray:
         row = np.asarray(vec, dtype=np.float64)
-        if self.running != 0:
+        if self.running != self.lead:
             self.rows[self.running] = row.copy()
             return np.tile(row, (self.size, 1))  # (read by no one: the turn's health is not kept)
+        mine, self.rows = {**self.rows, self.lead: row}, {}
+        every = {r: v for part in _everyones(mine, self.procs) for r, v in part.items()}
         P = _params_in(row)
-        out = [row]
-        for r in range(1, self.size):
-            other = self.rows.pop(r).copy()
-            other[1] = row[1]  # (has_update) the replicas' weights and update are rank 0's
+        out = []
+        for r in range(self.size):
+            other = every[r].copy()
+            other[1] = row[1]  # (has_update) the replicas' weights and update are the lead's
             other[3 + 2 * P : 3 + 5 * P] = row[3 + 2 * P : 3 + 5 * P]
             out.append(other)
         return np.stack(out)
@@ -183,6 +195,17 @@ class FoldedWorld(World):
         return [obj] * self.size
 
 
+def _everyones(mine: Any, procs: int) -> list[Any]:
+    """`mine` from every process of the fold (our own in-memory values), in process order."""
+    if procs == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * procs
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def _params_in(row: np.ndarray) -> int:
     """P, from a row laid out as training/health.py `_combine_ranks` lays it: [loss, has_update,
     has_loss, 5 x P numbers] (no tail: a replicated world's rows have none)."""
@@ -192,16 +215,19 @@ def _params_in(row: np.ndarray) -> int:
 class Fold:
     """The other ranks' turns around rank 0's step, for one Replayer (driver.py `Replayer.fold`)."""
 
-    def __init__(self, replayer, size: int):
-        self.replayer, self.run, self.size = replayer, replayer.run, size
-        self.world = FoldedWorld(rank=0, size=size)
+    def __init__(self, replayer, size: int, procs: int = 1, proc: int = 0):
+        self.replayer, self.run, self.size, self.procs = replayer, replayer.run, size, procs
+        # This process's ranks: proc, proc + procs, ...; the first (its lead) steps the optimizer.
+        self.mine = list(range(proc, size, procs))
+        self.lead = proc
+        self.world = FoldedWorld(rank=proc, size=size, running=proc, lead=proc, procs=procs)
         self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
         self.sum: dict[int, torch.Tensor] = {}  # id(param) -> the turns' gradients times 1/W, summed
         self.seen: set[int] = set()  # id(param): reduced in this turn
         self.reduced = False  # a DDP's reduction went through `_hook` (else no DDP ran: refused)
         self.used: dict[int, set[int]] = {}  # rank -> id(param) of those given a gradient in its turn
         self.learns_unused = False  # a hooked DDP finds its unused parameters (find_unused_parameters, static_graph)
-        self.running = 0
+        self.running = proc
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
         self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs whose all-reduce goes through `_hook`
@@ -225,9 +251,14 @@ class Fold:
         if why is not None:
             self.refusal = _cannot(self.run, why)
             return
-        ddp.register_comm_hook(None, self._hook)
+        ddp.register_comm_hook(ddp.process_group, self._hook)
         self.hooked.add(ddp)
         self.learns_unused |= bool(ddp.find_unused_parameters or ddp.static_graph)
+        if self.learns_unused and self.procs > 1:  # (`_check_used` sees this process's ranks only)
+            self.refusal = _cannot(
+                self.run,
+                "DDP runs with find_unused_parameters or static_graph, which a fold on several processes does not take yet",
+            )
 
     def _before_forward(self, module, args) -> None:
         """A forward pre-hook on every module during a turn: a DDP not hooked yet is, now."""
@@ -242,7 +273,9 @@ class Fold:
         """The state `step` starts in, with every rank's RNG streams (`rng_by_rank`): the root
         step is explained on the faulty rank's."""
         recs = self._records(step)
-        rngs = [recs[r].rng if recs[r].rng is not None else self._rng(r, step) for r in range(self.size)]
+        mine = {r: recs[r].rng if recs[r].rng is not None else self._rng(r, step) for r in self.mine}
+        every = {r: v for part in _everyones(mine, self.procs) for r, v in part.items()}
+        rngs = [every[r] for r in range(self.size)]
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler, rngs=rngs)
 
     def step(self, t, rec, run_here, measure_update: bool):
@@ -251,12 +284,12 @@ class Fold:
         start = _StepStart.of(t)
         try:
             with _accelerate_syncs_as_recorded():
-                for rank in range(1, self.size):
+                for rank in self.mine[1:]:
                     with _no_update(t):
                         self._turn(t, rank, recs[rank], run_here, False)
                     start.check(self.run, t, rank, rec.step)
                     start.restore(t)
-                return self._turn(t, 0, rec, run_here, measure_update)
+                return self._turn(t, self.lead, rec, run_here, measure_update)
         finally:
             self.sum.clear()  # (the next step's, or gone: nothing to hold once DDP has it)
             self._recs = None
@@ -286,8 +319,8 @@ class Fold:
             watch.remove()
             for m in marks:
                 m.remove()
-            self.running = self.world.running = 0
-        if rank == 0 and self.learns_unused:
+            self.running = self.world.running = self.lead
+        if rank == self.lead and self.learns_unused:
             self._check_used(t)
         if self.refusal is None and not self.reduced:
             what = type(t.step_model).__name__
@@ -304,8 +337,8 @@ class Fold:
         from a collective over its group, in a fold the group of one: a parameter rank 0's batch
         left unused, which another rank's used, got no gradient (the recorded world averaged the
         other ranks' into it). Refused, naming it: the replay would be wrong from here."""
-        others = set().union(*(u for r, u in self.used.items() if r != 0))
-        missed = others - self.used.get(0, set())
+        others = set().union(*(u for r, u in self.used.items() if r != self.lead))
+        missed = others - self.used.get(self.lead, set())
         if missed:
             name = next((n for n, p in t.model.named_parameters() if id(p) in missed), "?")
             self.refusal = _cannot(
@@ -318,12 +351,12 @@ class Fold:
         """Every rank's batch record of `step` (rank 0's: `mine`, when given), each batch rebuilt
         and on the replay's device as the replayer gives rank 0's."""
         if self._recs is None or self._recs[0] != step:
-            self._recs = (step, {r: self.replayer.batch(step, r) for r in range(1, self.size)})
+            self._recs = (step, {r: self.replayer.batch(step, r) for r in self.mine[1:]})
         recs = self._recs[1]
         if mine is not None:
-            recs[0] = mine
-        elif 0 not in recs:
-            recs[0] = self.replayer.batch(step, 0)
+            recs[self.lead] = mine
+        elif self.lead not in recs:
+            recs[self.lead] = self.replayer.batch(step, self.lead)
         return recs
 
     def _rng(self, rank: int, step: int) -> dict:
@@ -352,14 +385,18 @@ class Fold:
         self.reduced = True
         scale = 1.0 / self.size  # (DDP's own: its gradient times the reciprocal, then the sum)
         with torch.no_grad():
-            for p, g in zip(params, bucket.gradients()):
+            for p, g in zip(params, bucket.gradients()):  # (views into the bucket's buffer)
                 part, total = g.mul(scale), self.sum.get(id(p))
-                if self.running == 0:  # the last turn: what the all-reduce hands every rank
+                if self.running == self.lead:  # the last turn: what the all-reduce hands every rank
                     g.copy_(part if total is None else total + part)
                 elif total is None:
                     self.sum[id(p)] = part
                 else:
                     total += part
+            if self.running == self.lead and self.procs > 1:  # the processes' sums, summed
+                import torch.distributed as dist
+
+                dist.all_reduce(bucket.buffer(), group=state)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
@@ -510,7 +547,7 @@ def _check_runner(run: Run, t) -> None:
 
 def _cannot(run: Run, why: str) -> ReplayError:
     return ReplayError(
-        f"--world-size 1: {why}",
+        f"--world-size: {why}",
         path=run.path,
         hint=f"replay on the recorded {run.world_size} processes: leave --world-size out",
     )
