@@ -1,0 +1,95 @@
+"""Where each recorded step's time went (record/system.py): the data wait, the loop's whole
+turn, samples and tokens, memory, garbage-collector pauses, recompilations, checkpoint time;
+in `run.metrics()`, in the step records, and as `system/` points for the trackers."""
+
+import time
+
+import numpy as np
+import pytest
+
+import ckptlab
+from ckptlab.trackers.points import health_points
+from tests import system_models as sm
+
+
+@pytest.fixture(scope="module")
+def timed_run(tmp_path_factory):
+    """The loop of tests/system_models.py, recorded; with the loop's own clocks: the time from
+    the end of step 0 to the end of the last step, and the time each step's batch took to load."""
+    path = tmp_path_factory.mktemp("system") / "run"
+    model, opt = sm.build()
+    batches, loading = sm.loop_batches(), []
+    with ckptlab.Recorder(path, model, opt, step_fn=sm.step, build_fn=sm.build, ckpt_every=20) as rec:
+        for i in range(sm.STEPS):
+            t = time.perf_counter()
+            batch, ids = next(batches)
+            loading.append(time.perf_counter() - t)
+            rec.step(batch, sample_ids=ids)
+            if i == 0:
+                t0 = time.perf_counter()
+        elapsed = time.perf_counter() - t0
+    return path, elapsed, loading
+
+
+def test_data_wait_is_the_loaders_sleep(timed_run):
+    m = ckptlab.open_run(timed_run[0]).metrics()
+    assert np.isnan(m.data_wait[0])  # (nothing before a session's first step)
+    for step, slept in sm.SLEEPY.items():
+        assert slept <= timed_run[2][step] <= m.data_wait[step] < timed_run[2][step] + 0.05
+        assert m.wall_time[step] >= m.data_wait[step] + m.step_time[step]
+    others = [i for i in range(1, sm.STEPS) if i not in sm.SLEEPY]
+    assert np.median(m.data_wait[others]) < 0.02
+    # the loop's turns add up to its time (from the end of step 0 to the end of the last)
+    assert m.wall_time[1:].sum() == pytest.approx(timed_run[1], rel=0.02)
+
+
+def test_samples_tokens_and_rates(timed_run):
+    m = ckptlab.open_run(timed_run[0]).metrics()
+    assert m.samples[0] == sm.ROWS and m.samples[sm.RECOMPILE_STEP] == sm.RECOMPILE_ROWS
+    assert m.tokens[0] == sm.ROWS * sm.SEQ and m.tokens[sm.LONG_STEP] == sm.ROWS * sm.LONG_SEQ
+    assert m.tokens_per_s[5] == pytest.approx(m.tokens[5] / m.wall_time[5])
+
+
+def test_slow_path_recompiles_and_checkpoints(timed_run):
+    m = ckptlab.open_run(timed_run[0]).metrics()
+    assert m.step_time[sm.LONG_STEP] >= sm.SLOW_PATH
+    assert m.recompiles[sm.RECOMPILE_STEP] == 1
+    assert m.recompiles[0] == 1  # the first compile
+    assert m.recompiles.sum() == 2
+    assert m.ckpt_time[20] > 0 and m.ckpt_time[0] > 0  # (ckpt_every=20)
+    assert (m.ckpt_time[[i for i in range(sm.STEPS) if i not in (0, 20)]] == 0).all()
+
+
+def test_memory(timed_run):
+    m = ckptlab.open_run(timed_run[0]).metrics()
+    assert (m.mem_peak > 10 * 2**20).all()  # the process's resident set, at least torch's
+    assert m.mem_limit[0] > m.mem_peak.max() and np.isnan(m.mem_limit[1:]).all()
+
+
+def test_system_points_for_the_trackers(timed_run):
+    run = ckptlab.open_run(timed_run[0])
+    m = run.metrics()
+    points = health_points(m.scalars[sm.RECOMPILE_STEP], {}, [])
+    assert points["system/recompiles"] == 1.0 and points["system/gc_time"] >= 0.0
+    assert points["system/data_wait"] == m.data_wait[sm.RECOMPILE_STEP]
+    assert points["system/tokens_per_s"] == pytest.approx(m.tokens_per_s[sm.RECOMPILE_STEP])
+    assert points["system/samples_per_s"] == pytest.approx(m.samples_per_s[sm.RECOMPILE_STEP])
+    assert "system/data_wait" not in health_points(m.scalars[0], {}, [])
+
+
+def test_gc_pauses_are_counted(tmp_path):
+    """A collection inside the step (a cycle-heavy step_fn) is counted in that step's gc_time."""
+    import gc
+
+    model, opt = sm.build()
+    with ckptlab.Recorder(tmp_path / "run", model, opt, step_fn=sm.step, build_fn=sm.build) as rec:
+        batches = sm.loop_batches(3)
+        rec.step(*next(batches))
+        junk = [[] for _ in range(200_000)]
+        for x in junk:
+            x.append(x)  # cycles: a full collection has work to do
+        del junk
+        gc.collect()
+        rec.step(*next(batches))
+    m = ckptlab.open_run(tmp_path / "run").metrics()
+    assert m.gc_time[1] > 0.001
