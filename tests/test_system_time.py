@@ -1,13 +1,19 @@
 """Where each recorded step's time went (record/system.py): the data wait, the loop's whole
 turn, samples and tokens, memory, garbage-collector pauses, recompilations, checkpoint time;
-in `run.metrics()`, in the step records, and as `system/` points for the trackers."""
+in `run.metrics()`, in the step records, and as `system/` points for the trackers; and what
+`ckptlab report` makes of them (analysis/health/system.py): `input_bound` with the share of
+the loop's time spent waiting, `slow_steps` with each planted step and its cause."""
 
+import contextlib
+import io
+import json
 import time
 
 import numpy as np
 import pytest
 
 import ckptlab
+from ckptlab.cli import main
 from ckptlab.trackers.points import health_points
 from tests import system_models as sm
 
@@ -93,3 +99,48 @@ def test_gc_pauses_are_counted(tmp_path):
         rec.step(*next(batches))
     m = ckptlab.open_run(tmp_path / "run").metrics()
     assert m.gc_time[1] > 0.001
+
+
+# --- what `ckptlab report` says of it ----------------------------------------------------------
+
+PLANTED = {step: "data_wait" for step in sm.SLEEPY} | {sm.LONG_STEP: "long_batch", sm.RECOMPILE_STEP: "recompile"}
+
+
+@pytest.fixture(scope="module")
+def report_json(timed_run):
+    """`ckptlab report --json` of the loop, its findings by kind."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(["report", "--run", str(timed_run[0]), "--json", "--no-weights"])
+        except SystemExit as e:
+            assert e.code in (0, None)
+    return {f["kind"]: f for f in json.loads(out.getvalue())["findings"]}
+
+
+def test_report_names_input_bound_with_the_share_the_loader_slept(timed_run, report_json):
+    f = report_json["input_bound"]
+    # the loop's own clocks: the loader's time over the time from step 0's end to the last step's
+    loading = sum(timed_run[2][1:])
+    assert loading >= sum(sm.SLEEPY.values())
+    assert f["evidence"]["share"] == pytest.approx(loading / timed_run[1], abs=0.03)
+    assert f["severity"] == "warning" and f"{f['evidence']['share']:.0%}" in f["title"]
+    assert set(sm.SLEEPY) <= set(f["steps"])
+    assert any("num_workers" in r for r in f["remedies"])
+
+
+def test_report_names_each_slow_step_with_its_cause(timed_run, report_json):
+    f = report_json["slow_steps"]
+    found = {s["step"]: s for s in f["evidence"]["steps"]}
+    assert {step: found[step]["cause"] for step in PLANTED if step in found} == PLANTED
+    # A shared host may make a usual step slow too: its cause is then only what the loop's own
+    # clock shows (a loader that took long) or none (compute), never a recompile or a long batch.
+    for step, s in found.items():
+        if step not in PLANTED:
+            assert s["cause"] in ("compute", "data_wait", "gc") or (s["cause"], step) == ("checkpoint", 20), s
+            assert s["cause"] != "data_wait" or timed_run[2][step] >= 0.5 * s["data_wait"], s
+    assert found[sm.RECOMPILE_STEP]["batch_shape"] == f"ids ({sm.RECOMPILE_ROWS}, {sm.SEQ}), y ({sm.RECOMPILE_ROWS},)"
+    assert "torch.compile compiled 1 graph" in found[sm.RECOMPILE_STEP]["detail"]
+    assert found[sm.LONG_STEP]["tokens"] == sm.ROWS * sm.LONG_SEQ and "16x the usual" in found[sm.LONG_STEP]["detail"]
+    assert sorted(f["steps"]) == sorted(found)
+    assert any("mark_dynamic" in r for r in f["remedies"]) and any("bucket" in r for r in f["remedies"])
