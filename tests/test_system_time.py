@@ -2,11 +2,16 @@
 turn, samples and tokens, memory, garbage-collector pauses, recompilations, checkpoint time;
 in `run.metrics()`, in the step records, and as `system/` points for the trackers; and what
 `ckptlab report` makes of them (analysis/health/system.py): `input_bound` with the share of
-the loop's time spent waiting, `slow_steps` with each planted step and its cause."""
+the loop's time spent waiting, `slow_steps` with each planted step and its cause, and the HTML
+page's chart of each step's time (rendered by headless Chromium)."""
 
 import contextlib
+import html
 import io
 import json
+import re
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -144,3 +149,34 @@ def test_report_names_each_slow_step_with_its_cause(timed_run, report_json):
     assert found[sm.LONG_STEP]["tokens"] == sm.ROWS * sm.LONG_SEQ and "16x the usual" in found[sm.LONG_STEP]["detail"]
     assert sorted(f["steps"]) == sorted(found)
     assert any("mark_dynamic" in r for r in f["remedies"]) and any("bucket" in r for r in f["remedies"])
+
+
+# --- the HTML page's time chart ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium package (apt-get install chromium)"
+)
+def test_html_shows_where_each_steps_time_went_in_headless_chromium(timed_run, tmp_path):
+    page = tmp_path / "report.html"
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(["report", "--run", str(timed_run[0]), "--no-weights", "--html", str(page)])
+        except SystemExit as e:
+            assert e.code in (0, None)
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+    cmd += ["--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    done = subprocess.run([*cmd, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = html.unescape(done.stdout)
+    assert "where each step's time went" in dom
+    for part in ("data wait", "step_fn", "checkpoint", "other"):
+        assert f">{part}</text>" in dom  # the legend
+    # one bar a step, its parts in its tooltip; the slow steps marked with their causes
+    bars = re.findall(r"<title>step (\d+): data wait ([^ ]+) s, step_fn ([^ ]+) s", dom)
+    assert [int(s) for s, _, _ in bars] == list(range(sm.STEPS))
+    assert float(bars[sm.LONG_STEP][2]) >= sm.SLOW_PATH and float(bars[6][1]) >= sm.SLEEPY[6]
+    assert f"slow step: recompile at step {sm.RECOMPILE_STEP}" in dom
+    assert f"slow step: long batch at step {sm.LONG_STEP}" in dom
+    problems = [line for line in done.stderr.splitlines() if re.search(r"CONSOLE|Uncaught|net::ERR|Refused to", line)]
+    assert problems == [], problems
