@@ -253,6 +253,7 @@ class Recorder:
         self._batches.step_ended()
         self.next_step = n + 1
         health = self._health.queue(n, pending, self._system.end(self._snaps.wait), want=want)
+        self._system.returned()
         self._check_scheduler()
         return health
 

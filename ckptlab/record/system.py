@@ -6,11 +6,13 @@ waiting for the device (no `torch.cuda.synchronize`): what `ckptlab report` judg
     meter.begin()                       # a step enters the Recorder: the data wait ends
     meter.batch(batch, sample_ids)      # its samples and tokens
     meter.checkpointed(t0, taken=True, wait=0.0)   # its checkpoint, begun at t0, is taken
-    fields = meter.end(ckpt_wait)       # it leaves: {"data_wait", "wall_time", "samples", ...}
+    fields = meter.end(ckpt_wait)       # its fields: {"data_wait", "wall_time", "samples", ...}
+    meter.returned()                    # its record written, it returns to the loop
 
 The fields (docs/run-format.md, "step"): `data_wait` (seconds from the previous step's return to
 this step's entry: data loading, logging, anything the loop does between steps), `wall_time`
-(seconds from the previous step's return to this one's: one whole turn of the loop), `samples`,
+(seconds from the previous step's end to this one's: one whole turn of the loop, the previous
+record's writing included), `samples`,
 `tokens`, `mem_peak`, `mem_limit` (a session's first step), and when not zero `ckpt_time`,
 `gc_time`, `recompiles`, `swap`.
 
@@ -35,8 +37,8 @@ from ckptlab.errors import CkptlabError
 from ckptlab.io.files import open_fd, read_text
 
 # /proc/self/status is read for the process's swapped-out memory once in this many steps (a
-# ~20 us read: too dear every step; swapping lasts far longer than 64 steps when it starts).
-SWAP_EVERY = 64
+# 20-100 us read: too dear every step; swapping lasts far longer than 256 steps once it starts).
+SWAP_EVERY = 256
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -45,7 +47,8 @@ class SystemMeter:
 
     def __init__(self, *, on_cuda: bool):
         self.on_cuda = on_cuda
-        self._last_end: float | None = None  # when the previous step returned (None: no step yet)
+        self._last_end: float | None = None  # when the previous step's fields were taken (None: no step yet)
+        self._returned = 0.0  # when the previous step returned to the loop (its record written)
         self._begin = 0.0
         self._counted: dict[str, int] = {}
         self._gc_time, self._gc_start = 0.0, 0.0
@@ -78,7 +81,7 @@ class SystemMeter:
         self._ckpt_time = self._wait_before = 0.0
         out: dict[str, Any] = {}
         if self._last_end is not None:
-            out["data_wait"] = max(self._begin - self._last_end, 0.0)
+            out["data_wait"] = max(self._begin - max(self._returned, self._last_end), 0.0)
             out["wall_time"] = now - self._last_end
         else:  # a session's first step: nothing before it to measure from
             out["wall_time"] = now - self._begin
@@ -104,9 +107,14 @@ class SystemMeter:
                 out["swap"] = swap
         return out
 
+    def returned(self) -> None:
+        """The step returns to the loop, its record written: the next step's data wait starts
+        now (the record's time is ckptlab's, in the next step's `wall_time`, not its data wait)."""
+        self._returned = time.perf_counter()
+
     def skip(self) -> None:
         """A step failed: the next step's data wait starts now, not at the last one's end."""
-        self._last_end = time.perf_counter()
+        self._last_end = self._returned = time.perf_counter()
         self._counted = {}
 
     def close(self) -> None:
@@ -158,15 +166,12 @@ def count(batch: Any, sample_ids, tokens: int | None) -> dict[str, int]:
     leaves = _top_leaves(batch)
     if sample_ids is not None and hasattr(sample_ids, "__len__"):
         out["samples"] = len(sample_ids)
-    else:
-        for t in leaves:
-            if t.ndim:
-                out["samples"] = int(t.shape[0])
-                break
+    elif leaves and leaves[0].ndim:
+        out["samples"] = int(leaves[0].shape[0])
     if tokens is None:
         for t in leaves:
-            if t.ndim == 2 and _is_int(t):
-                tokens = int(t.shape[0]) * int(t.shape[1])
+            if t.ndim == 2 and (t.dtype in _INT_DTYPES if type(t) is torch.Tensor else _is_int(t)):
+                tokens = t.shape[0] * t.shape[1]
                 break
     if tokens is not None:
         out["tokens"] = int(tokens)
@@ -177,22 +182,34 @@ def _top_leaves(batch: Any, depth: int = 3) -> list:
     """The tensors and arrays of the batch's first `depth` levels of nesting (a dict of tensors,
     a tuple of inputs and targets, a framework's batch inside its record: {"batch": {...}}),
     in order; at most 16 items a level are looked at."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
+    kind = type(batch)  # (`type` first: an isinstance of torch.Tensor costs ~1 us)
+    if kind is torch.Tensor or kind is np.ndarray:
         return [batch]
+    if kind is dict or (kind is not list and kind is not tuple and isinstance(batch, dict)):
+        items: Any = batch.values()
+    elif kind is list or kind is tuple or isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return [batch] if isinstance(batch, (torch.Tensor, np.ndarray)) else []
     if depth == 0:
         return []
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
     out = []
     for i, v in enumerate(items):
         if i == 16:
             break
-        out += _top_leaves(v, depth - 1)
+        if type(v) is torch.Tensor:  # (the usual item: no call)
+            out.append(v)
+        else:
+            out += _top_leaves(v, depth - 1)
     return out
+
+
+_INT_DTYPES = frozenset([torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
 
 
 def _is_int(t) -> bool:
     if isinstance(t, torch.Tensor):
-        return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+        return t.dtype in _INT_DTYPES
     return t.dtype.kind in "iu"
 
 

@@ -126,7 +126,7 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
 
 
 # The step record's system fields sent as `system/<field>` (record/system.py): those recorded
-# only when not zero are sent as 0 on the other steps; `swap`, read once in 64 steps, only when read.
+# only when not zero are sent as 0 on the other steps; `swap`, read once in 256 steps, only when read.
 SYSTEM_POINTS = ("data_wait", "wall_time", "step_time", "mem_peak", "swap")
 SYSTEM_ZERO = ("ckpt_time", "gc_time", "recompiles")
 
