@@ -185,3 +185,24 @@ def test_html_shows_where_each_steps_time_went_in_headless_chromium(timed_run, t
     assert f"slow step: long batch at step {sm.LONG_STEP}" in dom
     problems = [line for line in done.stderr.splitlines() if re.search(r"CONSOLE|Uncaught|net::ERR|Refused to", line)]
     assert problems == [], problems
+
+
+def test_tensorboard_export_has_the_system_points(timed_run, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(["export", "--run", str(timed_run[0]), "--tensorboard", str(tmp_path / "tb"), "--no-grads"])
+        except SystemExit as e:
+            assert e.code in (0, None)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    m = ckptlab.open_run(timed_run[0]).metrics()
+    waits = {e.step: e.value for e in acc.Scalars("system/data_wait")}
+    assert waits[6] == pytest.approx(m.data_wait[6], rel=1e-6) and 0 not in waits
+    recompiles = {e.step: e.value for e in acc.Scalars("system/recompiles")}
+    assert recompiles[sm.RECOMPILE_STEP] == 1 and recompiles[5] == 0
+    assert {"system/tokens_per_s", "system/samples_per_s", "system/mem_peak", "system/wall_time"} <= set(
+        acc.Tags()["scalars"]
+    )
