@@ -124,9 +124,17 @@ def slow_steps(d: RunData, rules: HealthRules) -> list[Finding]:
 
 
 def _neighbour_median(x: np.ndarray, window: int) -> np.ndarray:
-    """Each value's usual level: the median of the `window` values on each side (itself left out)."""
+    """Each value's usual level: the median of the `window` values on each side (itself left
+    out; fewer at the ends). The full windows in one vectorized pass (a million steps in ~1 s)."""
+    x = x.astype(np.float64)
     out = np.empty(len(x))
-    for i in range(len(x)):
+    if len(x) > 2 * window:
+        full = np.lib.stride_tricks.sliding_window_view(x, 2 * window + 1)  # (n - 2w, 2w + 1)
+        out[window : len(x) - window] = np.median(np.delete(full, window, axis=1), axis=1)
+        edges = [*range(window), *range(len(x) - window, len(x))]
+    else:
+        edges = list(range(len(x)))
+    for i in edges:
         near = np.concatenate([x[max(0, i - window) : i], x[i + 1 : i + 1 + window]])
         out[i] = np.median(near) if len(near) else x[i]
     return out
