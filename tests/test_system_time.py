@@ -93,7 +93,8 @@ def test_system_points_for_the_trackers(timed_run):
 
 
 def test_gc_pauses_are_counted(tmp_path):
-    """A collection inside the step (a cycle-heavy step_fn) is counted in that step's gc_time."""
+    """A collection between two steps is counted in the next step's gc_time; a checkpoint taken
+    between two steps in its ckpt_time, not its data wait."""
     import gc
 
     model, opt = sm.build()
@@ -106,8 +107,13 @@ def test_gc_pauses_are_counted(tmp_path):
         del junk
         gc.collect()
         rec.step(*next(batches))
+        rec.checkpoint()  # between two steps: ckptlab's time, in the next step's ckpt_time
+        time.sleep(0.05)
+        rec.step(*next(batches))
     m = ckptlab.open_run(tmp_path / "run").metrics()
     assert m.gc_time[1] > 0.001
+    assert m.ckpt_time[1] == 0 and m.ckpt_time[2] > 0
+    assert m.data_wait[2] >= 0.05  # (the sleep)
 
 
 # --- what `ckptlab report` says of it ----------------------------------------------------------
@@ -206,3 +212,21 @@ def test_tensorboard_export_has_the_system_points(timed_run, tmp_path):
     assert {"system/tokens_per_s", "system/samples_per_s", "system/mem_peak", "system/wall_time"} <= set(
         acc.Tags()["scalars"]
     )
+
+
+def test_a_checkpoint_between_steps_is_ckptlabs_time_not_the_loops():
+    from ckptlab.record.system import SystemMeter
+
+    meter = SystemMeter(on_cuda=False)
+    try:
+        for wait in (0.0, 0.02):
+            time.sleep(wait)
+            meter.begin()
+            meter.checkpointed(time.perf_counter(), taken=False, wait=0.0)
+            fields = meter.end(0.0)
+            meter.returned()
+            meter.aside(time.sleep, 0.1)  # (a checkpoint that takes 0.1 s, between the steps)
+    finally:
+        meter.close()
+    assert 0.02 <= fields["data_wait"] < 0.1 and fields["ckpt_time"] >= 0.1
+    assert fields["wall_time"] >= fields["data_wait"] + fields["ckpt_time"]

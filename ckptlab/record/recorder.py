@@ -290,14 +290,14 @@ class Recorder:
         if value is None or not math.isfinite(value) or not self._snaps.new_best(step, value):
             return
         if self.config.keep_best and step not in self._snaps.steps:
-            self._checkpoint(step, "best")
+            self._system.aside(self._checkpoint, step, "best")
             self._batches.force_rng()
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
         self._health.settle()
         if self.next_step not in self._snaps.steps:
-            self._checkpoint(self.next_step, reason)
+            self._system.aside(self._checkpoint, self.next_step, reason)
             self._batches.force_rng()
         return self.next_step
 

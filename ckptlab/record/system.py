@@ -27,6 +27,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ class SystemMeter:
         self._compiles = _compiles()
         self._n = 0
         self._ckpt_time = self._wait_before = 0.0  # the running step's checkpoint time, and its ckpt_wait then
+        self._ckpt_aside = 0.0  # checkpoints taken since the last step's end, outside a step's opening
         self._statm = _open_statm() if not on_cuda else None
         self._limit = _memory_limit(on_cuda)
         gc.callbacks.append(self._on_gc)
@@ -77,8 +79,8 @@ class SystemMeter:
         """The step returns, having waited `ckpt_wait` seconds in all for checkpoints: its fields
         (see the module docstring)."""
         now = time.perf_counter()
-        ckpt_time = self._ckpt_time + (ckpt_wait - self._wait_before)  # (+ the waits inside the step)
-        self._ckpt_time = self._wait_before = 0.0
+        ckpt_time = self._ckpt_time + (ckpt_wait - self._wait_before) + self._ckpt_aside  # (+ waits in the step)
+        self._ckpt_time = self._wait_before = self._ckpt_aside = 0.0
         out: dict[str, Any] = {}
         if self._last_end is not None:
             out["data_wait"] = max(self._begin - max(self._returned, self._last_end), 0.0)
@@ -106,6 +108,19 @@ class SystemMeter:
             if swap:
                 out["swap"] = swap
         return out
+
+    def aside(self, take: Callable[..., float], *args) -> float:
+        """`take(*args)`: a checkpoint taken outside a step's opening (`rec.checkpoint()`, a new
+        best validation's): its time is ckptlab's (the next step's `ckpt_time`), not the loop's
+        data wait."""
+        t0 = time.perf_counter()
+        try:
+            return take(*args)
+        finally:
+            spent = time.perf_counter() - t0
+            self._ckpt_aside += spent
+            if self._returned >= self._begin:  # (between two steps: the data wait starts after it)
+                self._returned += spent
 
     def returned(self) -> None:
         """The step returns to the loop, its record written: the next step's data wait starts
