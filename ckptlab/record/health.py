@@ -78,7 +78,7 @@ class HealthLog:
             self.on_anomaly = config.on_anomaly
         self._spikes = detectors()
         self.first_anomaly: int | None = None
-        self._queue: list[tuple[int, PendingHealth, float, float]] = []  # (step, health, ckpt_wait, time)
+        self._queue: list[tuple[int, PendingHealth, dict, float]] = []  # (step, health, system fields, time)
         self._watched: list[str] | None = []  # what the watched steps saw (None: judged)
         self._outside_said = False  # parameters moved outside every optimizer: warned (once a session)
 
@@ -91,10 +91,11 @@ class HealthLog:
             self._spikes["loss"].check(loss)
             self._spikes["grad"].check(grad)
 
-    def queue(self, n: int, pending: PendingHealth, ckpt_wait: float, *, want: bool = False) -> StepHealth | None:
-        """Step n ran: queue its health; record what is due (all of it when read at once, all
-        but this step's when deferred). Returns this step's health when read and `want`ed."""
-        self._queue.append((n, pending, ckpt_wait, time.time()))
+    def queue(self, n: int, pending: PendingHealth, system: dict, *, want: bool = False) -> StepHealth | None:
+        """Step n ran: queue its health, with its `system` fields (record/system.py, and
+        `ckpt_wait`); record what is due (all of it when read at once, all but this step's when
+        deferred). Returns this step's health when read and `want`ed."""
+        self._queue.append((n, pending, system, time.time()))
         health = self.settle(keep=1 if self.deferred else 0)
         if not want:
             return None
@@ -133,16 +134,14 @@ class HealthLog:
         with contextlib.suppress(Exception):
             self.settle(0, raise_nonfinite=False)
 
-    def _record(self, n: int, health: StepHealth, ckpt_wait: float, t: float) -> StepHealth:
+    def _record(self, n: int, health: StepHealth, system: dict, t: float) -> StepHealth:
         """Step n's health and anomalies, appended to the journal."""
         events = step_anomalies(health, self._spikes)
         if self._precursors is not None:
             self._precursors.add(n, health, events)
         if events and self.first_anomaly is None:
             self.first_anomaly = n
-        scalars = {"step": n, "time": t, **health.scalars()}
-        if ckpt_wait:
-            scalars["ckpt_wait"] = ckpt_wait
+        scalars = {"step": n, "time": t, **health.scalars(), **system}
         arrays = health.arrays()
         self._append(n, records.encode_step(scalars, arrays) if self.world.is_main else b"", events)
         if self.live is not None:  # queued: the trackers are sent to off this thread
@@ -151,7 +150,7 @@ class HealthLog:
             self.on_anomaly(n, events)
         return health
 
-    def _record_common(self, n: int, health: CommonHealth, ckpt_wait: float, t: float) -> CommonHealth:
+    def _record_common(self, n: int, health: CommonHealth, system: dict, t: float) -> CommonHealth:
         """`_record` of the usual step (training/health.py `CommonHealth`): the same record,
         events and alerts, with no numpy call (no tracker: `settle`)."""
         # (nothing else can happen on such a step: training/health.py `read_common`)
@@ -164,9 +163,7 @@ class HealthLog:
             self._precursors.add_row(n, health.norms, ratios, events)
         if events and self.first_anomaly is None:
             self.first_anomaly = n
-        scalars = {"step": n, "time": t, **health.scalars()}
-        if ckpt_wait:
-            scalars["ckpt_wait"] = ckpt_wait
+        scalars = {"step": n, "time": t, **health.scalars(), **system}
         self._append(n, records.encode_step_floats(scalars, health.arrays()) if self.world.is_main else b"", events)
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from ckptlab.record.config import RecordConfig
 from ckptlab.record.health import WATCHED_STEPS, HealthLog
 from ckptlab.record.session import Session
 from ckptlab.record.snapshots import Snapshots
+from ckptlab.record.system import SystemMeter
 from ckptlab.run import framelog
 from ckptlab.run.writer import RunWriter
 from ckptlab.trackers.live import live_log
@@ -92,11 +94,9 @@ class Recorder:
         self.config = config = _config(RecordConfig.of(config, **options), optimizer)
         scaler_argument(step_fn, scaler)  # a step_fn that needs a GradScaler, and none given: now
         stores = trackers.resolve(config.trackers)  # a bad store fails here, before any work
-        self.run_dir, self.batch_fn = Path(run_dir), batch_fn
+        self.run_dir, self.batch_fn, self.step_fn, self.build_fn = Path(run_dir), batch_fn, step_fn, build_fn
         self.model, self.optimizer, self.scheduler, self.scaler = module, optimizer, scheduler, scaler
-        self.step_fn, self.build_fn = step_fn, build_fn
-        self._in_step = self._closed = False
-        self._exit_hook = None
+        self._in_step, self._closed, self._exit_hook = False, False, None
         # Inside torch.distributed every rank builds its Recorder: rank 0 writes the manifest,
         # the journal and checkpoints; every rank writes its own batches (see training/world.py).
         self.world = world = World.detect(model, optimizer)
@@ -106,8 +106,7 @@ class Recorder:
         fns = {"build_fn": build_fn, "step_fn": step_fn, "batch_fn": batch_fn}
         self._session = session = Session(self.run_dir, world, config, training, fns, deferred=self.deferred)
         try:
-            self.next_step = session.start_step
-            self.restored_step = session.restored_step
+            self.next_step, self.restored_step = session.start_step, session.restored_step
             steps: dict[str, Any] = {"step_scheduler": config.step_scheduler, "update_ratio": config.update_ratio}
             self.runner = StepRunner(model, *training[1:], world=world, guard_scheduler=True, **steps)  # (as given)
             self.runner.probe.watch = WATCHED_STEPS  # an optimizer that does not train: health.py
@@ -120,6 +119,7 @@ class Recorder:
             self._batches = BatchLog(self.writer, self.run_dir, batch_fn, config.batch_ref_bytes)
             self._snaps = Snapshots(self.writer, world, config, training, self._health, self.runner.probe)
             self._snaps.steps = list(session.checkpoints)  # committed ones are never written again
+            self._system = SystemMeter(on_cuda=on_cuda)  # where each step's time goes
             for step, value in session.validation(config.val_metric):
                 self._snaps.new_best(step, value)
         except BaseException:
@@ -135,10 +135,13 @@ class Recorder:
 
     # --- a step -----------------------------------------------------------------------------
 
-    def step(self, batch: Any, sample_ids=None):
-        """Record and run one training step; returns what `step_fn` returned (the loss)."""
+    def step(self, batch: Any, sample_ids=None, *, tokens: int | None = None):
+        """Record and run one training step; returns what `step_fn` returned (the loss).
+        `tokens`: the batch's token count, for tokens/s (default: record/system.py `count`)."""
+        self._system.begin()
         measure = self._open_step()
         self._batches.append(self.next_step, batch, sample_ids)
+        self._system.batch(batch, sample_ids, tokens)
         self._in_step = True
         try:  # the same measured step that replay runs (training/step.py)
             loss, pending = self.runner.run_step(self.step_fn, batch, measure_update=measure, deferred=True)
@@ -154,7 +157,7 @@ class Recorder:
 
     # A framework that runs the step itself (Lightning, HF Trainer) calls these two around it.
 
-    def begin_step(self, batch: Any = None, sample_ids=None) -> int:
+    def begin_step(self, batch: Any = None, sample_ids=None, *, tokens: int | None = None) -> int:
         """Record the batch of the step about to run (checkpointing first when one is due);
         returns its step number. The step's gradients and update are measured until
         `end_step(loss)`.
@@ -162,19 +165,23 @@ class Recorder:
         With no batch (gradient accumulation: the micro-batches arrive one by one), the step
         starts all the same (its checkpoint, its RNG states, the measuring) and
         `record_batch(batch, sample_ids)` records its batch once it is known (before its last
-        micro-batch runs, so that a step that crashes there can be replayed)."""
+        micro-batch runs, so that a step that crashes there can be replayed). `tokens`: as
+        for `step`."""
+        self._system.begin()
         measure = self._open_step(keep_start=batch is None)
         if batch is not None:
             self._batches.append(self.next_step, batch, sample_ids)
+            self._system.batch(batch, sample_ids, tokens)
         self.runner.begin(measure_update=measure)
         self._in_step = True
         return self.next_step
 
-    def record_batch(self, batch: Any, sample_ids=None) -> None:
+    def record_batch(self, batch: Any, sample_ids=None, *, tokens: int | None = None) -> None:
         """The batch of the step `begin_step()` began without one (once per step)."""
         if not self._in_step or self._batches.written:
             raise RecordError("record_batch needs a step begun by begin_step() without a batch", path=self.run_dir)
         self._batches.append(self.next_step, batch, sample_ids)
+        self._system.batch(batch, sample_ids, tokens)
 
     def abort_step(self, error: BaseException | None = None) -> None:
         """The step begun by `begin_step` failed: stop measuring; its batch stays recorded (a batch not yet
@@ -220,6 +227,7 @@ class Recorder:
         self._check_scheduler()
         self.writer.check()  # a failed write (e.g. a full disk) stops the recording here
         snaps = self._snaps
+        t0 = time.perf_counter()
         snaps.await_write()
         n, start = self.next_step, self._session.start_step
         due = n == start or n % self.config.ckpt_every == 0
@@ -234,6 +242,7 @@ class Recorder:
             if n not in snaps.steps:
                 reason = "retake" if retake else "start" if n == start else "periodic"
                 snaps.wait += self._checkpoint(n, reason)
+        self._system.checkpointed(t0, taken=due or retake, wait=snaps.wait)
         return n % self.config.health_every == 0
 
     def _after_step(self, pending, want: bool = True) -> StepHealth | None:
@@ -243,28 +252,20 @@ class Recorder:
         self._snaps.await_write()
         self._batches.step_ended()
         self.next_step = n + 1
-        health = self._health.queue(n, pending, self._snaps.wait, want=want)
+        health = self._health.queue(n, pending, self._system.end(self._snaps.wait), want=want)
+        self._system.returned()
         self._check_scheduler()
         return health
 
     def _check_scheduler(self) -> None:
-        """A scheduler the Recorder steps after every step, stepped by the loop too (once an
-        epoch, say): its learning rate would move faster than the loop means, so the recording
-        stops here, at the first step that shows it, with what to change."""
-        moved = self.runner.scheduler_moved()
-        if moved is not None:
-            raise RecordError(
-                f"before step {self.next_step}: {moved}",
-                path=self.run_dir,
-                hint="pass step_scheduler=False to let the loop step it (replay follows the learning rate "
-                "recorded for every step), or stop stepping it in the loop",
-            )
+        _check_scheduler(self.runner, self.next_step, self.run_dir)
 
     def _fail(self, error: BaseException | None, *, written: bool) -> None:
         """The running step failed: the live checkpoint's write finished, the health still pending recorded, its
         own error (when given) an `exception` event. With its batch `written` it keeps its number (a step that
         never returned, as a resumed session counts it): a loop that goes on records its next step after it."""
         self._snaps.await_write()
+        self._system.skip()
         self._health.settle_quietly()
         if error is not None:
             self._health.record_error(self.next_step, error, self.model)
@@ -289,14 +290,14 @@ class Recorder:
         if value is None or not math.isfinite(value) or not self._snaps.new_best(step, value):
             return
         if self.config.keep_best and step not in self._snaps.steps:
-            self._checkpoint(step, "best")
+            self._system.aside(self._checkpoint, step, "best")
             self._batches.force_rng()
 
     def checkpoint(self, reason: str = "manual") -> int:
         """Checkpoint the current state now (it becomes the state at `next_step`)."""
         self._health.settle()
         if self.next_step not in self._snaps.steps:
-            self._checkpoint(self.next_step, reason)
+            self._system.aside(self._checkpoint, self.next_step, reason)
             self._batches.force_rng()
         return self.next_step
 
@@ -324,6 +325,7 @@ class Recorder:
                 self._health.settle(0, raise_nonfinite=False)
             finally:
                 self._snaps.close()
+                self._system.close()
                 self.runner.close()
                 self.writer.close()
                 if self.live is not None:
@@ -338,6 +340,20 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_scheduler(runner: StepRunner, step: int, run_dir: Path) -> None:
+    """A scheduler the Recorder steps after every step, stepped by the loop too (once an
+    epoch, say): its learning rate would move faster than the loop means, so the recording
+    stops here, at the first step that shows it, with what to change."""
+    moved = runner.scheduler_moved()
+    if moved is not None:
+        raise RecordError(
+            f"before step {step}: {moved}",
+            path=run_dir,
+            hint="pass step_scheduler=False to let the loop step it (replay follows the learning rate "
+            "recorded for every step), or stop stepping it in the loop",
+        )
 
 
 def _optimizer(optimizer, scheduler, model, lr, run_dir) -> tuple[Any, Any]:

@@ -6,7 +6,9 @@ external URL), so it opens offline, attaches to a ticket and archives as one fil
 
 Sections: the verdict and findings (each with its evidence and remedies), then the plots:
 loss with validation, EMA smoothing and anomaly markers; perplexity (language models);
-gradient norm; per-layer update-ratio heat map; weight histograms across checkpoints.
+gradient norm; per-layer update-ratio heat map; where each step's time went (its data wait,
+step_fn, checkpoint and the rest, stacked; the slow steps marked); weight histograms across
+checkpoints.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from ckptlab.analysis.health import HealthReport, PlotData
 from ckptlab.numbers import value
-from ckptlab.render import svg
+from ckptlab.render import svg, timechart
 from ckptlab.render.jsonout import plain
 from ckptlab.stats.histogram import HIST_EDGES
 
@@ -114,6 +116,8 @@ def _charts(r: HealthReport, p: PlotData) -> str:
         out.append(_perplexity_chart(p))
     out.append(_grad_chart(r, p))
     out.append(_ratio_heatmap(r, p))
+    if len(p.time_steps):
+        out.append(_time_chart(p))
     out.append("</div>")
     out.append(_weight_histograms(p))
     return "\n".join(out)
@@ -177,6 +181,20 @@ def _ratio_heatmap(r: HealthReport, p: PlotData) -> str:
         band=(lo, hi),
         title="update ratio ||dw|| / ||w|| per parameter (black: exactly 0)",
         value_name="update ratio",
+    )
+
+
+TIME_COLORS = {"data wait": "#d62728", "step_fn": "#1f77b4", "checkpoint": "#9467bd", "other": "#bbbbbb"}
+
+
+def _time_chart(p: PlotData) -> str:
+    """Where each step's time went: its loop turn's parts stacked, the slow steps marked with their cause."""
+    parts = [(name, values, TIME_COLORS[name]) for name, values in p.time_parts.items()]
+    markers = [
+        svg.Marker(step, f"slow step: {cause.replace('_', ' ')}", MARKER_COLORS["warning"]) for step, cause in p.slow
+    ]
+    return timechart.stacked_bars(
+        p.time_steps, parts, title="where each step's time went (seconds; marked: slow steps)", markers=markers
     )
 
 

@@ -57,16 +57,32 @@ def render(r, run, term) -> None:
     if not r.findings:
         term.print("[green]no findings[/green]")
     for f in r.findings:
-        style = SEVERITY_STYLE[f.severity]
-        term.field(f"[{style}]{f.severity.upper()}[/{style}]", f"[bold]{f.kind}[/bold]: {safe(f.title)}", width=8)
-        if f.severity == "info":
-            continue
-        if f.evidence:
-            term.field("        evidence:", safe(_evidence(f.evidence)), width=18)
-        for remedy in f.remedies:
-            term.field("        ->", safe(remedy), width=11)
+        _finding(f, term)
     term.print("")
     term.field("[bold]verdict:[/bold]", safe(r.verdict), width=9)
+
+
+def _finding(f, term) -> None:
+    """One finding: its title; for a warning or an error, its evidence, each of its steps when it
+    lists them (slow_steps: each step's time and cause), its remedies."""
+    style = SEVERITY_STYLE[f.severity]
+    term.field(f"[{style}]{f.severity.upper()}[/{style}]", f"[bold]{f.kind}[/bold]: {safe(f.title)}", width=8)
+    if f.severity == "info":
+        return
+    per_step = f.evidence.get("steps")
+    if not (isinstance(per_step, list) and per_step and isinstance(per_step[0], dict) and "detail" in per_step[0]):
+        per_step = None
+    if f.evidence:
+        shown = {k: v for k, v in f.evidence.items() if per_step is None or k != "steps"}
+        term.field("        evidence:", safe(_evidence(shown)), width=18)
+    for s in (per_step or [])[:10]:  # (slow_steps: each step, its time and its cause)
+        term.field(
+            f"        step {s['step']}:",
+            safe(f"{value(s['wall_time'])} s (usual {value(s['usual_wall_time'])} s): {s['cause']}: {s['detail']}"),
+            width=20,
+        )
+    for remedy in f.remedies:
+        term.field("        ->", safe(remedy), width=11)
 
 
 def _evidence(ev: dict, limit: int = 6) -> str:

@@ -61,9 +61,33 @@ class Metrics:
     weight_norm_before: np.ndarray
     param_nonfinite: np.ndarray  # int64[S, P]
     scalars: list[dict] = field(default_factory=list, repr=False)  # the raw per-step records
+    # Where each step's time went and the memory it used (docs/run-format.md, "step"), float64[S]:
+    # seconds, NaN where not recorded (data_wait: a session's first step); counts and bytes NaN
+    # where not known; ckpt_time, gc_time, recompiles and swap 0 where none.
+    data_wait: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    wall_time: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    ckpt_time: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    gc_time: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    recompiles: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    mem_peak: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)  # bytes
+    mem_limit: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)  # bytes, a session's first step
+    swap: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)  # bytes swapped out (sampled)
 
     def __len__(self) -> int:
         return len(self.step)
+
+    @property
+    def samples_per_s(self) -> np.ndarray:
+        """Rows a second of the loop's whole turn (its data wait included); NaN where not known."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.samples / self.wall_time
+
+    @property
+    def tokens_per_s(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.tokens / self.wall_time
 
     def loss_at(self, i: int | None) -> float | None:
         """Row i's loss; None where there is no row or its loss is not known (`loss_known`)."""
@@ -400,6 +424,7 @@ def _metrics(names: list[str], rows: list) -> Metrics:
         weight_norm_before=per_param(np.float32, np.nan),
         param_nonfinite=per_param(np.int64, 0),
         scalars=[r[0] for _, r in rows],
+        **{k: _column(rows, k, fill) for k, fill in SYSTEM_FIELDS.items()},
     )
     for i, (_, (scalars, arrays)) in enumerate(rows):
         lr = scalars.get("lr", [])
@@ -409,6 +434,25 @@ def _metrics(names: list[str], rows: list) -> Metrics:
             if a is not None and len(a) == p:
                 getattr(m, key)[i] = a
     return m
+
+
+# The step record's system fields (record/system.py), each with its value where a record has none.
+SYSTEM_FIELDS = {
+    "data_wait": np.nan,
+    "wall_time": np.nan,
+    "ckpt_time": 0.0,
+    "gc_time": 0.0,
+    "recompiles": 0.0,
+    "samples": np.nan,
+    "tokens": np.nan,
+    "mem_peak": np.nan,
+    "mem_limit": np.nan,
+    "swap": 0.0,
+}
+
+
+def _column(rows: list, key: str, fill: float) -> np.ndarray:
+    return np.array([_f(r[0].get(key, fill)) for _, r in rows], dtype=np.float64)
 
 
 def _segments(folder: Path, closed: set[int]) -> list[tuple[Path, str]]:

@@ -11,6 +11,9 @@ The live trackers (the Recorder's `trackers=`) and every export (`ckptlab export
     train/loss, train/grad_norm (before clipping), train/lr (train/lr/group{i} with several
     parameter groups: i counts every optimizer's groups, in the manifest's `optimizers`
     order), train/step_time, train/nonfinite_grads, train/update_ratio
+    system/data_wait, system/wall_time, system/step_time, system/ckpt_time, system/gc_time,
+    system/recompiles, system/mem_peak (bytes), system/swap, system/samples_per_s,
+    system/tokens_per_s                                                where the time went
     grad_norm/<param>, update_ratio/<param>, weight_norm/<param>     per parameter
     val/<metric>                                                       validation
     anomaly/<kind>                                                     an anomaly's value
@@ -106,6 +109,7 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
             out["train/lr" if len(lrs) == 1 else f"train/lr/group{g}"] = float(value)
     if scalars.get("update_ratio_global") is not None:
         out["train/update_ratio"] = float(scalars["update_ratio_global"])
+    out.update(system_points(scalars))
     if per_param is None:
         per_param = len(param_names) <= MAX_PARAM_SCALARS
     if not per_param:
@@ -118,6 +122,28 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
         for name, v in zip(names[key], np.asarray(values, dtype=np.float64).tolist()):
             if not math.isnan(v) and not (key == "grad_norm" and v == NO_GRAD):
                 out[name] = v
+    return out
+
+
+# The step record's system fields sent as `system/<field>` (record/system.py): those recorded
+# only when not zero are sent as 0 on the other steps; `swap`, read once in 256 steps, only when read.
+SYSTEM_POINTS = ("data_wait", "wall_time", "step_time", "mem_peak", "swap")
+SYSTEM_ZERO = ("ckpt_time", "gc_time", "recompiles")
+
+
+def system_points(scalars: dict) -> dict:
+    """`system/<field>` of a step's system fields, and `system/samples_per_s`,
+    `system/tokens_per_s` (over the loop's whole turn, `wall_time`). None of them for a step
+    recorded before they were (no `wall_time`)."""
+    wall = scalars.get("wall_time")
+    if wall is None:
+        return {}
+    out = {f"system/{key}": float(scalars[key]) for key in SYSTEM_POINTS if scalars.get(key) is not None}
+    out.update({f"system/{key}": float(scalars.get(key, 0.0)) for key in SYSTEM_ZERO})
+    if wall > 0:
+        for key in ("samples", "tokens"):
+            if scalars.get(key) is not None:
+                out[f"system/{key}_per_s"] = float(scalars[key]) / wall
     return out
 
 

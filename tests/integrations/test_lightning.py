@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ckptlab  # noqa: E402
@@ -64,6 +65,10 @@ def test_records_batches_ids_health_validation_and_checkpoints(nan_run):
     m = run.metrics()
     assert (m.grad_norm[:FAULT_STEP] > 0).all() and m.lr[1, 0] > m.lr[0, 0]  # warm-up stepped by the trainer
     assert {e["kind"] for e in run.events()} >= {"nonfinite_loss"}
+    # where each step's time went, from the callback's begin_step/end_step (record/system.py)
+    assert (m.samples == 4).all() and (m.wall_time > 0).all() and (m.mem_peak > 0).all()
+    assert np.isnan(m.data_wait[0]) and (m.data_wait[1:] >= 0).all()  # (Lightning's turn between two steps)
+    assert m.ckpt_time[5] > 0  # periodic checkpoint
 
 
 def test_replay_names_the_nan_sample_bit_exactly(nan_run):

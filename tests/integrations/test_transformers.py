@@ -58,6 +58,9 @@ def test_records_inputs_ids_health_validation_and_checkpoints(nan_run):
     m = run.metrics()
     assert m.lr[1, 0] > m.lr[0, 0]  # linear warm-up, stepped by the Trainer
     assert 5 in run.checkpoints
+    # where each step's time went (record/system.py): tokens from the labels' (B, T) ids
+    assert (m.samples == hm.BATCH).all() and (m.tokens == hm.BATCH * hm.SEQ).all()
+    assert (m.wall_time[1:] >= m.data_wait[1:]).all() and m.ckpt_time[5] > 0
 
 
 def test_replay_names_the_nan_sample_bit_exactly(nan_run):

@@ -34,6 +34,7 @@ from ckptlab.analysis.health.precursors import precursors
 from ckptlab.analysis.health.rules import SEVERITY_ORDER, Finding, HealthRules
 from ckptlab.analysis.health.series import smooth
 from ckptlab.analysis.health.snapshots import WeightSnapshot
+from ckptlab.analysis.health.system import input_bound, memory_pressure, mfu, slow_steps, throughput_drop
 from ckptlab.analysis.health.validation import overfitting
 from ckptlab.analysis.health.weights import exploding_weights, nonfinite_weights, update_explosion, weight_drift
 from ckptlab.jsonable import NOT_IN_JSON
@@ -67,6 +68,11 @@ RUN_DETECTORS: list[Detector] = [
     exploding_weights,
     weight_drift,
     precursors,
+    input_bound,
+    slow_steps,
+    throughput_drop,
+    memory_pressure,
+    mfu,
 ]
 # All of them, in the order the report runs them (findings of equal severity and first step keep
 # this order).
@@ -121,6 +127,11 @@ class PlotData:
     param_names: list[str]
     weights: list[WeightSnapshot]
     best_val_step: int | None
+    # Where each step's time went (seconds per step; parts of `wall_time`, "other" what is left:
+    # ckptlab's own bookkeeping, and a session's first step's start), and the slow steps' causes.
+    time_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    time_parts: dict[str, np.ndarray] = field(default_factory=dict)
+    slow: list[tuple[int, str]] = field(default_factory=list)  # (step, cause)
 
 
 @dataclass
@@ -274,4 +285,16 @@ def plot_data(d: RunData, findings: list[Finding]) -> PlotData:
         param_names=m.param_names,
         weights=d.snapshots,
         best_val_step=d.stop.best_step if d.stop else None,
+        **time_breakdown(m, findings),
     )
+
+
+def time_breakdown(m: Metrics, findings: list[Finding]) -> dict:
+    """PlotData's `time_steps`, `time_parts` and `slow`: the steps with a recorded loop turn,
+    its parts (data wait, the step's own compute, checkpoints, the rest), the slow steps."""
+    rows = np.flatnonzero(np.isfinite(m.wall_time))
+    wait = np.nan_to_num(m.data_wait[rows])
+    parts = {"data wait": wait, "step_fn": m.step_time[rows], "checkpoint": m.ckpt_time[rows]}
+    parts["other"] = np.maximum(m.wall_time[rows] - wait - m.step_time[rows] - m.ckpt_time[rows], 0.0)
+    slow = [(s["step"], s["cause"]) for f in findings if f.kind == "slow_steps" for s in f.evidence["steps"]]
+    return {"time_steps": m.step[rows], "time_parts": parts, "slow": slow}

@@ -41,6 +41,25 @@ class HealthRules:
     max_checkpoints: int = 6  # checkpoints read for weight histograms and drift
     precursor_window: int = 50  # steps before a loss spike searched for a gradient/update spike ...
     precursor_ratio: float = 10.0  # ... of at least 10x that parameter's median (and the loss rule's z)
+    # Where the time went (system.py). A loop waiting on data 20% of its time leaves a fifth of the
+    # device idle: the share at which PyTorch's performance guide calls a loop input-bound.
+    input_bound_share: float = 0.2
+    # ... a warning when the loop also waits at least 20 ms a step on average; below that (a toy
+    # model's loop on a busy host: its own Python between steps) it is information.
+    input_bound_wait: float = 0.02
+    min_system_steps: int = 10  # steps with a data wait needed before any of these is judged
+    slow_step_ratio: float = 3.0  # a loop turn 3x its neighbours' median (+ slow_step_floor seconds) ...
+    slow_step_floor: float = 0.02  # ... 20 ms: below that a shared host's scheduling jitter looks the same
+    slow_step_window: int = 10  # neighbours on each side
+    slow_steps_share: float = 0.05  # slow steps that lose 5% of the loop's time are a warning, else info
+    slow_steps_shown: int = 20
+    long_batch: float = 2.0  # a batch with 2x the usual tokens (or rows) explains a slow step's compute
+    throughput_drop: float = 0.3  # tokens/s 30% below the earlier level, staying there ...
+    throughput_seconds: float = 60.0  # ... for at least a minute of the loop's time (not a busy moment of the host)
+    mem_near_limit: float = 0.9  # peak memory at 90% of the device's (the allocator's headroom is ~5-10%)
+    mem_rise: float = 0.05  # a steady rise of 5% of the limit over the run's second half is a leak
+    flops_per_token: float | None = None  # the model's training FLOPs per token (for the MFU), given by the user
+    peak_flops: float | None = None  # the device's peak FLOP/s (default: a known GPU's, system.py PEAK_FLOPS)
 
 
 @dataclass
