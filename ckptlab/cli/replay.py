@@ -34,8 +34,8 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     "world_size",
     type=click.IntRange(min=1),
     default=None,
-    help="Distributed (DDP) runs: replay on this many processes, fewer than the run's: 1 replays every rank's "
-    "micro-batches in turn in this process and averages their gradients as the recorded all-reduce did.",
+    help="Distributed (DDP) runs: replay on this many processes, fewer than the run's (a divisor of it): 1 replays "
+    "every rank's micro-batches in turn in this process and averages their gradients as the recorded all-reduce did.",
 )
 @click.option(
     "--rank",
