@@ -54,36 +54,79 @@ def batch(step: int, rank: int):
     return (x, y), ids
 
 
-def record(run_dir: str) -> None:
+class TwoHeads(torch.nn.Module):
+    """A model whose second head only rows flagged in the batch go through: under DDP with
+    find_unused_parameters a rank whose batch has none leaves it unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.body(x))
+        return self.b(h) if bool(use_b) else self.a(h)
+
+
+def build_unused():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(TwoHeads(), find_unused_parameters=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step_unused(model, optimizer, batch):
+    x, y, use_b = batch
+    loss = torch.nn.functional.mse_loss(model(x, use_b), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+UNUSED_STEP = 3  # rank 1's batch goes through head b, rank 0's does not
+
+
+def record(run_dir: str, kind: str = "main") -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    model, optimizer, scheduler = build()
-    with ckptlab.Recorder(
-        run_dir, model, optimizer, scheduler=scheduler, step_fn=step_fn, build_fn=build, ckpt_every=5
-    ) as rec:
-        for s in range(15):
-            b, ids = batch(s, rank)
-            try:
-                rec.step(b, sample_ids=ids)
-            except ckptlab.NonFiniteLoss:
-                break
+    if kind == "unused":
+        model, optimizer = build_unused()
+        with ckptlab.Recorder(run_dir, model, optimizer, step_fn=step_unused, build_fn=build_unused) as rec:
+            for s in range(5):
+                (x, y), ids = dm.batch(s, rank)
+                rec.step((x, y, torch.tensor((s, rank) == (UNUSED_STEP, 1))), sample_ids=ids)
+    else:
+        model, optimizer, scheduler = build()
+        with ckptlab.Recorder(
+            run_dir, model, optimizer, scheduler=scheduler, step_fn=step_fn, build_fn=build, ckpt_every=5
+        ) as rec:
+            for s in range(15):
+                b, ids = batch(s, rank)
+                try:
+                    rec.step(b, sample_ids=ids)
+                except ckptlab.NonFiniteLoss:
+                    break
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def run4(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fold4") / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__]
+def _torchrun(run_dir: Path, nproc: int, kind: str) -> Path:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*args, str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*args, str(run_dir), kind], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("fold4") / "run", WORLD, "main")
 
 
 def _named(report) -> tuple:
@@ -141,5 +184,27 @@ def test_what_cannot_be_folded_is_refused_in_one_line(run4, cli):
         assert done.code == 1 and said in done.err and "Traceback" not in done.err, done.err
 
 
-if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_fold.py RUN
-    record(sys.argv[1])
+def test_a_parameter_only_another_rank_used_is_refused_not_dropped(tmp_path, cli):
+    """find_unused_parameters: DDP learns the unused parameters over its group, in a fold rank 0's
+    alone, and would leave head b without rank 1's gradient: refused in one line, naming it."""
+    run = _torchrun(tmp_path / "run", 2, "unused")
+    done = cli("replay", "--run", run, "--step", UNUSED_STEP, "--world-size", 1, "--from-step", 0)
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "`b.weight` got a gradient from another rank's batch but not from rank 0's" in done.err
+
+
+def test_ddp_options_whose_reduction_cannot_be_folded_are_named():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ckptlab.replayer.fold import _unfoldable
+    from ckptlab.training.world import solo_world
+
+    with solo_world(True):
+        assert _unfoldable(DDP(MLP())) is None
+        assert "gradient_as_bucket_view=True" in _unfoldable(DDP(MLP(), gradient_as_bucket_view=True))
+        with_buffers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        assert "broadcast_buffers=False" in _unfoldable(DDP(with_buffers, broadcast_buffers=False))
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_fold.py RUN [main|unused]
+    record(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "main")

@@ -340,11 +340,12 @@ class Fold:
         others = set().union(*(u for r, u in self.used.items() if r != self.lead))
         missed = others - self.used.get(self.lead, set())
         if missed:
-            name = next((n for n, p in t.model.named_parameters() if id(p) in missed), "?")
+            name = next((n for n, p in zip(t.probe.names, t.probe.params) if id(p) in missed), "?")  # (own names)
             self.refusal = _cannot(
                 self.run,
-                f"`{name}` got a gradient from another rank's batch but not from rank 0's, and DDP (find_unused_parameters "
-                "or static_graph) learns unused parameters over its group: in one process it would drop the others'",
+                f"`{name}` got a gradient from another rank's batch but not from rank {self.lead}'s, and DDP "
+                "(find_unused_parameters or static_graph) learns unused parameters over its group: in one process "
+                "it would drop the others'",
             )
 
     def _records(self, step: int, mine=None) -> dict:
@@ -457,7 +458,7 @@ def _versions(t) -> list[int]:
 
 def _unfoldable(ddp) -> str | None:
     """Why DDP `ddp`'s reduction cannot be folded (None: it can)."""
-    if not ddp.broadcast_buffers and any(True for _ in ddp.module.buffers()):
+    if not getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers) and any(True for _ in ddp.module.buffers()):
         return "DDP keeps each rank's own buffers (broadcast_buffers=False), and only rank 0's are checkpointed"
     if ddp.gradient_as_bucket_view:
         return "DDP runs with gradient_as_bucket_view=True, whose gradients the fold's reduction would overwrite"
