@@ -196,7 +196,7 @@ def test_a_parameter_only_another_rank_used_is_refused_not_dropped(tmp_path, cli
 def test_ddp_options_whose_reduction_cannot_be_folded_are_named():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ckptlab.replayer.fold import _unfoldable
+    from ckptlab.replayer.turns import _unfoldable
     from ckptlab.training.world import solo_world
 
     with solo_world(True):

@@ -34,6 +34,7 @@ from ckptlab.replayer.findings import ReplayReport, StepCheck
 from ckptlab.replayer.investigation import Investigation, Window
 from ckptlab.replayer.pipeline import StageBlame, explain_on_stages
 from ckptlab.replayer.search import DEFAULT_BUDGET, Budget
+from ckptlab.replayer.turns import Fold
 from ckptlab.run.atomic import write_json_atomic
 from ckptlab.run.checkpoint import CapturedState, commit_checkpoint, load_captured
 from ckptlab.run.layout import checkpoint_dir
@@ -250,8 +251,6 @@ def replay_rank(
     run = open_run(run_path)
     inv = Investigation(run, step, device=device, from_step=k, log=None, rank=rank, trust_code=trust_code)
     if fold is not None:  # this process runs ranks rank, rank + fold, ... (fold.py)
-        from ckptlab.replayer.fold import Fold
-
         inv.replayer.fold = Fold(inv.replayer, run.world_size, fold, rank)
     window = inv.replay_window(k, snap_from)
     if window.crash is not None:

@@ -45,7 +45,7 @@ def test_json_is_the_only_stdout(cli, overfit_run):
     doc = r.json()
     assert set(doc) >= {"run", "steps", "curve", "perplexity", "findings", "verdict", "rules"}
     assert doc["curve"]["kind"] == "overfitting"
-    f = doc["findings"][0]
+    f = next(f for f in doc["findings"] if f["kind"] == "overfitting")  # (a slow step on a busy machine may come too)
     assert set(f) == {"kind", "severity", "title", "steps", "evidence", "remedies", "params"}
     assert f["evidence"]["best_step"] == 30
 
