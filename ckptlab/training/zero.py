@@ -265,25 +265,35 @@ def whole_state(engine: Any, keep: bool) -> tuple[dict[str, torch.Tensor], dict,
         for name, t in target.state_dict(keep_vars=True).items():
             if isinstance(t, torch.Tensor):
                 tensors[name] = full[id(t)] if id(t) in full else t.detach().to("cpu", copy=True)
-    counters = {k: int(getattr(engine, k, 0)) for k in COUNTERS}
-    return tensors, {"state": state, "param_groups": param_groups}, counters
+    return tensors, {"state": state, "param_groups": param_groups}, counters(engine)
 
 
-def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None = None) -> CapturedState | None:
-    """The whole training state at `step`, on rank 0 (None elsewhere); collective. `train_state`:
-    the scheduler, scaler, RNG and env (training/state.py capture_train_state, no optimizer).
-    Every rank's RNG states go in as `rng_by_rank`, as FSDP2's snapshots carry them."""
+def check_step_boundary(engine: Any, step: int) -> None:
+    """RecordError when `step` would begin inside DeepSpeed's gradient accumulation: the
+    gradients accumulated so far are in no checkpoint or snapshot."""
     if engine.gradient_accumulation_steps() > 1 and engine.micro_steps % engine.gradient_accumulation_steps():
         raise RecordError(
             f"step {step} begins inside DeepSpeed's gradient accumulation (micro-step {engine.micro_steps} of "
             f"{engine.gradient_accumulation_steps()}): the gradients accumulated so far would be lost",
             hint="run every micro-batch of an optimizer step (engine.backward and engine.step each) in one step_fn call",
         )
+
+
+def counters(engine: Any) -> dict[str, int]:
+    """The engine's own step counts (`COUNTERS`)."""
+    return {k: int(getattr(engine, k, 0)) for k in COUNTERS}
+
+
+def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None = None) -> CapturedState | None:
+    """The whole training state at `step`, on rank 0 (None elsewhere); collective. `train_state`:
+    the scheduler, scaler, RNG and env (training/state.py capture_train_state, no optimizer).
+    Every rank's RNG states go in as `rng_by_rank`, as FSDP2's snapshots carry them."""
+    check_step_boundary(engine, step)
     rngs = world.gather_objects(train_state["rng"])
-    tensors, optimizer, counters = whole_state(engine, keep=world.is_main)
+    tensors, optimizer, steps = whole_state(engine, keep=world.is_main)
     if not world.is_main:
         return None
-    state = {**train_state, "optimizer": optimizer, "deepspeed": counters, "rng_by_rank": rngs}
+    state = {**train_state, "optimizer": optimizer, "deepspeed": steps, "rng_by_rank": rngs}
     spec, state_tensors = codec.encode(state, prefix="state")
     first, aliases = split_tied(tensors)
     captured = CapturedState(step, first, aliases, spec, state_tensors, dict(info or {}))
@@ -291,7 +301,7 @@ def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None
     return captured
 
 
-def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, counters: dict | None) -> None:
+def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, counts: dict | None) -> None:
     """Load the whole state (`whole_state`'s) into a live engine of any world size: each rank
     takes its parts of the fp32 masters and the optimizer state, and the model's own (stage
     3: partitioned) parameters are set from the masters."""
@@ -320,7 +330,7 @@ def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, c
         for name, b in target.named_buffers():
             if name in tensors:
                 b.copy_(tensors[name])
-    for k, v in (counters or {}).items():
+    for k, v in (counts or {}).items():
         if k in COUNTERS:
             setattr(engine, k, int(v))
 
