@@ -110,6 +110,22 @@ def test_one_process_replays_a_rank_from_the_ranks_partitions(zero_run):
     assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
 
 
+def test_zero3_s_frozen_parameters_and_buffers_are_checkpointed_whole(tmp_path_factory):
+    """ZeRO-3 partitions a frozen parameter too (no fp32 master, no optimizer state): the
+    checkpoint holds it whole, as it was built, beside the buffer; replay stays bit-exact."""
+    run_dir = _record(tmp_path_factory, "3-frozen")[0]
+    run = ckptlab.open_run(run_dir)
+    first, tenth = run.checkpoint(0).load_model()[0], run.checkpoint(10).load_model()[0]
+    assert set(tenth) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "scale"}
+    assert torch.equal(tenth["fc1.bias"], first["fc1.bias"]) and not torch.equal(tenth["fc2.bias"], first["fc2.bias"])
+    assert tenth["scale"].tolist() == [1.5, 2.5]
+    assert [g["params"] for g in run.checkpoint(10).load_state()["param_groups"]] == [
+        ["fc1.weight", "fc2.weight", "fc2.bias"]
+    ]
+    report = ckptlab.replay(run_dir, dm.NAN_STEP)
+    assert report.deterministic and (report.root_step, report.rank) == (dm.NAN_STEP, dm.NAN_RANK), report.verdict
+
+
 def _assert_names_the_learning_rate_step(report) -> None:
     assert (report.root_step, report.origin.kind, report.samples) == (dm.LR_STEP, "optimizer", [])
     assert "learning rate 1e+04" in report.verdict

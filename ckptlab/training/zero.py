@@ -17,12 +17,14 @@ optimizer's `step` has used it (`p.grad` is None by then). So:
   the gradients are final, averaged over the ranks, not yet clipped), each parameter's part
   on this rank. The ranks' squared norms add up to the exact global norm, as FSDP2's shards
   do (World.combine); weights are measured the same way, on the fp32 masters.
-- checkpoints and replay's snapshots hold the whole state, gathered through DeepSpeed's own
-  API (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`): model.safetensors holds
-  the fp32 master weights under the model's own names, the optimizer state is torch's format
-  for those parameters (what a torch optimizer over `engine.module.parameters()` would hold),
-  so `diff`, `rollback --to` and the exports read it as any run's. It loads into an engine of
-  any world size (a replay's process group of one included).
+- replay's snapshots hold the whole state, gathered through DeepSpeed's own API
+  (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`): the fp32 master weights
+  under the model's own names, the optimizer state in torch's format for those parameters
+  (what a torch optimizer over `engine.module.parameters()` would hold). `load_whole` puts
+  such a state into an engine of any world size (a replay's process group of one included).
+  Checkpoints are not gathered: each rank writes its own partitions (training/zero_parts.py),
+  read back whole into the same form. (Runs recorded by earlier versions hold checkpoints of
+  the gathered state, as model.safetensors and state.safetensors; they load as snapshots do.)
 
 DeepSpeed is never imported here before the user has: only a model that holds an engine
 (told apart by class name) reaches the functions that import it. The attributes of DeepSpeed's
