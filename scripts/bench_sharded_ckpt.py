@@ -1,8 +1,8 @@
 """How long a checkpoint of sharded training stalls it, and what memory it takes: FSDP2 written
 on the training thread (`async_sharded=False`, mode "sync") or staged and written in the
 background (the default, "async"); DeepSpeed's engine with ZeRO stage 1, 2 or 3 ("zero1",
-"zero2", "zero3": every rank's parts gathered whole to rank 0, which writes a copy in the
-background: training/zero.py).
+"zero2", "zero3": each rank's partitions staged and written in the background through DCP, as
+FSDP2's shards are: training/zero_parts.py).
 
     python scripts/bench_sharded_ckpt.py                  # 2 processes, gloo, ~25M parameters
     python scripts/bench_sharded_ckpt.py --hidden 1024 --steps 30

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptlab.errors import RecordError
@@ -137,19 +138,35 @@ def start_sharded_save(run_dir: Path, step: int, world, model, optimizer, train_
     return start_tree_save(run_dir, step, world, tree, {**train_state, "param_groups": groups}, info)
 
 
-def start_tree_save(run_dir: Path, step: int, world, tree: dict, main_state: dict, info: dict) -> PendingSave:
-    """`save_tree`, staged to host memory now and written in the background (collective)."""
+def start_tree_save(
+    run_dir: Path, step: int, world, tree: dict, main_state: dict, info: dict, *, staged: bool = False
+) -> PendingSave:
+    """`save_tree`, written in the background (collective). DCP stages `tree` to host memory
+    first (`async_save`); a `staged` tree, already a copy of its own, is written as it is, by
+    `dcp.save` on a thread of ours (what `async_save`'s thread checkpointer does after staging)."""
     dcp, _ = _dcp()
     tmp = on_disk.temp_folder(run_dir, step, info.get("session", 0))
     if world.is_main:
         on_disk.prepare(tmp)
     world.barrier()
-    future = dcp.async_save(
-        tree,
-        storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
-        process_group=world.checkpoint_group(),
-    )
+    writer = dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True)
+    group = world.checkpoint_group()  # (made here, on the training thread: collective)
+    if staged:
+        future = _writer_thread().submit(dcp.save, tree, storage_writer=writer, process_group=group)
+    else:
+        future = dcp.async_save(tree, storage_writer=writer, process_group=group)
     return PendingSave(world, run_dir, step, tmp, info, main_state, future)
+
+
+_WRITER: list[ThreadPoolExecutor] = []
+
+
+def _writer_thread() -> ThreadPoolExecutor:
+    """One thread for this process's background writes of staged trees (one at a time: each
+    commits before the next starts)."""
+    if not _WRITER:
+        _WRITER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptlab-dcp"))
+    return _WRITER[0]
 
 
 def _tree(world, model, optimizer) -> tuple[dict, list]:

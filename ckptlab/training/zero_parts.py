@@ -89,10 +89,10 @@ def fragments(engine: Any) -> dict[int, list[tuple[int, int, int, int]]]:
     return found
 
 
-def _sharded(shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]], everyone: list) -> Any:
+def _sharded(shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]], everyone: list, copy: bool) -> Any:
     """A ShardedTensor of `shape` whose local shards are this rank's ranges (where each starts
-    in the whole tensor's elements, its flat values) cut into boxes; `everyone`: every rank's
-    ranges, (rank, start, numel), which together cover the tensor."""
+    in the whole tensor's elements, its flat values) cut into boxes, copies of them with
+    `copy`; `everyone`: every rank's ranges, (rank, start, numel), which together cover it."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -104,7 +104,8 @@ def _sharded(shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]], eve
         for offsets, sizes in boxes(shape, start, start + values.numel()):
             n = math.prod(sizes)
             where = ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
-            shards.append(Shard(values.detach()[at : at + n].view(sizes), where))
+            box = values.detach()[at : at + n].view(sizes)
+            shards.append(Shard(box.clone() if copy else box, where))
             at += n
     every = [
         ShardMetadata(list(offsets), list(sizes), f"rank:{r}/cpu")
@@ -134,11 +135,15 @@ def _ranges(world, engine: Any) -> tuple[dict, dict[int, list]]:
     return mine, _EVERYONE[engine]
 
 
-def partition_tree(world, engine: Any) -> tuple[dict, list[dict]]:
+def partition_tree(world, engine: Any, *, copy: bool = True) -> tuple[dict, list[dict]]:
     """(DCP's state dict of this rank's parts: {"model": {name: ...}, "optim": {"state":
-    {name: {key: ...}}}}, the optimizer's param_groups with parameter names). Views of the live
-    state: stage them (DCP's save or async_save does) before the next step. Every rank calls it
-    at once (ZeRO-3's frozen parameters are gathered)."""
+    {name: {key: ...}}}}, the optimizer's param_groups with parameter names). With `copy`, the
+    tree is a copy of this rank's parts (1/world of the state: what a background write needs);
+    else views of the live state, to be written before the next step. Each box is copied on its
+    own: DCP's staging (`async_save`) deep-copies a ShardedTensor's shards, and a view's deep
+    copy is its whole storage, the flat partition, once per shard (ZeRO-3 on the 25M-parameter
+    MLP of scripts/bench_sharded_ckpt.py: 18 s). Every rank calls it at once (ZeRO-3's frozen
+    parameters are gathered)."""
     zero = engine.optimizer
     inner = zero.optimizer
     target = unwrap(engine)
@@ -153,7 +158,7 @@ def partition_tree(world, engine: Any) -> tuple[dict, list[dict]]:
             if id(t) in ranges:  # (a rank may hold no part of a small parameter)
                 shape = shape_of(t)
                 mine = [(s, flats[f].narrow(0, o, n)) for f, o, s, n in ranges[id(t)]]
-                model[name] = _sharded(shape, mine, everyone[id(t)])
+                model[name] = _sharded(shape, mine, everyone[id(t)], copy)
         else:  # a buffer or a frozen parameter: whole (ZeRO-3's, gathered on every rank)
             with _gathered([t] if isinstance(t, torch.nn.Parameter) else []):
                 model[name] = t.detach().to("cpu", copy=True)
@@ -166,7 +171,7 @@ def partition_tree(world, engine: Any) -> tuple[dict, list[dict]]:
             flat = flats[found[0][0]]
             if torch.is_tensor(value) and value.shape == flat.shape:  # per element: this rank's ranges
                 mine = [(s, inner.state[flats[f]][key].narrow(0, o, n)) for f, o, s, n in found]
-                entry[key] = _sharded(shape, mine, everyone[p_id])
+                entry[key] = _sharded(shape, mine, everyone[p_id], copy)
             else:  # a scalar of the partition (Adam's `step`): the same on every rank
                 entry[key] = value.detach().clone() if torch.is_tensor(value) else value
         if entry:
