@@ -141,9 +141,8 @@ class Snapshots:
         self.finish_sharded()  # the previous one first (its commit is collective)
         engine = zero.engine_of(self.model)
         zero.check_step_boundary(engine, step)
-        tree, groups = partition_tree(self.world, engine, copy=self.config.async_sharded)
-        state = capture_train_state(None, self.scheduler, self.scaler)
-        main = {**state, "param_groups": groups, "deepspeed": zero.counters(engine)}
+        tree, main = partition_tree(self.world, engine, copy=self.config.async_sharded)
+        main.update(capture_train_state(None, self.scheduler, self.scaler), deepspeed=zero.counters(engine))
         args = (self.run_dir, step, self.world, tree, main, info)
         if self.config.async_sharded:
             self._pending = start_tree_save(*args, staged=True)  # (copied: DCP need not stage it)

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints written per rank: each rank's partitions of the fp32 master
 weights and of the optimizer state, through DCP, under the model's own names.
 
-    tree, groups = partition_tree(world, engine)   # this rank's parts, as DCP's state dict
+    tree, main = partition_tree(world, engine)     # this rank's parts, as DCP's state dict
     optimizer = torch_format(engine, optim)        # a name-keyed optimizer state -> zero.load_whole's
 
 A ZeRO optimizer's flat fp32 partition on a rank holds, of each parameter it touches, one
@@ -135,52 +135,64 @@ def _ranges(world, engine: Any) -> tuple[dict, dict[int, list]]:
     return mine, _EVERYONE[engine]
 
 
-def partition_tree(world, engine: Any, *, copy: bool = True) -> tuple[dict, list[dict]]:
+def partition_tree(world, engine: Any, *, copy: bool = True) -> tuple[dict, dict]:
     """(DCP's state dict of this rank's parts: {"model": {name: ...}, "optim": {"state":
-    {name: {key: ...}}}}, the optimizer's param_groups with parameter names). With `copy`, the
-    tree is a copy of this rank's parts (1/world of the state: what a background write needs);
-    else views of the live state, to be written before the next step. Each box is copied on its
+    {name: {key: ...}}}}, what rank 0 puts in the main state file: the optimizer's
+    `param_groups` with parameter names, and `optimizer_scalars`). With `copy`, the tree is a
+    copy of this rank's parts (1/world of the state: what a background write needs); else
+    views of the live state, to be written before the next step. Each box is copied on its
     own: DCP's staging (`async_save`) deep-copies a ShardedTensor's shards, and a view's deep
     copy is its whole storage, the flat partition, once per shard (ZeRO-3 on the 25M-parameter
-    MLP of scripts/bench_sharded_ckpt.py: 18 s). Every rank calls it at once (ZeRO-3's frozen
-    parameters are gathered)."""
-    zero = engine.optimizer
-    inner = zero.optimizer
+    MLP of scripts/bench_sharded_ckpt.py: 18 s). Collective: every rank calls it at once."""
+    inner = engine.optimizer.optimizer
     target = unwrap(engine)
     flats = [flat for flat, _, _ in _parts(engine)]
     ranges, everyone = _ranges(world, engine)
-    names = {id(p): name for name, p in target.named_parameters()}
     model: dict[str, Any] = {}
     for name, t in target.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue
         if managed(t) and t.requires_grad:
             if id(t) in ranges:  # (a rank may hold no part of a small parameter)
-                shape = shape_of(t)
                 mine = [(s, flats[f].narrow(0, o, n)) for f, o, s, n in ranges[id(t)]]
-                model[name] = _sharded(shape, mine, everyone[id(t)], copy)
+                model[name] = _sharded(shape_of(t), mine, everyone[id(t)], copy)
         else:  # a buffer or a frozen parameter: whole (ZeRO-3's, gathered on every rank)
             with _gathered([t] if isinstance(t, torch.nn.Parameter) else []):
                 model[name] = t.detach().to("cpu", copy=True)
-    state: dict[str, dict] = {}
-    for p_id, found in ranges.items():
-        own = inner.state.get(flats[found[0][0]], {})
-        shape = shape_of(target.get_parameter(names[p_id]))
-        entry = {}
-        for key, value in own.items():
-            flat = flats[found[0][0]]
-            if torch.is_tensor(value) and value.shape == flat.shape:  # per element: this rank's ranges
-                mine = [(s, inner.state[flats[f]][key].narrow(0, o, n)) for f, o, s, n in found]
-                entry[key] = _sharded(shape, mine, everyone[p_id], copy)
-            else:  # a scalar of the partition (Adam's `step`): the same on every rank
-                entry[key] = value.detach().clone() if torch.is_tensor(value) else value
-        if entry:
-            state[names[p_id]] = entry
+    names = {id(p): name for name, p in target.named_parameters()}
+    state, scalars = _optimizer_state(engine, ranges, everyone, names, copy)
     param_groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in members]}
         for group, members in zip(inner.param_groups, groups(engine))
     ]
-    return {"model": model, "optim": {"state": state}}, param_groups
+    every: dict[str, dict] = {}
+    for part in world.gather_objects(scalars):
+        every.update(part)
+    return {"model": model, "optim": {"state": state}}, {"param_groups": param_groups, "optimizer_scalars": every}
+
+
+def _optimizer_state(engine: Any, ranges: dict, everyone: dict, names: dict, copy: bool) -> tuple[dict, dict]:
+    """(this rank's optimizer state for DCP: {name: {key: its ranges, or a 0-dim tensor}}, the
+    state's other values, {name: {key: value}}: FusedAdam's `step` is a Python int, which DCP
+    would pickle, and which ckptlab reads only from its own state file)."""
+    inner = engine.optimizer.optimizer
+    flats = [flat for flat, _, _ in _parts(engine)]
+    target = unwrap(engine)
+    state: dict[str, dict] = {}
+    scalars: dict[str, dict] = {}
+    for p_id, found in ranges.items():
+        flat = flats[found[0][0]]
+        name = names[p_id]
+        for key, value in inner.state.get(flat, {}).items():
+            if torch.is_tensor(value) and value.shape == flat.shape:  # per element: this rank's ranges
+                mine = [(s, inner.state[flats[f]][key].narrow(0, o, n)) for f, o, s, n in found]
+                shape = shape_of(target.get_parameter(name))
+                state.setdefault(name, {})[key] = _sharded(shape, mine, everyone[p_id], copy)
+            elif torch.is_tensor(value):  # a scalar of the partition (AdamW's `step`): the same on every rank
+                state.setdefault(name, {})[key] = value.detach().clone()
+            else:
+                scalars.setdefault(name, {})[key] = value
+    return state, scalars
 
 
 def torch_format(engine: Any, optimizer: dict) -> dict:
