@@ -4,7 +4,8 @@ data and faults of tests/test_deepspeed.py.
 `python -m torch.distributed.run --standalone --nproc_per_node=2 tests/deepspeed_models.py RUN BUILD`
 records STEPS steps of a tiny MLP trained by `deepspeed.initialize` with ZeRO stage BUILD (1, 2,
 3) and a torch AdamW, or ("2-adam") ZeRO-2 and DeepSpeed's own Adam, or ("3-frozen") ZeRO-3 with
-a frozen parameter and a buffer, a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
+a frozen parameter and a buffer, its checkpoints written on the training thread
+(`async_sharded=False`), a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
 NAN_ROW of its batch at step NAN_STEP (DeepSpeed finds the gradients non-finite and skips that
 update, so training goes on), and the loop sets the learning rate to LR_FAULT before step
 LR_STEP alone (the next step's loss explodes).
@@ -119,7 +120,7 @@ def main(run_dir: str, build_name: str) -> None:
     engine, optimizer = build()
     with ckptlab.Recorder(
         run_dir, engine, optimizer, step_fn=step_engine, build_fn=build, ckpt_every=5, on_nonfinite="record",
-        on_anomaly=None,
+        on_anomaly=None, async_sharded=build_name != "3-frozen",  # (that one: written on the training thread)
     ) as rec:  # fmt: skip
         for s in range(STEPS):
             if s == DS_CHECKPOINT:  # DeepSpeed's own checkpoint of the state the Recorder's of this step holds

@@ -112,7 +112,9 @@ def test_one_process_replays_a_rank_from_the_ranks_partitions(zero_run):
 
 def test_zero3_s_frozen_parameters_and_buffers_are_checkpointed_whole(tmp_path_factory):
     """ZeRO-3 partitions a frozen parameter too (no fp32 master, no optimizer state): the
-    checkpoint holds it whole, as it was built, beside the buffer; replay stays bit-exact."""
+    checkpoint holds it whole, as it was built, beside the buffer; replay stays bit-exact. This
+    run writes its checkpoints on the training thread (`async_sharded=False`: the live
+    partitions, no copy)."""
     run_dir = _record(tmp_path_factory, "3-frozen")[0]
     run = ckptlab.open_run(run_dir)
     first, tenth = run.checkpoint(0).load_model()[0], run.checkpoint(10).load_model()[0]
