@@ -1,8 +1,9 @@
 """How long a checkpoint of sharded training stalls it, and what memory it takes: FSDP2 written
 on the training thread (`async_sharded=False`, mode "sync") or staged and written in the
 background (the default, "async"); DeepSpeed's engine with ZeRO stage 1, 2 or 3 ("zero1",
-"zero2", "zero3": every rank's parts gathered whole to rank 0, which writes a copy in the
-background: training/zero.py).
+"zero2", "zero3": each rank's partitions staged and written in the background through DCP, as
+FSDP2's shards are: training/zero_parts.py; "zero2-sync" and the like: written on the training
+thread, `async_sharded=False`).
 
     python scripts/bench_sharded_ckpt.py                  # 2 processes, gloo, ~25M parameters
     python scripts/bench_sharded_ckpt.py --hidden 1024 --steps 30
@@ -48,7 +49,7 @@ def build():
         import deepspeed
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # (inference only; ~1 min of gcc)
-        config = {{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {{"stage": int(MODE[-1])}}}}
+        config = {{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {{"stage": int(MODE[4])}}}}
         engine, opt, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=config)
         return engine, opt
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
@@ -86,7 +87,7 @@ if __name__ == "__main__":
 
     extra = 0  # the most a checkpoint (its step and the next, where it commits) raised RSS above its start
     with ckptlab.Recorder({run!r}, model, opt, step_fn=step, build_fn=build, ckpt_every=10, on_anomaly=None,
-                          async_sharded=MODE != "sync") as rec:
+                          async_sharded=not MODE.endswith("sync")) as rec:
         for s in range({steps}):
             x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(s * 2 + rank))
             if s % 10 == 0 and s:
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=31)
-    ap.add_argument("--modes", default="sync,async", help="of sync, async, zero1, zero2, zero3")
+    ap.add_argument("--modes", default="sync,async", help="of sync, async, zero1, zero2, zero3, zero1-sync, ...")
     ap.add_argument("--engine", choices=("fsdp2", "fsdp1"), default="fsdp2", help="what sync and async shard with")
     args = ap.parse_args()
     params = args.layers * (args.hidden * args.hidden + args.hidden)
@@ -159,7 +160,7 @@ def main() -> None:
         after = statistics.median(times[s + 1] / med for s in ckpt)
         state = params * 4 * 3  # fp32 weights and AdamW's two moments, all ranks together
         extra = [x / state for x in got["ckpt_rss"]]
-        line = f"{mode:5s}  median step {med * 1e3:7.1f} ms   checkpoint step {start:5.2f}x   next step {after:5.2f}x"
+        line = f"{mode:10s}  median step {med * 1e3:7.1f} ms   checkpoint step {start:5.2f}x   next step {after:5.2f}x"
         line += "   checkpoint RSS, ranks 0, 1: +" + ", +".join(f"{x:.2f}" for x in extra) + " x the training state"
         result[mode] = {"median_step_s": med, "checkpoint_step_x": start, "next_step_x": after, "ckpt_rss_x": extra}
         print(line, flush=True)

@@ -3,7 +3,9 @@ data and faults of tests/test_deepspeed.py.
 
 `python -m torch.distributed.run --standalone --nproc_per_node=2 tests/deepspeed_models.py RUN BUILD`
 records STEPS steps of a tiny MLP trained by `deepspeed.initialize` with ZeRO stage BUILD (1, 2,
-3) and a torch AdamW, or ("2-adam") ZeRO-2 and DeepSpeed's own Adam, a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
+3) and a torch AdamW, or ("2-adam") ZeRO-2 and DeepSpeed's own Adam, or ("3-frozen") ZeRO-3 with
+a frozen parameter and a buffer, its checkpoints written on the training thread
+(`async_sharded=False`), a checkpoint every 5 steps. Two faults, far apart: rank 1 meets a NaN in row
 NAN_ROW of its batch at step NAN_STEP (DeepSpeed finds the gradients non-finite and skips that
 update, so training goes on), and the loop sets the learning rate to LR_FAULT before step
 LR_STEP alone (the next step's loss explodes).
@@ -28,7 +30,7 @@ CLIP = 0.5  # DeepSpeed clips inside its step: the recorded norms are from befor
 DS_CHECKPOINT = 10  # also saved by engine.save_checkpoint, into RUN/../deepspeed/global_step10
 
 
-def _build(stage: int, deepspeed_adam: bool = False):
+def _build(stage: int, deepspeed_adam: bool = False, frozen: bool = False):
     import deepspeed
 
     # The CPU accelerator builds its shared-memory all-reduce (~1 min of gcc on first use) when
@@ -36,6 +38,9 @@ def _build(stage: int, deepspeed_adam: bool = False):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(0)
     model = MLP()
+    if frozen:  # a frozen parameter (ZeRO-3 partitions it too, with no optimizer state) and a buffer
+        model.fc1.bias.requires_grad_(False)
+        model.register_buffer("scale", torch.tensor([1.5, 2.5]))
     # (no train_batch_size: it would hold the world size, and replay explains the root step in a
     # process group of one)
     config: dict = {
@@ -47,8 +52,9 @@ def _build(stage: int, deepspeed_adam: bool = False):
         config["optimizer"] = {"type": "Adam", "params": {"lr": LR}}
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     else:
+        trained = [p for p in model.parameters() if p.requires_grad]
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
+            model=model, optimizer=torch.optim.AdamW(trained, lr=LR), config=config
         )
     return engine, optimizer
 
@@ -67,6 +73,10 @@ def build_zero3():
 
 def build_zero2_adam():
     return _build(2, deepspeed_adam=True)
+
+
+def build_zero3_frozen():
+    return _build(3, frozen=True)
 
 
 def step_engine(model, optimizer, batch):
@@ -91,7 +101,13 @@ def batch(step: int, rank: int):
     return (x, y), sample_ids(step, rank)
 
 
-BUILDS = {"1": build_zero1, "2": build_zero2, "3": build_zero3, "2-adam": build_zero2_adam}
+BUILDS = {
+    "1": build_zero1,
+    "2": build_zero2,
+    "3": build_zero3,
+    "2-adam": build_zero2_adam,
+    "3-frozen": build_zero3_frozen,
+}
 
 
 def main(run_dir: str, build_name: str) -> None:
@@ -104,7 +120,7 @@ def main(run_dir: str, build_name: str) -> None:
     engine, optimizer = build()
     with ckptlab.Recorder(
         run_dir, engine, optimizer, step_fn=step_engine, build_fn=build, ckpt_every=5, on_nonfinite="record",
-        on_anomaly=None,
+        on_anomaly=None, async_sharded=build_name != "3-frozen",  # (that one: written on the training thread)
     ) as rec:  # fmt: skip
         for s in range(STEPS):
             if s == DS_CHECKPOINT:  # DeepSpeed's own checkpoint of the state the Recorder's of this step holds

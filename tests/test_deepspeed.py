@@ -54,7 +54,11 @@ def test_records_the_model_s_own_names_and_deepspeed_s_gradient_norms(zero_run):
     at_nan = m.scalars[m.index(dm.NAN_STEP)]["rank_loss"]
     assert math.isfinite(at_nan[0]) and math.isnan(at_nan[1])
     assert m.lr[m.index(dm.LR_STEP)][0] == dm.LR_FAULT
-    assert {5, 10} <= set(run.checkpoints) and run.checkpoint(10).commit.get("layout") != "sharded"
+    assert {5, 10} <= set(run.checkpoints)
+    # each rank wrote its own partitions (DCP), nothing was gathered to rank 0
+    commit = run.checkpoint(10).commit
+    assert commit["layout"] == "sharded" and "model.safetensors" not in commit["files"]
+    assert {f for f in commit["files"] if f.startswith("dcp/__")} == {"dcp/__0_0.distcp", "dcp/__1_0.distcp"}
 
 
 def test_replay_is_bit_exact_and_names_rank_1_s_sample(zero_run):
@@ -91,6 +95,37 @@ def test_the_trace_names_the_user_s_line_under_deepspeed_s_linear(tmp_path, monk
     replayer.close(runner)
     assert "aten.mm.default" in {e.op for e in tracer.events}  # (DeepSpeed's linear ran: no addmm)
     assert {e.source.split(":")[0] for e in tracer.events if e.source} == {"models.py"}
+
+
+def test_one_process_replays_a_rank_from_the_ranks_partitions(zero_run):
+    """`--rank 1`: the checkpoint's partitions, written by two ranks, load whole into an engine
+    of one process: its first step's loss is rank 1's recorded one, bit for bit (it needs no
+    other rank's gradients); the NaN row is named."""
+    stage, run_dir, _ = zero_run
+    report = ckptlab.replay(run_dir, dm.NAN_STEP, rank=dm.NAN_RANK)
+    first, m = report.steps[0], ckptlab.open_run(run_dir).metrics()
+    assert first.step == 5 and first.loss == m.scalars[m.index(5)]["rank_loss"][dm.NAN_RANK], report.verdict
+    assert (report.root_step, report.origin.kind) == (dm.NAN_STEP, "data")
+    nan_id = dm.sample_ids(dm.NAN_STEP, dm.NAN_RANK)[dm.NAN_ROW]
+    assert [(s.row, s.sample_id) for s in report.samples] == [(dm.NAN_ROW, nan_id)]
+
+
+def test_zero3_s_frozen_parameters_and_buffers_are_checkpointed_whole(tmp_path_factory):
+    """ZeRO-3 partitions a frozen parameter too (no fp32 master, no optimizer state): the
+    checkpoint holds it whole, as it was built, beside the buffer; replay stays bit-exact. This
+    run writes its checkpoints on the training thread (`async_sharded=False`: the live
+    partitions, no copy)."""
+    run_dir = _record(tmp_path_factory, "3-frozen")[0]
+    run = ckptlab.open_run(run_dir)
+    first, tenth = run.checkpoint(0).load_model()[0], run.checkpoint(10).load_model()[0]
+    assert set(tenth) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "scale"}
+    assert torch.equal(tenth["fc1.bias"], first["fc1.bias"]) and not torch.equal(tenth["fc2.bias"], first["fc2.bias"])
+    assert tenth["scale"].tolist() == [1.5, 2.5]
+    assert [g["params"] for g in run.checkpoint(10).load_state()["param_groups"]] == [
+        ["fc1.weight", "fc2.weight", "fc2.bias"]
+    ]
+    report = ckptlab.replay(run_dir, dm.NAN_STEP)
+    assert report.deterministic and (report.root_step, report.rank) == (dm.NAN_STEP, dm.NAN_RANK), report.verdict
 
 
 def _assert_names_the_learning_rate_step(report) -> None:

@@ -54,9 +54,10 @@ class RecordConfig:
             is detected, the checkpoint is taken again at the next step by copy, and copies
             are used from then on. "copy": copy the state when checkpointing (always, on a
             GPU: it is staged to host memory).
-        async_sharded: FSDP2: stage each rank's shards to host memory and write them in the
-            background (`torch.distributed.checkpoint.async_save`), committed at the start of
-            the next step; False writes them on the training thread.
+        async_sharded: FSDP2, FSDP1, pipeline stages, DeepSpeed ZeRO: stage each rank's
+            shards (ZeRO: partitions) to host memory and write them in the background
+            (`torch.distributed.checkpoint.async_save`), committed at the start of the next
+            step; False writes them on the training thread.
         on_anomaly: `callback(step, events)` after a step with an anomaly (non-finite loss,
             gradient or weight; loss or grad-norm spike: see analysis/spikes.py); "warn"
             (default) logs one warning per anomaly episode naming the replay command, and

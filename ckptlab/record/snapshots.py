@@ -1,13 +1,12 @@
 """The checkpoints a Recorder takes, and what keeps them exact.
 
-Four ways to take one: *live* (a CPU model, `ckpt_snapshot="live"`: written in the background
+Three ways to take one: *live* (a CPU model, `ckpt_snapshot="live"`: written in the background
 from the parameters and the optimizer's state themselves, no copy; the optimizer's next step
 waits for each tensor's bytes as it comes to it, through `AwaitLiveBytes`), *copy* (the state
 copied off the device, then written in the background: run/checkpoint.py), *sharded* (FSDP,
 pipeline stages: every rank writes its part through DCP, in the background unless
-`async_sharded=False`, committed at the start of the next step) and *gathered* (DeepSpeed
-ZeRO: every rank's parts gathered whole to rank 0, which writes a copy in the background:
-training/zero.py). Retention runs after each commit, protecting the
+`async_sharded=False`, committed at the start of the next step; DeepSpeed ZeRO's partitions
+alike: training/zero_parts.py). Retention runs after each commit, protecting the
 best-validation checkpoint and the last healthy one before the first anomaly.
 """
 
@@ -31,10 +30,11 @@ from ckptlab.training import zero
 from ckptlab.training.crash import call_through
 from ckptlab.training.optimizer_set import OptimizerSet
 from ckptlab.training.probe import StepProbe, learned
-from ckptlab.training.sharded import PendingSave, save_sharded, start_sharded_save
+from ckptlab.training.sharded import PendingSave, save_sharded, save_tree, start_sharded_save, start_tree_save
 from ckptlab.training.state import capture_train_state, snapshot
 from ckptlab.training.world import World
 from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
+from ckptlab.training.zero_parts import partition_tree
 
 
 class Snapshots:
@@ -108,7 +108,7 @@ class Snapshots:
         self.steps.append(step)
         if self.world.checkpoints_sharded:  # FSDP, pipeline stages: every rank writes its part (DCP)
             return self._take_sharded(step, info)
-        if self.world.zero is not None:  # DeepSpeed ZeRO: gathered whole to rank 0, which writes it
+        if self.world.zero is not None:  # DeepSpeed ZeRO: every rank writes its partitions (DCP)
             return self._take_zero(step, info)
         if not self.world.is_main:  # replicated: rank 0's copy is everyone's (RNGs are per rank, in the batch log)
             return 0.0
@@ -134,16 +134,22 @@ class Snapshots:
         return time.perf_counter() - t0
 
     def _take_zero(self, step: int, info: dict) -> float:
-        """Every rank takes part in gathering the whole state (training/zero.py); rank 0 hands
-        it to the background writer as a checkpoint of the usual (replicated) layout."""
+        """Every rank writes its own partitions through DCP (training/zero_parts.py), as
+        FSDP2's ranks write their shards: staged now, written in the background unless
+        `async_sharded=False`, committed at the next step."""
         t0 = time.perf_counter()
-        if self.world.is_main:
-            self.await_write()
-        state = capture_train_state(None, self.scheduler, self.scaler)
-        captured = zero.snapshot(self.world, step, zero.engine_of(self.model), state, info)
-        if captured is None:
-            return time.perf_counter() - t0
-        self.writer.submit_checkpoint(captured, Retention(self.config.keep_last, self._protected))
+        self.finish_sharded()  # the previous one first (its commit is collective)
+        engine = zero.engine_of(self.model)
+        zero.check_step_boundary(engine, step)
+        tree, main = partition_tree(self.world, engine, copy=self.config.async_sharded)
+        main.update(capture_train_state(None, self.scheduler, self.scaler), deepspeed=zero.counters(engine))
+        args = (self.run_dir, step, self.world, tree, main, info)
+        if self.config.async_sharded:
+            self._pending = start_tree_save(*args, staged=True)  # (copied: DCP need not stage it)
+        else:
+            save_tree(*args)
+            if self.world.is_main:
+                apply_retention(self.run_dir, self.config.keep_last, *self._protected())
         return time.perf_counter() - t0
 
     def _before_update(self) -> None:

@@ -513,10 +513,13 @@ class Checkpoint:
     def load_sharded(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
         """A sharded checkpoint's shards assembled in this process: (the whole model state dict,
         the optimizer state dict keyed by parameter name). `state`: its `load_state()`, which
-        holds the optimizer's param_groups (kept out of DCP)."""
+        holds the optimizer's param_groups and any per-parameter state that is no tensor
+        (`optimizer_scalars`, DeepSpeed FusedAdam's `step`), kept out of DCP."""
         tree = read_dcp(self.path / DCP_DIR)
-        optim = {"state": tree.get("optim", {}).get("state", {}), "param_groups": state["param_groups"]}
-        return tree.get("model", {}), optim
+        per_param = tree.get("optim", {}).get("state", {})
+        for name, values in state.get("optimizer_scalars", {}).items():  # (not tensors: kept out of DCP)
+            per_param.setdefault(name, {}).update(values)
+        return tree.get("model", {}), {"state": per_param, "param_groups": state["param_groups"]}
 
     def load_state(self, *, verify: bool = True) -> dict[str, Any]:
         if verify:

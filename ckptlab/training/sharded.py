@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptlab.errors import RecordError
@@ -48,21 +49,23 @@ def _dcp():
 
 def save_sharded(run_dir: Path, step: int, world, model, optimizer, train_state: dict, info: dict) -> None:
     """Every rank calls this; rank 0 commits. `train_state`: scheduler/scaler/rng/env (rank 0's)."""
-    dcp, sd = _dcp()
+    tree, groups = _tree(world, model, optimizer)
+    save_tree(run_dir, step, world, tree, {**train_state, "param_groups": groups}, info)
+
+
+def save_tree(run_dir: Path, step: int, world, tree: dict, main_state: dict, info: dict) -> None:
+    """Write every rank's part of `tree` (DCP's state dict: "model", "optim") on the training
+    thread and commit it; `main_state` (rank 0's) goes into state.safetensors. Collective."""
+    dcp, _ = _dcp()
     tmp = on_disk.temp_folder(run_dir, step, info.get("session", 0))
     if world.is_main:
         on_disk.prepare(tmp)
     world.barrier()
     try:
-        optim = sd.get_optimizer_state_dict(model, optimizer)
-        groups = _param_groups(world, optim)
-        dcp.save(
-            {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
-            storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
-        )
+        dcp.save(tree, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True))
         mine = on_disk.rank_files(tmp, world.rank)
         if world.is_main:
-            mine.update(on_disk.write_main_files(tmp, step, {**train_state, "param_groups": groups}))
+            mine.update(on_disk.write_main_files(tmp, step, main_state))
         files: dict = {}
         for part in world.gather_objects(mine):
             files.update(part)
@@ -131,19 +134,46 @@ def start_sharded_save(run_dir: Path, step: int, world, model, optimizer, train_
     """Every rank calls this at the same step: DCP's collective planning and the copy of this
     rank's shards to host memory happen now; the write runs in the background, on a process
     group of its own (`World.checkpoint_group`). Commit with `PendingSave.finish()`."""
-    dcp, sd = _dcp()
+    tree, groups = _tree(world, model, optimizer)
+    return start_tree_save(run_dir, step, world, tree, {**train_state, "param_groups": groups}, info)
+
+
+def start_tree_save(
+    run_dir: Path, step: int, world, tree: dict, main_state: dict, info: dict, *, staged: bool = False
+) -> PendingSave:
+    """`save_tree`, written in the background (collective). DCP stages `tree` to host memory
+    first (`async_save`); a `staged` tree, already a copy of its own, is written as it is, by
+    `dcp.save` on a thread of ours (what `async_save`'s thread checkpointer does after staging)."""
+    dcp, _ = _dcp()
     tmp = on_disk.temp_folder(run_dir, step, info.get("session", 0))
     if world.is_main:
         on_disk.prepare(tmp)
     world.barrier()
+    writer = dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True)
+    group = world.checkpoint_group()  # (made here, on the training thread: collective)
+    if staged:
+        future = _writer_thread().submit(dcp.save, tree, storage_writer=writer, process_group=group)
+    else:
+        future = dcp.async_save(tree, storage_writer=writer, process_group=group)
+    return PendingSave(world, run_dir, step, tmp, info, main_state, future)
+
+
+_WRITER: list[ThreadPoolExecutor] = []
+
+
+def _writer_thread() -> ThreadPoolExecutor:
+    """One thread for this process's background writes of staged trees (one at a time: each
+    commits before the next starts)."""
+    if not _WRITER:
+        _WRITER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptlab-dcp"))
+    return _WRITER[0]
+
+
+def _tree(world, model, optimizer) -> tuple[dict, list]:
+    """(DCP's state dict of this rank's shards, the optimizer's name-keyed param_groups)."""
+    _, sd = _dcp()
     optim = sd.get_optimizer_state_dict(model, optimizer)
-    groups = _param_groups(world, optim)
-    future = dcp.async_save(
-        {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}},
-        storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
-        process_group=world.checkpoint_group(),
-    )
-    return PendingSave(world, run_dir, step, tmp, info, {**train_state, "param_groups": groups}, future)
+    return {"model": sd.get_model_state_dict(model), "optim": {"state": optim["state"]}}, _param_groups(world, optim)
 
 
 def _param_groups(world, optim: dict) -> list:

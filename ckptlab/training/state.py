@@ -30,6 +30,7 @@ from ckptlab.run.checkpoint import CapturedState
 from ckptlab.training import zero
 from ckptlab.training.sharded import load_sharded, set_full
 from ckptlab.training.wrappers import module_chain, torch_optimizer, torch_scheduler, unwrap
+from ckptlab.training.zero_parts import torch_format
 
 
 def is_compiled(model) -> bool:
@@ -322,9 +323,8 @@ def restore(model, optimizer, scheduler, scaler, tensors, aliases, train_state: 
     into a DeepSpeed engine the whole state goes in part by part (training/zero.py)."""
     engine = zero.engine_of(model)
     if engine is not None:  # DeepSpeed ZeRO: each rank takes its parts of the whole state
-        zero.load_whole(
-            engine, expand_aliases(tensors, aliases), train_state["optimizer"], train_state.get("deepspeed")
-        )
+        optim = train_state.get("optimizer") or torch_format(engine, train_state["optimizer_fqn"])  # (per rank: DCP's)
+        zero.load_whole(engine, expand_aliases(tensors, aliases), optim, train_state.get("deepspeed"))
         load_train_state({k: v for k, v in train_state.items() if k != "optimizer"}, optimizer, scheduler, scaler)
     elif "optimizer_fqn" in train_state:
         set_full(model, torch_optimizer(optimizer), expand_aliases(tensors, aliases), train_state["optimizer_fqn"])

@@ -17,12 +17,14 @@ optimizer's `step` has used it (`p.grad` is None by then). So:
   the gradients are final, averaged over the ranks, not yet clipped), each parameter's part
   on this rank. The ranks' squared norms add up to the exact global norm, as FSDP2's shards
   do (World.combine); weights are measured the same way, on the fp32 masters.
-- checkpoints and replay's snapshots hold the whole state, gathered through DeepSpeed's own
-  API (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`): model.safetensors holds
-  the fp32 master weights under the model's own names, the optimizer state is torch's format
-  for those parameters (what a torch optimizer over `engine.module.parameters()` would hold),
-  so `diff`, `rollback --to` and the exports read it as any run's. It loads into an engine of
-  any world size (a replay's process group of one included).
+- replay's snapshots hold the whole state, gathered through DeepSpeed's own API
+  (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`): the fp32 master weights
+  under the model's own names, the optimizer state in torch's format for those parameters
+  (what a torch optimizer over `engine.module.parameters()` would hold). `load_whole` puts
+  such a state into an engine of any world size (a replay's process group of one included).
+  Checkpoints are not gathered: each rank writes its own partitions (training/zero_parts.py),
+  read back whole into the same form. (Runs recorded by earlier versions hold checkpoints of
+  the gathered state, as model.safetensors and state.safetensors; they load as snapshots do.)
 
 DeepSpeed is never imported here before the user has: only a model that holds an engine
 (told apart by class name) reaches the functions that import it. The attributes of DeepSpeed's
@@ -273,25 +275,35 @@ def whole_state(engine: Any, keep: bool) -> tuple[dict[str, torch.Tensor], dict,
         for name, t in target.state_dict(keep_vars=True).items():
             if isinstance(t, torch.Tensor):
                 tensors[name] = full[id(t)] if id(t) in full else t.detach().to("cpu", copy=True)
-    counters = {k: int(getattr(engine, k, 0)) for k in COUNTERS}
-    return tensors, {"state": state, "param_groups": param_groups}, counters
+    return tensors, {"state": state, "param_groups": param_groups}, counters(engine)
 
 
-def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None = None) -> CapturedState | None:
-    """The whole training state at `step`, on rank 0 (None elsewhere); collective. `train_state`:
-    the scheduler, scaler, RNG and env (training/state.py capture_train_state, no optimizer).
-    Every rank's RNG states go in as `rng_by_rank`, as FSDP2's snapshots carry them."""
+def check_step_boundary(engine: Any, step: int) -> None:
+    """RecordError when `step` would begin inside DeepSpeed's gradient accumulation: the
+    gradients accumulated so far are in no checkpoint or snapshot."""
     if _accumulating(engine):
         raise RecordError(
             f"step {step} begins inside DeepSpeed's gradient accumulation (micro-step {engine.micro_steps} of "
             f"{engine.gradient_accumulation_steps()}): the gradients accumulated so far would be lost",
             hint="run every micro-batch of an optimizer step (engine.backward and engine.step each) in one step_fn call",
         )
+
+
+def counters(engine: Any) -> dict[str, int]:
+    """The engine's own step counts (`COUNTERS`)."""
+    return {k: int(getattr(engine, k, 0)) for k in COUNTERS}
+
+
+def snapshot(world, step: int, engine: Any, train_state: dict, info: dict | None = None) -> CapturedState | None:
+    """The whole training state at `step`, on rank 0 (None elsewhere); collective. `train_state`:
+    the scheduler, scaler, RNG and env (training/state.py capture_train_state, no optimizer).
+    Every rank's RNG states go in as `rng_by_rank`, as FSDP2's snapshots carry them."""
+    check_step_boundary(engine, step)
     rngs = world.gather_objects(train_state["rng"])
-    tensors, optimizer, counters = whole_state(engine, keep=world.is_main)
+    tensors, optimizer, steps = whole_state(engine, keep=world.is_main)
     if not world.is_main:
         return None
-    state = {**train_state, "optimizer": optimizer, "deepspeed": counters, "rng_by_rank": rngs}
+    state = {**train_state, "optimizer": optimizer, "deepspeed": steps, "rng_by_rank": rngs}
     spec, state_tensors = codec.encode(state, prefix="state")
     first, aliases = split_tied(tensors)
     captured = CapturedState(step, first, aliases, spec, state_tensors, dict(info or {}))
@@ -311,7 +323,7 @@ def _accumulating(engine: Any) -> bool:
     return k > 1 and engine.micro_steps % k != 0
 
 
-def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, counters: dict | None) -> None:
+def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, counts: dict | None) -> None:
     """Load the whole state (`whole_state`'s) into a live engine of any world size: each rank
     takes its parts of the fp32 masters and the optimizer state, and the model's own (stage
     3: partitioned) parameters are set from the masters."""
@@ -340,7 +352,7 @@ def load_whole(engine: Any, tensors: dict[str, torch.Tensor], optimizer: dict, c
         for name, b in target.named_buffers():
             if name in tensors:
                 b.copy_(tensors[name])
-    for k, v in (counters or {}).items():
+    for k, v in (counts or {}).items():
         if k in COUNTERS:
             setattr(engine, k, int(v))
 
