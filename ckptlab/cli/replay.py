@@ -81,6 +81,21 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     help="--dump: at most this many bytes of tensors (uncompressed; 500M, 2G also work); the rest is listed as left out.",
 )
 @click.option("--force", is_flag=True, help="--dump: replace the file if it exists.")
+@click.option(
+    "--profile",
+    "profile",
+    is_flag=True,
+    help="Then replay the step (and a neighbour) timed and under torch.profiler: its slowest ops and modules with "
+    "their source lines, its time against the recorded step_time, and whether its slowness came back on replay (the "
+    "step's own) or not (the environment's). JSON key `profile`; writes a Chrome trace (default: RUN/profiles/step-N.json).",
+)
+@click.option(
+    "--profile-trace",
+    "profile_trace",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="--profile: write the Chrome trace to this new file (never overwritten) instead.",
+)
 def command(
     run_dir,
     step: int,
@@ -98,6 +113,8 @@ def command(
     dump_select: str | None,
     dump_max_bytes: str | None,
     force: bool,
+    profile: bool,
+    profile_trace: Path | None,
 ) -> None:
     """Replay a recorded step and explain what went wrong.
 
@@ -111,6 +128,9 @@ def command(
 
     --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
+    --profile then replays the step timed and under torch.profiler (a healthy but slow step too):
+    where its time goes, and whether its slowness is its own or came from around it.
+
     A distributed (DDP/FSDP) run replays on its processes (--world-size 1: all in this one) and names the
     rank the fault came in on; under torchrun each process replays its rank, rank 0 prints the report.
 
@@ -119,6 +139,8 @@ def command(
     else needs --trust-run-code.
     """
     dump = dump_request(dump_path, dump_select, dump_max_bytes, force, no_trace)
+    if profile_trace is not None and not profile:
+        raise click.UsageError("--profile-trace goes with --profile")
     term = open_terminal(as_json)
     run, follower = _open_with_step(run_dir, step, rank, term)
     report = _replay(
@@ -135,6 +157,7 @@ def command(
         trust_code=trust_code,
         budget=budget,
         dump=dump,
+        profile=profile_trace or profile,
     )
     if not follower:  # (a launched job's rank other than 0: rank 0 says it)
         _say(report, term, as_json)
