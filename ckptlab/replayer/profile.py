@@ -34,7 +34,7 @@ import numpy as np
 
 from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.replayer.findings import StepProfile
-from ckptlab.replayer.timeline import attribute, module_ranges
+from ckptlab.replayer.timeline import attribute, module_ranges, sources
 from ckptlab.run.atomic import atomic_file
 
 REPEATS = 3  # timed replays of each step after its warm-up; the median is its time
@@ -197,7 +197,8 @@ def _profiled(r, t, step: int, snap, trace: Path) -> tuple[list[dict], list[dict
     r.restore(t, snap)
     batch = r.batch(step)
     with module_ranges(t.model), profile(activities=activities, record_shapes=True, with_stack=True) as prof:
-        r.run_step(t, batch, measure_update=False)
+        with sources():
+            r.run_step(t, batch, measure_update=False)
     trace.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(trace) as tmp:
         prof.export_chrome_trace(str(tmp))

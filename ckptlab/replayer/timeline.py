@@ -1,6 +1,6 @@
 """Where one replayed step's time goes: its ops and the model's modules, from torch.profiler.
 
-    with module_ranges(model):                      # each module's forward as a profiler range
+    with module_ranges(model), sources():           # each module's forward, each call's line: ranges
         with torch.profiler.profile(...) as prof:
             ...                                     # the step
     ops, modules = attribute(prof.events(), top=10)
@@ -8,32 +8,31 @@
 Each op's self time (the time in the op less the ops it called) goes to the innermost module
 whose forward was running when it ran; a backward op goes to the module whose forward op made
 the autograd node it runs in (the profiler gives both the same `sequence_nr`). Its source is the
-innermost frame of the user's code that called it (the profiler's Python stack, `with_stack`),
-the forward op's for a backward op. Time outside every module (the loss, the optimizer) is
+line of the user's code that called it (`sources`: each torch call the step makes runs in a
+profiler range named by that line, found as the per-op trace finds it; the profiler's own
+Python stack names the line a function begins, not the line that called the op), the forward
+op's for a backward op. Time outside every module (the loss, the optimizer) is
 named `(outside the model)`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
-import sys
-import sysconfig
 from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from ckptlab.replayer.trace import user_source
 from ckptlab.training.wrappers import own_name, unwrap
 
 RANGE = "ckptlab.module: "  # the profiler range of a module's forward
+SOURCE = "ckptlab.source: "  # the profiler range of one torch call, named by its line
 BACKWARD = "autograd::engine::evaluate_function: "  # the profiler's range of one autograd node
 OUTSIDE = "(outside the model)"
-_FRAME = re.compile(r"^(?P<file>[^()]+\.py)\((?P<line>\d+)\): ")
-# Frames of these are never the user's code (a frame is named relative to its sys.path entry).
-_NOT_USERS = ("torch/", "ckptlab/", "<")
-_LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+_FRAME = re.compile(r"^[^()]+\.py\(\d+\): ")  # the profiler's event of a Python frame
 
 
 @contextlib.contextmanager
@@ -67,6 +66,22 @@ def module_ranges(model: torch.nn.Module) -> Iterator[None]:
             opened.pop().__exit__(None, None, None)
 
 
+class _Sources(TorchFunctionMode):
+    """Each torch call inside a profiler range named by the user's line that made it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        source = user_source()[0]
+        if source is None:
+            return func(*args, **(kwargs or {}))
+        with torch.autograd.profiler.record_function(SOURCE + source):
+            return func(*args, **(kwargs or {}))
+
+
+def sources():
+    """While it is active, every torch call runs in a `SOURCE` range (see _Sources)."""
+    return _Sources()
+
+
 def _enclosing(e) -> tuple[str | None, str | None, int | None]:
     """The innermost module range, user frame and autograd node (its sequence_nr) around `e`."""
     module = source = node = None
@@ -75,28 +90,17 @@ def _enclosing(e) -> tuple[str | None, str | None, int | None]:
         name = p.name
         if module is None and name.startswith(RANGE):
             module = name[len(RANGE) :]
-        elif source is None and (m := _FRAME.match(name)) and _users(m["file"]):
-            source = f"{m['file']}:{m['line']}"
+        elif source is None and name.startswith(SOURCE):
+            source = name[len(SOURCE) :]
         elif node is None and name.startswith(BACKWARD) and p.sequence_nr >= 0:
             node = p.sequence_nr
         p = p.cpu_parent
     return module, source, node
 
 
-@functools.cache
-def _users(file: str) -> bool:
-    """A frame's file is the user's code: not torch's or ckptlab's, nor any installed package's
-    or the standard library's (its top-level module, once imported, says where it lives)."""
-    if file.startswith(_NOT_USERS):
-        return False
-    top = sys.modules.get(file.split("/")[0].removesuffix(".py"))
-    where = getattr(top, "__file__", None) or ""
-    return not where.startswith(_LIBRARIES)
-
-
 def _is_op(e) -> bool:
     """An operator's event (not a Python frame, a module range or an autograd node's wrapper)."""
-    return "::" in e.name and not e.name.startswith((RANGE, BACKWARD)) and not _FRAME.match(e.name)
+    return "::" in e.name and not e.name.startswith((RANGE, SOURCE, BACKWARD, "<")) and not _FRAME.match(e.name)
 
 
 def attribute(events, top: int) -> tuple[list[dict], list[dict]]:
@@ -117,7 +121,7 @@ def attribute(events, top: int) -> tuple[list[dict], list[dict]]:
         module, source, node = where[id(e)]
         if module is None and node is not None and node in made:
             module, fwd_source = made[node]
-            source = source or fwd_source
+            source = fwd_source or source  # (the line of the forward op, not of `loss.backward()`)
         self_s = e.self_cpu_time_total / 1e6  # (microseconds)
         entry = by_op[e.name]
         entry[0] += self_s
