@@ -125,17 +125,11 @@ def replay(
     run = open_run(run) if not isinstance(run, Run) else run
     dump = _dump_request(dump) if dump is not None else None
     how: _Settings = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
-    trace_path = _profile_target(run, step, profile) if profile else None
+    trace_path = _profile_target(run, step, profile, rank, world_size) if profile else None
     try:
         with process_kept():  # (the settings, and torch's functions an engine replaced)
             folded = world_size is not None and world_size != run.world_size
             if (run.world_size > 1 or folded) and rank is None:
-                if trace_path is not None:
-                    raise ReplayError(
-                        "--profile replays the step in this one process: not a distributed run yet",
-                        path=run.path,
-                        hint="profile one rank's micro-batches with --rank R",
-                    )
                 return _on_processes(run, step, dump, world_size, trace, counterfactuals, nproc, budget, progress, how)
             if folded:
                 raise ReplayError(f"--world-size {world_size} and --rank {rank}: give one of them", path=run.path)
@@ -148,10 +142,7 @@ def replay(
                     inv.progress = progress
                 if run.world_size > 1:
                     inv.replayer.notes.append(_one_rank_note(run, rank or 0))
-                report = inv.investigate(trace=trace, counterfactuals=counterfactuals)
-                if trace_path is not None:
-                    _profile(inv, report, trace_path)
-                return report
+                return _profile(inv, inv.investigate(trace=trace, counterfactuals=counterfactuals), trace_path)
     finally:
         run.release()  # what the replay held against a live run's retention
 
@@ -193,12 +184,19 @@ def _one_rank_note(run: Run, rank: int) -> str:
     )
 
 
-def _profile_target(run: Run, step: int, profile: bool | str | Path) -> Path:
+def _profile_target(run: Run, step: int, profile: bool | str | Path, rank, world_size) -> Path:
     """Where the Chrome trace goes: the path given (refused now, before the replay, when it
-    exists), else a new `profiles/step-N.json` in the run (run/layout.py)."""
+    exists), else a new `profiles/step-N.json` in the run (run/layout.py). A replay on several
+    processes is refused: the profile replays the step in this one."""
     from ckptlab.replayer.profile import check_profile_target
     from ckptlab.run.layout import profile_trace
 
+    if (run.world_size > 1 or world_size not in (None, run.world_size)) and rank is None:
+        raise ReplayError(
+            "--profile replays the step in this one process: not a replay on several processes yet",
+            path=run.path,
+            hint="profile one rank's micro-batches in this process with --rank R",
+        )
     if isinstance(profile, bool):
         return profile_trace(run.path, step)
     path = Path(profile)
@@ -206,9 +204,13 @@ def _profile_target(run: Run, step: int, profile: bool | str | Path) -> Path:
     return path
 
 
-def _profile(inv: Investigation, report: ReplayReport, trace_path: Path) -> None:
-    """`report.profile` (profile.py); the user's step raising under it is a failed experiment."""
+def _profile(inv: Investigation, report: ReplayReport, trace_path: Path | None) -> ReplayReport:
+    """The report with its `profile` (profile.py) when asked for (`trace_path`); the user's
+    step raising under it is a failed experiment."""
     from ckptlab.replayer.profile import profile_step
+
+    if trace_path is None:
+        return report
     from ckptlab.training.crash import describe, is_step_error
 
     t0 = time.perf_counter()
@@ -220,6 +222,7 @@ def _profile(inv: Investigation, report: ReplayReport, trace_path: Path) -> None
         d = describe(e, None)
         report.failed_experiments.append({"experiment": "profile", "error": d["error"], "source": d.get("source")})
     report.timing["profile_s"] = time.perf_counter() - t0
+    return report
 
 
 def _dump_request(dump: DumpRequest | str | Path) -> DumpRequest:

@@ -108,12 +108,11 @@ def attribute(events, top: int) -> tuple[list[dict], list[dict]]:
     it) and modules ({module, self_s}) of the profiled step's events."""
     ops = [e for e in events if _is_op(e)]
     where = {id(e): _enclosing(e) for e in ops}
-    made: dict[
-        int, tuple[str, str | None]
-    ] = {}  # an autograd node's sequence_nr -> (module, source) of the forward op that made it
+    # an autograd node's sequence_nr -> (module, source) of the forward op that made it
+    made: dict[int, tuple[str | None, str | None]] = {}
     for e in ops:
         module, source, node = where[id(e)]
-        if node is None and e.sequence_nr >= 0 and module is not None:
+        if node is None and e.sequence_nr >= 0:
             made.setdefault(e.sequence_nr, (module, source))
     by_op: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(float)])
     by_module: dict[str, float] = defaultdict(float)
