@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.replayer.findings import StepProfile
@@ -46,7 +47,7 @@ def profile_step(inv, trace: Path) -> StepProfile:
     """Replay `inv.step` (and a neighbour) timed and profiled; the Chrome trace goes to `trace`."""
     step = inv.step
     rec = _recorded(inv.run, inv.metrics, step)
-    neighbour = _neighbour(inv.run, inv.metrics, step, rec["usual_wall"])
+    neighbour = _neighbour(inv.run, inv.metrics, step, rec["usual_wall"], inv.from_step)
     r = inv.replayer
     t, snaps = _states(inv, [step] if neighbour is None else [step, neighbour])
     try:
@@ -140,15 +141,17 @@ def _num(x) -> float | None:
     return round(float(x), 6) if np.isfinite(x) else None
 
 
-def _neighbour(run, m, step: int, usual_wall: float | None) -> int | None:
+def _neighbour(run, m, step: int, usual_wall: float | None, from_step: int | None) -> int | None:
     """The nearest recorded step (before first at equal distance) whose batch is kept and
-    whose loop turn was not slow: the replayed step's yardstick."""
+    whose loop turn was not slow: the replayed step's yardstick. Not before `--from-step`
+    (the replay starts there) or the first checkpoint."""
     kept = set(run.steps)
     w = _RULES.slow_step_window
+    low = from_step if from_step is not None else (run.checkpoints[0] if run.checkpoints else 0)
     for d in range(1, w + 1):
         for s in (step - d, step + d):
             i = m.index(s)
-            if s not in kept or i is None or s < (run.checkpoints[0] if run.checkpoints else 0):
+            if s not in kept or i is None or s < low:
                 continue
             wall = float(m.wall_time[i]) if len(m.wall_time) else float("nan")
             if usual_wall is None or not np.isfinite(wall) or wall < _RULES.slow_step_ratio * usual_wall:
@@ -176,11 +179,14 @@ def _timed(r, t, snaps: dict) -> dict[int, list[float]]:
     alternate, so a change in the host's load falls on both alike."""
     times: dict[int, list[float]] = {s: [] for s in snaps}
     batches = {s: r.batch(s) for s in snaps}
+    sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)  # (the GPU's work, not its launch)
     for n in range(REPEATS + 1):
         for s, snap in snaps.items():
             r.restore(t, snap)
+            sync()
             t0 = time.perf_counter()
             r.run_step(t, batches[s], measure_update=False)
+            sync()
             if n:  # (the first is the warm-up: caches, allocator, lazy inits)
                 times[s].append(time.perf_counter() - t0)
     return times
