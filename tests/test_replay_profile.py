@@ -86,3 +86,12 @@ def test_existing_trace_file_is_refused_before_replaying(slow_run, tmp_path, cli
     r = cli("replay", "--run", slow_run, "--step", 3, "--profile", taken, "--json")
     assert r.code == 1 and "never overwrites" in r.err and len(r.err.strip().splitlines()) == 1
     assert taken.read_text() == "user data" and r.out == ""
+
+
+def test_a_step_that_was_not_slow_has_nothing_to_come_back(slow_run, tmp_path):
+    m = ckptlab.open_run(slow_run).metrics()
+    quick = min(range(1, sm.STEPS), key=lambda s: m.wall_time[s])  # (the quickest: never slow, whatever the host did)
+    p = ckptlab.replay(slow_run, quick, profile=tmp_path / "t.json", counterfactuals=False).profile
+    assert p is not None and p.came_back is None
+    assert p.verdict.startswith(f"Step {quick} was not slow when recorded")
+    assert p.top_modules and p.replayed_s > 0
