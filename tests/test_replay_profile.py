@@ -95,3 +95,12 @@ def test_a_step_that_was_not_slow_has_nothing_to_come_back(slow_run, tmp_path):
     assert p is not None and p.came_back is None
     assert p.verdict.startswith(f"Step {quick} was not slow when recorded")
     assert p.top_modules and p.replayed_s > 0
+
+
+def test_a_run_on_several_processes_is_refused_up_front(slow_run, monkeypatch):
+    run = ckptlab.open_run(slow_run)
+    monkeypatch.setattr(type(run), "world_size", property(lambda self: 2))
+    with pytest.raises(ckptlab.errors.ReplayError, match="--profile replays the step in this one process") as e:
+        ckptlab.replay(run, 3, profile=True)
+    assert "--rank R" in str(e.value)
+    assert not (slow_run / "profiles" / "step-3.json").exists()
