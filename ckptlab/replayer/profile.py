@@ -193,15 +193,18 @@ def _timed(r, t, snaps: dict) -> dict[int, list[float]]:
 
 
 def _profiled(r, t, step: int, snap, trace: Path) -> tuple[list[dict], list[dict]]:
-    """The step once more under torch.profiler: its Chrome trace written to `trace` (atomically,
-    its folder made), its top ops and modules."""
+    """The step once more under torch.profiler (after a warm-up with the same ranges): its
+    Chrome trace written to `trace` (atomically, its folder made), its top ops and modules."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if r.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    r.restore(t, snap)
     batch = r.batch(step)
+    r.restore(t, snap)
+    with module_ranges(t.model), sources():  # a warm-up with the ranges: a compiled model recompiles for them here
+        r.run_step(t, batch, measure_update=False)
+    r.restore(t, snap)
     with module_ranges(t.model), profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         with sources():
             r.run_step(t, batch, measure_update=False)

@@ -5,9 +5,10 @@
             ...                                     # the step
     ops, modules = attribute(prof.events(), top=10)
 
-Each op's self time (the time in the op less the ops it called) goes to the innermost module
-whose forward was running when it ran; a backward op goes to the module whose forward op made
-the autograd node it runs in (the profiler gives both the same `sequence_nr`). Its source is the
+A module's time is its forward's own (its range less its submodules': its ops, Python, a
+sleep alike) and the self time of the backward ops of the autograd nodes its forward made (the
+profiler gives a forward op and its node the same `sequence_nr`); an op's self time is the
+time in it less the ops it called. Its source is the
 line of the user's code that called it (`sources`: each torch call the step makes runs in a
 profiler range named by that line, found as the per-op trace finds it; the profiler's own
 Python stack names the line a function begins, not the line that called the op), the forward
@@ -103,6 +104,22 @@ def _is_op(e) -> bool:
     return "::" in e.name and not e.name.startswith((RANGE, SOURCE, BACKWARD, "<")) and not _FRAME.match(e.name)
 
 
+def _forward_times(events) -> dict[str, float]:
+    """Each module's own forward time in seconds: its range less the ranges of the modules it
+    called. All of it, not only its ops': Python, a sleep, a wait for I/O count too."""
+    own: dict[str, float] = defaultdict(float)
+    for r in (e for e in events if e.name.startswith(RANGE)):
+        inner, stack = 0.0, list(r.cpu_children)
+        while stack:
+            c = stack.pop()
+            if c.name.startswith(RANGE):
+                inner += c.cpu_time_total
+            else:
+                stack.extend(c.cpu_children)
+        own[r.name[len(RANGE) :]] += (r.cpu_time_total - inner) / 1e6  # (microseconds)
+    return own
+
+
 def attribute(events, top: int) -> tuple[list[dict], list[dict]]:
     """The `top` ops by self time ({op, self_s, calls, source}: the source that spent most of
     it) and modules ({module, self_s}) of the profiled step's events."""
@@ -115,18 +132,20 @@ def attribute(events, top: int) -> tuple[list[dict], list[dict]]:
         if node is None and e.sequence_nr >= 0:
             made.setdefault(e.sequence_nr, (module, source))
     by_op: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(float)])
-    by_module: dict[str, float] = defaultdict(float)
+    by_module = _forward_times(events)
     for e in ops:
         module, source, node = where[id(e)]
+        self_s = e.self_cpu_time_total / 1e6  # (microseconds)
         if module is None and node is not None and node in made:
             module, fwd_source = made[node]
             source = fwd_source or source  # (the line of the forward op, not of `loss.backward()`)
-        self_s = e.self_cpu_time_total / 1e6  # (microseconds)
+            by_module[module if module is not None else OUTSIDE] += self_s
+        elif module is None:
+            by_module[OUTSIDE] += self_s
         entry = by_op[e.name]
         entry[0] += self_s
         entry[1] += 1
         entry[2][source] += self_s
-        by_module[module if module is not None else OUTSIDE] += self_s
     top_ops = [
         {"op": name, "self_s": round(s, 6), "calls": n, "source": max(srcs, key=lambda k: srcs[k])}
         for name, (s, n, srcs) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
