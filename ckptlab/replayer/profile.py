@@ -68,7 +68,7 @@ def profile_step(inv, trace: Path) -> StepProfile:
         neighbour_step=neighbour,
         neighbour_replayed_s=round(theirs, 6) if theirs is not None else None,
         recorded_excess_s=round(rec["excess"], 6),
-        replayed_excess_s=round(replayed - (theirs if theirs is not None else rec["usual_step"]), 6),
+        replayed_excess_s=round(replayed - (theirs if theirs is not None else rec["usual_step"] or 0.0), 6),
         came_back=None,
         verdict="",
         top_ops=top_ops,
@@ -103,21 +103,21 @@ def _recorded(run, m, step: int) -> dict:
     """What the record says of the step's time: its step_time and wall_time, their neighbours'
     medians (`slow_step_window` steps each side), its excess, whether `report` calls it slow,
     and the parts of its loop turn against their usual values (`around`)."""
-    i = m.index(step)
-    if i is None:
-        from ckptlab.errors import ReplayError
-
-        raise ReplayError(f"step {step} has no recorded time (its health was not recorded)", path=run.path)
+    i = m.index(step)  # None: a step with no health recorded (one that raised): its times are unknown
+    at = i if i is not None else int(np.searchsorted(m.step, step))
     w = _RULES.slow_step_window
-    near = [j for j in range(max(0, i - w), min(len(m.step), i + w + 1)) if j != i]
+    near = [j for j in range(max(0, at - w), min(len(m.step), at + w + 1)) if j != i]
 
     def usual(a) -> float | None:
-        values = np.asarray(a)[near] if near else np.zeros(0)
+        values = np.asarray(a)[near] if near and len(a) else np.zeros(0)
         values = values[np.isfinite(values)]
         return round(float(np.median(values)), 6) if len(values) else None
 
-    step_time, wall = _num(m.step_time[i]), _num(m.wall_time[i]) if len(m.wall_time) else None
-    usual_step, usual_wall = usual(m.step_time), usual(m.wall_time) if len(m.wall_time) else None
+    def value(a) -> float | None:
+        return _num(a[i]) if i is not None and len(a) else None
+
+    step_time, wall = value(m.step_time), value(m.wall_time)
+    usual_step, usual_wall = usual(m.step_time), usual(m.wall_time)
     mine, theirs = (wall, usual_wall) if wall is not None and usual_wall is not None else (step_time, usual_step)
     excess = (mine or 0.0) - (theirs or 0.0)
     slow = mine is not None and theirs is not None and _is_slow(mine, theirs)
@@ -125,7 +125,7 @@ def _recorded(run, m, step: int) -> dict:
     for key in ("data_wait", "step_time", "ckpt_time", "gc_time", "recompiles"):
         a = getattr(m, key, None)
         if a is not None and len(a):
-            around[key] = {"value": _num(a[i]), "usual": usual(a)}
+            around[key] = {"value": value(a), "usual": usual(a)}
     return {
         "step_time": step_time,
         "wall": wall,
