@@ -81,6 +81,18 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     help="--dump: at most this many bytes of tensors (uncompressed; 500M, 2G also work); the rest is listed as left out.",
 )
 @click.option("--force", is_flag=True, help="--dump: replace the file if it exists.")
+@click.option(
+    "--profile",
+    "profile",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[FILE]",
+    help="Then replay the step (and a neighbour) timed and under torch.profiler: its slowest ops and modules with "
+    "their source lines, its time against the recorded step_time, and whether its slowness came back on replay (the "
+    "step's own) or not (the environment's); a healthy but slow step too. JSON key `profile`; writes a Chrome trace "
+    "to FILE (a new file: never overwritten), by default RUN/profiles/step-N.json.",
+)
 def command(
     run_dir,
     step: int,
@@ -98,6 +110,7 @@ def command(
     dump_select: str | None,
     dump_max_bytes: str | None,
     force: bool,
+    profile: str | None,
 ) -> None:
     """Replay a recorded step and explain what went wrong.
 
@@ -105,11 +118,10 @@ def command(
     re-runs the recorded steps with the recorded batches (each loss and gradient norm checked:
     bit-exact, equivalent within round-off and why the bits differ, or diverged), finds the root
     step, traces it per op, and names the layer, op, parameter and data sample behind the fault
-    -- or says that the fault did not reproduce, and why: the first
-    step that left the record is replayed twice with a hash of every op's output, which names
-    the first nondeterministic op, or shows the state changed outside step_fn.
-
-    --dump FILE.h5 also writes the root step's tensors to an HDF5 file (`ckptlab show FILE.h5`).
+    -- or says that the fault did not reproduce, and why: the first step that left the record is
+    replayed twice with a hash of every op's output, which names the first nondeterministic op,
+    or shows the state changed outside step_fn. --dump FILE.h5 also writes the root step's
+    tensors to an HDF5 file (`ckptlab show FILE.h5`).
 
     A distributed (DDP/FSDP) run replays on its processes (--world-size 1: all in this one) and names the
     rank the fault came in on; under torchrun each process replays its rank, rank 0 prints the report.
@@ -135,12 +147,19 @@ def command(
         trust_code=trust_code,
         budget=budget,
         dump=dump,
+        profile=Path(profile) if profile else profile == "",  # ("": --profile with no FILE)
     )
     if not follower:  # (a launched job's rank other than 0: rank 0 says it)
         _say(report, term, as_json)
-    followed = report.deterministic or report.agreement == "equivalent"  # (else the verdict says why not)
-    if not follower and not report.fault_recorded and report.root_step is None and followed:  # "nothing to explain"
-        _point_to_anomalies(run, step, term)
+        if _nothing_to_explain(report):
+            _point_to_anomalies(run, step, term)
+
+
+def _nothing_to_explain(report) -> bool:
+    """A step healthy when recorded and when replayed, the replay following the record (else
+    the verdict says why not)."""
+    followed = report.deterministic or report.agreement == "equivalent"
+    return not report.fault_recorded and report.root_step is None and followed
 
 
 def _open_with_step(run_dir, step: int, rank: int | None, term):

@@ -70,8 +70,15 @@ def render(r, term) -> None:
     for f in r.failed_experiments:
         at = f" at {safe(f['source'])}" if f.get("source") else ""
         term.field("not run", f"{safe(f['experiment'])}: [yellow]the step raised[/yellow] {safe(f['error'])}{at}")
+    _written(r, term)
+
+
+def _written(r, term) -> None:
+    """What --dump and --profile found and wrote."""
     if r.dump is not None:
         render_dump_line(r.dump, term)
+    if r.profile is not None:
+        render_profile(r.profile, term)
 
 
 def _replayed(r, term) -> None:
@@ -259,3 +266,20 @@ def render_dump_line(d, term) -> None:
     )
     for line in d.origin_came_from[:2]:
         term.field("", f"origin {safe(line)}")
+
+
+def render_profile(p, term) -> None:
+    """`--profile`: its verdict, the times, the slowest modules and ops, the trace."""
+    colour = {True: "yellow", False: "green", None: "default"}[p.came_back]
+    term.field("profile", f"[{colour}]{safe(p.verdict)}[/]")
+    recorded = f"{p.recorded_step_time:.3g} s" if p.recorded_step_time is not None else "not recorded"
+    term.field("", f"replayed {p.replayed_s:.3g} s (median of {p.repeats}) against step_time {recorded} when recorded")
+    mods = ", ".join(f"{safe(m['module'] or '(root)')} {m['self_s']:.3g} s" for m in p.top_modules[:3])
+    if mods:
+        term.field("", f"modules: {mods}")
+    for op in p.top_ops[:3]:
+        at = f" at {safe(op['source'])}" if op.get("source") else ""
+        term.field(
+            "", f"{safe(op['op'])} {op['self_s']:.3g} s in {op['calls']} call{'s' if op['calls'] != 1 else ''}{at}"
+        )
+    term.field("", f"Chrome trace: [bold]{safe(p.trace)}[/bold] (chrome://tracing, ui.perfetto.dev)")

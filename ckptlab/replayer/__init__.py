@@ -31,6 +31,7 @@ the step that starts at a checkpoint (for `ckptlab export`) come from gradients.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -102,6 +103,7 @@ def replay(
     budget: int = DEFAULT_BUDGET,
     dump: DumpRequest | str | Path | None = None,
     world_size: int | None = None,
+    profile: bool | str | Path = False,
 ) -> ReplayReport:
     """Replay `step` of `run` and explain it. See the module docstring.
 
@@ -117,10 +119,13 @@ def replay(
     recording; `trust_code=True` (or CKPTLAB_TRUST_RUN_CODE=1) runs them anyway.
     `dump="f.h5"` (or `dump.DumpRequest(path, select=..., max_bytes=..., force=...)`) also
     writes the root step's tensors to an HDF5 file (dump.py; docs/replay.md, "The dump
-    file"); `report.dump` says what it holds."""
+    file"); `report.dump` says what it holds. `profile=True` (or the path of a new file for
+    its Chrome trace) then replays the step timed and under torch.profiler: `report.profile`
+    says where its time goes and whether its slowness came back (profile.py)."""
     run = open_run(run) if not isinstance(run, Run) else run
     dump = _dump_request(dump) if dump is not None else None
     how: _Settings = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
+    trace_path = _profile_target(run, step, profile, rank, world_size) if profile else None
     try:
         with process_kept():  # (the settings, and torch's functions an engine replaced)
             folded = world_size is not None and world_size != run.world_size
@@ -137,7 +142,7 @@ def replay(
                     inv.progress = progress
                 if run.world_size > 1:
                     inv.replayer.notes.append(_one_rank_note(run, rank or 0))
-                return inv.investigate(trace=trace, counterfactuals=counterfactuals)
+                return _profile(inv, inv.investigate(trace=trace, counterfactuals=counterfactuals), trace_path)
     finally:
         run.release()  # what the replay held against a live run's retention
 
@@ -177,6 +182,47 @@ def _one_rank_note(run: Run, rank: int) -> str:
         f"single-process replay of rank {rank}'s micro-batches (data-parallel rank {data_ranks[rank]} of {n}): "
         f"an approximation, with the model whole instead of in tensor-parallel shards{missing}, not bit-exact"
     )
+
+
+def _profile_target(run: Run, step: int, profile: bool | str | Path, rank, world_size) -> Path:
+    """Where the Chrome trace goes: the path given (refused now, before the replay, when it
+    exists), else a new `profiles/step-N.json` in the run (run/layout.py). A replay on several
+    processes is refused: the profile replays the step in this one."""
+    from ckptlab.replayer.profile import check_profile_target
+    from ckptlab.run.layout import profile_trace
+
+    if (run.world_size > 1 or world_size not in (None, run.world_size)) and rank is None:
+        raise ReplayError(
+            "--profile replays the step in this one process: not a replay on several processes yet",
+            path=run.path,
+            hint="profile one rank's micro-batches in this process with --rank R",
+        )
+    if isinstance(profile, bool):
+        return profile_trace(run.path, step)
+    path = Path(profile)
+    check_profile_target(path)
+    return path
+
+
+def _profile(inv: Investigation, report: ReplayReport, trace_path: Path | None) -> ReplayReport:
+    """The report with its `profile` (profile.py) when asked for (`trace_path`); the user's
+    step raising under it is a failed experiment."""
+    from ckptlab.replayer.profile import profile_step
+
+    if trace_path is None:
+        return report
+    from ckptlab.training.crash import describe, is_step_error
+
+    t0 = time.perf_counter()
+    try:
+        report.profile = profile_step(inv, trace_path)
+    except Exception as e:
+        if not is_step_error(e):
+            raise
+        d = describe(e, None)
+        report.failed_experiments.append({"experiment": "profile", "error": d["error"], "source": d.get("source")})
+    report.timing["profile_s"] = time.perf_counter() - t0
+    return report
 
 
 def _dump_request(dump: DumpRequest | str | Path) -> DumpRequest:

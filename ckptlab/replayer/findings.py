@@ -202,6 +202,30 @@ class NoiseCheck:
 
 
 @dataclass
+class StepProfile:
+    """`--profile`: the step replayed timed and under torch.profiler (profile.py; docs/replay.md,
+    "Profiling a step"). Times in seconds."""
+
+    replayed_s: float  # the replayed step's time: the median of its timed repeats
+    recorded_step_time: float | None  # its step_time in the record
+    ratio: float | None  # replayed_s / recorded_step_time
+    neighbours_median_s: float | None  # the recorded step_time of the steps around it (median)
+    recorded_wall_time: float | None  # its loop turn in the record (wall_time) ...
+    neighbours_wall_median_s: float | None  # ... and its neighbours' (median)
+    neighbour_step: int | None  # the neighbour replayed the same way (None: none was replayable)
+    neighbour_replayed_s: float | None
+    recorded_excess_s: float  # how much longer than its neighbours the record says it took
+    replayed_excess_s: float  # ... and replay: replayed_s - neighbour_replayed_s
+    came_back: bool | None  # the slowness came back on replay (None: not slow when recorded)
+    verdict: str
+    top_ops: list[dict]  # {"op", "self_s", "calls", "source"}, most self time first
+    top_modules: list[dict]  # {"module", "self_s"}: the model's own names
+    record: dict  # {"data_wait"|"step_time"|"ckpt_time"|"gc_time"|"recompiles": {"value", "usual"}}
+    trace: str  # the Chrome trace written
+    repeats: int  # timed replays of each step (after a warm-up)
+
+
+@dataclass
 class ReplayReport:
     run: str
     requested_step: int
@@ -276,6 +300,7 @@ class ReplayReport:
     # The buffers the root step left non-finite that were finite before it (BatchNorm's running
     # statistics): lasting damage, [{"buffer", "count"}] (parameters.py's `nonfinite_buffers`).
     nonfinite_buffers: list[dict] = field(default_factory=list)
+    profile: StepProfile | None = None  # --profile: where the step's time goes (profile.py)
 
     def to_json(self) -> dict:
         """The `ckptlab replay --json` document: the stable keys first (docs/replay.md)."""

@@ -100,6 +100,22 @@ def archive_dir(run: Path) -> Path:
     return run / "archive"
 
 
+def profiles_dir(run: Path) -> Path:
+    """Where `ckptlab replay --profile` writes its Chrome traces."""
+    return run / "profiles"
+
+
+def profile_trace(run: Path, step: int) -> Path:
+    """A new file for step `step`'s Chrome trace: `profiles/step-N.json`, else the first of
+    `step-N-2.json`, `step-N-3.json`, ... that does not exist (none is ever overwritten)."""
+    folder = profiles_dir(run)
+    path, n = folder / f"step-{step}.json", 1
+    while path.exists():
+        n += 1
+        path = folder / f"step-{step}-{n}.json"
+    return path
+
+
 def is_run(path: Path) -> bool:
     """A folder that holds a ckptlab run (its manifest)."""
     return (path / MANIFEST).is_file()
