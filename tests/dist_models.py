@@ -100,6 +100,7 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
     ) as rec:
         for s in range(rec.next_step, STEPS):  # (a resumed run continues its numbering)
             if s == kill_step and rank == 1:
+                _committed(run_dir, (s - 1) // 5 * 5)  # (what the test checks survives: on disk first)
                 os.kill(os.getpid(), signal.SIGKILL)
             b, ids = batch(s, rank)
             try:
@@ -107,7 +108,22 @@ def main(run_dir: str, kind: str, kill_step: int | None = None, resume: bool = F
             except ckptlab.NonFiniteLoss:
                 break
             print(f"rank {rank} step {s} returned", flush=True)
+    # gloo can abort at exit while a worker thread frees a tensor: leave without the teardown
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _committed(run_dir: str, step: int, wait_s: float = 120.0) -> None:
+    """Wait until checkpoint `step` is committed (rank 0 writes a DDP run's in the background)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if step in ckptlab.open_run(run_dir).checkpoints:
+            return
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

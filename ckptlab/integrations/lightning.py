@@ -56,32 +56,23 @@ from typing import Any
 import torch
 
 from ckptlab.analysis.batches import MICRO_BATCHES
-from ckptlab.errors import RecordError, install_hint
+from ckptlab.errors import RecordError
 from ckptlab.integrations import _common
 from ckptlab.integrations.lightning_manual import ReplayedTrainer, as_list
-from ckptlab.integrations.lightning_strategy import (
+from ckptlab.integrations.lightning_strategy import (  # (pl: Lightning, under either package name)
     BUILD_HINT,
     check_mesh,
     configure_model,
     ddp_wrapper,
     no_sync,
     not_recorded,
+    pl,
     run_training_step,
     strategy_config,
 )
 from ckptlab.record import RecordConfig, Recorder
 from ckptlab.training.crash import call_through
 from ckptlab.training.probe import accumulating
-
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the standalone package
-    try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its old name
-    except ImportError:
-        raise ImportError(
-            "ckptlab.integrations.lightning needs PyTorch Lightning: " + install_hint("lightning", "lightning")
-        ) from None
 
 # Precisions whose training step this module reproduces: full float32 (Lightning's default),
 # bf16 autocast, and float16 autocast with its GradScaler ("16-mixed": build(..., precision=
