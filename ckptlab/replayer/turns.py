@@ -40,7 +40,8 @@ class FoldedWorld(World):
     """The recorded world as the probe sees it in a fold (rank 0 of `size`): `gather` hands
     back every rank's row of health numbers, the other ranks' as their turns left them, with
     rank 0's weight and update norms (DDP's replicas hold the same weights, and only rank 0's
-    turn steps the optimizer). While another rank's turn runs, its row is kept."""
+    turn steps the optimizer). While another rank's turn runs, its row is kept. It is the
+    probe's world only (`gather`); the replayer's own world does the replay's collectives."""
 
     running: int = 0  # whose turn it is
     lead: int = 0  # the rank whose turn steps the optimizer in this process (its index among the processes)
@@ -62,15 +63,6 @@ class FoldedWorld(World):
             other[3 + 2 * P : 3 + 5 * P] = row[3 + 2 * P : 3 + 5 * P]
             out.append(other)
         return np.stack(out)
-
-    def barrier(self) -> None:
-        return None
-
-    def broadcast(self, obj: Any) -> Any:
-        return obj
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        return [obj] * self.size
 
 
 def _everyones(mine: Any, procs: int) -> list[Any]:
