@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,10 +21,16 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def torchrun(script: str, run_dir: Path, nproc: int = 2, *args: str) -> list[str]:
-    """Run tests/`script` RUN_DIR ARGS on `nproc` processes; its lines of output, sorted."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    done = _run([*launch, str(ROOT / "tests" / script), str(run_dir), *args])
-    return sorted(line for line in done.stdout.splitlines() if line)
+    """Run tests/`script` RUN_DIR ARGS on `nproc` processes; its ranks' lines of output, sorted.
+
+    Each rank's stdout goes to a file of its own (torchrun's --redirects): ranks printing
+    at once into one pipe can interleave within a line where stdout is unbuffered."""
+    with tempfile.TemporaryDirectory() as logs:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        launch += ["--redirects", "1", "--log-dir", logs]
+        _run([*launch, str(ROOT / "tests" / script), str(run_dir), *args])
+        said = [line for out in sorted(Path(logs).rglob("stdout.log")) for line in out.read_text().splitlines()]
+    return sorted(line for line in said if line)
 
 
 def record_to_the_fault(script: str, run_dir: Path, dm) -> Path:
