@@ -14,13 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
-def torchrun(script: str, run_dir: Path, nproc: int = 2, *args: str) -> list[str]:
+def torchrun(script: str, run_dir: Path, nproc: int = 2, *args: str, timeout: float = 300) -> list[str]:
     """Run tests/`script` RUN_DIR ARGS on `nproc` processes; its ranks' lines of output, sorted.
 
     Each rank's stdout goes to a file of its own (torchrun's --redirects): ranks printing
@@ -28,7 +28,7 @@ def torchrun(script: str, run_dir: Path, nproc: int = 2, *args: str) -> list[str
     with tempfile.TemporaryDirectory() as logs:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         launch += ["--redirects", "1", "--log-dir", logs]
-        _run([*launch, str(ROOT / "tests" / script), str(run_dir), *args])
+        _run([*launch, str(ROOT / "tests" / script), str(run_dir), *args], timeout)
         said = [line for out in sorted(Path(logs).rglob("stdout.log")) for line in out.read_text().splitlines()]
     return sorted(line for line in said if line)
 
