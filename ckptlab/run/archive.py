@@ -42,6 +42,7 @@ See docs/rollback.md.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -56,6 +57,7 @@ from ckptlab.io.files import read_bytes, read_text
 from ckptlab.run import framelog
 from ckptlab.run.atomic import atomic_file, fsync_path, rename_durably, write_bytes_atomic, write_json_atomic
 from ckptlab.run.checkpoint import list_checkpoints
+from ckptlab.run.columns import summary_path
 from ckptlab.run.layout import (
     MANIFEST,
     archive_dir,
@@ -335,11 +337,17 @@ def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manife
     for seg in plan.segments:
         target = dest / seg.rel
         target.parent.mkdir(parents=True, exist_ok=True)
+        # A journal segment's summary goes first (derived: no durability needed): killed
+        # after it, the rerun moves or splits the segment, its summary already gone.
+        summary = summary_path(seg.path)
         if seg.action == "move":
             if os.path.lexists(target):
                 _refuse(target)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(summary, summary_path(target))
             rename_durably(seg.path, target)
         else:
+            summary.unlink(missing_ok=True)  # it describes the segment before the split
             _split(seg.path, target, k)
             fsync_path(target.parent)
             fsync_path(seg.path.parent)

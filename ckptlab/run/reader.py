@@ -9,6 +9,7 @@ m = run.metrics()            # per-step health as numpy arrays (m.loss, m.param_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -17,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from ckptlab.errors import CorruptFileError, ReplayError, RetiredError
-from ckptlab.run import framelog, records
+from ckptlab.run import columns, framelog, records
 from ckptlab.run.archive import unfinished_rollback
 from ckptlab.run.checkpoint import Checkpoint, list_checkpoints
+from ckptlab.run.columns import Columns
 from ckptlab.run.layout import (
     archive_dir,
     batches_dir,
@@ -60,7 +62,7 @@ class Metrics:
     # (recorded then, when known without a device sync: docs/run-format.md)
     weight_norm_before: np.ndarray
     param_nonfinite: np.ndarray  # int64[S, P]
-    scalars: list[dict] = field(default_factory=list, repr=False)  # the raw per-step records
+    scalars: Sequence[dict] = field(default_factory=list, repr=False)  # the raw per-step records
     # Where each step's time went and the memory it used (docs/run-format.md, "step"), float64[S]:
     # seconds, NaN where not recorded (data_wait: a session's first step); counts and bytes NaN
     # where not known; ckpt_time, gc_time, recompiles and swap 0 where none.
@@ -77,6 +79,18 @@ class Metrics:
 
     def __len__(self) -> int:
         return len(self.step)
+
+    def holds(self, key: str) -> np.ndarray:
+        """bool[S]: the step's record holds field `key` (null included)."""
+        if isinstance(self.scalars, columns.Rows):
+            return self.scalars.columns.holds(key)
+        return np.array([key in sc for sc in self.scalars], dtype=bool)
+
+    def field(self, key: str, fill: float = np.nan) -> np.ndarray:
+        """float64[S]: the records' number field `key`; NaN where null, `fill` where absent."""
+        if isinstance(self.scalars, columns.Rows):
+            return self.scalars.columns.number(key, fill)
+        return np.array([_f(sc.get(key, fill)) for sc in self.scalars], dtype=np.float64)
 
     @property
     def samples_per_s(self) -> np.ndarray:
@@ -305,23 +319,25 @@ class Run:
     # --- journal: health, validation, events --------------------------------------------------
 
     @cached_property
-    def _journal(self) -> dict[int, list[tuple[int, Any]]]:  # kind -> [(step, record)]
-        by_kind: dict[int, list] = {framelog.STEP: [], framelog.VALIDATION: [], framelog.EVENT: []}
+    def _columns(self) -> Columns:
+        """The journal's records, as columns: each segment's from its summary when it has a
+        current one (columns.py), else from its frames."""
+        parts = []
         for path, tail in _segments(journal_dir(self.path), self._closed_sessions(0)):
             try:
-                for ref, payload in framelog.iter_payloads(path):
-                    where = f"{path}@{ref.step}"
-                    if ref.kind == framelog.STEP:
-                        by_kind[ref.kind].append((ref.step, records.decode_step(payload, where=where)))
-                    elif ref.kind in by_kind:
-                        record = records.decode_json(payload, where=where)
-                        kind = "validation" if ref.kind == framelog.VALIDATION else "event"
-                        by_kind[ref.kind].append((ref.step, records.check_json_record(kind, record, where)))
-            except CorruptFileError as e:  # a corrupt segment: report it, keep the others readable
-                self._damage(str(e))
+                cols = columns.load_summary(path, path.stat().st_size)
+            except FileNotFoundError:
                 continue
-            self._scan(path, tail)
-        return by_kind
+            if cols is None:
+                try:
+                    cols = Columns.from_frames(framelog.iter_payloads(path), str(path))
+                except CorruptFileError as e:  # a corrupt segment: report it, keep the others readable
+                    self._damage(str(e))
+                    cols = e.columns  # type: ignore[attr-defined]  # (the records before the damage)
+                else:
+                    self._scan(path, tail)
+            parts.append(cols)
+        return Columns.concat(parts)
 
     def metrics(self) -> Metrics:
         return self._metrics
@@ -329,16 +345,17 @@ class Run:
     @cached_property
     def _metrics(self) -> Metrics:
         names = [p["name"] for p in self.manifest.get("parameters", [])]
-        return _metrics(names, sorted({s: r for s, r in self._journal[framelog.STEP]}.items()))
+        return _metrics(names, self._columns.by_step())
 
     def validation(self) -> list[dict]:
         """[{"step": k, "metrics": {...}}], in order: metrics measured on the state at step k."""
-        return [{"step": s, **r} for s, r in self._journal[framelog.VALIDATION]]
+        return [{"step": s, **r} for kind, s, r in self._columns.others if kind == framelog.VALIDATION]
 
     def events(self) -> list[dict]:
         """Anomalies seen while recording (non-finite loss, spikes, ...), in step order; with
         the exceptions ranks other than 0 recorded in their own batch logs (`"rank": R`)."""
-        found = [{"step": s, **r} for s, r in self._journal[framelog.EVENT]] + self._rank_events
+        found = [{"step": s, **r} for kind, s, r in self._columns.others if kind == framelog.EVENT]
+        found += self._rank_events
         return sorted(found, key=lambda e: e["step"])
 
     @cached_property
@@ -399,41 +416,41 @@ class Run:
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def _metrics(names: list[str], rows: list) -> Metrics:
-    """Metrics from the journal's step records [(step, (scalars, arrays))], in step order."""
-    n, p = len(rows), len(names)
-    groups = max([len(r[0].get("lr", [])) for _, r in rows], default=0)
-
-    def per_param(dtype, fill):
-        return np.full((n, p), fill, dtype=dtype)
-
+def _metrics(names: list[str], cols: Columns) -> Metrics:
+    """Metrics from the journal's step records, one a step, in step order."""
+    n, p = len(cols), len(names)
+    lr = cols.lists["lr"][0] if "lr" in cols.lists else np.full((n, 0), np.nan)
     m = Metrics(
         param_names=names,
-        step=np.array([s for s, _ in rows], dtype=np.int64),
-        loss=np.array([_f(r[0].get("loss")) for _, r in rows], dtype=np.float64),
-        loss_known=np.array([r[0].get("loss") is not None for _, r in rows], dtype=bool),
-        grad_norm=np.array([_f(r[0].get("grad_norm")) for _, r in rows], dtype=np.float64),
-        lr=np.full((n, groups), np.nan),
-        step_time=np.array([_f(r[0].get("step_time")) for _, r in rows], dtype=np.float64),
-        nonfinite_grads=np.array([int(r[0].get("nonfinite_grads", 0)) for _, r in rows], dtype=np.int64),
-        stepped=np.array([bool(r[0].get("stepped", True)) for _, r in rows], dtype=bool),
-        scaler_skipped=np.array([bool(r[0].get("scaler_skipped", False)) for _, r in rows], dtype=bool),
-        param_grad_norm=per_param(np.float32, np.nan),
-        update_ratio=per_param(np.float32, np.nan),
-        weight_norm=per_param(np.float32, np.nan),
-        weight_norm_before=per_param(np.float32, np.nan),
-        param_nonfinite=per_param(np.int64, 0),
-        scalars=[r[0] for _, r in rows],
-        **{k: _column(rows, k, fill) for k, fill in SYSTEM_FIELDS.items()},
+        step=cols.step,
+        loss=cols.number("loss", np.nan),
+        loss_known=np.isin(
+            cols.kind.get("loss", np.zeros(n, dtype=np.uint8)), (columns.FLOAT, columns.INT, columns.BOOL)
+        ),
+        grad_norm=cols.number("grad_norm", np.nan),
+        lr=lr,
+        step_time=cols.number("step_time", np.nan),
+        nonfinite_grads=cols.number("nonfinite_grads", 0).astype(np.int64),
+        stepped=cols.number("stepped", 1).astype(bool),
+        scaler_skipped=cols.number("scaler_skipped", 0).astype(bool),
+        param_grad_norm=_per_param(cols, "param_grad_norm", n, p, np.float32, np.nan),
+        update_ratio=_per_param(cols, "update_ratio", n, p, np.float32, np.nan),
+        weight_norm=_per_param(cols, "weight_norm", n, p, np.float32, np.nan),
+        weight_norm_before=_per_param(cols, "weight_norm_before", n, p, np.float32, np.nan),
+        param_nonfinite=_per_param(cols, "param_nonfinite", n, p, np.int64, 0),
+        scalars=columns.Rows(cols),
+        **{k: cols.number(k, fill) for k, fill in SYSTEM_FIELDS.items()},
     )
-    for i, (_, (scalars, arrays)) in enumerate(rows):
-        lr = scalars.get("lr", [])
-        m.lr[i, : len(lr)] = lr
-        for key in ("param_grad_norm", "update_ratio", "weight_norm", "weight_norm_before", "param_nonfinite"):
-            a = arrays.get(key)
-            if a is not None and len(a) == p:
-                getattr(m, key)[i] = a
     return m
+
+
+def _per_param(cols: Columns, key: str, n: int, p: int, dtype, fill) -> np.ndarray:
+    out = np.full((n, p), fill, dtype=dtype)
+    if key in cols.arrays:
+        rows, values = cols.arrays[key]
+        if values.ndim == 2 and values.shape[1] == p:
+            out[rows] = values
+    return out
 
 
 # The step record's system fields (record/system.py), each with its value where a record has none.
@@ -449,10 +466,6 @@ SYSTEM_FIELDS = {
     "mem_limit": np.nan,
     "swap": 0.0,
 }
-
-
-def _column(rows: list, key: str, fill: float) -> np.ndarray:
-    return np.array([_f(r[0].get(key, fill)) for _, r in rows], dtype=np.float64)
 
 
 def _segments(folder: Path, closed: set[int]) -> list[tuple[Path, str]]:

@@ -9,6 +9,7 @@ the training thread waits (and the wait is reported as `ckpt_wait` in the step's
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptlab.errors import RecordError
-from ckptlab.run import framelog, records
+from ckptlab.run import columns, framelog, records
 from ckptlab.run.atomic import fsync_path
 from ckptlab.run.checkpoint import CapturedState, TornSnapshot, commit_checkpoint
 from ckptlab.run.layout import batches_dir, journal_dir, segment_name
@@ -87,6 +88,7 @@ class RunWriter:
         if first_step == self._first_step:
             return
         old = [w for w in (self._batches, self._journal) if w is not None]
+        old_journal = self._journal
         folders = [batches_dir(self.run_dir, self.rank)] + ([journal_dir(self.run_dir)] if self._write_journal else [])
         created = [new for folder in folders for new in _make_dirs(folder)]
         self._batches = self._open(folders[0] / segment_name(self.session, first_step))
@@ -95,6 +97,8 @@ class RunWriter:
         self._first_step = first_step
         for w in old:  # their fsync is durability for power loss; a kill cannot lose them
             self._submit(("close", w))
+        if old_journal is not None:
+            self._submit(("summarize", old_journal.path))
         # The new files' and folders' names are durable only once their parent folder is synced.
         for folder in dict.fromkeys([*folders, *(new.parent for new in created)]):
             self._submit(("sync_dir", folder))
@@ -174,6 +178,9 @@ class RunWriter:
                     job[1].close(fsync=True)
                 elif job[0] == "sync_dir":
                     fsync_path(job[1])
+                elif job[0] == "summarize":  # derived: a summary not written costs readers time only
+                    with contextlib.suppress(OSError):
+                        columns.write_summary(job[1])
                 elif job[0] == "checkpoint":
                     _, captured, retention = job
                     try:
@@ -208,6 +215,8 @@ class RunWriter:
         for w in (self._batches, self._journal):
             if w is not None:
                 self._jobs.put(("close", w))
+        if self._journal is not None and self.failed is None:
+            self._jobs.put(("summarize", self._journal.path))
         self._batches = self._journal = None
         self._jobs.put(None)
         self._thread.join()
@@ -219,8 +228,8 @@ def _describe(job: tuple) -> str:
     kind, target = job[0], job[1]
     if kind == "checkpoint":
         return f"writing checkpoint {target.step}"
-    if kind == "sync_dir":
-        return f"syncing folder {target.name}"
+    if kind in ("sync_dir", "summarize"):
+        return f"{'syncing folder' if kind == 'sync_dir' else 'summarizing'} {target.name}"
     return f"closing {target.path.name}"
 
 

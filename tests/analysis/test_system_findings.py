@@ -8,6 +8,7 @@ import pytest
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import HealthRules
 from ckptlab.analysis.health.system import input_bound, memory_pressure, mfu, slow_steps, throughput_drop
+from ckptlab.run.columns import Columns
 from ckptlab.run.reader import _metrics
 
 RULES = HealthRules()
@@ -29,8 +30,10 @@ class FakeRun:
 def data(records: list[dict], manifest=None, validated=()) -> RunData:
     """RunData of step records (their system fields, as the Recorder writes them), with
     validations recorded at the steps `validated`."""
-    rows = [(i, ({"loss": 1.0, "grad_norm": 1.0, "step_time": 0.01, **r}, {})) for i, r in enumerate(records)]
-    return RunData(FakeRun(manifest, validated), _metrics([], rows), "val_loss", "min", [], None, [])
+    rows = [(i, {"loss": 1.0, "grad_norm": 1.0, "step_time": 0.01, **r}, {}) for i, r in enumerate(records)]
+    return RunData(
+        FakeRun(manifest, validated), _metrics([], Columns.from_records(rows, [])), "val_loss", "min", [], None, []
+    )
 
 
 def steady(n: int, **over) -> list[dict]:

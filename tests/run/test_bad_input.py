@@ -147,7 +147,8 @@ def test_damage_after_a_clean_close_is_an_error_not_a_torn_tail(run_dir):
     for damaged in (intact[:-7], intact[:-2] + bytes([intact[-2] ^ 0xFF]) + intact[-1:]):
         path.write_bytes(damaged)
         run = ckptlab.open_run(run_dir)
-        run.metrics()
+        run.metrics()  # (from the segment's summary where it is current: the records as written)
+        run.verify_logs()
         assert run.damaged == [
             f"{path}: truncated or damaged in its last frame, though its session was closed cleanly (corrupt file)"
         ]

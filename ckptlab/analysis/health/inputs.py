@@ -48,7 +48,7 @@ class RunData:
     def weights_measured(self) -> np.ndarray:
         """Rows where weight norms were measured: their record counts the non-finite ones (a NaN
         in weight_norm alone could also mean "not measured")."""
-        return np.array([i for i, sc in enumerate(self.m.scalars) if "nonfinite_weights" in sc], dtype=int)
+        return np.flatnonzero(self.m.holds("nonfinite_weights"))
 
     @cached_property
     def update_ratios(self) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +60,7 @@ class RunData:
             return np.array([], dtype=int), np.zeros((0, len(m.param_names)))
         rows = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1) & m.stepped)
         ur = m.update_ratio[rows].astype(np.float64)
-        weighed = np.array(["nonfinite_weights" in m.scalars[i] for i in rows], dtype=bool)  # norms measured
+        weighed = m.holds("nonfinite_weights")[rows]  # norms measured
         ur[weighed[:, None] & ~np.isfinite(m.weight_norm[rows])] = np.nan
         return rows, ur
 

@@ -5,6 +5,7 @@ rules of analysis/anomalies.py, so report names the steps the Recorder alarmed o
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -100,13 +101,14 @@ def loss_spikes(d: RunData, rules: HealthRules) -> list[Finding]:
     10% of the level before the spike."""
     m = d.m
     spikes = find_spikes(m.loss, rules.loss_spike)
+    smooth = _median3(m.loss) if spikes else m.loss
     out, i = [], 0
     while i < len(spikes):
         level = spikes[i][1].median + 0.1 * abs(spikes[i][1].median)  # 10% above, also for a negative loss
-        rec = _recovery(m.loss, spikes[i][0], level)
+        rec = _recovery(smooth, spikes[i][0], level)
         j = i + 1
         while j < len(spikes) and (rec is None or spikes[j][0] <= rec):  # spikes before recovery: same episode
-            rec = _recovery(m.loss, spikes[j][0], level)
+            rec = _recovery(smooth, spikes[j][0], level)
             j += 1
         out.append(_spike_episode(m, spikes[i:j], rec, rules))
         i = j
@@ -155,12 +157,24 @@ def _spike_episode(m: Metrics, episode: list[tuple[int, Spike]], rec: int | None
     )
 
 
-def _recovery(loss: np.ndarray, idx: int, level: float) -> int | None:
-    for k in range(idx + 1, len(loss)):
-        window = loss[k : k + 3]
-        window = window[np.isfinite(window)]
-        if len(window) and np.median(window) <= level:
-            return k
+def _median3(loss: np.ndarray) -> np.ndarray:
+    """At each step, the median of the finite losses of it and the next two (NaN: none)."""
+    finite = np.where(np.isfinite(loss), loss, np.nan)
+    windows = np.lib.stride_tricks.sliding_window_view(np.concatenate([finite, [np.nan, np.nan]]), 3)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows: NaN, as meant
+        return np.nanmedian(windows, axis=1)
+
+
+def _recovery(smooth: np.ndarray, idx: int, level: float) -> int | None:
+    """The first step after `idx` whose `_median3` is back at or under `level`. Searched in
+    doubling chunks: a spike usually recovers within a few steps, and a run has 10^6 of them."""
+    start, size = idx + 1, 64
+    while start < len(smooth):
+        hits = np.flatnonzero(smooth[start : start + size] <= level)
+        if len(hits):
+            return start + int(hits[0])
+        start, size = start + size, size * 2
     return None
 
 

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, nonfinite_weight, update_exploded
+from ckptlab.analysis.anomalies import UPDATE_EXPLOSION, nonfinite_weight
 from ckptlab.analysis.health.clipping import clip_remedy
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules, few
@@ -17,13 +17,14 @@ from ckptlab.analysis.health.snapshots import WeightSnapshot
 
 def update_explosion(d: RunData, rules: HealthRules) -> list[Finding]:
     """Steps whose update moved the weights by more than UPDATE_EXPLOSION of their norm
-    (anomalies.update_exploded on the recorded global update ratio). Information: the Recorder
+    (anomalies.update_exploded, on the recorded global update ratio). Information: the Recorder
     alarms on each, but alone one is seldom the problem (a run's first updates can move a small
     init that much); what it does to the run -- a loss spike, non-finite weights, update ratios
     above the band -- is found by those detectors, with their severity."""
     m = d.m
-    ratios = [sc.get("update_ratio_global") for sc in m.scalars]
-    exploded = [(i, r) for i, r in enumerate(ratios) if r is not None and update_exploded(r)]
+    ratios = m.field("update_ratio_global")  # NaN: not measured
+    with np.errstate(invalid="ignore"):
+        exploded = [(int(i), float(ratios[i])) for i in np.flatnonzero(ratios > UPDATE_EXPLOSION)]
     if not exploded:
         return []
     bad = [i for i, _ in exploded]
