@@ -61,7 +61,9 @@ def nonfinite_grad(nonfinite_grads, param_grad_norm, scaler_skipped):
     norm of finite elements), on a step the GradScaler did not skip. `param_grad_norm` is
     float[P] for a step or float[S, P] for a series; a row that is all NaN was not recorded
     (NO_GRAD, -1, is finite: no gradient is not a bad one)."""
-    norms = np.asarray(param_grad_norm, dtype=np.float64)
+    norms = np.asarray(param_grad_norm)
+    if norms.dtype.kind != "f":  # (a float32 series stays as it is: a GB on a long run)
+        norms = norms.astype(np.float64)
     if norms.shape[-1] == 0:
         bad_norm = np.zeros(norms.shape[:-1], dtype=bool)
     else:

@@ -196,11 +196,13 @@ class ScanResult:
     no_header: bool = False  # shorter than its file header (empty): killed as it was created
 
 
-def scan(path: Path, *, verify: bool = False) -> ScanResult:
-    """Index a segment by its frame headers (checking every payload's CRC when `verify`)."""
+def scan(path: Path, *, verify: bool = False, index: bool = True) -> ScanResult:
+    """Index a segment by its frame headers (checking every payload's CRC when `verify`).
+    `index=False`: check only, its ScanResult without `frames` (the cost of a long journal's
+    10^6 FrameRefs)."""
     with open_regular(path) as f:
         data = _map(f)
-        return _scan_buffer(path, data, verify)
+        return _scan_buffer(path, data, verify, index)
 
 
 def iter_payloads(path: Path) -> Iterator[tuple[FrameRef, bytes]]:
@@ -216,7 +218,7 @@ def _map(f) -> bytes | mmap.mmap:
     return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
 
 
-def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
+def _scan_buffer(path: Path, data, verify: bool, index: bool = True) -> ScanResult:
     """Stop at the first frame that is incomplete or fails its CRC.
 
     With one appending writer, a crash can only tear the last frame: a prefix of it is on disk
@@ -240,19 +242,33 @@ def _scan_buffer(path: Path, data, verify: bool) -> ScanResult:
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)
     why = None
+    # (locals: this loop runs once a frame, 10^6 times on a long run's journal)
+    unpack, crc32, magic_ok, fsize, checks = (
+        _FIELDS.unpack_from,
+        zlib.crc32,
+        layout.frame_magic,
+        _FIELDS.size,
+        layout.checks_header,
+    )
+    hcrc = _HCRC.unpack_from
     while pos + hsize <= size:
-        magic, kind, flags, rank, step, length, crc = _FIELDS.unpack_from(data, pos)
+        magic, kind, flags, rank, step, length, crc = unpack(data, pos)
         end = pos + hsize + length
-        if magic != layout.frame_magic or not layout.header_ok(data, pos) or kind not in KIND_NAMES:
+        if (
+            magic != magic_ok
+            or (checks and crc32(data[pos : pos + fsize]) != hcrc(data, pos + fsize)[0])
+            or kind not in KIND_NAMES
+        ):
             # (a v2 header that fails its CRC at the very end may be a torn tail: below)
             why = f"bad frame header at byte {pos}"
             break
         if end > size:
             break
-        if (verify or end == size) and zlib.crc32(data[pos + hsize : end]) != crc:
+        if (verify or end == size) and crc32(data[pos + hsize : end]) != crc:
             why = f"frame for step {step} at byte {pos} fails its CRC"
             break
-        frames.append(FrameRef(path, pos + hsize, kind, flags, rank, step, length, crc, hsize))
+        if index:
+            frames.append(FrameRef(path, pos + hsize, kind, flags, rank, step, length, crc, hsize))
         pos = end
     corrupt = None
     if pos < size and _intact_frame_after(data, pos + 1, layout):

@@ -11,7 +11,9 @@ import numpy as np
 from ckptlab.analysis.health.clipping import Clipping, clipping
 from ckptlab.analysis.health.earlystop import EarlyStop, early_stopping, validation_series
 from ckptlab.analysis.health.rules import HealthRules
+from ckptlab.analysis.health.series import nanmedian_cols
 from ckptlab.analysis.health.snapshots import WeightSnapshot, weight_snapshots
+from ckptlab.analysis.spikes import Spike, SpikeRule, find_spikes
 from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.run.reader import Metrics, Run
 
@@ -25,6 +27,26 @@ class RunData:
     val: list[tuple[int, float]]  # its finite points
     stop: EarlyStop | None  # early stopping over them, with the report's patience
     snapshots: list[WeightSnapshot]
+
+    def loss_spikes(self, rule: SpikeRule) -> list[tuple[int, Spike]]:
+        """`find_spikes(m.loss, rule)`, found once (two detectors read it; on 10^6 steps it
+        is seconds)."""
+        found = self.__dict__.setdefault("_loss_spikes", {})
+        if rule not in found:
+            found[rule] = find_spikes(self.m.loss, rule)
+        return found[rule]
+
+    @cached_property
+    def grad_norms(self) -> np.ndarray:
+        """float64[S, P]: the per-parameter gradient norms, NaN where a parameter got none
+        (recorded as -1). Made once: on a long run it is a GB, and three detectors read it."""
+        g = self.m.param_grad_norm
+        return np.where(g < 0, np.nan, g.astype(np.float64))
+
+    @cached_property
+    def grad_norm_medians(self) -> np.ndarray:
+        """float64[P]: each parameter's median gradient norm over the steps that had one."""
+        return nanmedian_cols(self.grad_norms)
 
     @cached_property
     def clipping(self) -> Clipping:

@@ -11,20 +11,15 @@ import numpy as np
 from ckptlab.analysis.batches import is_embedding
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules, few
-from ckptlab.analysis.health.series import nanmedian, nanmedian_cols
+from ckptlab.analysis.health.series import nanmedian
 from ckptlab.analysis.health.snapshots import WeightSnapshot
 
 # --- gradients --------------------------------------------------------------------------------------
 
 
-def _grad_norms(d: RunData) -> np.ndarray:
-    """Per-parameter gradient norms, NaN where a parameter got none (recorded as -1)."""
-    return np.where(d.m.param_grad_norm < 0, np.nan, d.m.param_grad_norm.astype(np.float64))
-
-
 def _dead(d: RunData, rules: HealthRules) -> tuple[list[int], np.ndarray]:
     """Columns whose gradient is exactly 0 in >= `dead_fraction` of the steps that had one."""
-    pg = _grad_norms(d)
+    pg = d.grad_norms
     present = np.isfinite(pg).sum(0)
     zero_frac = np.where(present > 0, (pg == 0).sum(0) / np.maximum(present, 1), 0.0)
     return [j for j in range(len(d.m.param_names)) if zero_frac[j] >= rules.dead_fraction], zero_frac
@@ -55,7 +50,7 @@ def vanishing_gradient(d: RunData, rules: HealthRules) -> list[Finding]:
     """A (not dead) parameter's median gradient norm, or the global norm's median over the
     second half, below `grad_vanishing`."""
     names, g = d.m.param_names, d.m.grad_norm
-    med = nanmedian_cols(_grad_norms(d))
+    med = d.grad_norm_medians
     dead = set(_dead(d, rules)[0])
     vanishing = [
         j for j in range(len(names)) if j not in dead and math.isfinite(med[j]) and 0 < med[j] < rules.grad_vanishing
@@ -89,7 +84,7 @@ def gradient_imbalance(d: RunData, rules: HealthRules) -> list[Finding]:
     is orders of magnitude off the geometric mean of its two neighbours in parameter order.
     Only weight matrices are compared: biases and norm gains naturally differ."""
     names, shapes = d.m.param_names, d.shapes
-    med = nanmedian_cols(_grad_norms(d))
+    med = d.grad_norm_medians
     mats = [j for j, n in enumerate(names) if len(shapes.get(n, ())) >= 2 and math.isfinite(med[j]) and med[j] > 0]
     rms = {j: med[j] / math.sqrt(max(1, math.prod(shapes[names[j]]))) for j in mats}
     out = []

@@ -15,7 +15,7 @@ from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules
 from ckptlab.analysis.health.samples import nonfinite_data, nonfinite_rows
 from ckptlab.analysis.health.series import block_medians, rolling_median
-from ckptlab.analysis.spikes import Spike, find_spikes
+from ckptlab.analysis.spikes import Spike
 from ckptlab.run.reader import Metrics
 
 
@@ -100,7 +100,7 @@ def loss_spikes(d: RunData, rules: HealthRules) -> list[Finding]:
     recovered from the first belong to it. Recovered = the loss (median of 3 steps) back within
     10% of the level before the spike."""
     m = d.m
-    spikes = find_spikes(m.loss, rules.loss_spike)
+    spikes = d.loss_spikes(rules.loss_spike)
     smooth = _median3(m.loss) if spikes else m.loss
     out, i = [], 0
     while i < len(spikes):

@@ -25,7 +25,6 @@ import numpy as np
 from ckptlab.analysis.anomalies import nonfinite_loss
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules
-from ckptlab.analysis.spikes import find_spikes
 from ckptlab.run.reader import Metrics
 
 BASELINE = 100  # rows before the window that also make each parameter's median
@@ -36,19 +35,20 @@ MAX_EVENTS = 5  # loss events looked behind (the first ones: later ones are ofte
 def precursors(d: RunData, rules: HealthRules) -> list[Finding]:
     m = d.m
     out = []
-    for i, what in loss_events(m, rules)[:MAX_EVENTS]:
+    for i, what in loss_events(d, rules)[:MAX_EVENTS]:
         found = _spikes_before(m, i, rules)
         if found:
             out.append(_finding(m, i, what, found, d.run.checkpoints))
     return out
 
 
-def loss_events(m: Metrics, rules: HealthRules) -> list[tuple[int, str]]:
+def loss_events(d: RunData, rules: HealthRules) -> list[tuple[int, str]]:
     """(row, "spiked" | "went non-finite"): the first spike of each episode (spikes closer than
     the window to the one before belong to it) and the first non-finite loss, in step order."""
+    m = d.m
     events: list[tuple[int, str]] = []
     last = -(10**9)
-    for k, _ in find_spikes(m.loss, rules.loss_spike):
+    for k, _ in d.loss_spikes(rules.loss_spike):
         if k - last > rules.precursor_window:
             events.append((k, "spiked"))
         last = k
@@ -64,18 +64,21 @@ def loss_events(m: Metrics, rules: HealthRules) -> list[tuple[int, str]]:
     return kept
 
 
-def series(m: Metrics) -> list[tuple[str, np.ndarray]]:
+def series(m: Metrics, rows: slice = slice(None)) -> list[tuple[str, np.ndarray]]:
     """(what, values[rows, params]) with NaN where not measured: gradient norms (-1 = none)
     and the update ratios of steps that stepped."""
-    grads = np.where(m.param_grad_norm < 0, np.nan, m.param_grad_norm.astype(np.float64))
-    updates = np.where(m.stepped[:, None], m.update_ratio.astype(np.float64), np.nan)
+    g = m.param_grad_norm[rows]
+    grads = np.where(g < 0, np.nan, g.astype(np.float64))
+    updates = np.where(m.stepped[rows, None], m.update_ratio[rows].astype(np.float64), np.nan)
     return [("gradient", grads), ("update", updates)]
 
 
 def _spikes_before(m: Metrics, i: int, rules: HealthRules) -> list[dict]:
     """The spikes of any parameter's gradient norm or update in the window before row `i`,
-    largest ratio first."""
-    return spikes_before(m.step, m.param_names, series(m), i, rules)
+    largest ratio first. (On the rows `spikes_before` reads only: the window and the baseline
+    before it.)"""
+    base = max(0, i - rules.precursor_window - BASELINE)
+    return spikes_before(m.step[base:], m.param_names, series(m, slice(base, i)), i - base, rules)
 
 
 def spikes_before(
