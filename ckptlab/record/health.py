@@ -143,7 +143,7 @@ class HealthLog:
             self.first_anomaly = n
         scalars = {"step": n, "time": t, **health.scalars(), **system}
         arrays = health.arrays()
-        self._append(n, records.encode_step(scalars, arrays) if self.world.is_main else b"", events)
+        self._append(n, records.encode_step(scalars, arrays) if self.world.is_main else b"", events, (scalars, arrays))
         if self.live is not None:  # queued: the trackers are sent to off this thread
             self.live.step(n, scalars, arrays, events)
         if events and self.on_anomaly is not None:
@@ -164,15 +164,19 @@ class HealthLog:
         if events and self.first_anomaly is None:
             self.first_anomaly = n
         scalars = {"step": n, "time": t, **health.scalars(), **system}
-        self._append(n, records.encode_step_floats(scalars, health.arrays()) if self.world.is_main else b"", events)
+        arrays = health.arrays()
+        self._append(
+            n, records.encode_step_floats(scalars, arrays) if self.world.is_main else b"", events, (scalars, arrays)
+        )
         if events and self.on_anomaly is not None:
             self.on_anomaly(n, events)
         return health
 
-    def _append(self, n: int, record: bytes, events: list[dict]) -> None:
-        """Step n's record and its events, to the journal (rank 0's)."""
+    def _append(self, n: int, record: bytes, events: list[dict], values: tuple[dict, dict]) -> None:
+        """Step n's record (`values`: its scalars and arrays) and its events, to the journal
+        (rank 0's)."""
         if self.world.is_main:
-            self.writer.append_step(n, record)
+            self.writer.append_step(n, record, values)
             for event in events:
                 self.writer.append_json(framelog.EVENT, n, event)
 

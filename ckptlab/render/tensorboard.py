@@ -59,10 +59,17 @@ class TensorBoardSink:
         self.writer = summary_writer(logdir)
 
     def log_rows(self, rows: list[Row]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         w = self.writer
+        events = w._get_file_writer()  # (what add_scalar writes through)
         for r in rows:
-            for tag, value in r.scalars.items():
-                w.add_scalar(tag, value, global_step=r.step)
+            # A step's scalars as one event (what add_scalar writes per point, Summary.Value
+            # with simple_value, in one Summary): an event per point made a 10^4-step export
+            # of 150 parameters take minutes, the writer's queue taking turns on a lock.
+            if r.scalars:
+                values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in r.scalars.items()]
+                events.add_summary(Summary(value=values), r.step)
             for tag, h in r.histograms.items():
                 w.add_histogram_raw(
                     tag, h.min, h.max, h.num, h.sum, h.sum_squares, h.edges[1:], h.counts, global_step=r.step

@@ -71,6 +71,9 @@ class RunWriter:
         self._batches: framelog.FrameWriter | None = None
         self._journal: framelog.FrameWriter | None = None
         self._first_step: int | None = None  # where the open segments start
+        # The open journal segment's records as appended, for its summary (columns.py);
+        # None: some record came without them (its summary is decoded from the frames).
+        self._appended: tuple[list, list] | None = ([], [])
         self._batch_compress = records.Compressor()
         self._jobs: queue.Queue = queue.Queue()
         self._ckpt_slot = threading.Semaphore(1)  # at most one checkpoint in flight
@@ -98,7 +101,8 @@ class RunWriter:
         for w in old:  # their fsync is durability for power loss; a kill cannot lose them
             self._submit(("close", w))
         if old_journal is not None:
-            self._submit(("summarize", old_journal.path))
+            self._submit(("summarize", old_journal.path, self._appended))
+        self._appended = ([], [])
         # The new files' and folders' names are durable only once their parent folder is synced.
         for folder in dict.fromkeys([*folders, *(new.parent for new in created)]):
             self._submit(("sync_dir", folder))
@@ -113,11 +117,22 @@ class RunWriter:
         data, flags = self._batch_compress(payload)
         return self._append(self._batches, framelog.BATCH, step, data, flags)
 
-    def append_step(self, step: int, payload: bytes) -> int:
-        return self._append(self._journal, framelog.STEP, step, payload, framelog.FLAG_SAFETENSORS)
+    def append_step(self, step: int, payload: bytes, record: tuple[dict, dict] | None = None) -> int:
+        """Step `step`'s record, encoded (`payload`); `record`: its (scalars, arrays) as
+        encoded, kept (not copied: neither is changed after) for the segment's summary."""
+        n = self._append(self._journal, framelog.STEP, step, payload, framelog.FLAG_SAFETENSORS)
+        if self._appended is not None:
+            if record is None:
+                self._appended = None
+            else:
+                self._appended[0].append((step, *record))
+        return n
 
     def append_json(self, kind: int, step: int, meta: dict) -> int:
-        return self._append(self._journal, kind, step, records.encode_json(meta), 0)
+        n = self._append(self._journal, kind, step, records.encode_json(meta), 0)
+        if self._appended is not None:
+            self._appended[1].append((kind, step, meta))
+        return n
 
     def append_rank_event(self, step: int, meta: dict) -> int:
         """An event only this rank saw (its own step raised), in its batch log: ranks other
@@ -180,7 +195,7 @@ class RunWriter:
                     fsync_path(job[1])
                 elif job[0] == "summarize":  # derived: a summary not written costs readers time only
                     with contextlib.suppress(OSError):
-                        columns.write_summary(job[1])
+                        columns.write_summary(job[1], job[2])
                 elif job[0] == "checkpoint":
                     _, captured, retention = job
                     try:
@@ -216,7 +231,7 @@ class RunWriter:
             if w is not None:
                 self._jobs.put(("close", w))
         if self._journal is not None and self.failed is None:
-            self._jobs.put(("summarize", self._journal.path))
+            self._jobs.put(("summarize", self._journal.path, self._appended))
         self._batches = self._journal = None
         self._jobs.put(None)
         self._thread.join()
