@@ -96,13 +96,20 @@ def _synthesize(path: Path, first: int, last: int, spike_at: int) -> None:
     measured = [(r, a) for r, a in templates if "update_ratio_global" in r]
     t0 = m.scalars[-1]["time"]
     rng = random.Random(0)
-    writer = None
+    writer: framelog.FrameWriter | None = None
+    written: tuple[list, list] = ([], [])
+
+    def close() -> None:  # closed and summarized, as the Recorder's writer leaves a segment
+        assert writer is not None
+        writer.close(fsync=False)
+        summary = columns.encode(columns.Columns.from_records(*written), writer.bytes_written)
+        columns.summary_path(writer.path).write_bytes(summary)  # (what write_summary writes, without decoding)
+
     for s in range(first, last):
         if writer is None or s % CKPT_EVERY == 0:
-            if writer is not None:  # closed and summarized, as the Recorder's writer does
-                writer.close(fsync=False)
-                columns.write_summary(writer.path)
-            writer = framelog.FrameWriter(journal_dir(path) / segment_name(0, s))
+            if writer is not None:
+                close()
+            writer, written = framelog.FrameWriter(journal_dir(path) / segment_name(0, s)), ([], [])
         template = measured if s % 10 == 0 else healthy
         scalars, arrays = dict(template[s % len(template)][0]), template[s % len(template)][1]
         spike = 3.0 if spike_at <= s < spike_at + 5 else 1.0
@@ -117,12 +124,13 @@ def _synthesize(path: Path, first: int, last: int, spike_at: int) -> None:
         if s % 10 == 0:
             keep.update(update_ratio=arrays["update_ratio"], weight_norm=arrays["weight_norm"])
         writer.append(framelog.STEP, s, records.encode_step(scalars, keep), flags=framelog.FLAG_SAFETENSORS)
+        written[0].append((s, scalars, keep))
         if (s + 1) % VAL_EVERY == 0:
             meta = {"metrics": {"val_loss": _curve(s + 1) + 0.05}}
             writer.append(framelog.VALIDATION, s + 1, records.encode_json(meta))
+            written[1].append((framelog.VALIDATION, s + 1, meta))
     if writer is not None:
-        writer.close()
-        columns.write_summary(writer.path)
+        close()
 
 
 def build(path: Path, steps: int, head: int, tail: int) -> dict:
@@ -135,11 +143,13 @@ def build(path: Path, steps: int, head: int, tail: int) -> dict:
 
 
 def _cli(args: list[str], out: Path) -> tuple[float, float]:
-    """Seconds and peak RSS (MiB) of `python -m ckptlab ARGS` (its output to `out`)."""
-    t0 = time.perf_counter()
-    code = f"import resource, runpy, sys; sys.argv = {['ckptlab', *args]!r}\n"
+    """Seconds and peak RSS (MiB: the child's own VmHWM) of `python -m ckptlab ARGS`, its
+    output to `out`."""
+    code = f"import runpy, sys; sys.argv = {['ckptlab', *args]!r}\n"
     code += "try:\n    runpy.run_module('ckptlab', run_name='__main__')\nfinally:\n"
-    code += "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+    code += "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+    code += "    print(hwm, file=sys.stderr)"
+    t0 = time.perf_counter()
     with open(out, "w") as f:
         done = subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     dt = time.perf_counter() - t0

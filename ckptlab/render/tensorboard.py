@@ -59,7 +59,7 @@ class TensorBoardSink:
         self.writer = summary_writer(logdir)
 
     def log_rows(self, rows: list[Row]) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
 
         w = self.writer
         events = w._get_file_writer()  # (what add_scalar writes through)
