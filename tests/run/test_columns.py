@@ -155,3 +155,35 @@ def test_a_run_killed_before_a_segment_was_summarized_reads_whole(recorded, tmp_
     last = sorted((run_dir / "journal").glob("*.cols"))[-1]
     last.unlink()
     assert_same(metrics_and_more(run_dir), metrics_and_more(recorded))
+
+
+def test_the_recorders_summaries_are_those_decoding_the_frames_makes(recorded, tmp_path):
+    # The Recorder's writer builds each summary from the records it appended, not from the
+    # frames: byte for byte what decoding the segment gives.
+    for log in sorted((recorded / "journal").glob("*.log")):
+        copy = tmp_path / log.name
+        shutil.copy(log, copy)
+        assert columns.write_summary(copy)
+        assert columns.summary_path(copy).read_bytes() == columns.summary_path(log).read_bytes(), log.name
+
+
+def test_appended_records_that_are_not_the_segments_are_not_used(recorded, tmp_path):
+    log = sorted((recorded / "journal").glob("*.log"))[1]
+    frames = list(framelog.iter_payloads(log))
+    cols = Columns.from_frames(frames, "x")
+    steps = [(int(s), r, {}) for s, r in zip(cols.step, columns.Rows(cols))]
+    copy = tmp_path / log.name
+    shutil.copy(log, copy)
+    wrong = [
+        (steps[:-1], cols.others),  # a record missing
+        ([(s, {**r, "loss": 0.0}, a) for s, r, a in steps][::-1], cols.others),  # out of order
+        (steps, []),  # the validations missing
+        ([(s, {**r, "note": "text"}, a) for s, r, a in steps], cols.others),  # a value JSON would not give back as is
+    ]
+    for appended in wrong:
+        columns.summary_path(copy).unlink(missing_ok=True)
+        assert columns.write_summary(copy, appended)
+        got = columns.load_summary(copy, copy.stat().st_size)
+        assert got is not None and np.array_equal(got.step, cols.step)
+        assert nan_equal(list(columns.Rows(got)), list(columns.Rows(cols)))
+        assert "param_grad_norm" in got.arrays  # (from the frames: the appended had no arrays)
