@@ -66,6 +66,7 @@ def test_an_unexplained_slow_step_or_a_validation_is_information_and_no_data_wai
     )
     (f,) = slow_steps(d, RULES)
     assert {s["step"]: s["cause"] for s in f.evidence["steps"]} == {10: "compute", 20: "validation"}
+    assert any(r.endswith("ckptlab replay --step 10 --profile") for r in f.remedies)  # whose slowness is it?
     assert f.severity == "info"  # (most often the machine's other load; an evaluation is time well spent)
     assert input_bound(d, RULES) == []  # the evaluation's 3 s are no data wait
     d = data(steady(40, s20={"wall_time": 3.0, "data_wait": 2.99}))

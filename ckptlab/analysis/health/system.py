@@ -118,7 +118,7 @@ def slow_steps(d: RunData, rules: HealthRules) -> list[Finding]:
                 "share": round(excess / total, 4) if total > 0 else 0.0,
                 "steps": shown,
             },
-            remedies=_slow_remedies(causes),
+            remedies=_slow_remedies(causes, {s["cause"]: s["step"] for s in reversed(found)}),
         )
     ]
 
@@ -218,7 +218,8 @@ def batch_shape(d: RunData, step: int) -> str:
     return ", ".join(shapes[:6]) if shapes else "?"
 
 
-def _slow_remedies(causes: list[str]) -> list[str]:
+def _slow_remedies(causes: list[str], first: dict[str, int]) -> list[str]:
+    """The remedies of the causes found; `first`: each cause's first step."""
     said = {
         "checkpoint": "checkpoints: write them in the background (async_sharded=True for sharded ones), less often "
         "(ckpt_every), or to faster storage",
@@ -229,7 +230,9 @@ def _slow_remedies(causes: list[str]) -> list[str]:
         "long_batch": "long batches: cap or bucket sequence lengths, or pack sequences to a fixed length",
         "data_wait": "data waits: see the input_bound remedies (more workers, prefetching, a faster source)",
         "validation": "validations: evaluate less often, or on fewer batches, if their time matters",
-        "compute": "unexplained compute: profile that step (torch.profiler) and check the machine's other load",
+        "compute": "unexplained compute: replay the step timed and profiled, to see whether its slowness comes back "
+        f"(the step's own: the module, op and line) or not (the machine's): ckptlab replay --step {first.get('compute')} "
+        "--profile",
     }
     return [said[c] for c in causes]
 
