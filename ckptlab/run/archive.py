@@ -344,7 +344,7 @@ def _carry_out(run_dir: Path, dest: Path, plan: RewindPlan, intent: dict, manife
             if os.path.lexists(target):
                 _refuse(target)
             with contextlib.suppress(FileNotFoundError):
-                os.replace(summary, summary_path(target))
+                rename_durably(summary, summary_path(target))
             rename_durably(seg.path, target)
         else:
             summary.unlink(missing_ok=True)  # it describes the segment before the split

@@ -60,6 +60,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+def write_derived(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (a temp file renamed), not fsynced: for a file
+    derived from others that readers do without when it is missing (a journal summary)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 

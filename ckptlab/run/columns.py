@@ -20,7 +20,6 @@ with 150 parameter tensors). Decoding them one by one costs ~100 us each: minute
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from ckptlab.errors import CorruptFileError
+from ckptlab.io.files import read_bytes
 from ckptlab.run import framelog, records
+from ckptlab.run.atomic import write_derived
 
 SUFFIX = ".cols"
 VERSION = 1
@@ -345,10 +346,7 @@ def write_summary(segment: Path, appended: tuple[list, list] | None = None) -> b
             cols = Columns.from_frames(framelog.iter_payloads(segment), str(segment))
     except (CorruptFileError, OSError):
         return False
-    target = summary_path(segment)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(encode(cols, size))
-    os.replace(tmp, target)
+    write_derived(summary_path(segment), encode(cols, size))
     return True
 
 
@@ -407,7 +405,7 @@ def load_summary(segment: Path, size: int) -> Columns | None:
     try:
         if path.stat().st_size > 8 * size + (1 << 20):  # far larger than what it summarizes
             return None
-        cols, described = decode(path.read_bytes(), str(path))
+        cols, described = decode(read_bytes(path), str(path))
     except (OSError, CorruptFileError):
         return None
     return cols if described == size else None
