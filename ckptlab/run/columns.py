@@ -168,7 +168,7 @@ class Columns:
         n = len(self)
         if n == 0 or (np.all(np.diff(self.step) > 0)):
             return self
-        last, first_pos = np.unique(self.step[::-1], return_index=True)
+        _, first_pos = np.unique(self.step[::-1], return_index=True)
         take = (n - 1 - first_pos).astype(np.int64)  # each step's last record, by step
         return self.take(take)
 

@@ -242,29 +242,16 @@ def _scan_buffer(path: Path, data, verify: bool, index: bool = True) -> ScanResu
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)
     why = None
-    # (locals: this loop runs once a frame, 10^6 times on a long run's journal)
-    unpack, crc32, magic_ok, fsize, checks = (
-        _FIELDS.unpack_from,
-        zlib.crc32,
-        layout.frame_magic,
-        _FIELDS.size,
-        layout.checks_header,
-    )
-    hcrc = _HCRC.unpack_from
     while pos + hsize <= size:
-        magic, kind, flags, rank, step, length, crc = unpack(data, pos)
+        magic, kind, flags, rank, step, length, crc = _FIELDS.unpack_from(data, pos)
         end = pos + hsize + length
-        if (
-            magic != magic_ok
-            or (checks and crc32(data[pos : pos + fsize]) != hcrc(data, pos + fsize)[0])
-            or kind not in KIND_NAMES
-        ):
+        if magic != layout.frame_magic or not layout.header_ok(data, pos) or kind not in KIND_NAMES:
             # (a v2 header that fails its CRC at the very end may be a torn tail: below)
             why = f"bad frame header at byte {pos}"
             break
         if end > size:
             break
-        if (verify or end == size) and crc32(data[pos + hsize : end]) != crc:
+        if (verify or end == size) and zlib.crc32(data[pos + hsize : end]) != crc:
             why = f"frame for step {step} at byte {pos} fails its CRC"
             break
         if index:

@@ -10,7 +10,6 @@ m = run.metrics()            # per-step health as numpy arrays (m.loss, m.param_
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -76,6 +75,7 @@ class Metrics:
     nonfinite_grads: np.ndarray  # int64[S]
     stepped: np.ndarray  # bool[S]
     scaler_skipped: np.ndarray  # bool[S]: a GradScaler skipped the update (overflowed gradients)
+    scalars: columns.Rows = field(repr=False)  # the raw per-step records, each made when read
     # float32[S, P]; -1 = no gradient. These five: made when first read (_PerParam).
     param_grad_norm: np.ndarray = _PerParam()  # type: ignore[assignment]
     # float32[S, P]; NaN except every `health_every` steps
@@ -85,7 +85,6 @@ class Metrics:
     # (recorded then, when known without a device sync: docs/run-format.md)
     weight_norm_before: np.ndarray = _PerParam()  # type: ignore[assignment]
     param_nonfinite: np.ndarray = _PerParam()  # type: ignore[assignment]  # int64[S, P]
-    scalars: Sequence[dict] = field(default_factory=list, repr=False)  # the raw per-step records
     # Where each step's time went and the memory it used (docs/run-format.md, "step"), float64[S]:
     # seconds, NaN where not recorded (data_wait: a session's first step); counts and bytes NaN
     # where not known; ckpt_time, gc_time, recompiles and swap 0 where none.
@@ -105,15 +104,11 @@ class Metrics:
 
     def holds(self, key: str) -> np.ndarray:
         """bool[S]: the step's record holds field `key` (null included)."""
-        if isinstance(self.scalars, columns.Rows):
-            return self.scalars.columns.holds(key)
-        return np.array([key in sc for sc in self.scalars], dtype=bool)
+        return self.scalars.columns.holds(key)
 
     def field(self, key: str, fill: float = np.nan) -> np.ndarray:
         """float64[S]: the records' number field `key`; NaN where null, `fill` where absent."""
-        if isinstance(self.scalars, columns.Rows):
-            return self.scalars.columns.number(key, fill)
-        return np.array([_f(sc.get(key, fill)) for sc in self.scalars], dtype=np.float64)
+        return self.scalars.columns.number(key, fill)
 
     @property
     def samples_per_s(self) -> np.ndarray:

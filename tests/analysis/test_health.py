@@ -7,6 +7,7 @@ import pytest
 
 import ckptlab
 from ckptlab.analysis.health import HealthRules, curve_shape, diagnose, early_stopping, system
+from ckptlab.analysis.health.system import KINDS as SYSTEM_KINDS
 from ckptlab.analysis.spikes import SpikeRule
 from ckptlab.trackers.points import alert_text
 from tests import act_models as am
@@ -36,15 +37,11 @@ def reports(tmp_path_factory):
     }
 
 
-# What judges the machine (the loop's wall clock, memory), not the training: a loaded test
-# machine can make a tiny run's checkpoint writes a third of its time. tests/test_system_time.py
-# tests these on planted delays.
-MACHINE = {"input_bound", "slow_steps", "throughput_drop", "memory_pressure", "mfu"}
-
-
 def alarms(report):
-    """The report's alarms about the training."""
-    return [f for f in report.alarms() if f.kind not in MACHINE]
+    """The report's alarms about the training: not those that judge the machine (system.KINDS:
+    the loop's wall clock, memory), as a loaded test machine can make a tiny run's checkpoint
+    writes a third of its time. tests/test_system_time.py tests those on planted delays."""
+    return [f for f in report.alarms() if f.kind not in SYSTEM_KINDS]
 
 
 def kinds(report, severities=("warning", "error")):
