@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, Spike, SpikeDetector, SpikeRule
+from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, Spike, SpikeDetector, SpikeRule, find_spikes
 from ckptlab.run.records import IDLE_OPTIMIZER, OUTSIDE_OPTIMIZER, RECORD_WARNINGS  # noqa: F401 (their home for readers)
 
 # A weight tensor set that moves by more than half its own norm in one step is exploding
@@ -155,14 +155,13 @@ def update_events(ratio: float | None) -> list[dict]:
 def grad_explosions(norms, rule: SpikeRule = GRAD_RULE, bar: float = GRAD_EXPLOSION) -> list[tuple[int, Spike | None]]:
     """(index, spike or None) of every step whose gradient norm explodes, scanning the series as
     the Recorder would (None: over `bar` without being a spike)."""
-    det = SpikeDetector(rule)
-    out = []
-    for i, v in enumerate(norms):
-        v = float(v)
-        spike = det.check(v)
-        if grad_exploded(v, spike, bar):
-            out.append((i, spike))
-    return out
+    norms = np.asarray(norms, dtype=np.float64).reshape(-1)
+    spikes: dict[int, Spike | None] = dict(find_spikes(norms, rule))
+    with np.errstate(invalid="ignore"):
+        over = np.flatnonzero(np.isfinite(norms) & (norms > bar))
+    for i in over.tolist():
+        spikes.setdefault(i, None)
+    return sorted(spikes.items())
 
 
 def episode_start(anomalies: dict[int, list[str]], step: int) -> int:

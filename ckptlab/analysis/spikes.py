@@ -162,7 +162,57 @@ class SpikeDetector:
 
 
 def find_spikes(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
-    """(index, spike) for every spike in a series, scanning it as the Recorder would."""
+    """(index, spike) for every spike in a series, scanning it as the Recorder would: the same
+    spikes as feeding each value to a SpikeDetector in turn (`_scan`), found without visiting
+    each value in Python on a long series.
+
+    Where the detector's window holds the last `window` finite values (no spike among them, nor
+    among the `level` before them), its median and largest rise are functions of the series
+    alone, and numpy bounds them for every value at once (`_candidates`): a value that cannot
+    clear the ratio and tail bars under those bounds is no spike, and it joins the window as the
+    detector would take it. The detector itself judges every other value, rebuilt from the
+    values before it, and every value within `window + level` of a spike (where the window is
+    not the plain last values). A healthy 10^6-step loss has a few hundred candidates: ~0.3 s,
+    against ~3 s for the value-by-value scan."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    if rule.min_points > rule.window:  # the window never holds enough values
+        return []
+    finite = np.flatnonzero(np.isfinite(x))
+    f = x[finite]
+    settle = rule.window + rule.level + 1  # values after a spike (or the start) judged one by one
+    if len(f) < 4 * settle:
+        return [(int(finite[i]), s) for i, s in _scan(f, rule)]
+    cand = np.flatnonzero(_candidates(f, rule))
+    out: list[tuple[int, Spike]] = []
+    det = SpikeDetector(rule)
+    at = 0  # det holds the state before value `at`
+    exact_until = settle  # values before this are fed to det one by one
+    rejected = 0  # spikes found so far (kept out of the window)
+    i = 0
+    n = len(f)
+    while i < n:
+        if i >= exact_until:  # the next value the bounds cannot clear
+            c = int(np.searchsorted(cand, i))
+            if c == len(cand):
+                break
+            i = int(cand[c])
+            if i - at > settle:  # rebuild det from the values before i (none of them a spike)
+                det = _rebuilt(rule, f[i - settle + 1 : i], accepted=i - rejected)
+            else:
+                for v in f[at:i]:
+                    det.check(float(v))
+            at = i
+        spike = det.check(float(f[i]))
+        at = i = i + 1
+        if spike is not None:
+            out.append((int(finite[i - 1]), spike))
+            rejected += 1
+            exact_until = i - 1 + settle
+    return out
+
+
+def _scan(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
+    """find_spikes value by value: each value fed to a SpikeDetector in turn."""
     det = SpikeDetector(rule)
     out = []
     for i, v in enumerate(values):
@@ -170,3 +220,60 @@ def find_spikes(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
         if s is not None:
             out.append((i, s))
     return out
+
+
+def _rebuilt(rule: SpikeRule, before: np.ndarray, accepted: int) -> SpikeDetector:
+    """A detector in the state it reaches having taken `accepted` values, the last of them
+    `before` (window + level of them; its rises are recomputed when first needed)."""
+    det = SpikeDetector(rule)
+    vals = before.tolist()
+    det._recent.extend(vals)
+    det._window.extend(vals[-rule.window :])
+    det._sorted = sorted(det._window)
+    det._added = accepted
+    return det
+
+
+def _candidates(f: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    """bool[len(f)]: the values that may be spikes if the detector's window holds the `window`
+    values before each (and each of those its `level` before it): False only where the value
+    provably clears neither the ratio bar nor the tail bar.
+
+    The window's median is bounded through blocks of B values: every value of block b has its
+    window inside the `window + B - 1` values ending before the block's last one, so the
+    median is at least that cover's lower middle order statistic and at most the one B - 1
+    above its upper middle (dropping k values moves an order statistic by at most k). The
+    window's largest rise is at least the largest over the values every window of the block
+    holds."""
+    with np.errstate(invalid="ignore"):  # inf - inf where a cover reaches past the series
+        return _bounds_clear(f, rule)
+
+
+def _bounds_clear(f: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    w, n = rule.window, len(f)
+    B = max(1, min(32, w // 4))
+    c = rule.min_ratio - 1
+    nb = -(-n // B)
+    pad = np.concatenate([np.full(w, np.nan), f, np.full(nb * B - n, np.nan)])
+    cover = np.lib.stride_tricks.sliding_window_view(pad, w + B - 1)[: nb * B : B]  # block b: f[bB - w : bB + B - 1]
+    lo_k, hi_k = (w - 1) // 2, w // 2 + B - 1
+    part = np.partition(cover, [lo_k, hi_k], axis=1)  # NaN (a pad) orders last: the bounds stay bounds
+    m_lo, m_hi = part[:, lo_k], part[:, hi_k]
+    # The ratio bar, x - m >= c|m|: x >= m + c|m|, whose least over [m_lo, m_hi] is at an end or at 0.
+    bar = np.minimum(m_lo + c * np.abs(m_lo), m_hi + c * np.abs(m_hi))
+    bar = np.where((m_lo <= 0) & (m_hi >= 0), np.minimum(bar, 0.0), bar)
+    need = np.repeat(bar, B)[:n]
+    if rule.tail > 0:
+        k = rule.level
+        lv = np.sort(np.lib.stride_tricks.sliding_window_view(pad[w - k : w + n - 1], k), axis=1)
+        level = lv[:, (k - 1) // 2] if k % 2 else (lv[:, k // 2 - 1] + lv[:, k // 2]) / 2
+        rise = np.full(n + (nb * B - n), np.nan)
+        rise[:n] = f - level  # NaN for the first `level` values (their level is short)
+        # Every window of block b holds f[bB + B - 1 - w : bB]: w - B + 1 values.
+        held = np.concatenate([np.full(w, np.nan), rise])
+        span = np.lib.stride_tricks.sliding_window_view(held, w - B + 1)[B - 1 : nb * B + B - 1 : B]
+        r_lo = np.max(span, axis=1)  # NaN (a short level) where no value relies on it: no bar
+        # x - m >= tail * R with m >= m_lo and R >= r_lo: x >= m_lo + tail * r_lo is needed.
+        need = np.maximum(need, np.repeat(m_lo + rule.tail * r_lo, B)[:n])
+    tol = 1e-9 * (np.abs(f) + np.abs(need))
+    return ~(f < need - tol)

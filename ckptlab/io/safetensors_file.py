@@ -14,6 +14,7 @@ import math
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnknownFormatError
@@ -67,9 +68,20 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CorruptFileError("corrupt safetensors header: __metadata__ is not an object", path=path)
-    data_size = size - data_start
-    entries = []
+    entries = check_entries(path, header, size - data_start)
+    file = MappedFile(path, sequential=sequential)
+    refs = {name: FileTensor(file, data_start + begin, shape, dtype) for begin, _, name, shape, dtype, _ in entries}
     skipped: dict[str, str] = {}  # (none: every dtype is read or refused)
+    return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
+
+
+def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list[tuple[int, int, str, tuple, Any, str]]:
+    """The tensor entries of a header (its "__metadata__" taken out) with `data_size` bytes of
+    data after it, each checked, in file order: (begin, end, name, shape, torch dtype, the
+    safetensors dtype name). Raises CorruptFileError (UnknownFormatError: a dtype ckptlab
+    cannot read)."""
+    path = Path(path)
+    entries = []
     for name, e in header.items():
         begin, end, shape, dtype_name = _check_entry(path, name, e)
         if end > data_size:
@@ -89,18 +101,12 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
                 f"should take {math.prod(shape) * dtypes.itemsize(dtype)} bytes, its offsets span {end - begin}",
                 path=path,
             )
-        entries.append((begin, end, name, shape, dtype))
+        entries.append((begin, end, name, shape, dtype, dtype_name))
     entries.sort(key=lambda x: (x[0], x[1]))
     for (_b0, e0, n0, *_), (b1, _e1, n1, *_) in zip(entries, entries[1:]):
         if b1 < e0:
             raise CorruptFileError(f"corrupt safetensors header: tensors {n0!r} and {n1!r} overlap", path=path)
-    file = MappedFile(path, sequential=sequential)
-    refs = {
-        name: FileTensor(file, data_start + begin, shape, dtype)
-        for begin, _, name, shape, dtype in entries
-        if dtype is not None
-    }
-    return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
+    return entries
 
 
 def load_safetensors(path: str | os.PathLike) -> tuple[dict, dict[str, str]]:

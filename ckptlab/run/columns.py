@@ -20,6 +20,7 @@ with 150 parameter tensors). Decoding them one by one costs ~100 us each: minute
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,15 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.files import read_bytes
+from ckptlab.io.safetensors_file import check_entries
 from ckptlab.run import framelog, records
 from ckptlab.run.atomic import write_derived
 
 SUFFIX = ".cols"
+# The dtypes a summary's columns are written in (safetensors' names), as numpy reads them.
+_NUMPY = {"F64": "<f8", "F32": "<f4", "I64": "<i8", "I32": "<i4", "U8": "u1", "BOOL": "?"}
 VERSION = 1
 # What a row of a number column held (`Columns.kind`).
 ABSENT, FLOAT, INT, BOOL, NULL = 0, 1, 2, 3, 4
@@ -197,6 +200,15 @@ class Columns:
             return np.full(len(self), fill)
         return np.where(self.kind[key] == ABSENT, fill, self.value[key])
 
+    def per_param(self, key: str, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, values[rows, p]) of per-parameter field `key` (no rows where its arrays are
+        not `p` wide: a reader's parameter count is the manifest's)."""
+        if key in self.arrays:
+            rows, values = self.arrays[key]
+            if values.ndim == 2 and values.shape[1] == p:
+                return rows, values
+        return np.zeros(0, dtype=np.int64), np.zeros((0, p), dtype=np.float32)
+
     def holds(self, key: str) -> np.ndarray:
         """bool[n]: the record holds field `key` (null included)."""
         if key in self.lists:
@@ -281,9 +293,16 @@ def encode(cols: Columns, segment_bytes: int) -> bytes:
 def decode(data: bytes, where: str) -> tuple[Columns, int]:
     """A summary's columns and the segment size it describes. Raises CorruptFileError."""
     try:
-        tensors = st_load(data)
         header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["ckptlab"])
+        if len(data) < 8 or not 2 <= header_len <= len(data) - 8:
+            raise ValueError(f"a header of {header_len} bytes in {len(data)}")
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header.pop("__metadata__")["ckptlab"])
+        start = 8 + header_len
+        tensors = {  # views of `data`, not copies: a long run's summaries are a GB
+            name: np.frombuffer(data, dtype=_NUMPY[code], count=math.prod(shape), offset=start + begin).reshape(shape)
+            for begin, _, name, shape, _, code in check_entries(where, header, len(data) - start)
+        }
         if meta.get("version") != VERSION:
             raise ValueError(f"version {meta.get('version')!r}")
         if zlib.crc32(memoryview(data)[8 + header_len :]) != meta["crc32"]:

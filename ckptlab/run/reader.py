@@ -102,6 +102,26 @@ class Metrics:
     def __len__(self) -> int:
         return len(self.step)
 
+    def measured(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, values[rows, P]): the rows whose record holds per-parameter field `key`, in
+        order, and their values, without making the (S, P) field (update ratios and weight
+        norms are measured every `health_every` steps: a tenth of its rows, or fewer)."""
+        rows, values = self.scalars.columns.per_param(key, len(self.param_names))
+        return rows, values.astype(PER_PARAM[key][0], copy=False)
+
+    def per_param(self, key: str, rows) -> np.ndarray:
+        """Per-parameter field `key` at `rows` (indices or a slice), as `getattr(self, key)[rows]`
+        gives it, without making the whole field."""
+        idx = np.arange(len(self))[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+        have, values = self.measured(key)
+        dtype, fill = PER_PARAM[key]
+        out = np.full((len(idx), len(self.param_names)), fill, dtype=dtype)
+        if len(have) and len(idx):
+            at = np.minimum(np.searchsorted(have, idx), len(have) - 1)
+            hit = have[at] == idx
+            out[hit] = values[at[hit]]
+        return out
+
     def holds(self, key: str) -> np.ndarray:
         """bool[S]: the step's record holds field `key` (null included)."""
         return self.scalars.columns.holds(key)
@@ -453,13 +473,7 @@ def _metrics(names: list[str], cols: Columns) -> Metrics:
         scaler_skipped=cols.number("scaler_skipped", 0).astype(bool),
         **{  # made when first read (_PerParam)
             key: cast(Any, functools.partial(_per_param, cols, key, n, p, dtype, fill))
-            for key, dtype, fill in (
-                ("param_grad_norm", np.float32, np.nan),
-                ("update_ratio", np.float32, np.nan),
-                ("weight_norm", np.float32, np.nan),
-                ("weight_norm_before", np.float32, np.nan),
-                ("param_nonfinite", np.int64, 0),
-            )
+            for key, (dtype, fill) in PER_PARAM.items()
         },
         scalars=columns.Rows(cols),
         **{k: cols.number(k, fill) for k, fill in SYSTEM_FIELDS.items()},
@@ -467,12 +481,24 @@ def _metrics(names: list[str], cols: Columns) -> Metrics:
     return m
 
 
+# The per-parameter fields of Metrics: each one's dtype, and its value where a record has none.
+PER_PARAM = {
+    "param_grad_norm": (np.float32, np.nan),
+    "update_ratio": (np.float32, np.nan),
+    "weight_norm": (np.float32, np.nan),
+    "weight_norm_before": (np.float32, np.nan),
+    "param_nonfinite": (np.int64, 0),
+}
+
+
 def _per_param(cols: Columns, key: str, n: int, p: int, dtype, fill) -> np.ndarray:
+    rows, values = cols.per_param(key, p)
+    if len(rows) == n:  # every row (rows are increasing): the columns' own array, not a copy
+        out = values.astype(dtype, copy=False).view()
+        out.flags.writeable = False  # (shared with the columns and `scalars`)
+        return out
     out = np.full((n, p), fill, dtype=dtype)
-    if key in cols.arrays:
-        rows, values = cols.arrays[key]
-        if values.ndim == 2 and values.shape[1] == p:
-            out[rows] = values
+    out[rows] = values
     return out
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, find_spikes
+from ckptlab.analysis.spikes import GRAD_RULE, LOSS_RULE, SpikeDetector, SpikeRule, find_spikes
 
 
 def spike_steps(values, rule=LOSS_RULE) -> list[int]:
@@ -149,3 +152,51 @@ def test_one_step_and_a_series_of_steps_get_the_same_verdict():
     # A recorded row without per-parameter norms (all NaN: not measured) is not a fault.
     assert not nonfinite_grad(np.array([0]), np.full((1, 2), nan), np.array([False]))[0]
     assert list(nonfinite_weight(np.array([[1.0, nan], [1.0, 2.0]]))) == [1, 0]
+
+
+def _one_by_one(values, rule) -> list[tuple[int, float, float, float]]:
+    """Each value fed to a SpikeDetector in turn, as the Recorder does."""
+    det = SpikeDetector(rule)
+    return [(i, s.value, s.median, s.z) for i, v in enumerate(values) if (s := det.check(float(v))) is not None]
+
+
+def _found(values, rule) -> list[tuple[int, float, float, float]]:
+    return [(i, s.value, s.median, s.z) for i, s in find_spikes(values, rule)]
+
+
+def test_a_long_series_gets_the_recorders_spikes_without_scanning_each_value():
+    """find_spikes judges most values of a long series by numpy bounds and the rest with the
+    detector: the same spikes, medians and z as the Recorder's value-by-value scan, through
+    spike episodes (where the window is not the plain last values), NaNs and a negative
+    stretch."""
+    rng = np.random.default_rng(7)
+    n = 20_000
+    loss = 3 * np.exp(-np.arange(n) / 8000) * np.exp(0.1 * rng.standard_normal(n))
+    loss[rng.integers(0, n, 60)] *= rng.choice([2.0, 5.0, 50.0], 60)
+    loss[9000:9150] *= 20  # an episode longer than the window
+    loss[rng.integers(0, n, 40)] = np.nan
+    loss[15000:15500] -= 4  # crosses zero
+    grads = np.exp(rng.standard_normal(n))
+    grads[rng.integers(0, n, 30)] = 1e6
+    for values, rule in ((loss, LOSS_RULE), (grads, GRAD_RULE), (loss, replace(LOSS_RULE, tail=0))):
+        expected = _one_by_one(values, rule)
+        assert len(expected) >= 20
+        assert _found(values, rule) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(st.floats(-5, 5), st.floats(-1e6, 1e6), st.sampled_from([0.0, 1.0, math.nan, math.inf])),
+        min_size=0,
+        max_size=400,
+    ),
+    window=st.integers(2, 24),
+    level=st.integers(1, 6),
+    min_points=st.integers(1, 30),
+    tail=st.sampled_from([0.0, 0.5, 2.0]),
+    min_ratio=st.sampled_from([0.5, 1.0, 1.2, 5.0]),
+)
+def test_any_series_and_rule_get_the_recorders_spikes(values, window, level, min_points, tail, min_ratio):
+    rule = SpikeRule(window=window, level=level, min_points=min_points, tail=tail, min_ratio=min_ratio, z=2.0)
+    assert _found(values, rule) == _one_by_one(values, rule)

@@ -187,3 +187,23 @@ def test_appended_records_that_are_not_the_segments_are_not_used(recorded, tmp_p
         assert got is not None and np.array_equal(got.step, cols.step)
         assert nan_equal(list(columns.Rows(got)), list(columns.Rows(cols)))
         assert "param_grad_norm" in got.arrays  # (from the frames: the appended had no arrays)
+
+
+def test_per_parameter_rows_are_read_without_making_the_whole_field(recorded):
+    """`Metrics.measured` and `Metrics.per_param` give what indexing the (S, P) field gives:
+    the update ratios and weight norms of the health steps only, and any rows of a field."""
+    m = ckptlab.open_run(recorded).metrics()
+    for key in ("param_grad_norm", "update_ratio", "weight_norm", "weight_norm_before", "param_nonfinite"):
+        dense = getattr(m, key)
+        rows, values = m.measured(key)
+        assert values.dtype == dense.dtype and np.array_equal(values, dense[rows], equal_nan=True), key
+        rest = np.setdiff1d(np.arange(len(m)), rows)
+        assert np.all(np.isnan(dense[rest])) if dense.dtype.kind == "f" else np.all(dense[rest] == 0), key
+        for pick in (slice(None), slice(4, 11), np.array([0, 3, 5, 22]), np.array([], dtype=np.int64)):
+            got = m.per_param(key, pick)
+            assert got.dtype == dense.dtype and np.array_equal(got, dense[pick], equal_nan=True), (key, pick)
+    health_rows, _ = m.measured("update_ratio")
+    assert 0 < len(health_rows) < len(m)  # health_every=3: a third of the steps
+    assert len(m.measured("param_grad_norm")[0]) == len(m)
+    with pytest.raises(ValueError):  # every row held: the columns' own array, shared, so read-only
+        m.param_grad_norm[0, 0] = 1.0

@@ -11,11 +11,22 @@ import numpy as np
 from ckptlab.analysis.health.clipping import Clipping, clipping
 from ckptlab.analysis.health.earlystop import EarlyStop, early_stopping, validation_series
 from ckptlab.analysis.health.rules import HealthRules
-from ckptlab.analysis.health.series import nanmedian_cols
 from ckptlab.analysis.health.snapshots import WeightSnapshot, weight_snapshots
 from ckptlab.analysis.spikes import Spike, SpikeRule, find_spikes
 from ckptlab.run.manifest import OptimizerGroups
 from ckptlab.run.reader import Metrics, Run
+
+_BLOCK = 8192  # rows transposed at a time (a few MB: within the cache)
+
+
+@dataclass
+class GradColumns:
+    """Per parameter (columns of `m.param_grad_norm`): the steps that had a gradient norm
+    (finite), the steps where it was exactly 0, and its median over them (NaN: none)."""
+
+    present: np.ndarray  # int64[P]
+    zeros: np.ndarray  # int64[P]
+    median: np.ndarray  # float64[P]
 
 
 @dataclass
@@ -37,16 +48,33 @@ class RunData:
         return found[rule]
 
     @cached_property
-    def grad_norms(self) -> np.ndarray:
-        """float64[S, P]: the per-parameter gradient norms, NaN where a parameter got none
-        (recorded as -1). Made once: on a long run it is a GB, and three detectors read it."""
+    def grad_columns(self) -> GradColumns:
+        """Each parameter's gradient norms over the steps that had one (finite: -1 is none),
+        counted and their median taken in one pass: three detectors read them, and on a long
+        run the (S, P) norms are a GB. A column of a C-ordered (S, P) array is strided: each
+        block of rows is transposed first, so every median reads contiguous memory."""
         g = self.m.param_grad_norm
-        return np.where(g < 0, np.nan, g.astype(np.float64))
+        steps, p = g.shape
+        cols = np.empty((p, steps), dtype=g.dtype)
+        for a in range(0, steps, _BLOCK):
+            cols[:, a : a + _BLOCK] = g[a : a + _BLOCK].T
+        out = GradColumns(
+            present=np.zeros(p, dtype=np.int64), zeros=np.zeros(p, dtype=np.int64), median=np.full(p, np.nan)
+        )
+        for j in range(p):
+            with np.errstate(invalid="ignore"):
+                col = cols[j][np.isfinite(cols[j]) & (cols[j] >= 0)]
+            out.present[j], out.zeros[j] = len(col), np.count_nonzero(col == 0)
+            if len(col):  # np.median of the float64 column: the middle value, or the mean of the two
+                lo, hi = (len(col) - 1) // 2, len(col) // 2
+                part = np.partition(col, [lo, hi])
+                out.median[j] = (float(part[lo]) + float(part[hi])) / 2
+        return out
 
-    @cached_property
+    @property
     def grad_norm_medians(self) -> np.ndarray:
         """float64[P]: each parameter's median gradient norm over the steps that had one."""
-        return nanmedian_cols(self.grad_norms)
+        return self.grad_columns.median
 
     @cached_property
     def clipping(self) -> Clipping:
@@ -80,10 +108,11 @@ class RunData:
         m = self.m
         if not len(m):
             return np.array([], dtype=int), np.zeros((0, len(m.param_names)))
-        rows = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1) & m.stepped)
-        ur = m.update_ratio[rows].astype(np.float64)
+        have, ratios = m.measured("update_ratio")
+        keep = ~np.isnan(ratios).all(axis=1) & m.stepped[have]
+        rows, ur = have[keep], ratios[keep].astype(np.float64)
         weighed = m.holds("nonfinite_weights")[rows]  # norms measured
-        ur[weighed[:, None] & ~np.isfinite(m.weight_norm[rows])] = np.nan
+        ur[weighed[:, None] & ~np.isfinite(m.per_param("weight_norm", rows))] = np.nan
         return rows, ur
 
 

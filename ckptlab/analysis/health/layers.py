@@ -19,9 +19,8 @@ from ckptlab.analysis.health.snapshots import WeightSnapshot
 
 def _dead(d: RunData, rules: HealthRules) -> tuple[list[int], np.ndarray]:
     """Columns whose gradient is exactly 0 in >= `dead_fraction` of the steps that had one."""
-    pg = d.grad_norms
-    present = np.isfinite(pg).sum(0)
-    zero_frac = np.where(present > 0, (pg == 0).sum(0) / np.maximum(present, 1), 0.0)
+    g = d.grad_columns
+    zero_frac = np.where(g.present > 0, g.zeros / np.maximum(g.present, 1), 0.0)
     return [j for j in range(len(d.m.param_names)) if zero_frac[j] >= rules.dead_fraction], zero_frac
 
 

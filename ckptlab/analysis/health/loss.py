@@ -247,10 +247,11 @@ def _oscillation(m: Metrics, rules: HealthRules) -> list[Finding]:
 
 
 def _median_update_ratio(m: Metrics, first_step: int) -> float | None:
-    rows = (m.step >= first_step) & ~np.isnan(m.update_ratio).all(axis=1)
+    have, ratios = m.measured("update_ratio")
+    rows = (m.step[have] >= first_step) & ~np.isnan(ratios).all(axis=1)
     if not rows.any():
         return None
-    vals = m.update_ratio[rows].astype(np.float64)
+    vals = ratios[rows].astype(np.float64)
     vals = vals[np.isfinite(vals) & (vals > 0)]
     return float(np.median(vals)) if len(vals) else None
 

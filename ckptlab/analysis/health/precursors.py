@@ -69,7 +69,7 @@ def series(m: Metrics, rows: slice = slice(None)) -> list[tuple[str, np.ndarray]
     and the update ratios of steps that stepped."""
     g = m.param_grad_norm[rows]
     grads = np.where(g < 0, np.nan, g.astype(np.float64))
-    updates = np.where(m.stepped[rows, None], m.update_ratio[rows].astype(np.float64), np.nan)
+    updates = np.where(m.stepped[rows, None], m.per_param("update_ratio", rows).astype(np.float64), np.nan)
     return [("gradient", grads), ("update", updates)]
 
 

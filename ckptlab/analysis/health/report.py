@@ -267,7 +267,9 @@ def _exp(x: float) -> float:
 
 def plot_data(d: RunData, findings: list[Finding]) -> PlotData:
     m = d.m
-    measured = np.flatnonzero(~np.isnan(m.update_ratio).all(axis=1)) if len(m) else np.array([], dtype=int)
+    have, ratios = m.measured("update_ratio")
+    keep = ~np.isnan(ratios).all(axis=1)
+    measured, ratios = have[keep], ratios[keep]
     markers = {(s, f.kind, f.severity) for f in findings if f.kind in MARKED for s in f.steps[:50]}
     known = m.loss_known  # (a step that returned no loss has no point: not a NaN's red triangle)
     return PlotData(
@@ -281,7 +283,7 @@ def plot_data(d: RunData, findings: list[Finding]) -> PlotData:
         val_values=[v for _, v in d.val],
         markers=sorted(markers),
         ratio_steps=m.step[measured],
-        ratio=m.update_ratio[measured].T.astype(np.float64) if len(measured) else np.zeros((len(m.param_names), 0)),
+        ratio=ratios.T.astype(np.float64),
         param_names=m.param_names,
         weights=d.snapshots,
         best_val_step=d.stop.best_step if d.stop else None,

@@ -19,15 +19,15 @@ def smooth(values: np.ndarray, span: int | None = None) -> np.ndarray:
             return np.exp(smooth(np.log(values), span))
     span = span or max(5, len(values) // 50)
     alpha = 2.0 / (span + 1)
-    out = np.full(len(values), np.nan)
-    acc, weight = 0.0, 0.0
-    for i, v in enumerate(values):
-        if math.isfinite(v):
-            acc = (1 - alpha) * acc + alpha * v
-            weight = (1 - alpha) * weight + alpha
-        if weight > 0:
-            out[i] = acc / weight
-    return out
+    out = []  # (a loop over Python floats: numpy scalars cost 4x as much a value, on 10^6 steps seconds)
+    acc, weight, keep, nan = 0.0, 0.0, 1 - alpha, math.nan
+    isfinite = math.isfinite
+    for v in values.tolist():
+        if isfinite(v):
+            acc = keep * acc + alpha * v
+            weight = keep * weight + alpha
+        out.append(acc / weight if weight > 0 else nan)
+    return np.array(out, dtype=np.float64)
 
 
 def rolling_median(x: np.ndarray, w: int) -> np.ndarray:
@@ -47,14 +47,3 @@ def nanmedian(a: np.ndarray) -> float:
     a = np.asarray(a)
     a = a[~np.isnan(a)]
     return float(np.median(a)) if len(a) else math.nan
-
-
-def nanmedian_cols(a: np.ndarray) -> np.ndarray:
-    """The median of each column's finite values (NaN for a column without any)."""
-    out = np.full(a.shape[1] if a.ndim == 2 else 0, np.nan)
-    for j in range(len(out)):
-        col = a[:, j]
-        col = col[np.isfinite(col)]
-        if len(col):
-            out[j] = float(np.median(col))
-    return out

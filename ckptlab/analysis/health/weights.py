@@ -48,7 +48,7 @@ def nonfinite_weights(d: RunData, rules: HealthRules) -> list[Finding]:
     """Steps whose measured weight norms were non-finite (anomalies.nonfinite_weight), and
     checkpoint tensors with NaN/Inf."""
     m, measured = d.m, d.weights_measured
-    wn = m.weight_norm[measured].astype(np.float64) if len(measured) else np.zeros((0, len(m.param_names)))
+    wn = m.per_param("weight_norm", measured).astype(np.float64)
     bad_rows = measured[nonfinite_weight(wn) > 0] if len(wn) else measured
     bad_cols = np.flatnonzero((~np.isfinite(wn)).any(axis=0)) if len(wn) else np.array([], dtype=int)
     ckpt_bad = sorted({(s.step, n) for s in d.snapshots for n, st in s.stats.items() if st.nonfinite})
@@ -79,7 +79,7 @@ def exploding_weights(d: RunData, rules: HealthRules) -> list[Finding]:
     m, measured, shapes, names = d.m, d.weights_measured, d.shapes, d.m.param_names
     if len(measured) < 2:
         return []
-    wn = m.weight_norm[measured].astype(np.float64)
+    wn = m.per_param("weight_norm", measured).astype(np.float64)
     mats = [j for j, name in enumerate(names) if len(shapes.get(name, ())) >= 2]
     cols = {j: wn[:, j][np.isfinite(wn[:, j])] for j in mats}
     numel = {j: max(1, math.prod(shapes[names[j]])) for j in mats}
