@@ -53,6 +53,15 @@ from ckptlab.cli.common import end_with_problems, find_run, json_option, open_te
     show_default=True,
     help="Histogram each checkpoint's gradients by replaying the step that starts there (runs your recorded build_fn/step_fn).",
 )
+@click.option(
+    "--every",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Send the health curves every N steps (and at each step with an anomaly, a validation or a "
+    "checkpoint). Default: every step up to 100,000 points a curve (10,000 a per-parameter curve); on a "
+    "longer run every 2, 5, 10, 20, 50, ... steps, whichever keeps it within that. --every 1: every point.",
+)
 @trust_option
 @json_option
 def command(
@@ -64,6 +73,7 @@ def command(
     run_name: str | None,
     html: bool,
     grads: bool,
+    every: int | None,
     trust_code: bool,
     as_json: bool,
 ) -> None:
@@ -96,21 +106,20 @@ def command(
         sink = open_mlflow(mlflow_uri, run=run, experiment=experiment, run_name=run_name)
     gradients = _gradients(run, trust_code) if grads else None
     with term.progress("exporting checkpoints", total=len(run.checkpoints)) as advance:
+        kw = {"gradients": gradients, "progress": advance, "every": every}
         if tb_dir is not None:
             from ckptlab.render.tensorboard import write_tensorboard
 
-            summary = write_tensorboard(run, tb_dir, gradients=gradients, progress=advance)
+            summary = write_tensorboard(run, tb_dir, **kw)
         elif sink is not None:
             from ckptlab.render.trackers import write_mlflow
 
-            summary = write_mlflow(run, sink, html=html, gradients=gradients, progress=advance)
+            summary = write_mlflow(run, sink, html=html, **kw)
         else:
             from ckptlab.render.trackers import write_wandb
 
             assert wandb_dir is not None, "exactly one of the three destinations was chosen"
-            summary = write_wandb(
-                run, wandb_dir, project=experiment, run_name=run_name, html=html, gradients=gradients, progress=advance
-            )
+            summary = write_wandb(run, wandb_dir, project=experiment, run_name=run_name, html=html, **kw)
     _say(term, summary, run, as_json, tb_dir, wandb_dir)
     # What was readable is exported; damage (a corrupt segment, a checkpoint that fails its
     # check) is then the command's one error line and exit 1, as in `info`.

@@ -16,18 +16,20 @@ sends every point once, and exporting a run that went on sends only what is new.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ckptlab.errors import CkptlabError
 from ckptlab.io.base import expand_aliases
 from ckptlab.run.atomic import write_bytes_atomic
-from ckptlab.run.reader import Run
+from ckptlab.run.reader import Metrics, Run
 from ckptlab.trackers.points import (
     MAX_PARAM_SCALARS,
     AlertEpisodes,
@@ -35,6 +37,7 @@ from ckptlab.trackers.points import (
     add_events,
     health_points,
     histogram,
+    param_points,
     validation_points,
 )
 
@@ -44,6 +47,13 @@ if TYPE_CHECKING:
 
 STREAMS = ("health", "validation", "events", "checkpoints")
 ROWS_PER_CALL = 100  # rows per sink call (and per saved cursor)
+# Points a curve gets at most by default (`strides`): a run of 10^6 steps and 150 parameters
+# records 1.5*10^8 per-parameter points and 10^6 of each run curve, which no viewer plots
+# (TensorBoard keeps 1000 points a curve, W&B draws ~1500) and which took TensorBoard half an
+# hour to write and a tracker's store far longer.
+RUN_CURVE_POINTS = 100_000  # train/*, system/*
+PARAM_CURVE_POINTS = 10_000  # grad_norm/<param>, update_ratio/<param>, weight_norm/<param>
+PER_PARAM_KEYS = ("param_grad_norm", "update_ratio", "weight_norm")
 
 
 @dataclass
@@ -99,35 +109,39 @@ def rows(
     cursor: dict | None = None,
     gradients: Callable[[int], dict[str, torch.Tensor]] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    every: int | None = None,
 ) -> Iterator[tuple[Row, dict]]:
-    """(row, the cursor once it is written), step by step; `out` counts what was laid out."""
+    """(row, the cursor once it is written), step by step; `out` counts what was laid out.
+    The health curves go out every `every` steps (None: `strides` chooses) and at each step with
+    an event, a validation or a checkpoint; validations, events and checkpoints all."""
     last = {k: (cursor or {}).get(k, -1) for k in STREAMS}
     m = run.metrics()
     names = m.param_names
-    per_param = len(names) <= MAX_PARAM_SCALARS
-    if not per_param:
-        out.notes.append(f"{len(names)} parameters: per-parameter curves left out (limit {MAX_PARAM_SCALARS})")
-    health = {int(s): i for i, s in enumerate(m.step.tolist()) if s > last["health"]}
+    per_param, kept = _curves(m, every, out)
     validation: dict[int, dict] = {}
     for v in run.validation():
         if v["step"] > last["validation"]:
             validation.setdefault(int(v["step"]), {}).update(v.get("metrics", {}))
-    every = _by_step(run.events())
-    events = {s: e for s, e in every.items() if s > last["events"]}
+    every_event = _by_step(run.events())
+    events = {s: e for s, e in every_event.items() if s > last["events"]}
     checkpoints = [c for c in run.checkpoints if c > last["checkpoints"]]
-    keys = ("param_grad_norm", "update_ratio", "weight_norm")
+    marks = {*every_event, *validation, *run.checkpoints}
+    health, full, params = _health_rows(m, last["health"], kept, marks, per_param)
     episodes = AlertEpisodes()  # which steps alert, taken up where the last export left it
-    for step in sorted(s for s in every if s <= last["events"]):
-        episodes.due(step, every[step])
+    for step in sorted(s for s in every_event if s <= last["events"]):
+        episodes.due(step, every_event[step])
     done = 0
     for step in sorted({*health, *validation, *events, *checkpoints}):
         row = Row(step)
         if step in health:
             i = health[step]
-            row.time = m.scalars[i].get("time")
-            row.scalars.update(
-                health_points(m.scalars[i], {k: getattr(m, k)[i] for k in keys}, names, per_param=per_param)
-            )
+            arrays = {key: values[at[i]] for key, (at, values) in params.items() if i in at}
+            if i in full:
+                record = m.scalars[i]
+                row.time = record.get("time")
+                row.scalars.update(health_points(record, arrays, names, per_param=per_param))
+            else:  # a per-parameter record kept where the run's curves are not
+                row.scalars.update(param_points(arrays, names))
             last["health"] = step
             out.steps += 1
         if step in validation:
@@ -145,6 +159,72 @@ def rows(
         out.scalars += len(row.scalars)
         out.histograms += len(row.histograms)
         yield row, dict(last)
+
+
+def _curves(m: Metrics, every: int | None, out: ExportSummary) -> tuple[bool, dict[str, tuple[int, int]]]:
+    """Whether the per-parameter curves are sent, and every curve's thinning (`strides`), each
+    said in `out.notes` where it leaves points out."""
+    per_param = len(m.param_names) <= MAX_PARAM_SCALARS
+    if not per_param:
+        out.notes.append(f"{len(m.param_names)} parameters: per-parameter curves left out (limit {MAX_PARAM_SCALARS})")
+    kept = strides(m, every, per_param)
+    thinned = [f"{_CURVES[key]} every {c * k} steps" for key, (c, k) in kept.items() if k > 1]
+    if thinned:
+        out.notes.append(f"curves thinned: {', '.join(thinned)} ({len(m)} steps recorded), {_THINNED}")
+    return per_param, kept
+
+
+def _health_rows(
+    m: Metrics, after: int, kept: dict[str, tuple[int, int]], marks: set[int], per_param: bool
+) -> tuple[dict[int, int], set[int], dict[str, tuple[dict[int, int], np.ndarray]]]:
+    """The health rows to send after step `after`: {step: row}; the rows whose run curves are
+    sent; and per per-parameter field, the rows whose record is sent ({row: its place among the
+    field's records}) and the records. Chosen with numpy (`strides`, and every step in
+    `marks`), so a long run's thinned-out rows are never visited."""
+    new = m.step > after
+    marked = np.isin(m.step, sorted(marks))
+    full = set(np.flatnonzero(new & (marked | _kept(m.step, *kept["health"]))).tolist())
+    params: dict[str, tuple[dict[int, int], np.ndarray]] = {}
+    for key in PER_PARAM_KEYS if per_param else ():
+        have, values = m.measured(key)
+        take = np.flatnonzero(new[have] & (marked[have] | _kept(m.step[have], *kept[key])))
+        params[key] = (dict(zip(have[take].tolist(), take.tolist())), values)
+    health = {int(m.step[i]): i for i in sorted(full.union(*(at for at, _ in params.values())))}
+    return health, full, params
+
+
+_THINNED = "and each step with an event, validation or checkpoint; --every 1 sends all"
+_CURVES = {
+    "health": "train/ and system/",
+    "param_grad_norm": "grad_norm/<param>",
+    "update_ratio": "update_ratio/<param>",
+    "weight_norm": "weight_norm/<param>",
+}
+
+
+def strides(m: Metrics, every: int | None, per_param: bool = True) -> dict[str, tuple[int, int]]:
+    """For the run's curves ("health") and each per-parameter field: (its cadence, k): the
+    steps between its records (health every N steps: N; the median gap) and the thinning, one
+    record in k (`_kept`). `every`: a point every `every` steps (at least one a record); None:
+    the smallest k of 1, 2, 5, 10, 20, 50, ... that keeps the curve within RUN_CURVE_POINTS
+    points (PARAM_CURVE_POINTS for a per-parameter curve)."""
+    out = {}
+    for key in ("health", *(PER_PARAM_KEYS if per_param else ())):
+        steps = m.step if key == "health" else m.step[m.measured(key)[0]]
+        cadence = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+        cap = RUN_CURVE_POINTS if key == "health" else PARAM_CURVE_POINTS
+        if every is not None:
+            k = max(1, every // cadence)
+        else:
+            k = next(b * 10**e for e in itertools.count() for b in (1, 2, 5) if len(steps) <= cap * b * 10**e)
+        out[key] = (cadence, k)
+    return out
+
+
+def _kept(steps: np.ndarray, cadence: int, k: int) -> np.ndarray:
+    """Where a thinned curve keeps the points of `steps`: one in k of its records, by step
+    number (so an export taken up again, or of a run that went on, keeps the same ones)."""
+    return (steps // cadence) % k == 0
 
 
 def _by_step(events) -> dict[int, list[dict]]:

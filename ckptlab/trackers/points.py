@@ -112,8 +112,15 @@ def health_points(scalars: dict, arrays: dict, param_names: list[str], *, per_pa
     out.update(system_points(scalars))
     if per_param is None:
         per_param = len(param_names) <= MAX_PARAM_SCALARS
-    if not per_param:
-        return out
+    if per_param:
+        out.update(param_points(arrays, param_names))
+    return out
+
+
+def param_points(arrays: dict, param_names: list[str]) -> dict:
+    """The per-parameter points of one step (`grad_norm/<param>`, ...) from its arrays
+    (`param_grad_norm`, `update_ratio`, `weight_norm`: those it has)."""
+    out = {}
     names = _per_param_names(tuple(param_names))
     for key in PER_PARAM:
         values = arrays.get("param_grad_norm" if key == "grad_norm" else key)

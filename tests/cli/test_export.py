@@ -81,6 +81,55 @@ def test_a_damaged_run_exports_what_it_can_then_fails_naming_the_damage(cli, run
     assert len(errors) == 1 and segment.name in errors[0] and "corrupt file" in errors[0]
 
 
+def test_curves_are_thinned_on_request_and_on_long_runs(cli, run, tmp_path, monkeypatch):
+    """`--every N` sends the health curves every N steps (the update ratios, measured every 10
+    steps, at each of theirs) and every step with a validation or a checkpoint. Without it, a
+    run longer than the caps gets every 2nd, 5th, 10th... step's points, and says so."""
+    from ckptlab.render import export
+
+    m = run.metrics()
+    name = m.param_names[0]
+    steps = m.step.tolist()
+    marked = {8, 16, 24, *run.checkpoints}  # validations, checkpoints
+    r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "a", "--no-grads", "--every", "4", "--json")
+    assert r.code == 0, r.err
+    acc = read(tmp_path / "a")
+    assert [e.step for e in acc.Scalars(f"grad_norm/{name}")] == [s for s in steps if s % 4 == 0 or s in marked]
+    assert [e.step for e in acc.Scalars("train/loss")] == [s for s in steps if s % 4 == 0 or s in marked]
+    assert [e.step for e in acc.Scalars(f"update_ratio/{name}")] == [0, 10, 20]
+    assert [e.step for e in acc.Scalars("val/val_loss")] == [8, 16, 24]
+    assert any("grad_norm/<param> every 4 steps" in n for n in r.json()["notes"])
+
+    # 25 steps over caps of 10 (run curves) and 4 (per parameter): every 5th and every 10th
+    monkeypatch.setattr(export, "RUN_CURVE_POINTS", 10)
+    monkeypatch.setattr(export, "PARAM_CURVE_POINTS", 4)
+    r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "b", "--no-grads", "--json")
+    assert r.code == 0, r.err
+    acc = read(tmp_path / "b")
+    assert [e.step for e in acc.Scalars("train/loss")] == [s for s in steps if s % 5 == 0 or s in marked]
+    assert [e.step for e in acc.Scalars(f"grad_norm/{name}")] == [s for s in steps if s % 10 == 0 or s in marked]
+    assert [e.step for e in acc.Scalars(f"update_ratio/{name}")] == [0, 10, 20]  # 3 records: all
+    assert r.json()["scalars"] < len(steps) * len(m.param_names)
+
+
+def test_a_thinned_curve_keeps_the_steps_with_an_anomaly(tmp_path):
+    """A label of 1e17 at step 25: the loss and gradient norm spike there, finite, and the
+    per-parameter curves thinned to every 7th step still show the step."""
+    from ckptlab.render.tensorboard import write_tensorboard
+    from tests import fault_models as fm
+
+    fm.record_huge_target(tmp_path / "run")
+    run = ckptlab.open_run(tmp_path / "run")
+    m = run.metrics()
+    flagged = {e["step"] for e in run.events()} | set(run.checkpoints)
+    grads = m.param_grad_norm[:, 0]
+    shown = {int(s) for s, g in zip(m.step, grads) if np.isfinite(g) and (s % 7 == 0 or s in flagged)}
+    assert 25 in shown
+    write_tensorboard(run, tmp_path / "tb", every=7)
+    acc = read(tmp_path / "tb")
+    assert [e.step for e in acc.Scalars(f"grad_norm/{m.param_names[0]}")] == sorted(shown)
+
+
 def test_refuses_to_mix_two_exports_in_one_folder(cli, run, tmp_path):
     assert cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads").code == 0
     r = cli("export", "--run", run.path, "--tensorboard", tmp_path / "tb", "--no-grads")
@@ -138,3 +187,17 @@ def test_progress_bar_counts_on_a_terminal_and_is_silent_otherwise():
     with quiet.progress("x", total=3) as update:
         update(1, description="y")
     assert quiet.err.file.getvalue() == ""
+
+
+def test_the_event_files_checksums_are_tensorboards():
+    """The event file is written here (render/tensorboard.py EventFile), its TFRecord CRCs by
+    google-crc32c where installed: the same values as TensorBoard's own."""
+    import os
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from ckptlab.render.tensorboard import _masked_crc32c
+
+    crc = _masked_crc32c()
+    for data in (b"", b"a", bytes(range(256)) * 3, os.urandom(1000)):
+        assert crc(data) == masked_crc32c(data)
