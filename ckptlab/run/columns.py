@@ -19,10 +19,11 @@ with 150 parameter tensors). Decoding them one by one costs ~100 us each: minute
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ class Columns:
     lists: dict[str, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict
     )  # (float64[n, L], int32[n]: -1 absent)
-    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # (int64 rows[k], values[k, ...])
+    # (int64 rows[k], values[k, ...]) per per-parameter field (joined parts: `Joined`, read-only)
+    arrays: MutableMapping[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # every field, in the order records hold them
     # row -> {field: value} of the values no column holds (a string, a nested value, a list
     # that is not all floats, a field that is a number in one record and a list in another)
@@ -157,13 +159,8 @@ class Columns:
                     v, ln = p.lists[key]
                     values[start : start + len(p), : v.shape[1]], lengths[start : start + len(p)] = v, ln
             out.lists[key] = (values, lengths)
-        for key in {k for p in parts for k in p.arrays}:
-            have = [(p.arrays[key], start) for p, start in zip(parts, starts) if key in p.arrays]
-            kinds = [(a.shape[1:], a.dtype.str) for (_, a), _ in have]
-            common = max(set(kinds), key=lambda k: sum(len(h[0][0]) for h, kk in zip(have, kinds) if kk == k))
-            have = [h for h, k in zip(have, kinds) if k == common]  # (as in from_records)
-            rows = np.concatenate([r + start for (r, _), start in have])
-            out.arrays[key] = (rows, np.concatenate([a for (_, a), _ in have]))
+        keys = {k for p in parts for k in p.arrays}
+        out.arrays = Joined({key: functools.partial(_join_arrays, parts, starts, key) for key in sorted(keys)})
         return out
 
     def by_step(self) -> Columns:
@@ -264,6 +261,42 @@ class Rows(Sequence):
 
     def __repr__(self) -> str:
         return f"<{len(self)} step records>"
+
+
+def _join_arrays(parts: Sequence[Columns], starts, key: str) -> tuple[np.ndarray, np.ndarray]:
+    have = [(p.arrays[key], start) for p, start in zip(parts, starts) if key in p.arrays]
+    kinds = [(a.shape[1:], a.dtype.str) for (_, a), _ in have]
+    common = max(set(kinds), key=lambda k: sum(len(h[0][0]) for h, kk in zip(have, kinds) if kk == k))
+    have = [h for h, k in zip(have, kinds) if k == common]  # (as in from_records)
+    rows = np.concatenate([r + start for (r, _), start in have])
+    return rows, np.concatenate([a for (_, a), _ in have])
+
+
+class Joined(MutableMapping):
+    """`Columns.arrays` of joined parts: each field's arrays joined when first read (a long
+    run's per-parameter arrays are a GB, and `info` reads none of them)."""
+
+    def __init__(self, pending: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]]):
+        self._pending = pending
+        self._done: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getitem__(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self._done:
+            self._done[key] = self._pending[key]()
+        return self._done[key]
+
+    def __setitem__(self, key: str, value: tuple[np.ndarray, np.ndarray]) -> None:
+        self._pending[key], self._done[key] = lambda: value, value
+
+    def __delitem__(self, key: str) -> None:
+        del self._pending[key]
+        self._done.pop(key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 # --- summaries beside the segments ------------------------------------------------------------

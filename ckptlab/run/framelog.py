@@ -242,21 +242,25 @@ def _scan_buffer(path: Path, data, verify: bool, index: bool = True) -> ScanResu
     frames: list[FrameRef] = []
     pos = len(FILE_MAGIC)
     why = None
-    while pos + hsize <= size:
-        magic, kind, flags, rank, step, length, crc = _FIELDS.unpack_from(data, pos)
-        end = pos + hsize + length
-        if magic != layout.frame_magic or not layout.header_ok(data, pos) or kind not in KIND_NAMES:
-            # (a v2 header that fails its CRC at the very end may be a torn tail: below)
-            why = f"bad frame header at byte {pos}"
-            break
-        if end > size:
-            break
-        if (verify or end == size) and zlib.crc32(data[pos + hsize : end]) != crc:
-            why = f"frame for step {step} at byte {pos} fails its CRC"
-            break
-        if index:
-            frames.append(FrameRef(path, pos + hsize, kind, flags, rank, step, length, crc, hsize))
-        pos = end
+    view = memoryview(data)  # (CRCs of slices of it: no copy of each payload)
+    try:
+        while pos + hsize <= size:
+            magic, kind, flags, rank, step, length, crc = _FIELDS.unpack_from(data, pos)
+            end = pos + hsize + length
+            if magic != layout.frame_magic or not layout.header_ok(view, pos) or kind not in KIND_NAMES:
+                # (a v2 header that fails its CRC at the very end may be a torn tail: below)
+                why = f"bad frame header at byte {pos}"
+                break
+            if end > size:
+                break
+            if (verify or end == size) and zlib.crc32(view[pos + hsize : end]) != crc:
+                why = f"frame for step {step} at byte {pos} fails its CRC"
+                break
+            if index:
+                frames.append(FrameRef(path, pos + hsize, kind, flags, rank, step, length, crc, hsize))
+            pos = end
+    finally:
+        view.release()  # (an mmap cannot close while a view of it is out)
     corrupt = None
     if pos < size and _intact_frame_after(data, pos + 1, layout):
         corrupt = f"{why or f'frame at byte {pos} is cut short'}, with intact frames after it (corrupt file)"
