@@ -273,8 +273,8 @@ def _join_arrays(parts: Sequence[Columns], starts, key: str) -> tuple[np.ndarray
 
 
 class Joined(MutableMapping):
-    """`Columns.arrays` of joined parts: each field's arrays joined when first read (a long
-    run's per-parameter arrays are a GB, and `info` reads none of them)."""
+    """`Columns.arrays` of joined parts, joined when one is first read (a long run's
+    per-parameter arrays are a GB, and `info` reads none of them)."""
 
     def __init__(self, pending: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]]):
         self._pending = pending
@@ -282,7 +282,11 @@ class Joined(MutableMapping):
 
     def __getitem__(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         if key not in self._done:
-            self._done[key] = self._pending[key]()
+            # All at once: each waiting field holds every part (and each part the bytes of its
+            # summary, ~1 GB on a long run), so the parts go only when none is left waiting.
+            for k in self._pending:
+                if k not in self._done:
+                    self[k] = self._pending[k]()
         return self._done[key]
 
     def __setitem__(self, key: str, value: tuple[np.ndarray, np.ndarray]) -> None:
