@@ -79,7 +79,13 @@ def nonfinite_weight(weight_norm):
 
 def grad_exploded(norm: float, spike: Spike | None, bar: float = GRAD_EXPLOSION) -> bool:
     """A gradient-norm spike (the detector's verdict on `norm`), or a finite norm over `bar`."""
-    return spike is not None or (math.isfinite(norm) and norm > bar)
+    return spike is not None or (math.isfinite(norm) and norm > bar)  # (over_bar's test: the Recorder's per step)
+
+
+def over_bar(norms: np.ndarray, bar: float = GRAD_EXPLOSION) -> np.ndarray:
+    """bool[S]: `grad_exploded`'s bar on a series of norms (finite and over `bar`)."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(norms) & (norms > bar)
 
 
 def first_update(empty, update_ratio, param_grad_norm) -> list[int]:
@@ -157,9 +163,7 @@ def grad_explosions(norms, rule: SpikeRule = GRAD_RULE, bar: float = GRAD_EXPLOS
     the Recorder would (None: over `bar` without being a spike)."""
     norms = np.asarray(norms, dtype=np.float64).reshape(-1)
     spikes: dict[int, Spike | None] = dict(find_spikes(norms, rule))
-    with np.errstate(invalid="ignore"):
-        over = np.flatnonzero(np.isfinite(norms) & (norms > bar))
-    for i in over.tolist():
+    for i in np.flatnonzero(over_bar(norms, bar)).tolist():
         spikes.setdefault(i, None)
     return sorted(spikes.items())
 

@@ -94,6 +94,17 @@ class SpikeDetector:
         self._added = self._risen = 0  # values added; values whose rise is in _rises
         self._before: list[float] = []
 
+    @classmethod
+    def resumed(cls, rule: SpikeRule, last: list[float], accepted: int) -> SpikeDetector:
+        """A detector in the state it reaches having taken `accepted` values, the last of them
+        `last` (window + level of them, none a spike; its rises are computed when needed)."""
+        det = cls(rule)
+        det._recent.extend(last)
+        det._window.extend(last[-rule.window :])
+        det._sorted = sorted(det._window)
+        det._added = accepted
+        return det
+
     def check(self, value: float) -> Spike | None:
         """Test `value` against the window, then add it (spikes are kept out of the window)."""
         if not math.isfinite(value):
@@ -155,10 +166,17 @@ class SpikeDetector:
         return rise >= (self.rule.min_ratio - 1) * abs(median) and rise >= self.rule.tail * self._largest_rise()
 
     def _median(self) -> float:
-        """np.median of the window, from the sorted copy (the same float: the middle value, or
-        the mean of the two middle ones)."""
-        s, n = self._sorted, len(self._sorted)
-        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+        """np.median of the window, from the sorted copy."""
+        return sorted_median(self._sorted)
+
+
+def sorted_median(s: list[float]) -> float:
+    """np.median of the sorted values `s` (the same float: the middle value, or the mean of the
+    two middle ones), without numpy's fixed cost; NaN when empty."""
+    n = len(s)
+    if not n:
+        return math.nan
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def find_spikes(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
@@ -197,7 +215,7 @@ def find_spikes(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
                 break
             i = int(cand[c])
             if i - at > settle:  # rebuild det from the values before i (none of them a spike)
-                det = _rebuilt(rule, f[i - settle + 1 : i], accepted=i - rejected)
+                det = SpikeDetector.resumed(rule, f[i - settle + 1 : i].tolist(), accepted=i - rejected)
             else:
                 for v in f[at:i]:
                     det.check(float(v))
@@ -222,22 +240,10 @@ def _scan(values, rule: SpikeRule) -> list[tuple[int, Spike]]:
     return out
 
 
-def _rebuilt(rule: SpikeRule, before: np.ndarray, accepted: int) -> SpikeDetector:
-    """A detector in the state it reaches having taken `accepted` values, the last of them
-    `before` (window + level of them; its rises are recomputed when first needed)."""
-    det = SpikeDetector(rule)
-    vals = before.tolist()
-    det._recent.extend(vals)
-    det._window.extend(vals[-rule.window :])
-    det._sorted = sorted(det._window)
-    det._added = accepted
-    return det
-
-
 def _candidates(f: np.ndarray, rule: SpikeRule) -> np.ndarray:
     """bool[len(f)]: the values that may be spikes if the detector's window holds the `window`
     values before each (and each of those its `level` before it): False only where the value
-    provably clears neither the ratio bar nor the tail bar.
+    provably fails the ratio bar or the tail bar.
 
     The window's median is bounded through blocks of B values: every value of block b has its
     window inside the `window + B - 1` values ending before the block's last one, so the
@@ -263,17 +269,21 @@ def _bounds_clear(f: np.ndarray, rule: SpikeRule) -> np.ndarray:
     bar = np.minimum(m_lo + c * np.abs(m_lo), m_hi + c * np.abs(m_hi))
     bar = np.where((m_lo <= 0) & (m_hi >= 0), np.minimum(bar, 0.0), bar)
     need = np.repeat(bar, B)[:n]
+    # The bars are tested as the detector does, x - m >= ..., and here as x >= m + ...: the two
+    # round differently, by ~1e-16 of the operands' size. A margin of 1e-9 of it stays a bound.
+    scale = np.abs(m_lo) + np.abs(m_hi)
     if rule.tail > 0:
         k = rule.level
-        lv = np.sort(np.lib.stride_tricks.sliding_window_view(pad[w - k : w + n - 1], k), axis=1)
-        level = lv[:, (k - 1) // 2] if k % 2 else (lv[:, k // 2 - 1] + lv[:, k // 2]) / 2
-        rise = np.full(n + (nb * B - n), np.nan)
-        rise[:n] = f - level  # NaN for the first `level` values (their level is short)
+        lv = np.sort(np.lib.stride_tricks.sliding_window_view(np.concatenate([np.full(k, np.nan), f[:-1]]), k), axis=1)
+        level = lv[:, (k - 1) // 2] if k % 2 else (lv[:, k // 2 - 1] + lv[:, k // 2]) / 2  # f[t - k : t]'s
+        rise = np.full(nb * B, np.nan)
+        rise[k:n] = f[k:] - level[k:]  # (the first `level` values' levels are short: judged one by one)
         # Every window of block b holds f[bB + B - 1 - w : bB]: w - B + 1 values.
         held = np.concatenate([np.full(w, np.nan), rise])
         span = np.lib.stride_tricks.sliding_window_view(held, w - B + 1)[B - 1 : nb * B + B - 1 : B]
         r_lo = np.max(span, axis=1)  # NaN (a short level) where no value relies on it: no bar
         # x - m >= tail * R with m >= m_lo and R >= r_lo: x >= m_lo + tail * r_lo is needed.
         need = np.maximum(need, np.repeat(m_lo + rule.tail * r_lo, B)[:n])
-    tol = 1e-9 * (np.abs(f) + np.abs(need))
+        scale = scale + rule.tail * np.abs(r_lo)
+    tol = 1e-9 * (np.abs(f) + np.abs(need) + np.repeat(scale, B)[:n])
     return ~(f < need - tol)

@@ -14,7 +14,6 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError, UnknownFormatError
@@ -75,10 +74,10 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
     return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
 
 
-def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list[tuple[int, int, str, tuple, Any, str]]:
+def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list[tuple[int, int, str, tuple, str, str]]:
     """The tensor entries of a header (its "__metadata__" taken out) with `data_size` bytes of
-    data after it, each checked, in file order: (begin, end, name, shape, torch dtype, the
-    safetensors dtype name). Raises CorruptFileError (UnknownFormatError: a dtype ckptlab
+    data after it, each checked, in file order: (begin, end, name, shape, dtype name (dtypes.py),
+    the safetensors dtype code). Raises CorruptFileError (UnknownFormatError: a dtype ckptlab
     cannot read)."""
     path = Path(path)
     entries = []

@@ -168,7 +168,7 @@ def _curves(m: Metrics, every: int | None, out: ExportSummary) -> tuple[bool, di
     if not per_param:
         out.notes.append(f"{len(m.param_names)} parameters: per-parameter curves left out (limit {MAX_PARAM_SCALARS})")
     kept = strides(m, every, per_param)
-    thinned = [f"{_CURVES[key]} every {c * k} steps" for key, (c, k) in kept.items() if k > 1]
+    thinned = [f"{_CURVES[key]} a point per {bucket} steps" for key, (c, bucket) in kept.items() if bucket > c]
     if thinned:
         out.notes.append(f"curves thinned: {', '.join(thinned)} ({len(m)} steps recorded), {_THINNED}")
     return per_param, kept
@@ -183,11 +183,11 @@ def _health_rows(
     `marks`), so a long run's thinned-out rows are never visited."""
     new = m.step > after
     marked = np.isin(m.step, sorted(marks))
-    full = set(np.flatnonzero(new & (marked | _kept(m.step, *kept["health"]))).tolist())
+    full = set(np.flatnonzero(new & (marked | _kept(m.step, kept["health"][1]))).tolist())
     params: dict[str, tuple[dict[int, int], np.ndarray]] = {}
     for key in PER_PARAM_KEYS if per_param else ():
         have, values = m.measured(key)
-        take = np.flatnonzero(new[have] & (marked[have] | _kept(m.step[have], *kept[key])))
+        take = np.flatnonzero(new[have] & (marked[have] | _kept(m.step[have], kept[key][1])))
         params[key] = (dict(zip(have[take].tolist(), take.tolist())), values)
     health = {int(m.step[i]): i for i in sorted(full.union(*(at for at, _ in params.values())))}
     return health, full, params
@@ -203,28 +203,31 @@ _CURVES = {
 
 
 def strides(m: Metrics, every: int | None, per_param: bool = True) -> dict[str, tuple[int, int]]:
-    """For the run's curves ("health") and each per-parameter field: (its cadence, k): the
-    steps between its records (health every N steps: N; the median gap) and the thinning, one
-    record in k (`_kept`). `every`: a point every `every` steps (at least one a record); None:
-    the smallest k of 1, 2, 5, 10, 20, 50, ... that keeps the curve within RUN_CURVE_POINTS
-    points (PARAM_CURVE_POINTS for a per-parameter curve)."""
+    """For the run's curves ("health") and each per-parameter field: (its cadence, its bucket):
+    the steps between its records (health every N steps: N; the median gap), and the thinning:
+    a point per `bucket` steps (`_kept`). `every`: that bucket; None: the cadence times the
+    smallest of 1, 2, 5, 10, 20, 50, ... that keeps the curve within RUN_CURVE_POINTS points
+    (PARAM_CURVE_POINTS for a per-parameter curve). Thinned where the bucket is the larger."""
     out = {}
     for key in ("health", *(PER_PARAM_KEYS if per_param else ())):
         steps = m.step if key == "health" else m.step[m.measured(key)[0]]
         cadence = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
         cap = RUN_CURVE_POINTS if key == "health" else PARAM_CURVE_POINTS
-        if every is not None:
-            k = max(1, every // cadence)
-        else:
-            k = next(b * 10**e for e in itertools.count() for b in (1, 2, 5) if len(steps) <= cap * b * 10**e)
-        out[key] = (cadence, k)
+        if every is None:
+            every_ = cadence * next(
+                b * 10**e for e in itertools.count() for b in (1, 2, 5) if len(steps) <= cap * b * 10**e
+            )
+        out[key] = (cadence, every if every is not None else every_)
     return out
 
 
-def _kept(steps: np.ndarray, cadence: int, k: int) -> np.ndarray:
-    """Where a thinned curve keeps the points of `steps`: one in k of its records, by step
-    number (so an export taken up again, or of a run that went on, keeps the same ones)."""
-    return (steps // cadence) % k == 0
+def _kept(steps: np.ndarray, bucket: int) -> np.ndarray:
+    """Where a curve thinned to a point per `bucket` steps keeps the points of `steps` (in
+    order): the first record in each bucket of step numbers. Fixed by the step numbers, so an
+    export taken up again keeps the same points; a record alone in its bucket is kept however
+    irregular the records (a run resumed with another cadence)."""
+    b = steps // bucket
+    return np.concatenate([b[:1] == b[:1], b[1:] != b[:-1]])
 
 
 def _by_step(events) -> dict[int, list[dict]]:

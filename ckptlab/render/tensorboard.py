@@ -30,7 +30,8 @@ from ckptlab.trackers.points import Row
 
 
 def require_tensorboard():
-    """torch's SummaryWriter; CkptlabError naming the extra to install when it is missing."""
+    """torch's SummaryWriter (torch.utils.tensorboard: the export's summaries are its protos);
+    CkptlabError naming the extra to install when it is missing."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -100,7 +101,9 @@ class EventFile:
             data = e.SerializeToString()
             head = struct.pack("<Q", len(data))
             parts += [head, struct.pack("<I", crc(head)), data, struct.pack("<I", crc(data))]
-        self._file.write(b"".join(parts))
+        view = memoryview(b"".join(parts))
+        while view:  # (unbuffered: a write may take part of it, a full disk raises on the next)
+            view = view[self._file.write(view) :]
 
     def close(self) -> None:
         os.fsync(self._file.fileno())

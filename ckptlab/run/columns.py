@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
+from ckptlab import dtypes
 from ckptlab.errors import CorruptFileError
 from ckptlab.io.files import read_bytes
 from ckptlab.io.safetensors_file import check_entries
@@ -38,8 +39,6 @@ from ckptlab.run import framelog, records
 from ckptlab.run.atomic import write_derived
 
 SUFFIX = ".cols"
-# The dtypes a summary's columns are written in (safetensors' names), as numpy reads them.
-_NUMPY = {"F64": "<f8", "F32": "<f4", "I64": "<i8", "I32": "<i4", "U8": "u1", "BOOL": "?"}
 VERSION = 1
 # What a row of a number column held (`Columns.kind`).
 ABSENT, FLOAT, INT, BOOL, NULL = 0, 1, 2, 3, 4
@@ -296,6 +295,9 @@ class Joined(MutableMapping):
         del self._pending[key]
         self._done.pop(key, None)
 
+    def __contains__(self, key) -> bool:  # (Mapping's would join them to answer)
+        return key in self._pending
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._pending)
 
@@ -337,8 +339,10 @@ def decode(data: bytes, where: str) -> tuple[Columns, int]:
         meta = json.loads(header.pop("__metadata__")["ckptlab"])
         start = 8 + header_len
         tensors = {  # views of `data`, not copies: a long run's summaries are a GB
-            name: np.frombuffer(data, dtype=_NUMPY[code], count=math.prod(shape), offset=start + begin).reshape(shape)
-            for begin, _, name, shape, _, code in check_entries(where, header, len(data) - start)
+            name: np.frombuffer(data, dtype=_numpy_dtype(dtype), count=math.prod(shape), offset=start + begin).reshape(
+                shape
+            )
+            for begin, _, name, shape, dtype, _ in check_entries(where, header, len(data) - start)
         }
         if meta.get("version") != VERSION:
             raise ValueError(f"version {meta.get('version')!r}")
@@ -379,6 +383,13 @@ def decode(data: bytes, where: str) -> tuple[Columns, int]:
         raise CorruptFileError(f"unreadable journal summary ({type(e).__name__}: {e})", path=where) from None
     except Exception as e:  # safetensors' own errors
         raise CorruptFileError(f"unreadable journal summary ({e})", path=where) from None
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """How numpy reads a column of dtype `name` (little-endian, as safetensors stores it)."""
+    if name in dtypes.BITS:  # (no numpy type: never written in a summary)
+        raise ValueError(f"a column of {name}")
+    return dtypes.storage(name).newbyteorder("<")
 
 
 def _shaped(a: np.ndarray, shape: tuple, kind: str) -> np.ndarray:

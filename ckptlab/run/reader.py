@@ -112,7 +112,7 @@ class Metrics:
     def per_param(self, key: str, rows) -> np.ndarray:
         """Per-parameter field `key` at `rows` (indices or a slice), as `getattr(self, key)[rows]`
         gives it, without making the whole field."""
-        idx = np.arange(len(self))[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+        idx = np.arange(len(self))[rows]  # (a slice, indices or a mask: as numpy takes them)
         have, values = self.measured(key)
         dtype, fill = PER_PARAM[key]
         out = np.full((len(idx), len(self.param_names)), fill, dtype=dtype)

@@ -184,6 +184,16 @@ def test_a_long_series_gets_the_recorders_spikes_without_scanning_each_value():
         assert _found(values, rule) == expected
 
 
+def test_a_bar_met_to_the_last_bit_is_met_on_the_fast_path_too():
+    """The detector tests x - median >= (min_ratio - 1) * |median|; numpy's bounds test it as x
+    >= median + ..., which rounds otherwise: -1e-16 over a median of -10 at min_ratio 2 is
+    10.0 >= 10.0 to the detector, a spike, and must not be ruled out."""
+    rule = SpikeRule(window=16, min_points=8, min_ratio=2.0)
+    loss = -10 + 0.01 * np.random.default_rng(1).standard_normal(1000)
+    loss[300] = -1e-16
+    assert _found(loss, rule) == _one_by_one(loss, rule) and [s[0] for s in _found(loss, rule)] == [300]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     values=st.lists(
@@ -192,7 +202,7 @@ def test_a_long_series_gets_the_recorders_spikes_without_scanning_each_value():
         max_size=400,
     ),
     window=st.integers(2, 24),
-    level=st.integers(1, 6),
+    level=st.integers(1, 30),
     min_points=st.integers(1, 30),
     tail=st.sampled_from([0.0, 0.5, 2.0]),
     min_ratio=st.sampled_from([0.5, 1.0, 1.2, 5.0]),

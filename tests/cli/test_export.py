@@ -98,7 +98,7 @@ def test_curves_are_thinned_on_request_and_on_long_runs(cli, run, tmp_path, monk
     assert [e.step for e in acc.Scalars("train/loss")] == [s for s in steps if s % 4 == 0 or s in marked]
     assert [e.step for e in acc.Scalars(f"update_ratio/{name}")] == [0, 10, 20]
     assert [e.step for e in acc.Scalars("val/val_loss")] == [8, 16, 24]
-    assert any("grad_norm/<param> every 4 steps" in n for n in r.json()["notes"])
+    assert any("grad_norm/<param> a point per 4 steps" in n for n in r.json()["notes"])
 
     # 25 steps over caps of 10 (run curves) and 4 (per parameter): every 5th and every 10th
     monkeypatch.setattr(export, "RUN_CURVE_POINTS", 10)

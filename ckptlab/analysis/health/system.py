@@ -15,6 +15,7 @@ import numpy as np
 from ckptlab.analysis.batches import leaves
 from ckptlab.analysis.health.inputs import RunData
 from ckptlab.analysis.health.rules import Finding, HealthRules
+from ckptlab.analysis.spikes import sorted_median
 from ckptlab.numbers import human_bytes
 from ckptlab.run.reader import Metrics
 
@@ -151,10 +152,7 @@ def _slow_step(d: RunData, rows: np.ndarray, j: int, rules: HealthRules) -> dict
         """np.median of a[near]'s finite values (0 when none), on a few dozen Python floats: a
         long run has thousands of slow steps, and np.median's fixed cost is most of a call."""
         values = sorted(v for v in a[near].tolist() if math.isfinite(v))
-        n = len(values)
-        if not n:
-            return 0.0
-        return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+        return sorted_median(values) if values else 0.0
 
     out: dict[str, Any] = {"step": int(m.step[i]), "wall_time": float(m.wall_time[i])}
     out["usual_wall_time"] = usual(m.wall_time)
