@@ -184,6 +184,24 @@ def test_what_cannot_be_folded_is_refused_in_one_line(run4, cli):
         assert done.code == 1 and said in done.err and "Traceback" not in done.err, done.err
 
 
+def test_a_fold_that_would_not_fit_in_memory_is_refused_naming_one_that_fits(run4, cli, monkeypatch):
+    """Before anything is loaded: each process's estimate (the checkpoint's state twice, the
+    parameters' size four times, the process), times the processes, against the memory available."""
+    from ckptlab.replayer import fold
+
+    run = ckptlab.open_run(run4)
+    need = fold.process_bytes(run, NAN_STEP)
+    state = run.checkpoint(max(s for s in run.checkpoints if s <= NAN_STEP)).nbytes
+    assert need > 2 * state + fold.PROCESS_BYTES  # (and the parameters' three copies)
+    monkeypatch.setattr(fold, "available_bytes", lambda device: int(1.5 * need))
+    done = cli("replay", "--run", run4, "--step", NAN_STEP, "--world-size", 2, "--budget", 0)
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "--world-size 2: each process needs about" in done.err and "--world-size 1 fits" in done.err
+    monkeypatch.setattr(fold, "available_bytes", lambda device: need // 2)
+    done = cli("replay", "--run", run4, "--step", NAN_STEP, "--world-size", 1, "--budget", 0)
+    assert done.code == 1 and "a machine with more memory" in done.err, done.err
+
+
 def test_a_parameter_only_another_rank_used_is_refused_not_dropped(tmp_path, cli):
     """find_unused_parameters: DDP learns the unused parameters over its group, in a fold rank 0's
     alone, and would leave head b without rank 1's gradient: refused in one line, naming it."""

@@ -36,9 +36,13 @@ group), a parameter that only another rank's batch used (turns.py).
 
 from __future__ import annotations
 
+import math
 import time
 
+from ckptlab import dtypes
 from ckptlab.errors import ReplayError
+from ckptlab.io.files import read_text
+from ckptlab.numbers import human_bytes
 from ckptlab.replayer.distributed import Explain, Ranks, _check_batches, _faulty_rank, replay_distributed, snap_from
 from ckptlab.replayer.findings import ReplayReport
 from ckptlab.replayer.investigation import Investigation
@@ -65,9 +69,11 @@ def replay_folded(
     """Replay `step` of a W-process data-parallel run in this process (`world_size` 1), then
     explain the root step on the rank whose batch brought the fault, as a W-process replay does."""
     refused(run, world_size)
+    need = memory_checked(run, step, world_size, device)
     note = (
         f"replayed on {world_size} process{'es' if world_size > 1 else ''} for the recorded {run.world_size}: "
         "every rank's micro-batches in turn, their gradients averaged before the optimizer's step"
+        f" (about {human_bytes(need)} a process before activations: {MEMORY})"
     )
     if world_size > 1:  # the ranks shared out among spawned processes, as a replay on the recorded size
         how = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
@@ -125,6 +131,69 @@ def refused(run: Run, world_size: int) -> None:
             path=run.path,
             hint=hint,
         )
+
+
+# What a fold's process holds, besides activations: the checkpoint's state as loaded (the model
+# and its optimizer state), the state the window started in (kept to explain the root step),
+# four copies of the parameters' size (the gradients, DDP's buckets, the fold's running sum, and
+# one for the copies a replay makes on the way), and the process itself (torch and ckptlab
+# imported, ~0.4 GB on the CPU). Measured against the peak RSS of `scripts/bench_fold.py
+# --fold-only` (docs/performance.md): 4.7M and 17.8M parameters with AdamW, 5% over and 6% under.
+MEMORY = "the checkpoint's state twice, the parameters' size four times"
+PROCESS_BYTES = 400 << 20
+
+
+def process_bytes(run: Run, step: int) -> int:
+    """About how many bytes a process of a fold of `run` holds to replay `step`, activations
+    aside (MEMORY): an estimate from the checkpoint the replay starts from and the parameters'
+    shapes, to refuse before anything is loaded rather than be killed for memory midway."""
+    before = [s for s in run.checkpoints if s <= step] or run.checkpoints
+    state = run.checkpoint(before[-1]).nbytes if before else 0
+    params = sum(
+        math.prod(p.get("shape", ())) * dtypes.itemsize(str(p.get("dtype", "float32")))
+        for p in run.manifest.get("parameters", [])
+        if str(p.get("dtype", "float32")) in dtypes.STORAGE
+    )
+    return 2 * state + 4 * params + PROCESS_BYTES
+
+
+def available_bytes(device) -> int | None:
+    """Memory this machine has for the fold's processes: the host's MemAvailable for a CPU
+    replay, the GPU's free memory for a CUDA one (each process on a GPU of its own); None
+    when not known."""
+    if str(device or "cpu").startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+    try:
+        for line in read_text("/proc/meminfo").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_checked(run: Run, step: int, world_size: int, device) -> int:
+    """The bytes a fold's process needs (`process_bytes`); ReplayError, before anything is
+    loaded, when the `world_size` processes need more than this machine has, naming the
+    largest number of processes that fits (on a GPU each process has its own: no fewer help)."""
+    need = process_bytes(run, step)
+    have = available_bytes(device)
+    on_gpu = str(device or "cpu").startswith("cuda")
+    total = need if on_gpu else world_size * need
+    if have is None or total <= have:
+        return need
+    fits = [k for k in range(world_size - 1, 0, -1) if run.world_size % k == 0 and k * need <= have]
+    where = "the GPU has" if on_gpu else "this machine has"
+    raise ReplayError(
+        f"--world-size {world_size}: each process needs about {human_bytes(need)} before activations ({MEMORY}), "
+        f"{human_bytes(total)} in all; {where} {human_bytes(have)} available",
+        path=run.path,
+        hint=f"--world-size {fits[0]} fits"
+        if fits and not on_gpu
+        else "a machine with more memory, or the recorded world",
+    )
 
 
 def _engine(manifest: dict) -> str | None:
