@@ -35,14 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node(node_rank: int, port: int, run_dir: Path, *args: str) -> subprocess.Popen:
-    """One "node": torchrun with 2 processes, joining the other node at 127.0.0.1:port."""
+def _node(node_rank: int, port: int, run_dir: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
+    """One "node": torchrun with `nproc` processes, joining the other node at 127.0.0.1:port."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes=2",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={nproc}",
         f"--node-rank={node_rank}",
         "--rdzv-backend=static",
         "--master-addr=127.0.0.1",
@@ -55,11 +55,11 @@ def _node(node_rank: int, port: int, run_dir: Path, *args: str) -> subprocess.Po
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def two_nodes(run_dir: Path, *args: str) -> list[tuple[int, str, str]]:
-    """`ckptlab ARGS` on `run_dir` as a job of two torchrun nodes started together: (code,
-    stdout, stderr) of each."""
+def two_nodes(run_dir: Path, *args: str, nproc: int = 2) -> list[tuple[int, str, str]]:
+    """`ckptlab ARGS` on `run_dir` as a job of two torchrun nodes started together, `nproc`
+    processes each: (code, stdout, stderr) of each."""
     port = _free_port()
-    nodes = [_node(n, port, run_dir, *args) for n in (0, 1)]
+    nodes = [_node(n, port, run_dir, *args, nproc=nproc) for n in (0, 1)]
     done = []
     for p in nodes:
         try:
@@ -100,6 +100,30 @@ def test_two_nodes_replay_a_four_rank_run_bit_exactly_and_name_the_rank_row_and_
     assert (
         doc["verdict"].startswith(f"Step {dm.NAN_STEP} on rank {NAN_RANK}: ") and f"sample {nan_id}" in doc["verdict"]
     )
+
+
+def test_two_nodes_of_one_process_fold_the_four_ranks(run4):
+    """`--world-size 2` under torchrun: the job's two processes (one a node) are the fold's,
+    each running two ranks' turns (0 and 2, 1 and 3): the same root step, rank and sample."""
+    replay = ["replay", "--step", str(dm.NAN_STEP), "--json", "--budget", "0", "--world-size", "2"]
+    (code0, out0, err0), (code1, out1, err1) = two_nodes(run4, *replay, nproc=1)
+    assert code0 == 0 and code1 == 0, (err0[-2000:], err1[-2000:])
+    assert out1.strip() == "", out1[-500:]
+    doc = json.loads(out0)
+    nan_id = dm.sample_ids(dm.NAN_STEP, NAN_RANK)[dm.NAN_ROW]
+    assert (doc["root_step"], doc["rank"], doc["world_size"]) == (dm.NAN_STEP, NAN_RANK, 2), doc["verdict"]
+    assert [(s["row"], s["sample_id"]) for s in doc["samples"]] == [(dm.NAN_ROW, nan_id)]
+    assert [len(c["rank_loss"]) for c in doc["steps"]] == [4] * len(doc["steps"])  # every rank's turn
+    assert doc["agreement"] in ("bit-exact", "equivalent") and "diverged" not in doc["verdict"]
+    assert any("replayed on 2 processes for the recorded 4" in n for n in doc["notes"])
+
+
+def test_a_fold_under_a_launcher_of_another_size_is_refused(run4, monkeypatch):
+    _launched(monkeypatch, 1, 4)
+    with pytest.raises(ckptlab.CkptlabError, match=r"--world-size 2: this job has 4 processes \(WORLD_SIZE\)"):
+        ckptlab.replay(run4, dm.NAN_STEP, world_size=2)
+    with pytest.raises(ckptlab.CkptlabError, match=r"--world-size 1 replays in this one process, and this is one of 4"):
+        ckptlab.replay(run4, dm.NAN_STEP, world_size=1)
 
 
 def _launched(monkeypatch, rank: int, size: int) -> None:

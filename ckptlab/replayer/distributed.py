@@ -68,8 +68,12 @@ def replay_distributed(
     launch = launched()
     if launch is not None and launch.size == 1:  # a job of one process spawns the ranks, as outside one
         launch = None
-    if fold is not None and launch is not None:
-        raise ReplayError(f"--world-size {fold} spawns its processes: run it without a launcher", path=run.path)
+    if fold is not None and launch is not None and launch.size != fold:
+        raise ReplayError(
+            f"--world-size {fold}: this job has {launch.size} processes (WORLD_SIZE)",
+            path=run.path,
+            hint=f"launch {fold} processes in all, or replay without a launcher: ckptlab spawns them",
+        )
     if fold is None:
         check_world(run, nproc, launch)
     log = log or (lambda msg: None)
@@ -81,7 +85,7 @@ def replay_distributed(
     if fold is not None:
         explain.folded = (fold, run.world_size)
     if launch is not None:
-        return _replay_joined(run, step, plan, launch, explain)
+        return _replay_joined(run, step, plan, launch, explain, fold)
     with tempfile.TemporaryDirectory(prefix="ckptlab-replay-") as tmp:
         ranks = _replay_on_ranks(run, step, plan, Path(tmp), device, log, trust_code, explain.on_stages(), fold)
     return ranks.report if ranks.report is not None else explain(ranks)
@@ -330,11 +334,15 @@ REPORT_WAIT = timedelta(hours=6)  # how long the other ranks wait for rank 0 to 
 _REPLAYS = itertools.count()  # this process's launched replays: each its own keys in the job's store
 
 
-def _replay_joined(run: Run, step: int, plan, launch: Launch, explain: Explain) -> ReplayReport:
+def _replay_joined(
+    run: Run, step: int, plan, launch: Launch, explain: Explain, fold: int | None = None
+) -> ReplayReport:
     """This process is rank `launch.rank` of a job a launcher started (torchrun on each node):
-    join the job's process group, replay this rank, hand the root step's starting state to
-    rank 0 (in memory: nodes share no scratch folder), and leave the group; rank 0 explains
-    the root step in a group of one, and every rank returns its report."""
+    join the job's process group, replay this rank (`fold`: the job's processes fold the
+    recorded ranks, this one running ranks launch.rank, launch.rank + fold, ...: fold.py),
+    hand the root step's starting state to rank 0 (in memory: nodes share no scratch folder),
+    and leave the group; rank 0 explains the root step in a group of one, and every rank
+    returns its report."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -363,6 +371,7 @@ def _replay_joined(run: Run, step: int, plan, launch: Launch, explain: Explain) 
             explain.device,
             explain.trust_code,
             explain.on_stages(),
+            fold,
         )
         if got.crash is not None:
             raise crash_error(run, _first_crash(store, got.crash))

@@ -49,7 +49,7 @@ from ckptlab.replayer.investigation import Investigation
 from ckptlab.replayer.search import DEFAULT_BUDGET
 from ckptlab.replayer.turns import Fold
 from ckptlab.run.reader import Run
-from ckptlab.training.world import solo_world
+from ckptlab.training.world import launched, solo_world
 
 
 def replay_folded(
@@ -69,7 +69,16 @@ def replay_folded(
     """Replay `step` of a W-process data-parallel run in this process (`world_size` 1), then
     explain the root step on the rank whose batch brought the fault, as a W-process replay does."""
     refused(run, world_size)
-    need = memory_checked(run, step, world_size, device)
+    launch = launched()
+    joined = launch is not None and launch.size > 1  # (a job of one process spawns, as outside one)
+    if joined and world_size == 1:
+        raise ReplayError(
+            f"--world-size 1 replays in this one process, and this is one of {launch.size if launch else 1} a launcher started",
+            path=run.path,
+            hint="run it without the launcher (or launch one process)",
+        )
+    # (under a launcher the job's processes may span machines: the estimate is said, not checked)
+    need = process_bytes(run, step) if joined else memory_checked(run, step, world_size, device)
     note = (
         f"replayed on {world_size} process{'es' if world_size > 1 else ''} for the recorded {run.world_size}: "
         "every rank's micro-batches in turn, their gradients averaged before the optimizer's step"
