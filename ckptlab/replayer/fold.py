@@ -48,6 +48,7 @@ from ckptlab.replayer.findings import ReplayReport
 from ckptlab.replayer.investigation import Investigation
 from ckptlab.replayer.search import DEFAULT_BUDGET
 from ckptlab.replayer.turns import Fold
+from ckptlab.run.layout import MODEL_FILE
 from ckptlab.run.reader import Run
 from ckptlab.training.world import launched, solo_world
 
@@ -154,54 +155,55 @@ PROCESS_BYTES = 400 << 20
 
 def process_bytes(run: Run, step: int) -> int:
     """About how many bytes a process of a fold of `run` holds to replay `step`, activations
-    aside (MEMORY): an estimate from the checkpoint the replay starts from and the parameters'
-    shapes, to refuse before anything is loaded rather than be killed for memory midway."""
-    before = [s for s in run.checkpoints if s <= step] or run.checkpoints
-    state = run.checkpoint(before[-1]).nbytes if before else 0
-    params = sum(
-        math.prod(p.get("shape", ())) * dtypes.itemsize(str(p.get("dtype", "float32")))
-        for p in run.manifest.get("parameters", [])
-        if str(p.get("dtype", "float32")) in dtypes.STORAGE
-    )
+    aside (MEMORY): an estimate from the run's largest checkpoint up to `step` (the replay may
+    start from an earlier one than the last; the first may hold no optimizer state yet) and
+    the parameters' shapes (the checkpoint's model file where the manifest has none), to
+    refuse before anything is loaded rather than be killed for memory midway."""
+    steps = [s for s in run.checkpoints if s <= step] or run.checkpoints
+    ckpts = [run.checkpoint(s) for s in steps]
+    state = max((c.nbytes for c in ckpts), default=0)
+    listed = run.manifest.get("parameters", [])
+    if all(isinstance(p.get("shape"), list) and str(p.get("dtype")) in dtypes.STORAGE for p in listed):
+        params = sum(math.prod(p["shape"]) * dtypes.itemsize(str(p["dtype"])) for p in listed)
+    else:  # (the model's bytes as the checkpoint holds them)
+        params = max((int(c.commit["files"].get(MODEL_FILE, {}).get("bytes", 0)) for c in ckpts), default=0)
     return 2 * state + 4 * params + PROCESS_BYTES
 
 
-def available_bytes(device) -> int | None:
-    """Memory this machine has for the fold's processes: the host's MemAvailable for a CPU
-    replay, the GPU's free memory for a CUDA one (each process on a GPU of its own); None
-    when not known."""
-    if str(device or "cpu").startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info(torch.device(device))[0]) if torch.cuda.is_available() else None
+def available_bytes() -> int | None:
+    """The host's available memory (MemAvailable), None when not known."""
     try:
         for line in read_text("/proc/meminfo").splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
 
 
 def memory_checked(run: Run, step: int, world_size: int, device) -> int:
     """The bytes a fold's process needs (`process_bytes`); ReplayError, before anything is
-    loaded, when the `world_size` processes need more than this machine has, naming the
-    largest number of processes that fits (on a GPU each process has its own: no fewer help)."""
+    loaded, when the `world_size` processes need more host memory than this machine has
+    available, naming the largest number of processes that fits. A replay on a GPU (the
+    recorded device when `device` is None) is said, not checked: its processes share the
+    machine's GPUs as the spawned ranks pick them, and asking a GPU for its free memory
+    would hold a CUDA context there for the whole replay."""
     need = process_bytes(run, step)
-    have = available_bytes(device)
-    on_gpu = str(device or "cpu").startswith("cuda")
-    total = need if on_gpu else world_size * need
-    if have is None or total <= have:
+    if str(device or run.manifest.get("device", "cpu")).startswith("cuda"):
         return need
-    fits = [k for k in range(world_size - 1, 0, -1) if run.world_size % k == 0 and k * need <= have]
-    where = "the GPU has" if on_gpu else "this machine has"
+    have = available_bytes()
+
+    def total(k: int) -> int:  # (one process: this one, whose own share is no longer available)
+        return k * need if k > 1 else need - PROCESS_BYTES
+
+    if have is None or total(world_size) <= have:
+        return need
+    fits = [k for k in range(world_size - 1, 0, -1) if run.world_size % k == 0 and total(k) <= have]
     raise ReplayError(
         f"--world-size {world_size}: each process needs about {human_bytes(need)} before activations ({MEMORY}), "
-        f"{human_bytes(total)} in all; {where} {human_bytes(have)} available",
+        f"{human_bytes(total(world_size))} in all; this machine has {human_bytes(have)} available",
         path=run.path,
-        hint=f"--world-size {fits[0]} fits"
-        if fits and not on_gpu
-        else "a machine with more memory, or the recorded world",
+        hint=f"--world-size {fits[0]} fits" if fits else "replay on a machine with more memory",
     )
 
 
