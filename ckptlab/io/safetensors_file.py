@@ -69,15 +69,15 @@ def open_safetensors(path: str | os.PathLike, *, sequential: bool = False):
         raise CorruptFileError("corrupt safetensors header: __metadata__ is not an object", path=path)
     entries = check_entries(path, header, size - data_start)
     file = MappedFile(path, sequential=sequential)
-    refs = {name: FileTensor(file, data_start + begin, shape, dtype) for begin, _, name, shape, dtype, _ in entries}
+    refs = {name: FileTensor(file, data_start + begin, shape, dtype) for begin, _, name, shape, dtype in entries}
     skipped: dict[str, str] = {}  # (none: every dtype is read or refused)
     return refs, {str(k): str(v) for k, v in metadata.items()}, skipped, file
 
 
-def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list[tuple[int, int, str, tuple, str, str]]:
+def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list[tuple[int, int, str, tuple, str]]:
     """The tensor entries of a header (its "__metadata__" taken out) with `data_size` bytes of
-    data after it, each checked, in file order: (begin, end, name, shape, dtype name (dtypes.py),
-    the safetensors dtype code). Raises CorruptFileError (UnknownFormatError: a dtype ckptlab
+    data after it, each checked, in file order: (begin, end, name, shape, dtype name: dtypes.py).
+    Raises CorruptFileError (UnknownFormatError: a dtype ckptlab
     cannot read)."""
     path = Path(path)
     entries = []
@@ -100,7 +100,7 @@ def check_entries(path: str | os.PathLike, header: dict, data_size: int) -> list
                 f"should take {math.prod(shape) * dtypes.itemsize(dtype)} bytes, its offsets span {end - begin}",
                 path=path,
             )
-        entries.append((begin, end, name, shape, dtype, dtype_name))
+        entries.append((begin, end, name, shape, dtype))
     entries.sort(key=lambda x: (x[0], x[1]))
     for (_b0, e0, n0, *_), (b1, _e1, n1, *_) in zip(entries, entries[1:]):
         if b1 < e0:

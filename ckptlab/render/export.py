@@ -32,6 +32,7 @@ from ckptlab.run.atomic import write_bytes_atomic
 from ckptlab.run.reader import Metrics, Run
 from ckptlab.trackers.points import (
     MAX_PARAM_SCALARS,
+    PER_PARAM_FIELDS,
     AlertEpisodes,
     Row,
     add_events,
@@ -53,7 +54,7 @@ ROWS_PER_CALL = 100  # rows per sink call (and per saved cursor)
 # hour to write and a tracker's store far longer.
 RUN_CURVE_POINTS = 100_000  # train/*, system/*
 PARAM_CURVE_POINTS = 10_000  # grad_norm/<param>, update_ratio/<param>, weight_norm/<param>
-PER_PARAM_KEYS = ("param_grad_norm", "update_ratio", "weight_norm")
+PER_PARAM_KEYS = tuple(PER_PARAM_FIELDS.values())
 
 
 @dataclass
@@ -213,11 +214,8 @@ def strides(m: Metrics, every: int | None, per_param: bool = True) -> dict[str, 
         steps = m.step if key == "health" else m.step[m.measured(key)[0]]
         cadence = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
         cap = RUN_CURVE_POINTS if key == "health" else PARAM_CURVE_POINTS
-        if every is None:
-            every_ = cadence * next(
-                b * 10**e for e in itertools.count() for b in (1, 2, 5) if len(steps) <= cap * b * 10**e
-            )
-        out[key] = (cadence, every if every is not None else every_)
+        nice = (b * 10**e for e in itertools.count() for b in (1, 2, 5))
+        out[key] = (cadence, every if every is not None else cadence * next(k for k in nice if len(steps) <= cap * k))
     return out
 
 

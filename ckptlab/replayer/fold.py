@@ -43,7 +43,15 @@ from ckptlab import dtypes
 from ckptlab.errors import ReplayError
 from ckptlab.io.files import read_text
 from ckptlab.numbers import human_bytes
-from ckptlab.replayer.distributed import Explain, Ranks, _check_batches, _faulty_rank, replay_distributed, snap_from
+from ckptlab.replayer.distributed import (
+    Explain,
+    Ranks,
+    _check_batches,
+    _faulty_rank,
+    backend_for,
+    replay_distributed,
+    snap_from,
+)
 from ckptlab.replayer.findings import ReplayReport
 from ckptlab.replayer.investigation import Investigation
 from ckptlab.replayer.search import DEFAULT_BUDGET
@@ -71,15 +79,15 @@ def replay_folded(
     explain the root step on the rank whose batch brought the fault, as a W-process replay does."""
     refused(run, world_size)
     launch = launched()
-    joined = launch is not None and launch.size > 1  # (a job of one process spawns, as outside one)
-    if joined and world_size == 1:
+    size = launch.size if launch is not None else 1  # (a job of one process spawns, as outside one)
+    if size > 1 and world_size == 1:
         raise ReplayError(
-            f"--world-size 1 replays in this one process, and this is one of {launch.size if launch else 1} a launcher started",
+            f"--world-size 1 replays in this one process, and this is one of {size} a launcher started",
             path=run.path,
             hint="run it without the launcher (or launch one process)",
         )
     # (under a launcher the job's processes may span machines: the estimate is said, not checked)
-    need = process_bytes(run, step) if joined else memory_checked(run, step, world_size, device)
+    need = process_bytes(run, step) if size > 1 else memory_checked(run, step, world_size, device)
     note = (
         f"replayed on {world_size} process{'es' if world_size > 1 else ''} for the recorded {run.world_size}: "
         "every rank's micro-batches in turn, their gradients averaged before the optimizer's step"
@@ -189,7 +197,7 @@ def memory_checked(run: Run, step: int, world_size: int, device) -> int:
     machine's GPUs as the spawned ranks pick them, and asking a GPU for its free memory
     would hold a CUDA context there for the whole replay."""
     need = process_bytes(run, step)
-    if str(device or run.manifest.get("device", "cpu")).startswith("cuda"):
+    if backend_for(run, device) == "nccl":  # (on GPUs)
         return need
     have = available_bytes()
 

@@ -41,18 +41,21 @@ def rename_durably(src: Path, dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
+def atomic_file(path: Path, *, durable: bool = True) -> Iterator[Path]:
     """A temp path beside `path` to write; once the block ends, it is fsynced and replaces
-    `path`, and the folder is fsynced. If the block raises, the temp file is removed."""
+    `path`, and the folder is fsynced (`durable=False`: no fsync, whole or not at all still).
+    If the block raises, the temp file is removed."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
-        fsync_path(tmp)
+        if durable:
+            fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -63,14 +66,8 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 def write_derived(path: Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all (a temp file renamed), not fsynced: for a file
     derived from others that readers do without when it is missing (a journal summary)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path, durable=False) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 def write_json_atomic(path: Path, obj) -> None:

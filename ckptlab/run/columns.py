@@ -342,7 +342,7 @@ def decode(data: bytes, where: str) -> tuple[Columns, int]:
             name: np.frombuffer(data, dtype=_numpy_dtype(dtype), count=math.prod(shape), offset=start + begin).reshape(
                 shape
             )
-            for begin, _, name, shape, dtype, _ in check_entries(where, header, len(data) - start)
+            for begin, _, name, shape, dtype in check_entries(where, header, len(data) - start)
         }
         if meta.get("version") != VERSION:
             raise ValueError(f"version {meta.get('version')!r}")

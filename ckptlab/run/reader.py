@@ -472,8 +472,7 @@ def _metrics(names: list[str], cols: Columns) -> Metrics:
         stepped=cols.number("stepped", 1).astype(bool),
         scaler_skipped=cols.number("scaler_skipped", 0).astype(bool),
         **{  # made when first read (_PerParam)
-            key: cast(Any, functools.partial(_per_param, cols, key, n, p, dtype, fill))
-            for key, (dtype, fill) in PER_PARAM.items()
+            key: cast(Any, functools.partial(_per_param, cols, key, n, p)) for key in PER_PARAM
         },
         scalars=columns.Rows(cols),
         **{k: cols.number(k, fill) for k, fill in SYSTEM_FIELDS.items()},
@@ -491,7 +490,8 @@ PER_PARAM = {
 }
 
 
-def _per_param(cols: Columns, key: str, n: int, p: int, dtype, fill) -> np.ndarray:
+def _per_param(cols: Columns, key: str, n: int, p: int) -> np.ndarray:
+    dtype, fill = PER_PARAM[key]
     rows, values = cols.per_param(key, p)
     if len(rows) == n:  # every row (rows are increasing): the columns' own array, not a copy
         out = values.astype(dtype, copy=False).view()

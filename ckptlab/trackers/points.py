@@ -44,6 +44,8 @@ from ckptlab.run.records import NO_GRAD, RECORD_WARNINGS
 # name in their UI, and a 7B model has ~300 parameter tensors.
 MAX_PARAM_SCALARS = 512
 PER_PARAM = ("grad_norm", "update_ratio", "weight_norm")
+# The step record's field of each (`grad_norm/<param>` is its `param_grad_norm`).
+PER_PARAM_FIELDS = {name: "param_grad_norm" if name == "grad_norm" else name for name in PER_PARAM}
 # Anomalous steps at most this far apart are one episode: a NaN that persists, or a burst of
 # spikes, pages once, not once per step (`AlertEpisodes`).
 ALERT_GAP = 16
@@ -123,7 +125,7 @@ def param_points(arrays: dict, param_names: list[str]) -> dict:
     out = {}
     names = _per_param_names(tuple(param_names))
     for key in PER_PARAM:
-        values = arrays.get("param_grad_norm" if key == "grad_norm" else key)
+        values = arrays.get(PER_PARAM_FIELDS[key])
         if values is None or len(values) != len(param_names):
             continue
         for name, v in zip(names[key], np.asarray(values, dtype=np.float64).tolist()):
