@@ -1,8 +1,10 @@
-"""What `replay --world-size 1` costs against the replay on the recorded processes: the wall time
-of each and the peak memory of all its processes together, on a W-process DDP run (gloo, CPU).
+"""What `replay --world-size K` costs against the replay on the recorded processes: the wall time
+of each and the peak memory of all its processes together, on a W-process DDP or FSDP2 run
+(gloo, CPU).
 
     python scripts/bench_fold.py                     # 4 processes, an MLP of ~4M parameters
     python scripts/bench_fold.py --world 2 --hidden 512
+    python scripts/bench_fold.py --fsdp --sizes 1,2  # FSDP2 (each layer and the whole fully_shard-ed)
 
 It records the run once (`torchrun`, one torch thread per process, AdamW, a checkpoint every 5
 steps, a NaN in rank 1's batch at step 12), then replays step 12 both ways, each in a process of
@@ -32,14 +34,21 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 import ckptlab
 
-HIDDEN = {hidden}
+HIDDEN, FSDP = {hidden}, {fsdp}
 
 def build():
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(256, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
-        torch.nn.Linear(HIDDEN, 1)))
+        torch.nn.Linear(HIDDEN, 1))
+    if FSDP:
+        for layer in model[::2]:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DDP(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 def step(model, opt, batch):
@@ -74,7 +83,7 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 import ckptlab
 t0 = time.perf_counter()
-r = ckptlab.replay(sys.argv[1], {nan_step}, trace=False, counterfactuals=False, budget=0, world_size={size})
+r = ckptlab.replay(sys.argv[1], {nan_step}, trace=False, counterfactuals=False, budget=0, world_size={size})  # (None: the recorded size)
 print(json.dumps({{"s": time.perf_counter() - t0, "root": r.root_step, "rank": r.rank, "agreement": r.agreement}}))
 """
 
@@ -123,12 +132,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--fold-only", action="store_true", help="replay with --world-size 1 only (no full replay)")
+    ap.add_argument("--fsdp", action="store_true", help="an FSDP2 run (fully_shard) instead of DDP")
+    ap.add_argument("--sizes", default="1", help="the --world-size values to fold onto, comma-separated (default 1)")
+    ap.add_argument("--fold-only", action="store_true", help="replay with --world-size K only (no full replay)")
     a = ap.parse_args()
+    sizes = [int(k) for k in a.sizes.split(",")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPTLAB_TRUST_RUN_CODE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         rec = Path(tmp) / "record.py"
-        rec.write_text(RECORD.format(root=str(ROOT), hidden=a.hidden, nan_step=NAN_STEP))
+        rec.write_text(RECORD.format(root=str(ROOT), hidden=a.hidden, fsdp=a.fsdp, nan_step=NAN_STEP))
         run = Path(tmp) / "run"
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.world}"]
         done = subprocess.run([*torchrun, str(rec), str(run)], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -140,23 +152,26 @@ def main() -> None:
 
         estimate = process_bytes(open_run(run), NAN_STEP)  # what the fold checks before it starts
         got = {}
-        for name, size in (("full", a.world), ("fold", 1))[1 if a.fold_only else 0 :]:
+        runs = ([] if a.fold_only else [("full", None)]) + [(f"fold{k}", k) for k in sizes]
+        for name, size in runs:
             script = REPLAY.format(root=str(ROOT), nan_step=NAN_STEP, size=size)
             got[name] = _measured([sys.executable, "-c", script, str(run)], env)
     params = 256 * a.hidden + a.hidden + a.hidden * a.hidden + a.hidden + a.hidden + 1
-    print(f"{a.world}-process DDP run, {params / 1e6:.1f}M parameters, replay of step {NAN_STEP} from checkpoint 10")
+    kind = "FSDP2" if a.fsdp else "DDP"
+    print(f"{a.world}-process {kind} run, {params / 1e6:.1f}M parameters, replay of step {NAN_STEP} from checkpoint 10")
     for name, (doc, rss) in got.items():
         print(
-            f"  {name:5s} {doc['s']:6.1f} s  peak RSS {rss / 2**20:7.0f} MiB  root {doc['root']} rank {doc['rank']}  {doc['agreement']}"
+            f"  {name:6s} {doc['s']:6.1f} s  peak RSS {rss / 2**20:7.0f} MiB  root {doc['root']} rank {doc['rank']}  {doc['agreement']}"
         )
-    fold, fold_rss = got["fold"]
-    print(f"  the fold's estimate of its process (fold.process_bytes): {estimate / 2**20:.0f} MiB")
-    summary = {"world": a.world, "params": params, "fold_s": fold["s"], "fold_rss_mib": fold_rss / 2**20}
-    summary["estimate_mib"] = estimate / 2**20
+    print(f"  the fold's estimate of a process (fold.process_bytes): {estimate / 2**20:.0f} MiB")
+    summary = {"world": a.world, "kind": kind, "params": params, "estimate_mib": estimate / 2**20}
+    summary |= {f"{name}_s": doc["s"] for name, (doc, _) in got.items()}
+    summary |= {f"{name}_rss_mib": rss / 2**20 for name, (_, rss) in got.items()}
     if "full" in got:
         full, full_rss = got["full"]
-        print(f"  fold/full: time {fold['s'] / full['s']:.2f}x, memory {fold_rss / full_rss:.2f}x")
-        summary |= {"full_s": full["s"], "full_rss_mib": full_rss / 2**20}
+        for k in sizes:
+            fold, fold_rss = got[f"fold{k}"]
+            print(f"  fold{k}/full: time {fold['s'] / full['s']:.2f}x, memory {fold_rss / full_rss:.2f}x")
     print(json.dumps(summary))
 
 

@@ -49,3 +49,11 @@ def test_fsdp1_replay_names_the_rank_and_the_nan_sample(fsdp1_run, capfd):
 
 def test_fsdp1_replay_names_the_learning_rate_spike(fsdp1_run):
     pm.assert_lr_replay(ckptlab.replay(fsdp1_run, pm.LR_STEP))
+
+
+def test_fsdp1_on_fewer_processes_is_refused_in_one_line(fsdp1_run, cli):
+    """A fold takes DDP's and FSDP2's reductions, not FSDP1's: said once build_fn has run, before a step."""
+    done = cli("replay", "--run", fsdp1_run, "--step", pm.NAN_STEP, "--world-size", 1)
+    assert done.code == 1 and "Traceback" not in done.err, done.err
+    assert "--world-size: the model is wrapped in FSDP1 (FullyShardedDataParallel)" in done.err
+    assert "leave --world-size out" in done.err

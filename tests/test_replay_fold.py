@@ -40,6 +40,19 @@ def build():
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _spike)
 
 
+def build_fsdp():
+    """The same model and optimizer under FSDP2: each layer, then the whole, `fully_shard`ed."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    fully_shard(model.fc1)
+    fully_shard(model.fc2)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _spike)
+
+
 def step_fn(model, optimizer, batch):
     """The loop's step, with dropout's randomness in it: each rank's turn needs its own RNG streams."""
     x, y = batch
@@ -84,7 +97,8 @@ def step_unused(model, optimizer, batch):
     return loss
 
 
-UNUSED_STEP = 3  # rank 1's batch goes through head b, rank 0's does not
+# Head b: rank 1's batches go through it at steps 1 and 2, rank 3's at step 4, no other's.
+USES_B = {(1, 1), (2, 1), (4, 3)}
 
 
 def record(run_dir: str, kind: str = "main") -> None:
@@ -98,11 +112,12 @@ def record(run_dir: str, kind: str = "main") -> None:
         with ckptlab.Recorder(run_dir, model, optimizer, step_fn=step_unused, build_fn=build_unused) as rec:
             for s in range(5):
                 (x, y), ids = dm.batch(s, rank)
-                rec.step((x, y, torch.tensor((s, rank) == (UNUSED_STEP, 1))), sample_ids=ids)
+                rec.step((x, y, torch.tensor((s, rank) in USES_B)), sample_ids=ids)
     else:
-        model, optimizer, scheduler = build()
+        build_fn = build_fsdp if kind == "fsdp" else build
+        model, optimizer, scheduler = build_fn()
         with ckptlab.Recorder(
-            run_dir, model, optimizer, scheduler=scheduler, step_fn=step_fn, build_fn=build, ckpt_every=5
+            run_dir, model, optimizer, scheduler=scheduler, step_fn=step_fn, build_fn=build_fn, ckpt_every=5
         ) as rec:
             for s in range(15):
                 b, ids = batch(s, rank)
@@ -127,6 +142,11 @@ def _torchrun(run_dir: Path, nproc: int, kind: str) -> Path:
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory):
     return _torchrun(tmp_path_factory.mktemp("fold4") / "run", WORLD, "main")
+
+
+@pytest.fixture(scope="module")
+def fsdp4(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("fold-fsdp4") / "run", WORLD, "fsdp")
 
 
 def _named(report) -> tuple:
@@ -178,6 +198,37 @@ def test_one_process_names_the_learning_rate_step(run4, cli):
     assert doc["agreement"] in ("bit-exact", "equivalent") and "diverged" not in doc["verdict"]
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_fsdp2_folds_onto_fewer_processes_naming_the_rank_and_sample(fsdp4, size):
+    """A 4-process FSDP2 run: the checkpoint resharded onto `size` processes (DCP), each rank's
+    turn reduce-scattered over them, and the turns' shards summed into the mean over the 4
+    ranks (turns.py); named as the 4-process replay names it (what test_distributed checks
+    of FSDP2's full-size replay): rank 2's batch, row 1."""
+    folded = ckptlab.replay(fsdp4, NAN_STEP, budget=0, world_size=size)
+    nan_id = dm.sample_ids(NAN_STEP, NAN_RANK)[NAN_ROW]
+    assert _named(folded) == (NAN_STEP, "data", NAN_RANK, [(NAN_ROW, nan_id)]) and folded.world_size == size
+    assert [len(c.rank_loss or []) for c in folded.steps] == [WORLD] * len(folded.steps)
+    # every rank's loss, bit for bit, at every step before the fault: the averaged gradients
+    # (and so the weights) the fold makes are the recorded ones up to round-off
+    assert all(c.rank_loss == c.recorded_rank_loss for c in folded.steps[:-1]) and len(folded.steps) > 1
+    # each recorded rank's gradient norm is its own shard's, measured on that shard in the fold
+    m, first = ckptlab.open_run(fsdp4).metrics(), folded.steps[0]
+    assert first.rank_grad_norm == pytest.approx(m.scalars[m.index(first.step)]["rank_grad_norm"], rel=1e-6)
+    assert folded.agreement in ("bit-exact", "equivalent"), folded.verdict
+    said = f"replayed on {size} of the recorded 4 processes"
+    assert folded.bit_exact or any(said in r for r in folded.bits_differ), folded.bits_differ
+    if size == 1:
+        assert folded.counterfactuals[0].fault is False  # proven on rank 2's batch without the row
+
+
+def test_fsdp2_on_one_process_names_the_learning_rate_step(fsdp4, cli):
+    done = cli("replay", "--run", fsdp4, "--step", LR_STEP, "--world-size", 1, "--json", "--budget", 0)
+    assert done.code == 0, done.err
+    doc = json.loads(done.out)
+    assert (doc["root_step"], doc["origin"]["kind"], doc["samples"]) == (LR_STEP, "optimizer", []), doc["verdict"]
+    assert f"{LR_SPIKE:g}x its recent value" in doc["origin"]["detail"] and "diverged" not in doc["verdict"]
+
+
 def test_what_cannot_be_folded_is_refused_in_one_line(run4, cli):
     for size, said in [(5, "recorded on 4 processes; a replay runs on 4 or fewer"), (3, "do not fold evenly")]:
         done = cli("replay", "--run", run4, "--step", NAN_STEP, "--world-size", size)
@@ -204,13 +255,23 @@ def test_a_fold_that_would_not_fit_in_memory_is_refused_naming_one_that_fits(run
     assert fold.available_bytes() > 0  # MemAvailable, read from /proc/meminfo
 
 
-def test_a_parameter_only_another_rank_used_is_refused_not_dropped(tmp_path, cli):
-    """find_unused_parameters: DDP learns the unused parameters over its group, in a fold rank 0's
-    alone, and would leave head b without rank 1's gradient: refused in one line, naming it."""
-    run = _torchrun(tmp_path / "run", 2, "unused")
-    done = cli("replay", "--run", run, "--step", UNUSED_STEP, "--world-size", 1, "--from-step", 0)
+def test_find_unused_parameters_folds_when_a_stepping_rank_used_each_parameter(tmp_path, cli):
+    """find_unused_parameters: DDP learns the unused parameters over its group, in a fold the
+    K processes' stepping ranks (0 .. K-1) alone. On 2 processes, rank 1 steps: its use of head b
+    at steps 1 and 2 folds (its loss at step 2, through b as step 1 updated it, is the recorded
+    one); rank 3's at step 4 would be dropped: refused in one line, naming it. On 1 process,
+    rank 1's use at step 1 already is."""
+    run = _torchrun(tmp_path / "run", WORLD, "unused")
+    done = cli("replay", "--run", run, "--step", 3, "--world-size", 2, "--from-step", 0, "--json")
+    assert done.code == 0, done.err
+    doc = json.loads(done.out)
+    assert [s["step"] for s in doc["steps"]] == [0, 1, 2, 3] and doc["agreement"] in ("bit-exact", "equivalent")
+    assert all(s["rank_loss"] == s["recorded_rank_loss"] for s in doc["steps"]), doc["steps"]
+    done = cli("replay", "--run", run, "--step", 4, "--world-size", 2, "--from-step", 0)
     assert done.code == 1 and "Traceback" not in done.err, done.err
-    assert "`b.weight` got a gradient from another rank's batch but not from rank 0's" in done.err
+    assert "`b.weight` got a gradient from another rank's batch but not from rank 0's or rank 1's" in done.err
+    done = cli("replay", "--run", run, "--step", 3, "--world-size", 1, "--from-step", 0)
+    assert done.code == 1 and "`b.weight` got a gradient from another rank's batch but not from rank 0's" in done.err
 
 
 def test_ddp_options_whose_reduction_cannot_be_folded_are_named():
@@ -226,5 +287,5 @@ def test_ddp_options_whose_reduction_cannot_be_folded_are_named():
         assert "broadcast_buffers=False" in _unfoldable(DDP(with_buffers, broadcast_buffers=False))
 
 
-if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_fold.py RUN [main|unused]
+if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_fold.py RUN [main|fsdp|unused]
     record(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "main")

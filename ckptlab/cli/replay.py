@@ -34,8 +34,9 @@ from ckptlab.cli.common import find_run, json_option, open_terminal, run_option,
     "world_size",
     type=click.IntRange(min=1),
     default=None,
-    help="Distributed (DDP) runs: replay on this many processes, fewer than the run's (a divisor of it): 1 replays "
-    "every rank's micro-batches in turn in this process and averages their gradients as the recorded all-reduce did. "
+    help="Distributed (DDP, FSDP2) runs: replay on this many processes, fewer than the run's (a divisor of it): 1 "
+    "replays every rank's micro-batches in turn in this process and averages their gradients as the recorded "
+    "all-reduce or reduce-scatter did (FSDP2: the checkpoint resharded onto them). "
     "Under torchrun, the job's processes are these (WORLD_SIZE must equal it). Refused up front when the processes "
     "would need more memory than the machine has.",
 )

@@ -160,7 +160,7 @@ def explain_bits(inv, report: ReplayReport, twice) -> None:
         k, w = inv.folded
         reasons.append(
             f"replayed on {k} of the recorded {w} processes: the ranks' gradients were averaged in another order "
-            "than the recorded all-reduce's (a ring starts each chunk's sum at another rank)"
+            "than the recorded all-reduce or reduce-scatter (a ring starts each chunk's sum at another rank)"
         )
     step = next((c.step for c in report.steps if not c.match), None)
     resumed = resumed_optimizer(manifest)

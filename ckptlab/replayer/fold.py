@@ -17,17 +17,23 @@ before rank 0's optimizer step:
 
 One copy of the gradients (the sum) beside the model, whatever W.
 
+FSDP2 (`fully_shard`): the model is sharded over the fold's processes and the checkpoint loaded
+resharded (DCP); each turn's reduce-scatter runs over them, and FSDP2's all-reduce hook sums
+the turns' reduced shards into the mean over the W ranks (turns.py).
+
 The step's health is then what the recorded world's was: each rank's loss and own gradient
 norm, their mean, the averaged gradient's norm, and it is checked against the record bit for
 bit. Over two processes a sum of two is the same in either order: bit-exact. Over more, gloo's
 ring all-reduce starts each chunk's sum at another rank, so the last bits may differ: the
-replay judges `equivalent` and says why (`bits_differ`). The rank at fault and its sample are
+replay judges `equivalent` and says why (`bits_differ`). An FSDP2 fold measures the gradient
+norms on the recorded ranks' shards (turns.py `Fold.grad_norms`). The rank at fault and its sample are
 found as a full-size replay finds them (distributed.py), and the root step is explained on its
 micro-batch as there.
 
-What cannot be folded is refused in one line: at the start, a sharded state (FSDP2, ZeRO), tensor
-or pipeline parallelism; once built, a collective inside the model (SyncBatchNorm), a GradScaler,
-a hand-written update; in the first turn, a step without DDP, DDP that keeps each rank's buffers
+What cannot be folded is refused in one line: at the start, ZeRO, tensor or pipeline
+parallelism; once built, FSDP1, a collective inside the model (SyncBatchNorm), a GradScaler,
+a hand-written update, an FSDP2 module with several parameter groups or its own all-reduce
+hook; in the first turn, a step without DDP or FSDP2, DDP that keeps each rank's buffers
 (`broadcast_buffers=False`), `gradient_as_bucket_view`, every-micro-batch all-reduces
 (accumulation without `no_sync`), a turn that changes the weights outside the optimizer's step,
 and, under `find_unused_parameters` or `static_graph` (which learn the unused parameters over the
@@ -91,7 +97,7 @@ def replay_folded(
     note = (
         f"replayed on {world_size} process{'es' if world_size > 1 else ''} for the recorded {run.world_size}: "
         "every rank's micro-batches in turn, their gradients averaged before the optimizer's step"
-        f" (about {human_bytes(need)} a process before activations: {MEMORY})"
+        f" (about {human_bytes(need)} a process before activations: {memory_said(run)})"
     )
     if world_size > 1:  # the ranks shared out among spawned processes, as a replay on the recorded size
         how = {"device": device, "from_step": from_step, "log": log, "trust_code": trust_code}
@@ -145,7 +151,7 @@ def refused(run: Run, world_size: int) -> None:
     if engine is not None:
         raise ReplayError(
             f"--world-size {world_size}: the run was recorded with {engine}, whose state is split across the "
-            "processes; folding it onto fewer is built for DDP only so far",
+            "processes; folding it onto fewer is built for DDP and FSDP2 so far",
             path=run.path,
             hint=hint,
         )
@@ -157,13 +163,23 @@ def refused(run: Run, world_size: int) -> None:
 # one for the copies a replay makes on the way), and the process itself (torch and ckptlab
 # imported, ~0.4 GB on the CPU). Measured against the peak RSS of `scripts/bench_fold.py
 # --fold-only` (docs/performance.md): 4.7M and 17.8M parameters with AdamW, 5% over and 6% under.
+# FSDP2 holds ten more copies of the parameters' size (the window's start gathered whole through
+# DCP's state-dict API, DCP's load, FSDP2's unsharded parameters and its reduce-scatter buffers)
+# and ~0.2 GB more (DTensor, DCP): fitted to `bench_fold.py --fsdp --fold-only` at the same sizes.
 MEMORY = "the checkpoint's state twice, the parameters' size four times"
+SHARDED_MEMORY = "the checkpoint's state twice, the parameters' size fourteen times, under FSDP2"
 PROCESS_BYTES = 400 << 20
+SHARDED_COPIES, SHARDED_BYTES = 10, 220 << 20
+
+
+def memory_said(run: Run) -> str:
+    """What `process_bytes` counts, in words."""
+    return SHARDED_MEMORY if run.manifest.get("layout") == "sharded" else MEMORY
 
 
 def process_bytes(run: Run, step: int) -> int:
     """About how many bytes a process of a fold of `run` holds to replay `step`, activations
-    aside (MEMORY): an estimate from the run's largest checkpoint up to `step` (the replay may
+    aside (`memory_said`): an estimate from the run's largest checkpoint up to `step` (the replay may
     start from an earlier one than the last; the first may hold no optimizer state yet) and
     the parameters' shapes (the checkpoint's model file where the manifest has none), to
     refuse before anything is loaded rather than be killed for memory midway."""
@@ -175,7 +191,8 @@ def process_bytes(run: Run, step: int) -> int:
         params = sum(math.prod(p["shape"]) * dtypes.itemsize(str(p["dtype"])) for p in listed)
     else:  # (the model's bytes as the checkpoint holds them)
         params = max((int(c.commit["files"].get(MODEL_FILE, {}).get("bytes", 0)) for c in ckpts), default=0)
-    return 2 * state + 4 * params + PROCESS_BYTES
+    sharded = SHARDED_COPIES * params + SHARDED_BYTES if run.manifest.get("layout") == "sharded" else 0
+    return 2 * state + 4 * params + PROCESS_BYTES + sharded
 
 
 def available_bytes() -> int | None:
@@ -208,7 +225,8 @@ def memory_checked(run: Run, step: int, world_size: int, device) -> int:
         return need
     fits = [k for k in range(world_size - 1, 0, -1) if run.world_size % k == 0 and total(k) <= have]
     raise ReplayError(
-        f"--world-size {world_size}: each process needs about {human_bytes(need)} before activations ({MEMORY}), "
+        f"--world-size {world_size}: each process needs about {human_bytes(need)} before activations "
+        f"({memory_said(run)}), "
         f"{human_bytes(total(world_size))} in all; this machine has {human_bytes(have)} available",
         path=run.path,
         hint=f"--world-size {fits[0]} fits" if fits else "replay on a machine with more memory",
@@ -216,7 +234,8 @@ def memory_checked(run: Run, step: int, world_size: int, device) -> int:
 
 
 def _engine(manifest: dict) -> str | None:
-    """What the run's world splits that a fold cannot rebuild yet, in words; None for DDP."""
+    """What the run's world splits that a fold cannot rebuild yet, in words; None for DDP and
+    FSDP (FSDP1 is refused once built: turns.py)."""
     layout = manifest.get("layout", "replicated")
     if manifest.get("pipeline") is not None or layout == "pipeline":
         return "pipeline stages"
@@ -224,6 +243,4 @@ def _engine(manifest: dict) -> str | None:
         return "tensor parallelism"
     if layout == "zero":
         return "DeepSpeed ZeRO"
-    if layout == "sharded":
-        return "a sharded model (FSDP)"
     return None

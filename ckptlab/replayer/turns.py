@@ -8,11 +8,19 @@
 the scheduler's left out and the state put back, then the lead's (rank proc), whose DDP hook
 hands DDP the sum of every turn's gradient times 1/W (all-reduced over the K processes) before
 the optimizer steps; `FoldedWorld` gives the probe every rank's row of health numbers.
+
+FSDP2 (`fully_shard`) reduce-scatters each turn's gradients over the K processes itself (the
+model is sharded over them: DCP reshards the checkpoint on load); its all-reduce hook, called on
+each module's reduced shard before it becomes the parameters' gradients, keeps the other
+turns' and hands the lead's the sum of all W/K turns times K/W: the mean over the W ranks, as
+the recorded reduce-scatter's.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import sys
 import warnings
 import weakref
@@ -26,9 +34,12 @@ import torch
 
 from ckptlab.errors import ReplayError
 from ckptlab.run.reader import Run
+from ckptlab.training import fsdp1
 from ckptlab.training.hand_update import is_hand_update
+from ckptlab.training.norms import batched_norms
 from ckptlab.training.optimizer_set import OptimizerSet
-from ckptlab.training.state import capture_rng, restore_rng, snapshot
+from ckptlab.training.sharded import full_snapshot
+from ckptlab.training.state import capture_rng, capture_train_state, restore_rng, snapshot
 from ckptlab.training.world import World
 from ckptlab.training.wrappers import torch_scheduler
 
@@ -43,10 +54,13 @@ class FoldedWorld(World):
     turn steps the optimizer). While another rank's turn runs, its row is kept. It is the
     probe's world only (`gather`); the replayer's own world does the replay's collectives."""
 
-    running: int = 0  # whose turn it is
+    running: int = 0  # whose turn it is (the lead's own turn last)
     lead: int = 0  # the rank whose turn steps the optimizer in this process (its index among the processes)
     procs: int = 1  # the processes the fold runs on
     rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # A sharded fold: parameter index -> {recorded rank (None: every rank): its shard's squared
+    # gradient norm}, as the lead's turn measured them (Fold.grad_norms)
+    shard_sq: dict[int, dict[int | None, float]] = field(default_factory=dict, repr=False)
 
     def gather(self, vec: np.ndarray) -> np.ndarray:
         row = np.asarray(vec, dtype=np.float64)
@@ -54,6 +68,8 @@ class FoldedWorld(World):
             self.rows[self.running] = row.copy()
             return np.tile(row, (self.size, 1))  # (read by no one: the turn's health is not kept)
         mine, self.rows = {**self.rows, self.lead: row}, {}
+        if self.sharded:
+            return self._sharded_rows(mine)
         every = {r: v for part in _everyones(mine, self.procs) for r, v in part.items()}
         P = _params_in(row)
         out = []
@@ -63,6 +79,28 @@ class FoldedWorld(World):
             other[3 + 2 * P : 3 + 5 * P] = row[3 + 2 * P : 3 + 5 * P]
             out.append(other)
         return np.stack(out)
+
+    def _sharded_rows(self, mine: dict[int, np.ndarray]) -> np.ndarray:
+        """Every recorded rank's row in a sharded fold: the leads' (ranks 0 .. K-1) hold the
+        processes' non-finite counts and weight and update norms, which add up over the K
+        shards; each rank's row holds its recorded shard's squared gradient norms, so the
+        combined norms add the recorded ranks' shards in the recorded order; the others' rows
+        hold their turn's loss."""
+        parts = _everyones((mine, self.shard_sq), self.procs)
+        self.shard_sq = {}
+        every = {r: v for rows, _ in parts for r, v in rows.items()}
+        shards: dict[int, dict[int | None, float]] = {}
+        for _, sq in parts:
+            for i, by_rank in sq.items():
+                shards.setdefault(i, {}).update(by_rank)
+        lead = mine[self.lead]
+        out = np.stack([every[r] if r < self.procs else _loss_only(every[r], lead) for r in range(self.size)])
+        for i, by_rank in shards.items():
+            if lead[3 + i] < 0:  # (no gradient: NO_GRAD in every row)
+                continue
+            whole = by_rank.get(None)
+            out[:, 3 + i] = [whole if whole is not None else by_rank.get(r, 0.0) for r in range(self.size)]
+        return out
 
 
 def _everyones(mine: Any, procs: int) -> list[Any]:
@@ -74,6 +112,36 @@ def _everyones(mine: Any, procs: int) -> list[Any]:
     out: list[Any] = [None] * procs
     dist.all_gather_object(out, mine)
     return out
+
+
+def _loss_only(other: np.ndarray, lead: np.ndarray) -> np.ndarray:
+    """Another rank's row in a sharded fold: its turn's loss, and no part of the gradients,
+    weights or updates (the leads' shards add up to them whole)."""
+    out = np.zeros_like(lead)
+    out[[0, 2]] = other[[0, 2]]  # (loss, has_loss)
+    out[1] = lead[1]  # (has_update)
+    return out
+
+
+def _recorded_shards(
+    param, grad: torch.Tensor, world: int, procs: int, proc: int
+) -> list[tuple[int | None, torch.Tensor]]:
+    """The recorded ranks' shards within `grad`, process `proc`'s shard (of `procs`) of
+    `param`'s gradient, as (recorded rank, view): FSDP2 splits a dimension of n into chunks of
+    ceil(n / ranks), as torch.chunk does. [(None, grad)] for a parameter that is not sharded
+    (every recorded rank held it whole)."""
+    from torch.distributed.tensor import Shard
+
+    shard = next((p for p in getattr(param, "placements", ()) if isinstance(p, Shard)), None)
+    if shard is None:
+        return [(None, grad)]
+    d = shard.dim
+    n = param.shape[d]
+    start = min(proc * -(-n // procs), n)
+    stop = start + grad.shape[d]
+    step = -(-n // world)
+    cuts = [start, *(b for b in range(step, n, step) if start < b < stop), stop]
+    return [(a // step, grad.narrow(d, a - start, b - a)) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def _params_in(row: np.ndarray) -> int:
@@ -90,9 +158,13 @@ class Fold:
         # This process's ranks: proc, proc + procs, ...; the first (its lead) steps the optimizer.
         self.mine = list(range(proc, size, procs))
         self.lead = proc
-        self.world = FoldedWorld(rank=proc, size=size, running=proc, lead=proc, procs=procs)
+        sharded = self.run.manifest.get("layout") == "sharded"
+        self.world = FoldedWorld(rank=proc, size=size, sharded=sharded, running=proc, lead=proc, procs=procs)
         self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
         self.sum: dict[int, torch.Tensor] = {}  # id(param) -> the turns' gradients times 1/W, summed
+        # (id(FSDP module), its n-th reduction in a turn) -> the other turns' reduced shards, summed
+        self.shards: dict[tuple[int, int], torch.Tensor] = {}
+        self.reductions: dict[int, int] = {}  # id(FSDP module) -> its reductions so far in this turn
         self.seen: set[int] = set()  # id(param): reduced in this turn
         self.reduced = False  # a DDP's reduction went through `_hook` (else no DDP ran: refused)
         self.used: dict[int, set[int]] = {}  # rank -> id(param) of those given a gradient in its turn
@@ -113,7 +185,11 @@ class Fold:
         ddp = _ddp_in(t.step_model)
         if ddp is not None:
             self._hook_ddp(ddp)
+        for module in _fsdp_in(t.model):
+            self._hook_fsdp(module)
         t.probe.world = self.world
+        if self.world.sharded:
+            t.probe.grad_norms = functools.partial(self.grad_norms, t.probe.params)
 
     def _hook_ddp(self, ddp) -> None:
         if ddp in self.hooked:
@@ -126,11 +202,61 @@ class Fold:
         self.hooked.add(ddp)
         self.fresh = True
         self.learns_unused |= bool(ddp.find_unused_parameters or ddp.static_graph)
-        if self.learns_unused and self.procs > 1:  # (`_check_used` sees this process's ranks only)
+
+    def grad_norms(self, params, idx: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The probe's gradient norms in a sharded fold (`grads`: this process's shards of
+        params[idx]'s gradients), measured on the recorded ranks' shards it holds, whose squares
+        the lead's turn keeps for `FoldedWorld.gather` to put in those ranks' rows: the combined
+        norms then add the shards the recording added, in its order. A float32 norm over millions
+        of elements carries its own summation's round-off (1e-4 relative at 4M elements on one
+        CPU thread): a norm over other shards would leave the record by more than the gradients
+        do. The probe gets the square root of each parameter's sum."""
+        per = [_recorded_shards(params[i], g, self.size, self.procs, self.lead) for i, g in zip(idx, grads)]
+        pieces = [view for parts in per for _, view in parts]
+        squares = (torch.stack(batched_norms(pieces)).double() ** 2).tolist() if pieces else []
+        out, k = [], 0
+        for i, parts in zip(idx, per):
+            sq = squares[k : k + len(parts)]
+            k += len(parts)
+            if self.running == self.lead:
+                self.world.shard_sq[i] = {r: v for (r, _), v in zip(parts, sq)}
+            out.append(math.sqrt(sum(sq)))
+        return list(torch.tensor(out, dtype=torch.float32, device=grads[0].device).unbind()) if out else []
+
+    def _hook_fsdp(self, module) -> None:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if not groups:  # (a module fully_shard left no parameters of its own)
+            return
+        if len(groups) > 1 or any(g._all_reduce_hook is not None for g in groups):
             self.refusal = _cannot(
-                self.run,
-                "DDP runs with find_unused_parameters or static_graph, which a fold on several processes does not take yet",
+                self.run, "an FSDP2 module with several parameter groups, or an all-reduce hook of its own"
             )
+            return
+        # The reduced shard is the mean over the K processes (the default divide factor, the
+        # processes' number), or their sum over a factor the model set (the same for W ranks).
+        scale = self.procs / self.size if groups[0].gradient_divide_factor is None else 1.0
+        module.set_all_reduce_hook(lambda out: self._reduced(id(module), out, scale))
+
+    def _reduced(self, module: int, out: torch.Tensor, scale: float) -> None:
+        """FSDP2's reduced shard of one module's gradients, before they become the parameters':
+        another rank's turn adds it to the sum of its turn's reduction of that module at that
+        micro-batch (a step that accumulates without `set_requires_gradient_sync(False)` reduces
+        at each); the lead's gets that sum, then all of it times `scale`: what the recorded
+        reduce-scatter gave every micro-batch (over two ranks, the same bits)."""
+        self.reduced = True
+        key = (module, self.reductions.get(module, 0))
+        self.reductions[module] = key[1] + 1
+        with torch.no_grad():
+            total = self.shards.get(key)
+            if self.running != self.lead:
+                if total is None:
+                    self.shards[key] = out.detach().clone()
+                else:
+                    total += out
+                return
+            if total is not None:
+                out += total
+            out *= scale
 
     def _before_forward(self, module, args) -> None:
         """A forward pre-hook on every module during a turn: a DDP not hooked yet is, now."""
@@ -148,6 +274,9 @@ class Fold:
         mine = {r: recs[r].rng if recs[r].rng is not None else self._rng(r, step) for r in self.mine}
         every = {r: v for part in _everyones(mine, self.procs) for r, v in part.items()}
         rngs = [every[r] for r in range(self.size)]
+        if self.world.sharded:  # FSDP2's shards: whole on the first process (collective)
+            state = capture_train_state(None, t.scheduler, t.scaler)
+            return full_snapshot(self.replayer.world, step, t.model, t.optimizer, state, rngs=rngs)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler, rngs=rngs)
 
     def step(self, t, rec, run_here, measure_update: bool):
@@ -166,7 +295,8 @@ class Fold:
                     start.restore(t)
                 return self._turn(t, self.lead, rec, run_here, measure_update)
         finally:
-            self.sum.clear()  # (the next step's, or gone: nothing to hold once DDP has it)
+            self.sum.clear()  # (the next step's, or gone: nothing to hold once DDP or FSDP2 has it)
+            self.shards.clear()
             self._recs = None
 
     # --- one rank's turn ---------------------------------------------------------------------
@@ -176,6 +306,8 @@ class Fold:
             restore_rng(self._rng(rank, rec.step))
         self.running = self.world.running = rank
         self.seen.clear()
+        self.reductions.clear()
+        self.world.shard_sq.clear()
         watch = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         used = self.used[rank] = set()
         marks = [
@@ -200,7 +332,9 @@ class Fold:
         if self.refusal is None and not self.reduced:
             what = type(t.step_model).__name__
             self.refusal = _cannot(
-                self.run, f"no DistributedDataParallel ran in step {rec.step} (build_fn returns {what})"
+                self.run,
+                f"no DistributedDataParallel or fully_shard reduced the gradients in step {rec.step} "
+                f"(build_fn returns {what})",
             )
         if self.refusal is not None:  # (raised here, not in the hook: DDP's C++ would wrap it)
             raise self.refusal
@@ -209,18 +343,24 @@ class Fold:
 
     def _check_used(self, t) -> None:
         """With find_unused_parameters or static_graph, DDP learns which parameters went unused
-        from a collective over its group, in a fold the group of one: a parameter rank 0's batch
-        left unused, which another rank's used, got no gradient (the recorded world averaged the
-        other ranks' into it). Refused, naming it: the replay would be wrong from here."""
-        others = set().union(*(u for r, u in self.used.items() if r != self.lead))
-        missed = others - self.used.get(self.lead, set())
+        from a collective over its group, in a fold the group of the K processes, whose leads'
+        turns (ranks 0 .. K-1) reduce last: a parameter no lead's batch used, which another
+        rank's did, got no gradient (the recorded world averaged that rank's into it). Refused,
+        naming it, by every process alike (the turns' parameters gathered from all K): the
+        replay would be wrong from here."""
+        index = {id(p): i for i, p in enumerate(t.probe.params)}
+        others = {index[u] for r, used in self.used.items() if r != self.lead for u in used if u in index}
+        lead = {index[u] for u in self.used.get(self.lead, set()) if u in index}
+        every = _everyones((others, lead), self.procs)
+        missed = set().union(*(o for o, _ in every)) - set().union(*(led for _, led in every))
         if missed:
-            name = next((n for n, p in zip(t.probe.names, t.probe.params) if id(p) in missed), "?")  # (own names)
+            name = t.probe.names[min(missed)]  # (own names)
+            leads = " or ".join(f"rank {r}'s" for r in range(self.procs))
             self.refusal = _cannot(
                 self.run,
-                f"`{name}` got a gradient from another rank's batch but not from rank {self.lead}'s, and DDP "
-                "(find_unused_parameters or static_graph) learns unused parameters over its group: in one process "
-                "it would drop the others'",
+                f"`{name}` got a gradient from another rank's batch but not from {leads}, and DDP "
+                "(find_unused_parameters or static_graph) learns unused parameters over its group: "
+                f"on {self.procs} process{'es' if self.procs > 1 else ''} it would drop the others'",
             )
 
     def _records(self, step: int, mine=None) -> dict:
@@ -409,8 +549,21 @@ def _ddp_in(model) -> Any:
     return None
 
 
+def _fsdp_in(model) -> list:
+    """The FSDP2 modules (`fully_shard`) in `model`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a torch without FSDP2)
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def _check_runner(run: Run, t) -> None:
     """ReplayError for a runner whose step a fold cannot replay (the module docstring)."""
+    if fsdp1.units(t.model):
+        raise _cannot(
+            run, "the model is wrapped in FSDP1 (FullyShardedDataParallel), whose reduction a fold does not take yet"
+        )
     if is_hand_update(t.optimizer):
         raise _cannot(run, "the weights are updated by hand in step_fn: the other ranks' turns cannot leave them be")
     if t.scaler is not None:

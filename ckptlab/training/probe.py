@@ -78,6 +78,7 @@ import math
 import operator
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -219,6 +220,9 @@ class StepProbe:
         # Several optimizers: each one's part of a step (training/member_steps.py); and the
         # parameters none holds, watched on the watched steps.
         self._members = MemberSteps(optimizer, self.params) if isinstance(optimizer, OptimizerSet) else None
+        # A fold of a sharded run (replayer/turns.py): norms(idx, grads) of this process's shards
+        # of params[idx]'s gradients as the recorded ranks' shards measured them; None: as they are.
+        self.grad_norms: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._outside = () if self.hand else tuple(outside_optimizer(optimizer, self.params))
         self._active = False
         self._queued = False
@@ -344,7 +348,7 @@ class StepProbe:
             present = list(map(_GRAD, self.params))
         idx = [i for i, g in enumerate(present) if g is not None]
         grads = detached([present[i] for i in idx], self._sharded)
-        norms = batched_norms(grads)
+        norms = batched_norms(grads) if self.grad_norms is None else self.grad_norms(idx, grads)
         self._grad_idx, self._grad_norms = idx, self._stack(norms)
         self.measured = (grads, list(map(_VERSION, grads)), norms, self._grad_norms)
         self._nonfinite = {}
@@ -504,7 +508,9 @@ def _gradient_norms(probe: StepProbe) -> tuple[list[int], torch.Tensor]:
     if not late:
         return idx, norms if norms is not None else torch.zeros(0)
     by_index = dict(zip(idx, norms.unbind() if norms is not None else []))
-    by_index.update(zip([i for i, _ in late], batched_norms(detached([g for _, g in late], probe._sharded))))
+    late_idx, late_grads = [i for i, _ in late], detached([g for _, g in late], probe._sharded)
+    norms_of = probe.grad_norms or (lambda _, grads: batched_norms(grads))
+    by_index.update(zip(late_idx, norms_of(late_idx, late_grads)))
     idx = sorted(by_index)
     return idx, probe._stack([by_index[i] for i in idx])
 

@@ -201,9 +201,10 @@ def load_sharded(folder: Path, model, optimizer, train_state: dict) -> None:
 # --- whole-state snapshots of a sharded model (collective) --------------------------------------
 
 
-def full_snapshot(world, step: int, model, optimizer, train_state: dict) -> CapturedState | None:
+def full_snapshot(world, step: int, model, optimizer, train_state: dict, rngs=None) -> CapturedState | None:
     """Every rank calls this; rank 0 gets the whole state (other ranks: None). The RNG states of
-    every rank go in as `rng_by_rank`, so any rank's view can be restored."""
+    every rank go in as `rng_by_rank` (`rngs`, when the caller has them: a fold's recorded
+    ranks'), so any rank's view can be restored."""
     _, sd = _dcp()
     # (offloaded: whole on rank 0 only. FSDP1 on the CPU is not offloaded: torch 2.13 crashes
     # there, a segfault cloning the gathered parameters on rank 0; every rank gathers instead.)
@@ -211,7 +212,7 @@ def full_snapshot(world, step: int, model, optimizer, train_state: dict) -> Capt
     opts = sd.StateDictOptions(full_state_dict=True, cpu_offload=not (on_cpu and fsdp1.units(model)))
     model_sd = sd.get_model_state_dict(model, options=opts)
     optim_sd = sd.get_optimizer_state_dict(model, optimizer, options=opts)
-    rngs = world.gather_objects(train_state["rng"])
+    rngs = world.gather_objects(train_state["rng"]) if rngs is None else rngs
     if not world.is_main:
         return None
     state = {**train_state, "rng_by_rank": rngs, "optimizer_fqn": optim_sd}

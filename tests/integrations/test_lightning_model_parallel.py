@@ -38,13 +38,13 @@ def mesh_run(tmp_path_factory):
     return _record("fsdp_tp", tmp_path_factory.mktemp("lit-fsdp-tp") / "run")
 
 
-def _replay_json(run_dir, step: int, capfd) -> dict:
+def _replay_json(run_dir, step: int, capfd, *more: str) -> dict:
     """`ckptlab replay --run RUN --step STEP --json`, in this process (it spawns the ranks)."""
     from ckptlab.cli import main
 
     capfd.readouterr()
     with pytest.raises(SystemExit) as done:
-        main(["replay", "--run", str(run_dir), "--step", str(step), "--json"])
+        main(["replay", "--run", str(run_dir), "--step", str(step), "--json", *more])
     out, err = capfd.readouterr()
     assert done.value.code == 0, err[-3000:]
     return json.loads(out)
@@ -100,6 +100,25 @@ def test_fsdp2_replay_is_bit_exact_and_names_the_rank_micro_batch_row_and_sample
     _assert_nan_replay(doc, "fsdp")
     assert doc["verdict"].startswith(f"Step {lmp.NAN_STEP} on rank {lmp.NAN_DATA_RANK}: ")
     assert f"micro-batch {lmp.nan_micro('fsdp')} row {lmp.NAN_ROW} (sample {lmp.nan_sample('fsdp')})" in doc["verdict"]
+
+
+def test_fsdp2_on_one_process_names_the_rank_micro_batch_row_and_sample(fsdp_run, capfd):
+    """`--world-size 1`: the strategy's FSDP2 over a mesh of one, both ranks' micro-batches in
+    turn (each reduced after it, as recorded), the checkpoint resharded whole."""
+    doc = _replay_json(fsdp_run, lmp.NAN_STEP, capfd, "--world-size", "1", "--budget", "0")
+    assert (doc["root_step"], doc["rank"], doc["origin"]["kind"], doc["world_size"]) == (
+        lmp.NAN_STEP,
+        lmp.NAN_DATA_RANK,
+        "data",
+        1,
+    ), doc["verdict"]
+    assert [(s["micro_batch"], s["row"], s["sample_id"]) for s in doc["samples"]] == [
+        (lmp.nan_micro("fsdp"), lmp.NAN_ROW, lmp.nan_sample("fsdp"))
+    ]
+    # over two ranks a sum of two is the same in either order, and each rank's gradient norm is
+    # measured on its recorded shard: every step as recorded, bit for bit
+    assert doc["bit_exact"] and all(s["match"] for s in doc["steps"]), doc["verdict"]
+    assert all(s["rank_loss"] == s["recorded_rank_loss"] for s in doc["steps"])
 
 
 def test_fsdp2_replay_names_the_learning_rate_spike(fsdp_run):
