@@ -162,9 +162,9 @@ class Fold:
         self.world = FoldedWorld(rank=proc, size=size, sharded=sharded, running=proc, lead=proc, procs=procs)
         self.rngs: dict[int, dict] = {}  # each rank's RNG streams as its last turn left them
         self.sum: dict[int, torch.Tensor] = {}  # id(param) -> the turns' gradients times 1/W, summed
-        # (id(FSDP module), its n-th reduction in a turn) -> the other turns' reduced shards, summed
+        # (id(FSDP2 state), its n-th reduction in a turn) -> the other turns' reduced shards, summed
         self.shards: dict[tuple[int, int], torch.Tensor] = {}
-        self.reductions: dict[int, int] = {}  # id(FSDP module) -> its reductions so far in this turn
+        self.reductions: dict[int, int] = {}  # id(FSDP2 state) -> its reductions so far in this turn
         self.seen: set[int] = set()  # id(param): reduced in this turn
         self.reduced = False  # a DDP's reduction went through `_hook` (else no DDP ran: refused)
         self.used: dict[int, set[int]] = {}  # rank -> id(param) of those given a gradient in its turn
@@ -173,7 +173,7 @@ class Fold:
         self.running = proc
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
-        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs whose all-reduce goes through `_hook`
+        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs and FSDP2 modules whose reduction goes through us
         self._recs: tuple[int, dict] | None = None  # (step, each rank's batch record)
 
     # --- the Replayer's calls ----------------------------------------------------------------
@@ -224,28 +224,35 @@ class Fold:
         return list(torch.tensor(out, dtype=torch.float32, device=grads[0].device).unbind()) if out else []
 
     def _hook_fsdp(self, module) -> None:
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        if not groups:  # (a module fully_shard left no parameters of its own)
+        """FSDP2's reduction of `module`'s parameter group through `_reduced` (a group that
+        `fully_shard` made of several modules, as accelerate's FSDP2 does, is hooked once)."""
+        state = module._get_fsdp_state()
+        if state in self.hooked:
             return
+        groups = state._fsdp_param_groups
         if len(groups) > 1 or any(g._all_reduce_hook is not None for g in groups):
             self.refusal = _cannot(
                 self.run, "an FSDP2 module with several parameter groups, or an all-reduce hook of its own"
             )
             return
+        self.hooked.add(state)
+        if not groups:  # (a module fully_shard left no parameters of its own)
+            return
         # The reduced shard is the mean over the K processes (the default divide factor, the
         # processes' number), or their sum over a factor the model set (the same for W ranks).
         scale = self.procs / self.size if groups[0].gradient_divide_factor is None else 1.0
-        module.set_all_reduce_hook(lambda out: self._reduced(id(module), out, scale))
+        module.set_all_reduce_hook(lambda out: self._reduced(id(state), out, scale))
 
-    def _reduced(self, module: int, out: torch.Tensor, scale: float) -> None:
-        """FSDP2's reduced shard of one module's gradients, before they become the parameters':
-        another rank's turn adds it to the sum of its turn's reduction of that module at that
-        micro-batch (a step that accumulates without `set_requires_gradient_sync(False)` reduces
-        at each); the lead's gets that sum, then all of it times `scale`: what the recorded
-        reduce-scatter gave every micro-batch (over two ranks, the same bits)."""
+    def _reduced(self, group: int, out: torch.Tensor, scale: float) -> None:
+        """FSDP2's reduced shard of one parameter group's gradients, before they become the
+        parameters': another rank's turn adds it to the sum of its turn's reduction of that
+        group at that micro-batch (a step that accumulates without
+        `set_requires_gradient_sync(False)` reduces at each); the lead's gets that sum, then all
+        of it times `scale`: what the recorded reduce-scatter gave every micro-batch (over two
+        ranks, the same bits)."""
         self.reduced = True
-        key = (module, self.reductions.get(module, 0))
-        self.reductions[module] = key[1] + 1
+        key = (group, self.reductions.get(group, 0))
+        self.reductions[group] = key[1] + 1
         with torch.no_grad():
             total = self.shards.get(key)
             if self.running != self.lead:
