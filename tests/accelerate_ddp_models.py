@@ -45,9 +45,11 @@ def build():
     return cka.build(accelerator, am.train_step, *prepared(accelerator))
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str, accelerator: Accelerator | None = None, build_fn=build) -> None:
+    """Record the loop into `run_dir` (`accelerator`: accelerate's multi-CPU DDP unless given,
+    `build_fn`: the one that makes it again)."""
     torch.set_num_threads(1)
-    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    accelerator = accelerator or Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model, optimizer, lr_scheduler = prepared(accelerator)
     dataset = am.Sequences(SAMPLES)
     dataset.x[FAULT_SAMPLE, 3, 5] = float("nan")
@@ -57,7 +59,7 @@ def main(run_dir: str) -> None:
     loader = accelerator.prepare(loader)
     rec = cka.record(
         run_dir, accelerator, model, optimizer, lr_scheduler,
-        body=am.train_step, build_fn=build, sample_id_key="sample_id", ckpt_every=2,
+        body=am.train_step, build_fn=build_fn, sample_id_key="sample_id", ckpt_every=2,
     )  # fmt: skip
     with rec:
         try:

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
-from torch.utils.data import DataLoader
-from transformers import default_data_collator
 
-import ckptlab
 from ckptlab.integrations import accelerate as cka
 from tests import accelerate_ddp_models as adm
 from tests import accelerate_models as am
@@ -46,25 +42,7 @@ def build():
 
 
 def main(run_dir: str) -> None:
-    torch.set_num_threads(1)
-    acc = accelerator()
-    model, optimizer, lr_scheduler = adm.prepared(acc)
-    dataset = am.Sequences(adm.SAMPLES)
-    dataset.x[FAULT_SAMPLE, 3, 5] = float("nan")
-    loader = DataLoader(
-        ckptlab.with_sample_ids(dataset, key="sample_id"), collate_fn=default_data_collator, batch_size=am.BATCH
-    )
-    loader = acc.prepare(loader)
-    rec = cka.record(
-        run_dir, acc, model, optimizer, lr_scheduler,
-        body=am.train_step, build_fn=build, sample_id_key="sample_id", ckpt_every=2,
-    )  # fmt: skip
-    with rec:
-        try:
-            for batch in loader:
-                rec.micro_batch(batch)
-        except ckptlab.NonFiniteLoss as e:
-            print(f"rank {acc.process_index} stopped at step {e.step}", flush=True)
+    adm.main(run_dir, accelerator(), build)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,15 +42,8 @@ def build():
 
 
 def build_fsdp():
-    """The same model and optimizer under FSDP2: each layer, then the whole, `fully_shard`ed."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = MLP()
-    fully_shard(model.fc1)
-    fully_shard(model.fc2)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    """The same model and optimizer under FSDP2 (each layer, then the whole, `fully_shard`-ed)."""
+    model, optimizer = dm.build_fsdp()
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _spike)
 
 
@@ -285,6 +279,84 @@ def test_ddp_options_whose_reduction_cannot_be_folded_are_named():
         assert "gradient_as_bucket_view=True" in _unfoldable(DDP(MLP(), gradient_as_bucket_view=True))
         with_buffers = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         assert "broadcast_buffers=False" in _unfoldable(DDP(with_buffers, broadcast_buffers=False))
+
+
+def test_the_recorded_shards_are_found_in_any_process_s_shard():
+    """FSDP2 splits a dimension of n into chunks of ceil(n / ranks) (torch.chunk): a fold's
+    process of K holds whole recorded shards where the chunks line up, and pieces of one
+    where they do not (n = 10: 4 ranks hold 3, 3, 3, 1 rows; 2 processes 5 and 5)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard
+
+    from ckptlab.replayer.turns import _recorded_shards
+
+    param = SimpleNamespace(placements=(Shard(0),), shape=(10, 3))
+
+    def rows(proc: int, procs: int) -> list[tuple[int | None, int]]:
+        grad = torch.zeros(-(-10 // procs) if proc < procs - 1 else 10 - proc * -(-10 // procs), 3)
+        return [(r, v.shape[0]) for r, v in _recorded_shards(param, grad, 4, procs, proc)]
+
+    assert rows(0, 1) == [(0, 3), (1, 3), (2, 3), (3, 1)]
+    assert rows(0, 2) == [(0, 3), (1, 2)] and rows(1, 2) == [(1, 1), (2, 3), (3, 1)]
+    tiny = SimpleNamespace(placements=(Shard(0),), shape=(1, 16))  # rank 0 held it all
+    assert [(r, v.shape[0]) for r, v in _recorded_shards(tiny, torch.zeros(1, 16), 4, 1, 0)] == [(0, 1)]
+    whole = SimpleNamespace(placements=(), shape=(5,))  # not sharded: every rank held it whole
+    assert _recorded_shards(whole, torch.zeros(5), 4, 1, 0)[0][0] is None
+
+
+def test_a_recorded_shard_split_over_two_processes_adds_its_pieces(monkeypatch):
+    """Rank 1's shard of a 10-row parameter lies on both processes of a fold onto 2: its row
+    holds the sum of the pieces' squares, not the last process's piece."""
+    from ckptlab.replayer import turns
+
+    world = turns.FoldedWorld(rank=0, size=4, sharded=True, lead=0, procs=2)
+    P = 1
+    lead = np.zeros(3 + 5 * P)
+    lead[3] = 99.0  # (the probe's own number: replaced by the recorded ranks')
+    other = {0: {0: 9.0, 1: 4.0}}, {0: {1: 1.0, 2: 9.0, 3: 1.0}}
+    parts = [({0: lead, 2: lead}, other[0]), ({1: lead, 3: lead}, other[1])]  # (each process's two turns)
+    monkeypatch.setattr(turns, "_everyones", lambda mine, procs: parts)
+    rows = world._sharded_rows({0: lead, 2: lead})
+    assert rows[:, 3].tolist() == [9.0, 5.0, 9.0, 1.0]
+
+
+def test_fsdp2_settings_a_fold_cannot_take_are_named():
+    """A gradient divide factor (torch divides by it otherwise on fewer processes), and an
+    all-reduce hook of the model's own: refused, naming it, before a turn's result is used."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptlab.replayer.turns import Fold
+    from ckptlab.training.world import solo_world
+
+    run = SimpleNamespace(manifest={"layout": "sharded"}, path="run", world_size=4)
+    with solo_world(True):
+        for setting in ("set_gradient_divide_factor", "set_all_reduce_hook"):
+            model = MLP()
+            fully_shard(model)
+            getattr(model, setting)(4.0 if setting == "set_gradient_divide_factor" else (lambda out: None))
+            fold = Fold(SimpleNamespace(run=run), 4)
+            fold._hook_fsdp(model)
+            said = "gradient divide factor" if setting == "set_gradient_divide_factor" else "all-reduce hook of its own"
+            assert fold.refusal is not None and said in str(fold.refusal), fold.refusal
+
+
+def test_a_float16_reduction_s_turns_are_summed_without_overflow():
+    """FSDP2 reducing in float16: four ranks' shards of 30,000 each sum to 120,000 (past
+    float16's 65,504) on the way to their mean, 30,000: the fold keeps the sum in float32."""
+    from types import SimpleNamespace
+
+    from ckptlab.replayer.turns import Fold
+
+    run = SimpleNamespace(manifest={"layout": "sharded"}, path="run", world_size=4)
+    fold = Fold(SimpleNamespace(run=run), 4)
+    for rank in (1, 2, 3, 0):  # (the lead, rank 0, last)
+        fold.running, fold.reductions = rank, {}
+        out = torch.full((3,), 30000.0, dtype=torch.float16)
+        fold._reduced(7, out)
+    assert out.tolist() == [30000.0] * 3 and not fold.shards.get((7, 0), torch.zeros(1)).isinf().any()
 
 
 if __name__ == "__main__":  # torchrun --nproc_per_node=4 tests/test_replay_fold.py RUN [main|fsdp|unused]

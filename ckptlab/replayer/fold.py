@@ -32,12 +32,13 @@ micro-batch as there.
 
 What cannot be folded is refused in one line: at the start, ZeRO, tensor or pipeline
 parallelism; once built, FSDP1, a collective inside the model (SyncBatchNorm), a GradScaler,
-a hand-written update, an FSDP2 module with several parameter groups or its own all-reduce
-hook; in the first turn, a step without DDP or FSDP2, DDP that keeps each rank's buffers
-(`broadcast_buffers=False`), `gradient_as_bucket_view`, every-micro-batch all-reduces
-(accumulation without `no_sync`), a turn that changes the weights outside the optimizer's step,
-and, under `find_unused_parameters` or `static_graph` (which learn the unused parameters over the
-group), a parameter that only another rank's batch used (turns.py).
+a hand-written update, an FSDP2 module with several parameter groups, its own all-reduce hook
+or a gradient divide factor, DDP's static_graph on several processes; in the first turn, a
+step without DDP or FSDP2, DDP that keeps each rank's buffers (`broadcast_buffers=False`),
+`gradient_as_bucket_view`, every-micro-batch all-reduces (accumulation without `no_sync`), a
+turn that changes the weights outside the optimizer's step, and, under
+`find_unused_parameters` or `static_graph` (which learn the unused parameters over the group),
+a parameter that no stepping rank's batch used and another's did (turns.py).
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ class FoldedWorld(World):
     """The recorded world as the probe sees it in a fold (rank 0 of `size`): `gather` hands
     back every rank's row of health numbers, the other ranks' as their turns left them, with
     rank 0's weight and update norms (DDP's replicas hold the same weights, and only rank 0's
-    turn steps the optimizer). While another rank's turn runs, its row is kept. It is the
-    probe's world only (`gather`); the replayer's own world does the replay's collectives."""
+    turn steps the optimizer); a sharded fold's, as `_sharded_rows` lays them out. While another
+    rank's turn runs, its row is kept. It is the probe's world only (`gather`); the replayer's
+    own world does the replay's collectives."""
 
     running: int = 0  # whose turn it is (the lead's own turn last)
     lead: int = 0  # the rank whose turn steps the optimizer in this process (its index among the processes)
@@ -90,9 +91,11 @@ class FoldedWorld(World):
         self.shard_sq = {}
         every = {r: v for rows, _ in parts for r, v in rows.items()}
         shards: dict[int, dict[int | None, float]] = {}
-        for _, sq in parts:
+        for _, sq in parts:  # (a recorded shard split over two processes: its pieces' squares add up)
             for i, by_rank in sq.items():
-                shards.setdefault(i, {}).update(by_rank)
+                mine_i = shards.setdefault(i, {})
+                for r, v in by_rank.items():
+                    mine_i[r] = v if r is None else mine_i.get(r, 0.0) + v
         lead = mine[self.lead]
         out = np.stack([every[r] if r < self.procs else _loss_only(every[r], lead) for r in range(self.size)])
         for i, by_rank in shards.items():
@@ -202,6 +205,10 @@ class Fold:
         self.hooked.add(ddp)
         self.fresh = True
         self.learns_unused |= bool(ddp.find_unused_parameters or ddp.static_graph)
+        if ddp.static_graph and self.procs > 1:  # (it learns them in its first turn, which is no lead's here)
+            self.refusal = _cannot(
+                self.run, "DDP runs with static_graph, which a fold on several processes does not take yet"
+            )
 
     def grad_norms(self, params, idx: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The probe's gradient norms in a sharded fold (`grads`: this process's shards of
@@ -235,31 +242,39 @@ class Fold:
                 self.run, "an FSDP2 module with several parameter groups, or an all-reduce hook of its own"
             )
             return
-        self.hooked.add(state)
-        if not groups:  # (a module fully_shard left no parameters of its own)
+        if any(g.gradient_divide_factor is not None for g in groups):
+            # (torch divides by it in other ways on fewer processes: again in a group of one,
+            # with PREMUL_SUM, which gloo lacks, where it is not the group's size)
+            self.refusal = _cannot(self.run, "the model sets FSDP2's gradient divide factor")
             return
-        # The reduced shard is the mean over the K processes (the default divide factor, the
-        # processes' number), or their sum over a factor the model set (the same for W ranks).
-        scale = self.procs / self.size if groups[0].gradient_divide_factor is None else 1.0
-        module.set_all_reduce_hook(lambda out: self._reduced(id(state), out, scale))
+        self.hooked.add(state)
+        if groups:  # (a module fully_shard left no parameters of its own has none)
+            module.set_all_reduce_hook(lambda out: self._reduced(id(state), out))
 
-    def _reduced(self, group: int, out: torch.Tensor, scale: float) -> None:
+    def _reduced(self, group: int, out: torch.Tensor) -> None:
         """FSDP2's reduced shard of one parameter group's gradients, before they become the
         parameters': another rank's turn adds it to the sum of its turn's reduction of that
         group at that micro-batch (a step that accumulates without
         `set_requires_gradient_sync(False)` reduces at each); the lead's gets that sum, then all
-        of it times `scale`: what the recorded reduce-scatter gave every micro-batch (over two
-        ranks, the same bits)."""
+        of it times K/W. Each reduced shard is the mean over the K processes of their turns'
+        gradients (their sum over the processes' pre-divide factor, in float16, which the
+        post-divide after this hook completes), so this is what the recorded reduce-scatter gave
+        every micro-batch (over two ranks, the same bits). A float16 sum is kept in float32: the
+        W/K turns' sum may overflow where the recorded mean did not."""
         self.reduced = True
         key = (group, self.reductions.get(group, 0))
         self.reductions[group] = key[1] + 1
+        scale = self.procs / self.size
         with torch.no_grad():
             total = self.shards.get(key)
             if self.running != self.lead:
                 if total is None:
-                    self.shards[key] = out.detach().clone()
+                    self.shards[key] = out.detach().float() if out.dtype == torch.float16 else out.detach().clone()
                 else:
                     total += out
+                return
+            if out.dtype == torch.float16:
+                out.copy_((out.float() if total is None else total + out).mul_(scale))
                 return
             if total is not None:
                 out += total

@@ -131,16 +131,17 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return [(own_name(n), p) for n, p in unwrap(model).named_parameters()]
 
 
-def same_norms_now(measured) -> bool:
+def same_norms_now(measured, norms_of=None) -> bool:
     """Once per probe (its first step): do the gradients still have the norms their backward
     left (`measured`: the gradients, their versions, their norms)? Version counters miss a
     write that bypasses them (`p.grad.data`, DDP's all-reduce into its buckets with
     `gradient_as_bucket_view=True`): then a lazy measurement would see other numbers than
-    this one, so the probe stays eager."""
+    this one, so the probe stays eager. `norms_of(grads)`: how the probe measures them, when
+    not `batched_norms` (a sharded fold's)."""
     if measured is None or not measured[0]:
         return True
     grads, _, _, stacked = measured
-    return bool(torch.equal(torch.stack(batched_norms(list(grads))), stacked))
+    return bool(torch.equal(torch.stack((norms_of or batched_norms)(list(grads))), stacked))
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -338,8 +339,12 @@ class StepProbe:
         elif self.grad_mode == "learn":
             self._note = None
             self._checked = True
-            if not unchanged or not same_norms_now(self.measured):
+            if not unchanged or not same_norms_now(self.measured, self._norms_of_measured):
                 self.grad_mode = "eager"
+
+    def _norms_of_measured(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` (the last measured ones, `self._grad_idx`'s) measured as `_measure_grads` does."""
+        return batched_norms(grads) if self.grad_norms is None else self.grad_norms(self._grad_idx, grads)
 
     def _measure_grads(self, present: list | None = None) -> None:
         """The norms of the gradients there now (`present`: each parameter's, just read), in
