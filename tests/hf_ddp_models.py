@@ -42,11 +42,13 @@ def build():
     return ckt.build(GPT2LMHeadModel(hm.config()), ARGS)
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str, trainer_cls: type = Trainer, build_fn=build) -> None:
+    """Record the Trainer's run into `run_dir` (`trainer_cls`: the Trainer, or a subclass that
+    `build_fn` builds again)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    trainer = Trainer(model=GPT2LMHeadModel(hm.config()), args=ARGS, train_dataset=Sequences())
-    ckt.record(trainer, run_dir, build_fn=build, sample_id_key="idx", ckpt_every=2)
+    trainer = trainer_cls(model=GPT2LMHeadModel(hm.config()), args=ARGS, train_dataset=Sequences())
+    ckt.record(trainer, run_dir, build_fn=build_fn, sample_id_key="idx", ckpt_every=2)
     try:
         trainer.train()
     except ckptlab.NonFiniteLoss as e:

@@ -26,8 +26,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
   plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
   batches; under `deepspeed=` (a ZeRO config) the Recorder gets the engine `train()` made
   (`trainer.model_wrapped`) and its ZeRO optimizer, as the plain Recorder records DeepSpeed's
-  engine (a multi-process FSDP run, or a DeepSpeed set-up ckptlab does not record, is not
-  recorded: a warning naming it);
+  engine; under FSDP2 (`fsdp_config={"fsdp_version": 2}`) the sharded model, as the plain
+  Recorder records FSDP2 (a multi-process FSDP1 run, or a DeepSpeed set-up ckptlab does not
+  record, is not recorded: a warning naming it; `fsdp=` that accelerate prepares as DDP, on
+  the CPU, is recorded as the DDP it runs, with a warning);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -163,15 +165,22 @@ class CkptlabCallback(TrainerCallback):
                 hint="call ckptlab.integrations.transformers.record(trainer, ...) "
                 "or callback.attach(trainer) before trainer.train()",
             )
-        if args.world_size > 1 and _replay_limits(args):
-            # FSDP's sharded state would be recorded in part, and replay would not run its steps.
+        fsdp = _fsdp_run(self.trainer)
+        if args.world_size > 1 and fsdp == "FSDP1":
+            # FSDP1's flat shards would be recorded in part, and replay would not run its steps.
             warnings.warn(
-                "ckptlab: recording a multi-process Trainer run under FSDP is not supported "
-                "(DDP and DeepSpeed's ZeRO are); recording nothing",
+                "ckptlab: recording a multi-process Trainer run under FSDP1 is not supported (FSDP2 is: "
+                "fsdp_config={'fsdp_version': 2}; so are DDP and DeepSpeed's ZeRO); recording nothing",
                 stacklevel=2,
             )
             return
-        for problem in _replay_limits(args):
+        if getattr(args, "fsdp", None) and fsdp is None and args.world_size > 1:
+            warnings.warn(
+                f"ckptlab: the Trainer was given fsdp={args.fsdp!r} but prepared the model without FSDP "
+                "(accelerate does on the CPU): recording what it runs, DDP",
+                stacklevel=2,
+            )
+        for problem in _replay_limits(fsdp):
             warnings.warn(
                 f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
                 "replay will not be exact)",
@@ -419,11 +428,18 @@ def _recorded(trainer: Trainer, model, optimizer) -> tuple[Any, Any]:
     return model, torch_optimizer(optimizer)
 
 
-def _replay_limits(args) -> list[str]:
-    problems = []
-    if getattr(args, "fsdp", None):
-        problems.append("FSDP steps are not replayed")
-    return problems
+def _fsdp_run(trainer) -> str | None:
+    """The FSDP the Trainer runs ("FSDP2" or "FSDP1"): what its accelerator prepares, not what
+    `args.fsdp` asks for (on the CPU accelerate prepares DDP instead, saying nothing); None
+    without FSDP."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    return "FSDP2" if getattr(plugin, "fsdp_version", 1) == 2 else "FSDP1"
+
+
+def _replay_limits(fsdp: str | None) -> list[str]:
+    return ["FSDP1 steps are not replayed"] if fsdp == "FSDP1" else []
 
 
 __all__ = ["CkptlabCallback", "build", "record", "training_step", "transformers"]

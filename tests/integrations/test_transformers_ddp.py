@@ -48,14 +48,16 @@ def test_replay_from_the_cli_is_bit_exact_and_names_rank_micro_batch_row_and_sam
     assert doc["world_size"] == (1 if fold else None)
 
 
-def test_a_multi_process_fsdp_run_records_nothing_and_says_so(tmp_path):
-    """FSDP's sharded state would be recorded in part, and its steps are not replayed
-    (DeepSpeed's ZeRO is recorded: tests/integrations/test_transformers_deepspeed.py)."""
+def test_fsdp_that_accelerate_prepares_as_ddp_is_recorded_as_the_ddp_it_runs(tmp_path):
+    """On the CPU the Trainer given `fsdp=` runs DDP, saying nothing: the callback says so and
+    records what runs (FSDP2 itself: tests/integrations/test_fsdp2_frameworks.py)."""
+    import torch
+
+    model = torch.nn.Linear(2, 1)
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
-    cb.trainer = SimpleNamespace()  # attached (on_train_begin runs on a Trainer's rank)
+    cb.trainer = SimpleNamespace(is_fsdp_enabled=False, accelerator=SimpleNamespace(scaler=None))
     args = SimpleNamespace(world_size=2, max_steps=10, fsdp="full_shard", deepspeed=None)
-    with pytest.warns(
-        UserWarning, match=r"under FSDP is not supported \(DDP and DeepSpeed's ZeRO are\); recording nothing"
-    ):
-        cb.on_train_begin(args, None, None)
-    assert cb.rec is None and not (tmp_path / "run").exists()
+    with pytest.warns(UserWarning, match=r"fsdp='full_shard' but prepared the model without FSDP .* recording what"):
+        cb.on_train_begin(args, None, None, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert cb.rec is not None
+    cb.rec.close()
