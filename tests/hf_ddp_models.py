@@ -42,12 +42,12 @@ def build():
     return ckt.build(GPT2LMHeadModel(hm.config()), ARGS)
 
 
-def main(run_dir: str, trainer_cls: type = Trainer, build_fn=build) -> None:
+def main(run_dir: str, trainer_cls: type = Trainer, build_fn=build, args=None) -> None:
     """Record the Trainer's run into `run_dir` (`trainer_cls`: the Trainer, or a subclass that
-    `build_fn` builds again)."""
+    `build_fn` builds again with the same `args`, ARGS unless given)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    trainer = trainer_cls(model=GPT2LMHeadModel(hm.config()), args=ARGS, train_dataset=Sequences())
+    trainer = trainer_cls(model=GPT2LMHeadModel(hm.config()), args=args or ARGS, train_dataset=Sequences())
     ckt.record(trainer, run_dir, build_fn=build_fn, sample_id_key="idx", ckpt_every=2)
     try:
         trainer.train()

@@ -26,10 +26,10 @@ also wraps `trainer.training_step`. What is recorded from which hook:
   plain Recorder records DDP (docs/distributed.md): rank 0 writes the run, each rank its own
   batches; under `deepspeed=` (a ZeRO config) the Recorder gets the engine `train()` made
   (`trainer.model_wrapped`) and its ZeRO optimizer, as the plain Recorder records DeepSpeed's
-  engine; under FSDP2 (`fsdp_config={"fsdp_version": 2}`) the sharded model, as the plain
-  Recorder records FSDP2 (a multi-process FSDP1 run, or a DeepSpeed set-up ckptlab does not
-  record, is not recorded: a warning naming it; `fsdp=` that accelerate prepares as DDP, on
-  the CPU, is recorded as the DDP it runs, with a warning);
+  engine; under FSDP2 (`fsdp=`: transformers 5's default) the sharded model, as the plain
+  Recorder records FSDP2 (a multi-process FSDP1 or XLA FSDP run, or a set-up the Recorder does
+  not record, is not recorded: a warning naming it; `fsdp=` that accelerate prepares as DDP,
+  on the CPU, is recorded as the DDP it runs, with a warning);
 - the wrapped `training_step(model, inputs, num_items_in_batch)`: `begin_step` with what it
   was called with (a checkpoint first when due); the sample ids are taken out of `inputs`
   (`sample_id_key`) before the model sees them. With `gradient_accumulation_steps` one step is
@@ -66,7 +66,6 @@ from ckptlab.analysis.batches import MICRO_BATCHES
 from ckptlab.errors import RecordError, install_hint
 from ckptlab.integrations import _common
 from ckptlab.record import RecordConfig, Recorder
-from ckptlab.training import zero
 from ckptlab.training.probe import accumulating
 from ckptlab.training.world import unsupported
 from ckptlab.training.wrappers import torch_optimizer, torch_scheduler
@@ -166,18 +165,19 @@ class CkptlabCallback(TrainerCallback):
                 "or callback.attach(trainer) before trainer.train()",
             )
         fsdp = _fsdp_run(self.trainer)
-        if args.world_size > 1 and fsdp == "FSDP1":
+        if args.world_size > 1 and fsdp in ("FSDP1", "XLA FSDP"):
             # FSDP1's flat shards would be recorded in part, and replay would not run its steps.
             warnings.warn(
-                "ckptlab: recording a multi-process Trainer run under FSDP1 is not supported (FSDP2 is: "
-                "fsdp_config={'fsdp_version': 2}; so are DDP and DeepSpeed's ZeRO); recording nothing",
+                f"ckptlab: recording a multi-process Trainer run under {fsdp} is not supported (FSDP2 is: "
+                "transformers 5's default for fsdp=, fsdp_config={'fsdp_version': 2} on 4.x; so are DDP and "
+                "DeepSpeed's ZeRO); recording nothing",
                 stacklevel=2,
             )
             return
         if getattr(args, "fsdp", None) and fsdp is None and args.world_size > 1:
             warnings.warn(
-                f"ckptlab: the Trainer was given fsdp={args.fsdp!r} but prepared the model without FSDP "
-                "(accelerate does on the CPU): recording what it runs, DDP",
+                "ckptlab: the Trainer was given fsdp= but its accelerator prepared the model without FSDP "
+                "(as accelerate does on the CPU): recording what it runs, DDP",
                 stacklevel=2,
             )
         for problem in _replay_limits(fsdp):
@@ -193,8 +193,8 @@ class CkptlabCallback(TrainerCallback):
                 stacklevel=2,
             )
         model, optimizer = _recorded(self.trainer, model, optimizer)
-        why = unsupported(model) if zero.engine_of(model) is not None else None
-        if why:  # (a DeepSpeed set-up ckptlab does not record: fp16/bf16, ZeRO-Offload, stage 0)
+        why = unsupported(model, args.world_size)
+        if why:  # (a DeepSpeed set-up ckptlab does not record: fp16/bf16, ZeRO-Offload, stage 0; HSDP)
             warnings.warn(f"ckptlab: {why}; recording nothing", stacklevel=2)
             return
         self.rec = Recorder(
@@ -429,9 +429,11 @@ def _recorded(trainer: Trainer, model, optimizer) -> tuple[Any, Any]:
 
 
 def _fsdp_run(trainer) -> str | None:
-    """The FSDP the Trainer runs ("FSDP2" or "FSDP1"): what its accelerator prepares, not what
-    `args.fsdp` asks for (on the CPU accelerate prepares DDP instead, saying nothing); None
-    without FSDP."""
+    """The FSDP the Trainer runs ("FSDP2", "FSDP1", or "XLA FSDP"): what its accelerator
+    prepares, not what `args.fsdp` asks for (on the CPU accelerate prepares DDP instead, saying
+    nothing); None without FSDP."""
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "XLA FSDP"
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
@@ -439,7 +441,7 @@ def _fsdp_run(trainer) -> str | None:
 
 
 def _replay_limits(fsdp: str | None) -> list[str]:
-    return ["FSDP1 steps are not replayed"] if fsdp == "FSDP1" else []
+    return [f"{fsdp} steps are not replayed"] if fsdp in ("FSDP1", "XLA FSDP") else []
 
 
 __all__ = ["CkptlabCallback", "build", "record", "training_step", "transformers"]

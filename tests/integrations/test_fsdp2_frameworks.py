@@ -64,7 +64,8 @@ def test_a_multi_process_trainer_run_under_fsdp1_records_nothing_and_says_so(tmp
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=hf_fsdp_models.build)
     cb.trainer = _trainer(1)  # attached (on_train_begin runs on a Trainer's rank)
     args = SimpleNamespace(world_size=2, max_steps=10, fsdp="full_shard", deepspeed=None)
-    with pytest.warns(UserWarning, match=r"under FSDP1 is not supported \(FSDP2 is: fsdp_config=.*recording nothing"):
+    with pytest.warns(UserWarning, match=r"under FSDP1 is not supported \(FSDP2 is: transformers 5's default.*nothing"):
         cb.on_train_begin(args, None, None)
     assert cb.rec is None and not (tmp_path / "run").exists()
     assert ckt._fsdp_run(_trainer(2)) == "FSDP2" and ckt._fsdp_run(_trainer(None)) is None
+    assert ckt._fsdp_run(SimpleNamespace(is_fsdp_xla_enabled=True)) == "XLA FSDP"

@@ -57,7 +57,7 @@ def test_fsdp_that_accelerate_prepares_as_ddp_is_recorded_as_the_ddp_it_runs(tmp
     cb = ckt.CkptlabCallback(tmp_path / "run", build_fn=dm.build)
     cb.trainer = SimpleNamespace(is_fsdp_enabled=False, accelerator=SimpleNamespace(scaler=None))
     args = SimpleNamespace(world_size=2, max_steps=10, fsdp="full_shard", deepspeed=None)
-    with pytest.warns(UserWarning, match=r"fsdp='full_shard' but prepared the model without FSDP .* recording what"):
+    with pytest.warns(UserWarning, match=r"given fsdp= but its accelerator prepared the model without FSDP .*, DDP"):
         cb.on_train_begin(args, None, None, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert cb.rec is not None
     cb.rec.close()
