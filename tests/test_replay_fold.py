@@ -289,20 +289,20 @@ def test_the_recorded_shards_are_found_in_any_process_s_shard():
 
     from torch.distributed.tensor import Shard
 
-    from ckptlab.replayer.turns import _recorded_shards
+    from ckptlab.replayer.fsdp2 import recorded_shards
 
     param = SimpleNamespace(placements=(Shard(0),), shape=(10, 3))
 
     def rows(proc: int, procs: int) -> list[tuple[int | None, int]]:
         grad = torch.zeros(-(-10 // procs) if proc < procs - 1 else 10 - proc * -(-10 // procs), 3)
-        return [(r, v.shape[0]) for r, v in _recorded_shards(param, grad, 4, procs, proc)]
+        return [(r, v.shape[0]) for r, v in recorded_shards(param, grad, 4, procs, proc)]
 
     assert rows(0, 1) == [(0, 3), (1, 3), (2, 3), (3, 1)]
     assert rows(0, 2) == [(0, 3), (1, 2)] and rows(1, 2) == [(1, 1), (2, 3), (3, 1)]
     tiny = SimpleNamespace(placements=(Shard(0),), shape=(1, 16))  # rank 0 held it all
-    assert [(r, v.shape[0]) for r, v in _recorded_shards(tiny, torch.zeros(1, 16), 4, 1, 0)] == [(0, 1)]
+    assert [(r, v.shape[0]) for r, v in recorded_shards(tiny, torch.zeros(1, 16), 4, 1, 0)] == [(0, 1)]
     whole = SimpleNamespace(placements=(), shape=(5,))  # not sharded: every rank held it whole
-    assert _recorded_shards(whole, torch.zeros(5), 4, 1, 0)[0][0] is None
+    assert recorded_shards(whole, torch.zeros(5), 4, 1, 0)[0][0] is None
 
 
 def test_a_recorded_shard_split_over_two_processes_adds_its_pieces(monkeypatch):

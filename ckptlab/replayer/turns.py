@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ckptlab.errors import ReplayError
+from ckptlab.replayer.fsdp2 import fsdp_modules, loss_only, recorded_shards
 from ckptlab.run.reader import Run
 from ckptlab.training import fsdp1
 from ckptlab.training.hand_update import is_hand_update
@@ -97,7 +98,7 @@ class FoldedWorld(World):
                 for r, v in by_rank.items():
                     mine_i[r] = v if r is None else mine_i.get(r, 0.0) + v
         lead = mine[self.lead]
-        out = np.stack([every[r] if r < self.procs else _loss_only(every[r], lead) for r in range(self.size)])
+        out = np.stack([every[r] if r < self.procs else loss_only(every[r], lead) for r in range(self.size)])
         for i, by_rank in shards.items():
             if lead[3 + i] < 0:  # (no gradient: NO_GRAD in every row)
                 continue
@@ -115,36 +116,6 @@ def _everyones(mine: Any, procs: int) -> list[Any]:
     out: list[Any] = [None] * procs
     dist.all_gather_object(out, mine)
     return out
-
-
-def _loss_only(other: np.ndarray, lead: np.ndarray) -> np.ndarray:
-    """Another rank's row in a sharded fold: its turn's loss, and no part of the gradients,
-    weights or updates (the leads' shards add up to them whole)."""
-    out = np.zeros_like(lead)
-    out[[0, 2]] = other[[0, 2]]  # (loss, has_loss)
-    out[1] = lead[1]  # (has_update)
-    return out
-
-
-def _recorded_shards(
-    param, grad: torch.Tensor, world: int, procs: int, proc: int
-) -> list[tuple[int | None, torch.Tensor]]:
-    """The recorded ranks' shards within `grad`, process `proc`'s shard (of `procs`) of
-    `param`'s gradient, as (recorded rank, view): FSDP2 splits a dimension of n into chunks of
-    ceil(n / ranks), as torch.chunk does. [(None, grad)] for a parameter that is not sharded
-    (every recorded rank held it whole)."""
-    from torch.distributed.tensor import Shard
-
-    shard = next((p for p in getattr(param, "placements", ()) if isinstance(p, Shard)), None)
-    if shard is None:
-        return [(None, grad)]
-    d = shard.dim
-    n = param.shape[d]
-    start = min(proc * -(-n // procs), n)
-    stop = start + grad.shape[d]
-    step = -(-n // world)
-    cuts = [start, *(b for b in range(step, n, step) if start < b < stop), stop]
-    return [(a // step, grad.narrow(d, a - start, b - a)) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def _params_in(row: np.ndarray) -> int:
@@ -188,7 +159,7 @@ class Fold:
         ddp = _ddp_in(t.step_model)
         if ddp is not None:
             self._hook_ddp(ddp)
-        for module in _fsdp_in(t.model):
+        for module in fsdp_modules(t.model):
             self._hook_fsdp(module)
         t.probe.world = self.world
         if self.world.sharded:
@@ -218,7 +189,7 @@ class Fold:
         of elements carries its own summation's round-off (1e-4 relative at 4M elements on one
         CPU thread): a norm over other shards would leave the record by more than the gradients
         do. The probe gets the square root of each parameter's sum."""
-        per = [_recorded_shards(params[i], g, self.size, self.procs, self.lead) for i, g in zip(idx, grads)]
+        per = [recorded_shards(params[i], g, self.size, self.procs, self.lead) for i, g in zip(idx, grads)]
         pieces = [view for parts in per for _, view in parts]
         squares = (torch.stack(batched_norms(pieces)).double() ** 2).tolist() if pieces else []
         out, k = [], 0
@@ -569,15 +540,6 @@ def _ddp_in(model) -> Any:
         if model is None:
             return None
     return None
-
-
-def _fsdp_in(model) -> list:
-    """The FSDP2 modules (`fully_shard`) in `model`."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # (a torch without FSDP2)
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _check_runner(run: Run, t) -> None:

@@ -131,17 +131,18 @@ def named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
     return [(own_name(n), p) for n, p in unwrap(model).named_parameters()]
 
 
-def same_norms_now(measured, norms_of=None) -> bool:
+def same_norms_now(measured, norms_of=None, idx=None) -> bool:
     """Once per probe (its first step): do the gradients still have the norms their backward
     left (`measured`: the gradients, their versions, their norms)? Version counters miss a
     write that bypasses them (`p.grad.data`, DDP's all-reduce into its buckets with
     `gradient_as_bucket_view=True`): then a lazy measurement would see other numbers than
-    this one, so the probe stays eager. `norms_of(grads)`: how the probe measures them, when
-    not `batched_norms` (a sharded fold's)."""
+    this one, so the probe stays eager. `norms_of(idx, grads)`: how the probe measures them,
+    when not `batched_norms` (a sharded fold's; `idx`: the measured gradients' parameters)."""
     if measured is None or not measured[0]:
         return True
     grads, _, _, stacked = measured
-    return bool(torch.equal(torch.stack((norms_of or batched_norms)(list(grads))), stacked))
+    norms = batched_norms(list(grads)) if norms_of is None else norms_of(idx, list(grads))
+    return bool(torch.equal(torch.stack(norms), stacked))
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -221,8 +222,7 @@ class StepProbe:
         # Several optimizers: each one's part of a step (training/member_steps.py); and the
         # parameters none holds, watched on the watched steps.
         self._members = MemberSteps(optimizer, self.params) if isinstance(optimizer, OptimizerSet) else None
-        # A fold of a sharded run (replayer/turns.py): norms(idx, grads) of this process's shards
-        # of params[idx]'s gradients as the recorded ranks' shards measured them; None: as they are.
+        # A sharded fold's norms(idx, grads) of params[idx]'s, as the recorded shards measured them (turns.py)
         self.grad_norms: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._outside = () if self.hand else tuple(outside_optimizer(optimizer, self.params))
         self._active = False
@@ -339,12 +339,8 @@ class StepProbe:
         elif self.grad_mode == "learn":
             self._note = None
             self._checked = True
-            if not unchanged or not same_norms_now(self.measured, self._norms_of_measured):
+            if not unchanged or not same_norms_now(self.measured, self.grad_norms, self._grad_idx):
                 self.grad_mode = "eager"
-
-    def _norms_of_measured(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`grads` (the last measured ones, `self._grad_idx`'s) measured as `_measure_grads` does."""
-        return batched_norms(grads) if self.grad_norms is None else self.grad_norms(self._grad_idx, grads)
 
     def _measure_grads(self, present: list | None = None) -> None:
         """The norms of the gradients there now (`present`: each parameter's, just read), in
