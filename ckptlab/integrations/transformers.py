@@ -165,7 +165,8 @@ class CkptlabCallback(TrainerCallback):
                 "or callback.attach(trainer) before trainer.train()",
             )
         fsdp = _fsdp_run(self.trainer)
-        if args.world_size > 1 and fsdp in ("FSDP1", "XLA FSDP"):
+        unreplayed = fsdp in ("FSDP1", "XLA FSDP")  # (FSDP2 is recorded as the plain Recorder records it)
+        if args.world_size > 1 and unreplayed:
             # FSDP1's flat shards would be recorded in part, and replay would not run its steps.
             warnings.warn(
                 f"ckptlab: recording a multi-process Trainer run under {fsdp} is not supported (FSDP2 is: "
@@ -180,10 +181,10 @@ class CkptlabCallback(TrainerCallback):
                 "(as accelerate does on the CPU): recording what it runs, DDP",
                 stacklevel=2,
             )
-        for problem in _replay_limits(fsdp):
+        if unreplayed:
             warnings.warn(
-                f"ckptlab: {problem}; recording anyway (health, alerts, checkpoints and dirty work; "
-                "replay will not be exact)",
+                f"ckptlab: {fsdp} steps are not replayed; recording anyway (health, alerts, checkpoints and dirty "
+                "work; replay will not be exact)",
                 stacklevel=2,
             )
         if args.max_steps <= 0:
@@ -438,10 +439,6 @@ def _fsdp_run(trainer) -> str | None:
         return None
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
     return "FSDP2" if getattr(plugin, "fsdp_version", 1) == 2 else "FSDP1"
-
-
-def _replay_limits(fsdp: str | None) -> list[str]:
-    return [f"{fsdp} steps are not replayed"] if fsdp in ("FSDP1", "XLA FSDP") else []
 
 
 __all__ = ["CkptlabCallback", "build", "record", "training_step", "transformers"]

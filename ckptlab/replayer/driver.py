@@ -29,7 +29,6 @@ from ckptlab.training.hand_update import HandUpdate
 from ckptlab.training.health import StepHealth
 from ckptlab.training.optimizer_set import given_several
 from ckptlab.training.probe import resume_learned
-from ckptlab.training.sharded import full_snapshot
 from ckptlab.training.state import (
     apply_env,
     capture_train_state,
@@ -39,6 +38,7 @@ from ckptlab.training.state import (
     restore_rng,
     restore_snapshot,
     snapshot,
+    whole_snapshot,
 )
 from ckptlab.training.step import StepRunner
 from ckptlab.training.world import World
@@ -317,8 +317,7 @@ class Replayer:
         if self.fold is not None:
             return self.fold.snapshot(t, step)
         if self.world is not None and self.world.sharded:
-            state = capture_train_state(None, t.scheduler, t.scaler)
-            return full_snapshot(self.world, step, t.model, t.optimizer, state)
+            return whole_snapshot(self.world, step, t.model, t.optimizer, t.scheduler, t.scaler)
         if self.world is not None and self.world.zero is not None:  # DeepSpeed ZeRO: likewise
             state = capture_train_state(None, t.scheduler, t.scaler)
             return zero.snapshot(self.world, step, zero.engine_of(t.model), state)

@@ -167,15 +167,19 @@ def refused(run: Run, world_size: int) -> None:
 # FSDP2 holds ten more copies of the parameters' size (the window's start gathered whole through
 # DCP's state-dict API, DCP's load, FSDP2's unsharded parameters and its reduce-scatter buffers)
 # and ~0.2 GB more (DTensor, DCP): fitted to `bench_fold.py --fsdp --fold-only` at the same sizes.
-MEMORY = "the checkpoint's state twice, the parameters' size four times"
-SHARDED_MEMORY = "the checkpoint's state twice, the parameters' size fourteen times, under FSDP2"
-PROCESS_BYTES = 400 << 20
+PARAM_COPIES, PROCESS_BYTES = 4, 400 << 20
 SHARDED_COPIES, SHARDED_BYTES = 10, 220 << 20
 
 
 def memory_said(run: Run) -> str:
     """What `process_bytes` counts, in words."""
-    return SHARDED_MEMORY if run.manifest.get("layout") == "sharded" else MEMORY
+    if _sharded(run):
+        return f"the checkpoint's state twice, the parameters' size {PARAM_COPIES + SHARDED_COPIES} times, under FSDP2"
+    return f"the checkpoint's state twice, the parameters' size {PARAM_COPIES} times"
+
+
+def _sharded(run: Run) -> bool:
+    return run.manifest.get("layout") == "sharded"
 
 
 def process_bytes(run: Run, step: int) -> int:
@@ -192,8 +196,8 @@ def process_bytes(run: Run, step: int) -> int:
         params = sum(math.prod(p["shape"]) * dtypes.itemsize(str(p["dtype"])) for p in listed)
     else:  # (the model's bytes as the checkpoint holds them)
         params = max((int(c.commit["files"].get(MODEL_FILE, {}).get("bytes", 0)) for c in ckpts), default=0)
-    sharded = SHARDED_COPIES * params + SHARDED_BYTES if run.manifest.get("layout") == "sharded" else 0
-    return 2 * state + 4 * params + PROCESS_BYTES + sharded
+    sharded = SHARDED_COPIES * params + SHARDED_BYTES if _sharded(run) else 0
+    return 2 * state + PARAM_COPIES * params + PROCESS_BYTES + sharded
 
 
 def available_bytes() -> int | None:

@@ -11,7 +11,7 @@ the optimizer steps; `FoldedWorld` gives the probe every rank's row of health nu
 
 FSDP2 (`fully_shard`) reduce-scatters each turn's gradients over the K processes itself (the
 model is sharded over them: DCP reshards the checkpoint on load); its all-reduce hook, called on
-each module's reduced shard before it becomes the parameters' gradients, keeps the other
+each FSDP2 unit's reduced shard before it becomes the parameters' gradients, keeps the other
 turns' and hands the lead's the sum of all W/K turns times K/W: the mean over the W ranks, as
 the recorded reduce-scatter's.
 """
@@ -39,8 +39,7 @@ from ckptlab.training import fsdp1
 from ckptlab.training.hand_update import is_hand_update
 from ckptlab.training.norms import batched_norms
 from ckptlab.training.optimizer_set import OptimizerSet
-from ckptlab.training.sharded import full_snapshot
-from ckptlab.training.state import capture_rng, capture_train_state, restore_rng, snapshot
+from ckptlab.training.state import capture_rng, restore_rng, snapshot, whole_snapshot
 from ckptlab.training.world import World
 from ckptlab.training.wrappers import torch_scheduler
 
@@ -147,7 +146,7 @@ class Fold:
         self.running = proc
         self.crashed: int | None = None  # the rank whose turn raised
         self.refusal: ReplayError | None = None  # what the hook found it cannot fold (raised after the turn)
-        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs and FSDP2 modules whose reduction goes through us
+        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the DDPs and FSDP2 states whose reduction goes through us
         self._recs: tuple[int, dict] | None = None  # (step, each rank's batch record)
 
     # --- the Replayer's calls ----------------------------------------------------------------
@@ -268,8 +267,7 @@ class Fold:
         every = {r: v for part in _everyones(mine, self.procs) for r, v in part.items()}
         rngs = [every[r] for r in range(self.size)]
         if self.world.sharded:  # FSDP2's shards: whole on the first process (collective)
-            state = capture_train_state(None, t.scheduler, t.scaler)
-            return full_snapshot(self.replayer.world, step, t.model, t.optimizer, state, rngs=rngs)
+            return whole_snapshot(self.replayer.world, step, t.model, t.optimizer, t.scheduler, t.scaler, rngs)
         return snapshot(step, t.model, t.optimizer, t.scheduler, t.scaler, rngs=rngs)
 
     def step(self, t, rec, run_here, measure_update: bool):

@@ -28,7 +28,7 @@ from ckptlab.io.base import expand_aliases, split_tied
 from ckptlab.run import codec
 from ckptlab.run.checkpoint import CapturedState
 from ckptlab.training import zero
-from ckptlab.training.sharded import load_sharded, set_full
+from ckptlab.training.sharded import full_snapshot, load_sharded, set_full
 from ckptlab.training.wrappers import module_chain, torch_optimizer, torch_scheduler, unwrap
 from ckptlab.training.zero_parts import torch_format
 
@@ -276,6 +276,12 @@ def _live_candidate(t: torch.Tensor) -> bool:
 def _live_state(path: str, t: torch.Tensor) -> bool:
     """The optimizer's per-parameter state (Adam's moments): changed only by its step."""
     return path.startswith("state/optimizer/state/") and _live_candidate(t)
+
+
+def whole_snapshot(world, step: int, model, optimizer, scheduler=None, scaler=None, rngs=None):
+    """`snapshot` of a sharded model (FSDP2): collective, whole on rank 0 (other ranks: None),
+    with every rank's RNG streams (`rngs`, when the caller has them: a fold's recorded ranks')."""
+    return full_snapshot(world, step, model, optimizer, capture_train_state(None, scheduler, scaler), rngs=rngs)
 
 
 def snapshot(
