@@ -30,6 +30,16 @@ CLIP = 0.5  # DeepSpeed clips inside its step: the recorded norms are from befor
 DS_CHECKPOINT = 10  # also saved by engine.save_checkpoint, into RUN/../deepspeed/global_step10
 
 
+def mlp(frozen: bool = False) -> MLP:
+    """The model; `frozen`: with a frozen parameter (ZeRO-3 partitions it too, with no optimizer
+    state) and a buffer."""
+    model = MLP()
+    if frozen:
+        model.fc1.bias.requires_grad_(False)
+        model.register_buffer("scale", torch.tensor([1.5, 2.5]))
+    return model
+
+
 def _build(stage: int, deepspeed_adam: bool = False, frozen: bool = False):
     import deepspeed
 
@@ -37,10 +47,7 @@ def _build(stage: int, deepspeed_adam: bool = False, frozen: bool = False):
     # the engine starts; it serves inference only, and gloo runs training's collectives.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(0)
-    model = MLP()
-    if frozen:  # a frozen parameter (ZeRO-3 partitions it too, with no optimizer state) and a buffer
-        model.fc1.bias.requires_grad_(False)
-        model.register_buffer("scale", torch.tensor([1.5, 2.5]))
+    model = mlp(frozen)
     # (no train_batch_size: it would hold the world size, and replay explains the root step in a
     # process group of one)
     config: dict = {

@@ -116,8 +116,8 @@ def _open_folder(path: Path, label: str, *, sequential: bool, verify: bool) -> L
 
         folder = find_zero(path)
         if folder is not None:
-            refs, notes, skipped = open_zero(folder)
-            return LazyStateDict(refs, label=label, format="deepspeed-zero", notes=notes, skipped=skipped)
+            refs, notes = open_zero(folder)
+            return LazyStateDict(refs, label=label, format="deepspeed-zero", notes=notes)
     for name in SINGLE_FILES:
         if (path / name).is_file():
             return _open_file(path / name, label, sequential=sequential)

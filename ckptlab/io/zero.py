@@ -2,13 +2,15 @@
 
     dir/latest                                       the last tag saved ("global_step500")
     dir/<tag>/mp_rank_00_model_states.pt             stages 1/2: the module's state dict, param_shapes
-    dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: one per rank (stub parameters)
+    dir/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: one per rank (stub parameters,
+                                                     the rank's parts of the frozen ones)
     dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   each rank's flat fp32 partitions
 
 The weights read are the fp32 masters, gathered from every rank's partitions as DeepSpeed's
 `zero_to_fp32` gathers them (stages 1/2: each group's partitions end to end, the parameters in
 order with their alignment padding; stage 3: each parameter cut into equal parts, the last
-padded), plus the module's buffers (and, stages 1/2, its frozen parameters). Every file goes
+padded), plus the module's buffers and its frozen parameters (stages 1/2: whole in the module's
+state dict; stage 3: gathered from every rank's `frozen_param_fragments`). Every file goes
 through torch.load(weights_only=True): the optimizer files also hold three small DeepSpeed
 objects (its loss scaler, its stage enum, a fragment address), which weights_only's allowlist
 builds as inert stand-ins of ckptlab's (`STAND_INS`), never as DeepSpeed's classes: nothing in
@@ -61,8 +63,9 @@ def find_zero(path: Path) -> Path | None:
     return folder if any(OPTIM.fullmatch(p.name) for p in folder.iterdir()) else None
 
 
-def open_zero(folder: Path) -> tuple[dict[str, TensorRef], list[str], dict[str, str]]:
-    """(refs, notes, skipped): the fp32 master weights and the buffers of a ZeRO checkpoint."""
+def open_zero(folder: Path) -> tuple[dict[str, TensorRef], list[str]]:
+    """(refs, notes): the fp32 master weights, the frozen parameters and the buffers of a ZeRO
+    checkpoint."""
     optim_files = _by_rank(folder, OPTIM)
     model_files = sorted(p for p in folder.iterdir() if MODEL.fullmatch(p.name))
     if not model_files:
@@ -84,20 +87,41 @@ def open_zero(folder: Path) -> tuple[dict[str, TensorRef], list[str], dict[str, 
             f"a DeepSpeed checkpoint of ZeRO stage {stage}, which ckptlab does not read", path=folder
         )
     module = model.get("module") if isinstance(model.get("module"), dict) else {}
-    skipped: dict[str, str] = {}
     frozen = model.get("frozen_param_shapes") or {}
+    if stage == 3 and frozen:
+        refs.update(_frozen3(folder, frozen, notes))
     for name, t in module.items():
         if name in refs or not isinstance(t, torch.Tensor):
-            continue
-        if name in frozen and stage == 3:
-            skipped[name] = "a frozen parameter of a ZeRO-3 checkpoint: partitioned in files ckptlab does not read"
             continue
         check_extent(t, name=name, path=model_files[0])
         refs[name] = MemoryTensor(t)  # buffers, and the frozen parameters of stages 1/2 (whole)
     notes.append(
         f"DeepSpeed ZeRO-{stage} checkpoint: fp32 master weights gathered from {len(states)} ranks' partitions"
     )
-    return refs, notes, skipped
+    return refs, notes
+
+
+def _frozen3(folder: Path, shapes: Any, notes: list[str]) -> dict[str, TensorRef]:
+    """A ZeRO-3 checkpoint's frozen parameters: each cut into `world` equal parts (the last
+    padded), rank r's part in its own model file's `frozen_param_fragments`."""
+    if not isinstance(shapes, dict):
+        raise CorruptFileError("frozen_param_shapes is not a {name: shape} map", path=folder)
+    files = _by_rank(folder, MODEL, "model")
+    fragments = []
+    for path in files:
+        obj, more = load_pickled(_regular(path))
+        notes += more
+        fragments.append(_field(obj, "frozen_param_fragments", dict, path))
+    refs: dict[str, TensorRef] = {}
+    for name, shape in shapes.items():
+        if not isinstance(shape, (tuple, list)) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise CorruptFileError(f"frozen_param_shapes holds a malformed entry for {name!r}", path=folder)
+        numel = math.prod(shape)
+        parts = [_flat(f.get(name), f"rank {r}'s part of the frozen {name!r}", folder) for r, f in enumerate(fragments)]
+        if sum(p.numel() for p in parts) < numel or len({p.dtype for p in parts}) != 1:
+            raise CorruptFileError(f"the ranks' parts of the frozen {name!r} do not make its shape", path=folder)
+        refs[name] = MemoryTensor(torch.cat(parts).narrow(0, 0, numel).reshape(tuple(shape)).clone())
+    return refs
 
 
 def _regular(path: Path) -> Path:
@@ -106,11 +130,11 @@ def _regular(path: Path) -> Path:
         return path
 
 
-def _by_rank(folder: Path, pattern: re.Pattern) -> list[Path]:
+def _by_rank(folder: Path, pattern: re.Pattern, kind: str = "optimizer") -> list[Path]:
     found: dict[int, Path] = {}
     for p in folder.iterdir():
         m = pattern.fullmatch(p.name)
-        if m is None:
+        if m is None or m.group(1) is None:
             continue
         if int(m.group(2)) != 0:
             raise UnknownFormatError(
@@ -119,7 +143,7 @@ def _by_rank(folder: Path, pattern: re.Pattern) -> list[Path]:
             )
         found[int(m.group(1))] = p
     if sorted(found) != list(range(len(found))):
-        raise CorruptFileError(f"the ranks' optimizer files are {sorted(found)}: some are missing", path=folder)
+        raise CorruptFileError(f"the ranks' {kind} files are {sorted(found)}: some are missing", path=folder)
     return [found[r] for r in range(len(found))]
 
 
