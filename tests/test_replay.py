@@ -1,6 +1,7 @@
 """Replay is bit-exact, survives resumes, and fails clearly on bad input."""
 
 import importlib
+import shutil
 import sys
 import textwrap
 
@@ -69,6 +70,8 @@ def _user_module(tmp_path, name, hidden=16):
             return loss
     """)
     )
+    # (a rewrite of the same size within the same second would load the first one's bytecode)
+    shutil.rmtree(tmp_path / "__pycache__", ignore_errors=True)
     sys.path.insert(0, str(tmp_path))
     sys.modules.pop(name, None)
     return importlib.import_module(name)
