@@ -135,6 +135,26 @@ def test_the_opt_in_runs_it_and_says_so(cli, received):  # noqa: F811
     assert "NOT verified" in r.err and "build_fn must return" in r.err
 
 
+@pytest.mark.parametrize("inside", [True, False], ids=["in-the-run", "elsewhere"])
+def test_importing_code_the_run_holds_writes_no_bytecode_into_it(tmp_path, monkeypatch, inside):
+    """Python writes bytecode beside what it imports, by default: not into a run directory
+    (its `sources/` copy, imported with the opt-in), which replay only reads."""
+    import importlib
+
+    from ckptlab.training.userfns import _no_bytecode_in
+
+    run = tmp_path / "run"
+    folder = run / "sources" if inside else tmp_path / "project"
+    folder.mkdir(parents=True)
+    (folder / "ckl_held.py").write_text("X = 1\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # (Python's default)
+    monkeypatch.setattr(sys, "path", [str(folder), *sys.path])
+    with _no_bytecode_in(run, folder / "ckl_held.py"):
+        assert importlib.import_module("ckl_held").X == 1
+    sys.modules.pop("ckl_held")
+    assert (folder / "__pycache__").exists() is not inside and sys.dont_write_bytecode is False
+
+
 def test_your_own_unchanged_code_runs_and_is_named(cli, spiky_run, monkeypatch):  # noqa: F811
     from ckptlab.training import userfns
 

@@ -132,8 +132,9 @@ class CkptlabCallback(TrainerCallback):
         self.trainer = trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        # Wrapping the Trainer's own methods is the point.
-        trainer.training_step = functools.partial(self._training_step, trainer.training_step)
+        # Wrapping the Trainer's own methods is the point (pyproject.toml's mypy reads the Trainer as
+        # Any; read as transformers types it, assigning to a method is an error).
+        trainer.training_step = functools.partial(self._training_step, trainer.training_step)  # type: ignore[method-assign, unused-ignore]
         train = trainer.train
 
         @functools.wraps(train)
@@ -143,7 +144,7 @@ class CkptlabCallback(TrainerCallback):
             finally:
                 self.close()  # also when training raised: everything recorded reaches the disk
 
-        trainer.train = train_and_close
+        trainer.train = train_and_close  # type: ignore[method-assign, unused-ignore]
         if self.sample_id_key is not None and trainer.args.remove_unused_columns:
             # The Trainer drops dataset columns its model's forward does not take; keep the ids.
             # No public way keeps one column: a collator wrapper is too late (a datasets.Dataset

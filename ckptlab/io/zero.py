@@ -87,9 +87,8 @@ def open_zero(folder: Path) -> tuple[dict[str, TensorRef], list[str]]:
             f"a DeepSpeed checkpoint of ZeRO stage {stage}, which ckptlab does not read", path=folder
         )
     module = model.get("module") if isinstance(model.get("module"), dict) else {}
-    frozen = model.get("frozen_param_shapes") or {}
-    if stage == 3 and frozen:
-        refs.update(_frozen3(folder, frozen, notes))
+    if stage == 3:
+        refs.update(_frozen3(folder, model, model_files[0], refs, len(states), notes))
     for name, t in module.items():
         if name in refs or not isinstance(t, torch.Tensor):
             continue
@@ -101,26 +100,49 @@ def open_zero(folder: Path) -> tuple[dict[str, TensorRef], list[str]]:
     return refs, notes
 
 
-def _frozen3(folder: Path, shapes: Any, notes: list[str]) -> dict[str, TensorRef]:
-    """A ZeRO-3 checkpoint's frozen parameters: each cut into `world` equal parts (the last
-    padded), rank r's part in its own model file's `frozen_param_fragments`."""
+def _frozen3(
+    folder: Path, first: Any, first_path: Path, trained: dict, world: int, notes: list[str]
+) -> dict[str, TensorRef]:
+    """A ZeRO-3 checkpoint's frozen parameters (`frozen_param_shapes` in rank 0's model file,
+    `first`): each cut into `world` equal parts, the last padded, rank r's part in its own model
+    file's `frozen_param_fragments`."""
+    shapes = first.get("frozen_param_shapes") if isinstance(first, dict) else None
+    if shapes is None:
+        return {}
     if not isinstance(shapes, dict):
-        raise CorruptFileError("frozen_param_shapes is not a {name: shape} map", path=folder)
+        raise CorruptFileError("frozen_param_shapes is not a {name: shape} map", path=first_path)
+    if not shapes:
+        return {}
     files = _by_rank(folder, MODEL, "model")
+    if len(files) != world:
+        raise CorruptFileError(f"{len(files)} ranks' model files for {world} ranks' optimizer files", path=folder)
     fragments = []
     for path in files:
-        obj, more = load_pickled(_regular(path))
-        notes += more
+        obj = first
+        if path != first_path:
+            obj, more = load_pickled(_regular(path))
+            notes += more
         fragments.append(_field(obj, "frozen_param_fragments", dict, path))
     refs: dict[str, TensorRef] = {}
     for name, shape in shapes.items():
-        if not isinstance(shape, (tuple, list)) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise CorruptFileError(f"frozen_param_shapes holds a malformed entry for {name!r}", path=folder)
-        numel = math.prod(shape)
-        parts = [_flat(f.get(name), f"rank {r}'s part of the frozen {name!r}", folder) for r, f in enumerate(fragments)]
-        if sum(p.numel() for p in parts) < numel or len({p.dtype for p in parts}) != 1:
-            raise CorruptFileError(f"the ranks' parts of the frozen {name!r} do not make its shape", path=folder)
-        refs[name] = MemoryTensor(torch.cat(parts).narrow(0, 0, numel).reshape(tuple(shape)).clone())
+        dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+        if (
+            not isinstance(name, str)
+            or name in trained
+            or dims is None
+            or not all(isinstance(d, int) and d >= 0 for d in dims)
+        ):
+            raise CorruptFileError(f"frozen_param_shapes holds a malformed entry for {name!r}", path=first_path)
+        numel = math.prod(dims)
+        part = math.ceil(numel / world)
+        parts = [
+            _flat(f.get(name), f"rank {r}'s part of the frozen {name!r}", files[r]) for r, f in enumerate(fragments)
+        ]
+        if any(p.numel() != part or p.dtype != parts[0].dtype for p in parts):
+            raise CorruptFileError(
+                f"the ranks' parts of the frozen {name!r} do not make its shape {list(dims)}", path=folder
+            )
+        refs[name] = LazyTensor(dims, parts[0].dtype, _gathered(parts, 0, part, numel, dims))
     return refs
 
 
@@ -171,10 +193,10 @@ def _param_shapes(model: Any, path: Path) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
-def _flat(value: Any, what: str, folder: Path) -> torch.Tensor:
+def _flat(value: Any, what: str, path: Path) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.dtype.is_floating_point:
-        raise CorruptFileError(f"{what} is not a flat floating tensor", path=folder)
-    check_extent(value, name=what, path=folder)
+        raise CorruptFileError(f"{what} is not a flat floating tensor", path=path)
+    check_extent(value, name=what, path=path)
     return value
 
 

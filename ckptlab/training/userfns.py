@@ -12,6 +12,7 @@ copy is for reading, never imported without the opt-in; see README's Safety sect
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -20,8 +21,9 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 from ckptlab.errors import RecordError, ReplayError, UntrustedCodeError
 from ckptlab.run.atomic import write_bytes_atomic
@@ -224,22 +226,35 @@ def load(desc: dict, role: str, run_dir: Path, *, trust: bool = False) -> tuple[
         raise ReplayError(f"the run's manifest does not name the module and function of {role}", path=run_dir)
     path, unchanged = trusted_file(desc, role, run_dir, trust=trust)
     _announce(role, path or module, unchanged, layout=unchanged and layout_only(desc, run_dir))
-    if module == "__main__":
-        if path is None:
-            raise ReplayError(
-                f"the script that defined {role} ({desc.get('file')}) is gone",
-                path=run_dir,
-                hint="restore it, or run replay from the directory it was recorded in",
-            )
-        mod = _load_script(path)
-    else:
-        mod = _import(module, path, role, run_dir, verified=unchanged, recorded=desc)
+    if module == "__main__" and path is None:
+        raise ReplayError(
+            f"the script that defined {role} ({desc.get('file')}) is gone",
+            path=run_dir,
+            hint="restore it, or run replay from the directory it was recorded in",
+        )
+    with _no_bytecode_in(run_dir, path):
+        if module == "__main__":
+            mod = _load_script(cast(Path, path))
+        else:
+            mod = _import(module, path, role, run_dir, verified=unchanged, recorded=desc)
     fn = _resolve(mod, qualname)
     if not callable(fn):
         raise ReplayError(
             f"{role} {module}.{qualname} no longer exists", path=run_dir, hint="restore the recorded code"
         )
     return fn, unchanged
+
+
+@contextlib.contextmanager
+def _no_bytecode_in(run_dir: Path, path: Path | None) -> Iterator[None]:
+    """Python writes no bytecode while it imports a file the run directory holds (its
+    `sources/` copy, or a script kept in the run): reading a run never changes it."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = before or (path is not None and path.resolve().is_relative_to(run_dir.resolve()))
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
 
 
 def _announce(role: str, path, unchanged: bool, *, layout: bool = False) -> None:

@@ -1,7 +1,7 @@
 """Readers of a run that is still recording: retention never deletes what a replay holds, and
 what it retires while a reader reads is left out of the answer, never called damage.
 
-The long test trains in one process for half a minute (a checkpoint every 5 steps, retention
+The long test trains in one process for 20 s (a checkpoint every 5 steps, retention
 keeping 2) while three others call `info`, `report`/`dirty` and `replay` in a loop
 (tests/live_worker.py)."""
 
@@ -29,7 +29,7 @@ from ckptlab.run.retention import apply_retention
 from tests import live_worker as lw
 
 ROOT = Path(__file__).resolve().parents[2]
-READ_S = 30  # the readers' loops (~280 calls between them, ~35 of them replays): the run records throughout, pruning every few steps
+READ_S = 20  # the readers' loops (~200 calls between them, ~30 of them replays): the run records throughout, pruning every few steps
 
 
 def _python(*code_and_args: str, **kw) -> subprocess.Popen:
