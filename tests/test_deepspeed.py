@@ -146,9 +146,7 @@ def _assert_names_the_learning_rate_step(report) -> None:
     assert report.rank in (0, 1) and not any("traced step's loss differs" in n for n in report.notes)
 
 
-@pytest.mark.parametrize(
-    "zero_run", ["3-frozen"], ids=["zero3-frozen"], indirect=True
-)  # (ZeRO-2: DeepSpeed's Adam, below)
+@pytest.mark.parametrize("zero_run", ["3-frozen"], ids=["zero3-frozen"], indirect=True)
 def test_replay_names_the_learning_rate_step(zero_run):
     build, run_dir, _ = zero_run
     report = ckptlab.replay(run_dir, dm.LR_STEP + 1)
