@@ -10,7 +10,8 @@ A pipeline's stages (one per rank) cannot run in one process: its root step is e
 ranks themselves, rank 0 leading the others (pipeline.py), and rank 0's report comes back.
 
 Two ways to get the ranks, one per-rank replay (`replay_rank`) for both:
-- spawned: this process spawns one worker per rank on this machine and serves their store;
+- started here: this process starts one worker per rank on this machine (workers.py) and serves
+  their store;
 - launched: this process is itself one rank of a job a launcher started (`torchrun -m ckptlab
   replay ...` on each node, under Slurm say): each process replays its own rank in the job's
   group, rank 0 explains the root step, and the others get its report through the job's store.
@@ -187,6 +188,8 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
 
+    from ckptlab.replayer.workers import run_ranks
+
     world, k = fold or run.world_size, plan.start
     # The rendezvous store is served from here, on a port the OS picks and that stays bound
     # until the ranks are done: a port found free and let go before the ranks bind it can be
@@ -210,7 +213,7 @@ def _replay_on_ranks(run: Run, step: int, plan, out: Path, device, log, trust_co
     )
     try:
         try:
-            mp.start_processes(_rank_worker, args=args, nprocs=world, start_method="spawn")
+            run_ranks(_rank_worker, args, world)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # A step raised on a rank: the others were stopped, not left waiting. The first to
             # raise is the cause; a rank whose collective then lost its peer raised after it.
@@ -294,7 +297,7 @@ def _rank_worker(
     blame,
     fold,
 ) -> None:
-    """One rank of a distributed replay (a spawned process); `fold`: one of that many processes
+    """One rank of a distributed replay (a process of workers.py's); `fold`: one of that many processes
     that run the recorded ranks' turns (fold.py)."""
     import os
     import pickle
