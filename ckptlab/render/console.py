@@ -66,7 +66,7 @@ class StdoutClaim:
             return
         self.released = True
         _flush(sys.stdout, sys.__stdout__)
-        _flush_c_stdio()  # what C code left in its stdout buffer belongs to stderr too
+        flush_c_stdio()  # what C code left in its stdout buffer belongs to stderr too
         if self.saved_fd is not None:
             os.dup2(self.saved_fd, 1)
             os.close(self.saved_fd)
@@ -248,7 +248,7 @@ def _flush(*streams) -> None:
             pass
 
 
-def _flush_c_stdio() -> None:
+def flush_c_stdio() -> None:
     """fflush(NULL): C's buffered stdout (printf from an extension) written out now."""
     try:
         import ctypes

@@ -321,7 +321,7 @@ def _rank_worker(
             raise ReplayError(f"step {crash['step']} raised on rank {rank}")
         if got.snapshot is not None:
             commit_checkpoint(Path(out) / "snapshot", got.snapshot)
-        if got.report is not None:  # (our own report, to the parent that spawned this process)
+        if got.report is not None:  # (our own report, to the process that started this one)
             store.set("report", pickle.dumps(got.report))  # type: ignore[arg-type]  # (bytes: torch's stub says str)
         if rank == 0:
             _write_result(Path(out), got.checks, got.root, got.faulty, got.notes)
