@@ -15,6 +15,7 @@ BASE = (
     "ckptlab.errors",
     "ckptlab.jsonable",
     "ckptlab.numbers",
+    "ckptlab.stdio",
 )  # the root: version, lazy names
 BASE_PACKAGES = ("ckptlab.stats",)  # base layer, submodules included
 LAYERS = {

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ckptlab.render.jsonout import dumps
+from ckptlab.stdio import flush_c_stdio
 
 FIELD = 11  # where a field's value starts: "root step  5431 ..."
 
@@ -246,16 +247,6 @@ def _flush(*streams) -> None:
                 stream.flush()
         except (OSError, ValueError):
             pass
-
-
-def flush_c_stdio() -> None:
-    """fflush(NULL): C's buffered stdout (printf from an extension) written out now."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # no C library to call (Windows)
-        pass
 
 
 def _escape(text: str) -> str:

@@ -32,7 +32,7 @@ from multiprocessing import reduction
 from typing import Any
 
 # What the server imports once, for every rank it forks: what a rank imports first.
-PRELOAD = ["torch", "torch.distributed", "ckptlab.replayer.distributed", "ckptlab.render.console"]
+PRELOAD = ["torch", "torch.distributed", "ckptlab.replayer.distributed", "ckptlab.stdio"]
 # Variables a library may read while it loads (libgomp, MKL and oneDNN, torch's own, the dynamic
 # linker, the interpreter, glibc's allocator): the server's must be this process's.
 LOADED_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "TORCH", "LD_", "PYTHON", "GLIBC_", "MALLOC_")
@@ -110,7 +110,7 @@ class _Inherited:
 def _as_spawned(rank: int, fn: Callable[..., None], parent: _Inherited, *args: Any) -> None:
     import atexit
 
-    from ckptlab.render.console import flush_c_stdio
+    from ckptlab.stdio import flush_c_stdio
 
     parent.adopt()
     _stop_with_parent()
