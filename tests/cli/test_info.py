@@ -103,6 +103,20 @@ def test_json_has_the_documented_keys_and_verifies(recorded, info):
     assert s["problems"] == [] and s["damaged"] == []
 
 
+def test_docs_info_md_shows_the_keys_info_writes(recorded, info):
+    """docs/info.md's example document has the keys of a real one, at each level it shows."""
+    doc_text = (ROOT / "docs" / "info.md").read_text()
+    shown = json.loads(doc_text.split("```json\n", 1)[1].split("```", 1)[0])
+    real = json.loads(info("--run", recorded, "--json")[1])
+    assert set(shown) == set(real) == KEYS
+    assert set(shown["steps"]) == set(real["steps"]) and set(shown["disk"]) == set(real["disk"])
+    assert set(shown["checkpoints"][0]) == set(real["checkpoints"][0])
+    assert set(shown["validation"]) == set(real["validation"])
+    assert set(shown["functions"]["build_fn"]) == set(real["functions"]["build_fn"])
+    for key in KEYS:  # and the table says what each holds
+        assert f"`{key}`" in doc_text.split("```json", 1)[1].split("```", 2)[-1], key
+
+
 def test_anomalies_are_listed(recorded, info):
     code, out, _ = info("--run", recorded, "--json")
     kinds = [(a["step"], a["kind"]) for a in json.loads(out)["anomalies"]]
