@@ -101,7 +101,8 @@ import os, sys, time
 from ckptlab.replayer import workers
 
 def rank(r, out):
-    open(f"{out}/pid{r}", "w").write(str(os.getpid()))
+    open(f"{out}/pid{r}.tmp", "w").write(str(os.getpid()))
+    os.rename(f"{out}/pid{r}.tmp", f"{out}/pid{r}")  # (whole when the test sees it)
     time.sleep(120)
 
 if __name__ == "__main__":
